@@ -1,0 +1,90 @@
+"""Engine settings (vLLM names). Every value is checked at construction."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None          # defaults to `model`
+    dtype: str = "auto"                   # auto: bfloat16 on GPU, float32 on CPU
+    device: str = "auto"                  # auto: cuda if available, else cpu; or "cpu", "cuda", "cuda:N"
+    max_model_len: int | None = None      # None: the model's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None      # None: sized from memory
+    gpu_memory_utilization: float = 0.9
+    cpu_kv_cache_gb: float = 2.0          # KV budget on CPU when num_kv_blocks is None
+    enable_prefix_caching: bool = True
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in fields(cls)]
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "EngineConfig":
+        """Build from user settings (e.g. config.pbtxt parameters); unknown keys are errors."""
+        unknown = sorted(set(d) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown engine setting(s) {unknown}; valid settings are "
+                             f"{cls.field_names()}")
+        return cls(**d)
+
+    def validate(self) -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ValueError("model must be a path to a local Hugging Face model folder")
+        if not os.path.isdir(self.model):
+            raise ValueError(f"model: folder {self.model!r} does not exist")
+        if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
+            raise ValueError(f"tokenizer: folder {self.tokenizer!r} does not exist")
+        _one_of("dtype", self.dtype, DTYPES)
+        if not isinstance(self.device, str) or not (
+                self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
+            raise ValueError(f"device must be one of 'auto', 'cpu', 'cuda', 'cuda:N', "
+                             f"got {self.device!r}")
+        if self.max_model_len is not None:
+            _int_at_least("max_model_len", self.max_model_len, 1)
+        _int_at_least("max_num_seqs", self.max_num_seqs, 1)
+        _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _int_at_least("block_size", self.block_size, 1)
+        if self.num_kv_blocks is not None:
+            _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)
+        _float_in("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0)
+        _float_in("cpu_kv_cache_gb", self.cpu_kv_cache_gb, 0.0, 1e6)
+        if not isinstance(self.enable_prefix_caching, bool):
+            raise ValueError(f"enable_prefix_caching must be true or false, "
+                             f"got {self.enable_prefix_caching!r}")
+        _one_of("load_format", self.load_format, LOAD_FORMATS)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+def _is_cuda_index(s: str) -> bool:
+    return s.startswith("cuda:") and s[5:].isdigit()
+
+
+def _one_of(name: str, v: Any, allowed: tuple[str, ...]) -> None:
+    if v not in allowed:
+        raise ValueError(f"{name} must be one of {list(allowed)}, got {v!r}")
+
+
+def _int_at_least(name: str, v: Any, lo: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise ValueError(f"{name} must be an integer >= {lo}, got {v!r}")
+
+
+def _float_in(name: str, v: Any, lo: float, hi: float) -> None:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v <= hi):
+        raise ValueError(f"{name} must be a number in ({lo}, {hi}], got {v!r}")

@@ -1,0 +1,127 @@
+"""The busy loop's body: schedule, execute, update. Works on token ids only."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_runner import ModelRunner
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import EngineCoreOutput, Scheduler
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_cached_kv_blocks: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_computed_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {name!r} asked for, but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    return torch.float16 if checkpoint_dtype == "float16" else torch.bfloat16
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, eos_token_ids: list[int] | None = None) -> None:
+        from engine.models.config import ModelConfig
+
+        self.config = config
+        model_config = ModelConfig.from_pretrained(config.model)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        if self.max_model_len > model_config.max_position_embeddings:
+            raise ValueError(f"max_model_len ({self.max_model_len}) must be <= the model's "
+                             f"max_position_embeddings ({model_config.max_position_embeddings})")
+        self.eos_token_ids = list(model_config.eos_token_ids or eos_token_ids or [])
+        self.vocab_size = model_config.vocab_size
+
+        torch.manual_seed(config.seed)
+        self.runner = ModelRunner(config, self.device, self.dtype, self.eos_token_ids)
+        num_blocks = config.num_kv_blocks or self.runner.determine_num_blocks()
+        if num_blocks * config.block_size < self.max_model_len:
+            raise ValueError(
+                f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold "
+                f"one sequence of max_model_len={self.max_model_len}: raise num_kv_blocks "
+                f"(or the memory for it) or lower max_model_len")
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len)
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d, max_model_len %d",
+                    config.model, self.device, self.dtype, num_blocks, config.block_size,
+                    self.max_model_len)
+
+    def make_request(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams) -> Request:
+        """Checks a request against this engine's limits; raises ValueError naming the field."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("the prompt is empty: give at least one token")
+        if n > self.max_model_len:
+            raise ValueError(f"the prompt is {n} tokens long, more than max_model_len "
+                             f"({self.max_model_len})")
+        bad = [t for t in prompt_token_ids if not (0 <= t < self.vocab_size)]
+        if bad:
+            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        return Request(request_id, prompt_token_ids, params, self.eos_token_ids)
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
+        return self.scheduler.abort_requests(request_ids)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def step(self) -> list[EngineCoreOutput]:
+        sched = self.scheduler.schedule()
+        runner_out = self.runner.execute_model(sched)
+        return self.scheduler.update_from_output(sched, runner_out)
+
+    def get_stats(self) -> EngineStats:
+        s = self.scheduler.stats
+        return EngineStats(
+            num_running=self.scheduler.num_running, num_waiting=self.scheduler.num_waiting,
+            num_kv_blocks=self.kv.num_blocks, num_free_kv_blocks=self.kv.num_free_blocks,
+            num_cached_kv_blocks=self.kv.pool.num_cached_blocks, num_steps=s.num_steps,
+            num_prompt_tokens=s.num_prompt_tokens,
+            num_computed_prompt_tokens=s.num_computed_prompt_tokens,
+            num_cached_prompt_tokens=s.num_cached_prompt_tokens,
+            num_generated_tokens=s.num_generated_tokens, num_preemptions=s.num_preemptions)

@@ -1,0 +1,103 @@
+"""Per-request block tables over the BlockPool, and the prefix-cache lookup.
+
+A full block is keyed by a chained hash: H(parent's hash, the block's token ids), so equal
+keys mean equal whole prefixes, not only equal blocks.
+"""
+from __future__ import annotations
+
+import hashlib
+from array import array
+
+from engine.block_pool import BlockPool, KVBlock
+from engine.request import Request
+
+
+def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    if parent_hash is not None:
+        h.update(parent_hash)
+    h.update(array("q", token_ids).tobytes())
+    return h.digest()
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_cached_blocks: dict[str, int] = {}   # how many of its blocks are registered
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    def block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
+        """Extends `request.block_hashes` to cover every full block within `num_tokens`."""
+        bs = self.block_size
+        hashes = request.block_hashes
+        tokens = request.all_token_ids
+        for i in range(len(hashes), num_tokens // bs):
+            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """The longest cached prefix of the request, in whole blocks; at least one token is
+        always left to compute, since sampling needs the last token's hidden state."""
+        if not self.enable_caching:
+            return [], 0
+        max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        self._update_block_hashes(request, max_hit_blocks * self.block_size)
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_hit_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        return hits, len(hits) * self.block_size
+
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       computed_blocks: list[KVBlock] = ()) -> list[int] | None:
+        """Makes room for `num_new_tokens` more tokens after the computed ones (plus the
+        prefix-cache hits in `computed_blocks`). Returns the ids of the blocks added to the
+        request's table, or None (and changes nothing) when the pool is short."""
+        blocks = self._blocks.setdefault(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
+        num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
+        # A hit on a free cached block takes that block off the free list.
+        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
+            if not blocks:
+                del self._blocks[request.request_id]
+            return None
+        self.pool.touch(list(computed_blocks))
+        new_blocks = list(computed_blocks) + self.pool.allocate(num_new_blocks)
+        blocks.extend(new_blocks)
+        if self.enable_caching:
+            self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        return [b.block_id for b in new_blocks]
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        """Registers blocks that are full once this step's tokens are written. Safe to do now:
+        a later request can only read them in a later step, after this step wrote them."""
+        num_full = min(num_tokens, request.num_tokens) // self.block_size
+        start = self._num_cached_blocks.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._update_block_hashes(request, num_full * self.block_size)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_cached_blocks[request.request_id] = num_full
+
+    def free(self, request: Request) -> None:
+        blocks = self._blocks.pop(request.request_id, None)
+        self._num_cached_blocks.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(blocks[::-1])

@@ -1,0 +1,79 @@
+"""The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore, EngineStats
+from engine.output_processor import OutputProcessor
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+def load_tokenizer(config: EngineConfig):
+    try:
+        return AutoTokenizer.from_pretrained(config.tokenizer or config.model)
+    except Exception as e:  # transformers raises several types for a bad folder
+        raise ValueError(f"cannot load a tokenizer from {config.tokenizer or config.model!r}: "
+                         f"{e}") from e
+
+
+def encode_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
+    """Text is tokenized with the tokenizer's special tokens (e.g. BOS); a list of ints is
+    taken as token ids."""
+    if isinstance(prompt, str):
+        return prompt, tokenizer.encode(prompt)
+    if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        return None, list(prompt)
+    raise ValueError(f"a prompt must be a string or a list of token ids, got "
+                     f"{type(prompt).__name__}")
+
+
+class LLM:
+    def __init__(self, model: str, **settings) -> None:
+        self.config = EngineConfig(model=model, **settings)
+        self.tokenizer = load_tokenizer(self.config)
+        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
+        self.core = EngineCore(self.config, eos)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
+                 ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for "
+                             f"{len(prompts)} prompts")
+        # Validate everything before starting anything.
+        requests = []
+        for prompt, params in zip(prompts, sampling_params):
+            text, ids = encode_prompt(self.tokenizer, prompt)
+            rid = str(next(self._ids))
+            requests.append((text, self.core.make_request(rid, ids, params)))
+
+        processor = OutputProcessor(self.tokenizer, stream_deltas=False)
+        for text, req in requests:
+            processor.add_request(req.request_id, text, req.prompt_token_ids, req.sampling_params)
+            self.core.add_request(req)
+        finished: dict[str, RequestOutput] = {}
+        while processor.has_unfinished():
+            outs, to_abort = processor.process(self.core.step())
+            if to_abort:
+                self.core.abort_requests(to_abort)
+            for out in outs:
+                finished[out.request_id] = out
+        return [finished[req.request_id] for _, req in requests]
+
+    def get_stats(self) -> EngineStats:
+        return self.core.get_stats()

@@ -1,0 +1,194 @@
+"""Turns a SchedulerOutput into one forward pass and a sampled token per finished-prefill row.
+
+The runner keeps each request's state (token ids, block table) between steps, so the
+scheduler only sends what changed. Start-up is named steps: load the model, size the KV
+cache, allocate it.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.config import EngineConfig
+from engine.models.attention import AttentionMetadata
+from engine.models.loader import load_model
+from engine.sampler import Sampler, SamplingMetadata
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ModelRunnerOutput, SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _RunnerRequest:
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
+                 eos_token_ids: list[int]) -> None:
+        self.config = config
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.eos_token_ids = list(eos_token_ids)
+        self.model, self.model_config = load_model(config.model, dtype, device, config.load_format)
+        self.sampler = Sampler(seed=config.seed)
+        self.requests: dict[str, _RunnerRequest] = {}
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.num_blocks = 0
+
+    # ------------------------------------------------------------------ start-up
+    @property
+    def block_bytes(self) -> int:
+        mc = self.model_config
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
+
+    def determine_num_blocks(self) -> int:
+        """Blocks that fit in the memory left for KV: on GPU, what `gpu_memory_utilization`
+        leaves after a profiling forward pass at full batch; on CPU, `cpu_kv_cache_gb`."""
+        if self.device.type != "cuda":
+            return max(1, int(self.config.cpu_kv_cache_gb * 2**30) // self.block_bytes)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        self._profile_run()
+        torch.cuda.synchronize(self.device)
+        free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
+        used_by_others = total_bytes - free_bytes - torch.cuda.memory_reserved(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        budget = total_bytes * self.config.gpu_memory_utilization - used_by_others - peak
+        num_blocks = int(budget // self.block_bytes)
+        logger.info("KV cache: %.2f GiB for %d blocks (peak activation %.2f GiB)",
+                    budget / 2**30, num_blocks, peak / 2**30)
+        if num_blocks < 1:
+            raise RuntimeError("no memory left for the KV cache: raise gpu_memory_utilization "
+                               "or lower max_num_batched_tokens")
+        return num_blocks
+
+    @torch.inference_mode()
+    def _profile_run(self) -> None:
+        """A forward pass of `max_num_batched_tokens` prompt tokens, to measure peak memory."""
+        num_tokens = self.config.max_num_batched_tokens
+        num_blocks = -(-num_tokens // self.block_size)
+        caches = self._new_caches(num_blocks)
+        ids = torch.zeros(num_tokens, dtype=torch.long, device=self.device)
+        meta = AttentionMetadata(
+            slot_mapping=torch.arange(num_tokens, device=self.device),
+            block_table=torch.arange(num_blocks, dtype=torch.int32, device=self.device)[None],
+            cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
+            max_seqlen_q=num_tokens, max_seqlen_k=num_tokens)
+        hidden = self.model(ids, torch.arange(num_tokens, device=self.device), caches, meta)
+        rows = min(self.config.max_num_seqs, num_tokens)
+        self.model.compute_logits(hidden[:rows])
+        del caches, hidden
+
+    def _new_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        mc = self.model_config
+        shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
+        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+                for _ in range(mc.num_hidden_layers)]
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.kv_caches = self._new_caches(num_blocks)
+
+    # ------------------------------------------------------------------ the step
+    def _update_states(self, sched: SchedulerOutput) -> None:
+        for rid in sched.finished_request_ids:
+            self.requests.pop(rid, None)
+        for new in sched.new_requests:
+            self.requests[new.request_id] = _RunnerRequest(
+                list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
+                list(new.block_ids), new.num_computed_tokens)
+        for cached in sched.cached_requests:
+            state = self.requests[cached.request_id]
+            state.block_ids.extend(cached.new_block_ids)
+            state.num_computed_tokens = cached.num_computed_tokens
+
+    def _prepare_inputs(self, sched: SchedulerOutput):
+        bs = self.block_size
+        input_ids: list[int] = []
+        positions: list[np.ndarray] = []
+        slots: list[np.ndarray] = []
+        cu_seqlens_q = [0]
+        seq_lens = []
+        tables = []
+        logits_indices = []
+        sampled_ids = []
+        for rid, n in sched.num_scheduled_tokens.items():
+            state = self.requests[rid]
+            start = state.num_computed_tokens
+            end = start + n
+            input_ids.extend(state.token_ids[start:end])
+            pos = np.arange(start, end, dtype=np.int64)
+            table = np.asarray(state.block_ids, dtype=np.int64)
+            positions.append(pos)
+            slots.append(table[pos // bs] * bs + pos % bs)
+            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
+            seq_lens.append(end)
+            tables.append(table)
+            state.num_computed_tokens = end
+            if end == len(state.token_ids):     # last known token: sample the next one
+                logits_indices.append(cu_seqlens_q[-1] - 1)
+                sampled_ids.append(rid)
+        max_blocks = max(len(t) for t in tables)
+        block_table = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        for i, t in enumerate(tables):
+            block_table[i, :len(t)] = t
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
+            block_table=torch.from_numpy(block_table).to(dev),
+            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            max_seqlen_q=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
+            max_seqlen_k=max(seq_lens))
+        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
+        pos = torch.from_numpy(np.concatenate(positions)).to(dev)
+        return ids, pos, meta, logits_indices, sampled_ids
+
+    @torch.inference_mode()
+    def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        self._update_states(sched)
+        if sched.is_empty:
+            return ModelRunnerOutput([], [])
+        ids, pos, meta, logits_indices, sampled_ids = self._prepare_inputs(sched)
+        hidden = self.model(ids, pos, self.kv_caches, meta)
+        if not sampled_ids:
+            return ModelRunnerOutput([], [])
+        index = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[index])
+        states = [self.requests[rid] for rid in sampled_ids]
+        meta_s = SamplingMetadata.from_params(
+            [s.sampling_params for s in states],
+            [s.token_ids[:s.num_prompt_tokens] for s in states],
+            [s.token_ids[s.num_prompt_tokens:] for s in states],
+            self.eos_token_ids, self.device)
+        out = self.sampler(logits, meta_s)
+        tokens = out.sampled_token_ids.tolist()
+        for state, tok in zip(states, tokens):
+            state.token_ids.append(tok)
+        return ModelRunnerOutput(sampled_ids, tokens, self._logprobs(states, out))
+
+    @staticmethod
+    def _logprobs(states: list[_RunnerRequest], out) -> list | None:
+        if out.logprobs is None:
+            return None
+        ids = out.logprob_token_ids.tolist()
+        lps = out.logprobs.tolist()
+        ranks = out.sampled_token_ranks.tolist()
+        result = []
+        for i, s in enumerate(states):
+            n = s.sampling_params.logprobs
+            result.append(None if n is None else (ids[i][:n + 1], lps[i][:n + 1], ranks[i]))
+        return result

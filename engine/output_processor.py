@@ -1,0 +1,113 @@
+"""Turns the core's token ids into text: incremental detokenization, stop strings, logprobs.
+
+Owns the tokenizer's decoding side, so it must run on the thread that owns the tokenizer.
+A stop string ends a request here, not in the core: `process` returns those ids so the
+caller aborts them in the core.
+"""
+from __future__ import annotations
+
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import EngineCoreOutput
+
+
+class _RequestState:
+    def __init__(self, tokenizer, request_id: str, prompt: str | None,
+                 prompt_token_ids: list[int], params: SamplingParams) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        self.stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
+        self.text = ""
+        self.num_sent_chars = 0
+        self.token_ids: list[int] = []
+        self.num_sent_tokens = 0
+        self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
+        self.num_sent_logprobs = 0
+        self.finish_reason: str | None = None
+        self.stop_reason: int | str | None = None
+
+
+class OutputProcessor:
+    def __init__(self, tokenizer, stream_deltas: bool) -> None:
+        """stream_deltas: one output per step with only the new part (AsyncEngine), or one
+        output per request at the end with everything (LLM)."""
+        self.tokenizer = tokenizer
+        self.stream_deltas = stream_deltas
+        self.states: dict[str, _RequestState] = {}
+
+    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
+                    params: SamplingParams) -> None:
+        self.states[request_id] = _RequestState(self.tokenizer, request_id, prompt,
+                                                prompt_token_ids, params)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.states)
+
+    def process(self, core_outputs: list[EngineCoreOutput]
+                ) -> tuple[list[RequestOutput], list[str]]:
+        """Returns the outputs to hand out and the request ids the core must abort (stop
+        string found)."""
+        outputs: list[RequestOutput] = []
+        to_abort: list[str] = []
+        for co in core_outputs:
+            st = self.states.get(co.request_id)
+            if st is None:
+                continue                    # already ended here by a stop string
+            st.token_ids.extend(co.new_token_ids)
+            if st.logprobs is not None and co.new_logprobs:
+                st.logprobs.extend(self._logprobs(lp) for lp in co.new_logprobs)
+            finished = co.finished
+            new_text = st.detok.step(co.new_token_ids, final=finished)
+            st.text += new_text
+            if finished:
+                st.finish_reason, st.stop_reason = co.finish_reason, co.stop_reason
+            if st.stop.stop and new_text and len(st.token_ids) >= st.params.min_tokens:
+                hit = st.stop.find(st.text, len(new_text))
+                if hit is not None:
+                    st.stop_reason, cut = hit
+                    st.text = st.text[:cut]
+                    st.finish_reason = "stop"
+                    if not finished:
+                        to_abort.append(co.request_id)
+                    finished = True
+            if finished:
+                del self.states[co.request_id]
+            out = self._make_output(st, finished)
+            if out is not None:
+                outputs.append(out)
+        return outputs, to_abort
+
+    def _logprobs(self, lp: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
+        ids, values, sampled_rank = lp
+        d: dict[int, Logprob] = {}
+        for i, (tid, v) in enumerate(zip(ids, values)):
+            if tid in d:
+                continue                    # the sampled token is also among the top-n
+            rank = sampled_rank if i == 0 else i
+            d[tid] = Logprob(v, rank, self.tokenizer.decode([tid]))
+        return d
+
+    def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput | None:
+        if not self.stream_deltas:
+            if not finished:
+                return None
+            comp = CompletionOutput(0, st.text, list(st.token_ids), st.finish_reason,
+                                    st.stop_reason, st.logprobs)
+        else:
+            visible = len(st.text) if finished else max(st.num_sent_chars,
+                                                         len(st.text) - st.stop.holdback)
+            text = st.text[st.num_sent_chars:visible]
+            st.num_sent_chars = visible
+            token_ids = st.token_ids[st.num_sent_tokens:]
+            st.num_sent_tokens = len(st.token_ids)
+            logprobs = None
+            if st.logprobs is not None:
+                logprobs = st.logprobs[st.num_sent_logprobs:]
+                st.num_sent_logprobs = len(st.logprobs)
+            comp = CompletionOutput(0, text, token_ids, st.finish_reason if finished else None,
+                                    st.stop_reason if finished else None, logprobs)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [comp], finished)

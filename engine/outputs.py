@@ -1,0 +1,39 @@
+"""What callers get back (vLLM-shaped)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Logprob:
+    logprob: float
+    rank: int                      # 1 = the most likely token
+    decoded_token: str
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None       # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None   # the stop string or stop token id that ended it
+    # One dict per generated token: the sampled token and the top-n alternatives.
+    logprobs: list[dict[int, Logprob]] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """From `LLM.generate`: the whole completion. From `AsyncEngine.generate`: one per step,
+    holding only what is new since the last one (text, token ids, logprobs)."""
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    metrics: dict = field(default_factory=dict)

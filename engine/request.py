@@ -1,0 +1,87 @@
+"""A request as the scheduler sees it: token ids, how many of them have KV, and why it ended.
+
+There are no prefill/decode phases: a request is `num_computed_tokens` catching up to
+`num_tokens`. A prompt is the first `num_prompt_tokens`; every sampled token is appended.
+"""
+from __future__ import annotations
+
+import enum
+
+from engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    WAITING = 0
+    RUNNING = 1
+    PREEMPTED = 2
+    FINISHED_STOPPED = 3
+    FINISHED_LENGTH = 4
+    FINISHED_ABORTED = 5
+
+    @property
+    def finished(self) -> bool:
+        return self >= RequestStatus.FINISHED_STOPPED
+
+
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+}
+
+
+class Request:
+    def __init__(self, request_id: str, prompt_token_ids: list[int],
+                 sampling_params: SamplingParams, eos_token_ids: list[int]) -> None:
+        self.request_id = request_id
+        self.sampling_params = sampling_params
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.all_token_ids: list[int] = list(prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        # Stopping: EOS does not stop an ignore_eos request; stop_token_ids always do.
+        self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.stop_reason: int | str | None = None
+        # Bookkeeping the KV cache manager fills in.
+        self.block_hashes: list[bytes] = []
+        self.num_cached_tokens = -1           # prefix-cache hit at first schedule; -1 = not yet
+        self.num_preemptions = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.all_token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.all_token_ids[:self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.all_token_ids[self.num_prompt_tokens:]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    def append_token(self, token_id: int, max_model_len: int) -> bool:
+        """Adds a sampled token; returns True (and sets the status) if the request is done."""
+        self.all_token_ids.append(token_id)
+        params = self.sampling_params
+        num_out = self.num_output_tokens
+        if num_out >= params.min_tokens:
+            if token_id in self.eos_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                return True
+            if token_id in self.stop_token_ids:
+                self.status = RequestStatus.FINISHED_STOPPED
+                self.stop_reason = token_id
+                return True
+        if num_out >= params.max_tokens or self.num_tokens >= max_model_len:
+            self.status = RequestStatus.FINISHED_LENGTH
+            return True
+        return False

@@ -1,0 +1,82 @@
+import subprocess
+import sys
+
+import pytest
+
+from engine.block_pool import BlockPool
+
+
+def test_scheduler_and_pool_import_no_torch():
+    code = ("import sys, engine.block_pool, engine.kv_cache_manager, engine.scheduler; "
+            "sys.exit(1 if 'torch' in sys.modules else 0)")
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+def test_allocate_and_free_counts():
+    pool = BlockPool(8)
+    blocks = pool.allocate(3)
+    assert pool.num_free_blocks == 5
+    assert all(b.ref_cnt == 1 for b in blocks)
+    pool.free(blocks)
+    assert pool.num_free_blocks == 8
+
+
+def test_allocate_more_than_free_raises():
+    pool = BlockPool(2)
+    with pytest.raises(RuntimeError):
+        pool.allocate(3)
+
+
+def test_cached_block_survives_free_and_is_reused():
+    pool = BlockPool(4)
+    [b] = pool.allocate(1)
+    pool.cache_block(b, b"h1")
+    pool.free([b])
+    assert pool.num_free_blocks == 4
+    hit = pool.get_cached_block(b"h1")
+    assert hit is b
+    pool.touch([hit])
+    assert hit.ref_cnt == 1 and pool.num_free_blocks == 3
+
+
+def test_eviction_is_lru_and_only_when_free():
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    for blk, h in ((a, b"a"), (b, b"b"), (c, b"c")):
+        pool.cache_block(blk, h)
+    pool.free([b])      # freed first: evicted first
+    pool.free([a])
+    # c is still held: it must not be evicted.
+    [x] = pool.allocate(1)
+    assert x is b
+    assert pool.get_cached_block(b"b") is None
+    assert pool.get_cached_block(b"a") is a
+    assert pool.get_cached_block(b"c") is c
+
+
+def test_shared_block_refcount():
+    pool = BlockPool(2)
+    [a] = pool.allocate(1)
+    pool.cache_block(a, b"x")
+    pool.touch([a])                       # a second request shares it
+    assert a.ref_cnt == 2
+    pool.free([a])
+    assert pool.num_free_blocks == 1      # still held by one
+    pool.free([a])
+    assert pool.num_free_blocks == 2
+
+
+def test_duplicate_content_keeps_first_copy():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, b"same")
+    pool.cache_block(b, b"same")
+    assert pool.get_cached_block(b"same") is a
+    assert b.block_hash is None
+
+
+def test_caching_disabled():
+    pool = BlockPool(2, enable_caching=False)
+    [a] = pool.allocate(1)
+    pool.cache_block(a, b"x")
+    assert pool.get_cached_block(b"x") is None

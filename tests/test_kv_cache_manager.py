@@ -1,0 +1,84 @@
+from engine.kv_cache_manager import KVCacheManager, hash_block
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+
+
+def _req(rid, tokens):
+    return Request(rid, list(tokens), SamplingParams(max_tokens=4), eos_token_ids=[])
+
+
+def test_chained_hash_depends_on_parent():
+    assert hash_block(None, [1, 2]) == hash_block(None, [1, 2])
+    assert hash_block(None, [1, 2]) != hash_block(None, [2, 1])
+    assert hash_block(b"p", [1, 2]) != hash_block(b"q", [1, 2])
+
+
+def test_allocate_rounds_up_to_blocks():
+    kv = KVCacheManager(num_blocks=10, block_size=4)
+    r = _req("a", range(9))
+    ids = kv.allocate_slots(r, 9)
+    assert len(ids) == 3 and len(set(ids)) == 3
+    r.num_computed_tokens = 9
+    assert kv.allocate_slots(r, 2) == [ ]          # 11 tokens still fit in 3 blocks
+    r.num_computed_tokens = 11
+    assert len(kv.allocate_slots(r, 2)) == 1       # 13 tokens need a 4th
+    kv.free(r)
+    assert kv.num_free_blocks == 10
+
+
+def test_allocate_fails_without_changing_anything():
+    kv = KVCacheManager(num_blocks=2, block_size=4)
+    r = _req("a", range(12))
+    assert kv.allocate_slots(r, 12) is None
+    assert kv.num_free_blocks == 2 and kv.block_ids("a") == []
+
+
+def test_prefix_hit_full_blocks_only_and_never_the_last_token():
+    kv = KVCacheManager(num_blocks=20, block_size=4)
+    a = _req("a", range(10))
+    kv.allocate_slots(a, 10)                      # blocks 0,1 full and cached, 2 partial
+    b = _req("b", list(range(8)) + [99, 98])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and [x.block_id for x in hits] == kv.block_ids("a")[:2]
+    # An identical 8-token prompt may reuse only one block: the last token must be computed.
+    c = _req("c", range(8))
+    hits, n = kv.get_computed_blocks(c)
+    assert n == 4
+    # A different first block breaks the chain even if the second block matches.
+    d = _req("d", [7, 7, 7, 7] + list(range(4, 8)) + [1])
+    assert kv.get_computed_blocks(d)[1] == 0
+
+
+def test_hits_share_blocks_and_survive_the_owner():
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a = _req("a", range(9))
+    kv.allocate_slots(a, 9)
+    kv.free(a)
+    assert kv.num_free_blocks == 6                # freed, but content still cached
+    b = _req("b", list(range(8)) + [5, 5])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8
+    new_ids = kv.allocate_slots(b, 2, hits)
+    assert new_ids[:2] == [h.block_id for h in hits] and len(new_ids) == 3
+    assert kv.num_free_blocks == 3
+
+
+def test_free_hit_blocks_count_against_room():
+    # Pool of 3: a cached-but-free block that becomes a hit cannot also be allocated fresh.
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    a = _req("a", [1, 2, 3])
+    kv.allocate_slots(a, 3)
+    kv.free(a)
+    b = _req("b", [1, 2, 9, 9, 9, 9, 9])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 2
+    assert kv.allocate_slots(b, 5, hits) is None   # needs 1 hit + 3 new > 3
+    assert kv.num_free_blocks == 3
+
+
+def test_no_caching_when_disabled():
+    kv = KVCacheManager(num_blocks=6, block_size=4, enable_caching=False)
+    a = _req("a", range(9))
+    kv.allocate_slots(a, 9)
+    b = _req("b", range(9))
+    assert kv.get_computed_blocks(b) == ([], 0)

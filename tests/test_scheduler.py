@@ -1,0 +1,252 @@
+"""Scheduler tests with a fake runner: the 'model' picks the next token as a hash of the whole
+sequence so far, so outputs are deterministic and any scheduling mistake changes them."""
+import random
+
+import pytest
+
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import ModelRunnerOutput, Scheduler
+
+VOCAB = 1000
+
+
+def next_token(tokens):
+    return hash(tuple(tokens)) % VOCAB
+
+
+class FakeRunner:
+    """Mirrors the runner's side of the protocol: keeps block tables from the diffs and checks
+    them against the manager each step."""
+
+    def __init__(self, sched: Scheduler):
+        self.sched = sched
+        self.block_ids: dict[str, list[int]] = {}
+        self.slot_token: dict[tuple[int, int], int] = {}
+        self.max_tokens_in_step = 0
+        self.max_seqs_in_step = 0
+
+    def step(self):
+        s = self.sched
+        out = s.schedule()
+        for rid in out.finished_request_ids:
+            self.block_ids.pop(rid, None)
+        for new in out.new_requests:
+            self.block_ids[new.request_id] = list(new.block_ids)
+        for c in out.cached_requests:
+            self.block_ids[c.request_id].extend(c.new_block_ids)
+        for rid in out.num_scheduled_tokens:
+            assert self.block_ids[rid] == s.kv.block_ids(rid), rid
+        # The KV model: each slot holds the token last written there. After this step's
+        # writes, every position a scheduled request attends to must hold its own token.
+        bs = s.kv.block_size
+        writers = {}
+        for rid, n in out.num_scheduled_tokens.items():
+            req = s.requests[rid]
+            for pos in range(req.num_computed_tokens - n, req.num_computed_tokens):
+                slot = (self.block_ids[rid][pos // bs], pos % bs)
+                assert slot not in writers, f"{rid} and {writers[slot]} write one slot"
+                writers[slot] = rid
+                self.slot_token[slot] = req.all_token_ids[pos]
+        for rid in out.num_scheduled_tokens:
+            req = s.requests[rid]
+            for pos in range(req.num_computed_tokens):
+                slot = (self.block_ids[rid][pos // bs], pos % bs)
+                assert self.slot_token.get(slot) == req.all_token_ids[pos], (rid, pos)
+        assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
+        assert out.total_num_scheduled_tokens <= s.max_num_batched_tokens
+        assert len(s.running) <= s.max_num_seqs
+        self.max_tokens_in_step = max(self.max_tokens_in_step, out.total_num_scheduled_tokens)
+        self.max_seqs_in_step = max(self.max_seqs_in_step, len(out.num_scheduled_tokens))
+        rids, toks = [], []
+        for rid in out.num_scheduled_tokens:
+            req = s.requests[rid]
+            if req.num_computed_tokens == req.num_tokens:
+                rids.append(rid)
+                toks.append(next_token(req.all_token_ids))
+        return out, s.update_from_output(out, ModelRunnerOutput(rids, toks))
+
+
+def make(num_blocks=1000, block_size=4, max_num_seqs=64, max_tokens_step=512,
+         max_model_len=4096, caching=True):
+    kv = KVCacheManager(num_blocks, block_size, caching)
+    return Scheduler(kv, max_num_seqs, max_tokens_step, max_model_len)
+
+
+def run_all(sched, prompts, max_tokens=8, min_tokens=0):
+    reqs = {}
+    for i, p in enumerate(prompts):
+        r = Request(str(i), p, SamplingParams(max_tokens=max_tokens, min_tokens=min_tokens),
+                    eos_token_ids=[])
+        sched.add_request(r)
+        reqs[str(i)] = r
+    runner = FakeRunner(sched)
+    results = {}
+    steps = 0
+    while sched.has_unfinished_requests():
+        _, outs = runner.step()
+        steps += 1
+        assert steps < 10_000
+        for o in outs:
+            if o.finished:
+                results[o.request_id] = reqs[o.request_id].output_token_ids
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    return [results[str(i)] for i in range(len(prompts))], runner
+
+
+def expected(prompt, max_tokens):
+    toks = list(prompt)
+    for _ in range(max_tokens):
+        toks.append(next_token(toks))
+    return toks[len(prompt):]
+
+
+def prompts(n, seed=0, lo=1, hi=60):
+    rng = random.Random(seed)
+    return [[rng.randrange(VOCAB) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def test_outputs_match_sequential_generation():
+    ps = prompts(20)
+    outs, _ = run_all(make(), ps)
+    assert outs == [expected(p, 8) for p in ps]
+
+
+def test_chunked_prefill_respects_budget_and_mixes_with_decode():
+    sched = make(max_tokens_step=16)
+    ps = [[1] * 3, [2] * 100]               # a short request decodes while the long one chunks
+    sched.add_request(Request("short", ps[0], SamplingParams(max_tokens=20), []))
+    runner = FakeRunner(sched)
+    runner.step()
+    sched.add_request(Request("long", ps[1], SamplingParams(max_tokens=2), []))
+    mixed = 0
+    while sched.has_unfinished_requests():
+        out, _ = runner.step()
+        if len(out.num_scheduled_tokens) == 2 and out.num_scheduled_tokens.get("long", 0) > 1:
+            mixed += 1
+    assert runner.max_tokens_in_step == 16
+    assert mixed >= 5                        # 100 tokens at <= 15 per step, beside a decode
+
+
+def test_max_num_seqs_caps_the_batch():
+    outs, runner = run_all(make(max_num_seqs=3), prompts(10))
+    assert runner.max_seqs_in_step == 3
+
+
+def test_preemption_recomputes_and_gives_identical_output():
+    ps = prompts(12, seed=1, lo=20, hi=40)
+    ref = [expected(p, 24) for p in ps]
+    sched = make(num_blocks=40, block_size=4, caching=False)
+    outs, _ = run_all(sched, ps, max_tokens=24)
+    assert sched.stats.num_preemptions > 0
+    assert outs == ref
+
+
+def test_preemption_with_prefix_caching():
+    ps = prompts(12, seed=2, lo=20, hi=40)
+    sched = make(num_blocks=40, block_size=4, caching=True)
+    outs, _ = run_all(sched, ps, max_tokens=24)
+    assert sched.stats.num_preemptions > 0
+    assert outs == [expected(p, 24) for p in ps]
+
+
+def test_preempts_newest_first():
+    sched = make(num_blocks=6, block_size=4, max_model_len=24)
+    for rid in ("old", "new"):
+        sched.add_request(Request(rid, [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], SamplingParams(max_tokens=10), []))
+    runner = FakeRunner(sched)
+    preempted_first = None
+    while sched.has_unfinished_requests() and preempted_first is None:
+        runner.step()
+        for r in list(sched.waiting):
+            if r.num_preemptions:
+                preempted_first = r.request_id
+    assert preempted_first == "new"
+
+
+def test_fcfs_admission():
+    sched = make(max_num_seqs=1)
+    for rid in ("a", "b", "c"):
+        sched.add_request(Request(rid, [1, 2, 3], SamplingParams(max_tokens=2), []))
+    runner = FakeRunner(sched)
+    order = []
+    while sched.has_unfinished_requests():
+        out, _ = runner.step()
+        order += [n.request_id for n in out.new_requests]
+    assert order == ["a", "b", "c"]
+
+
+def test_prefix_cache_skips_shared_prompt():
+    shared = list(range(200))
+    sched = make(block_size=16)
+    runner = FakeRunner(sched)
+    sched.add_request(Request("first", shared + [7, 1], SamplingParams(max_tokens=2), []))
+    while sched.has_unfinished_requests():
+        runner.step()
+    before = sched.stats.num_computed_prompt_tokens
+    for i in range(4):
+        sched.add_request(Request(f"x{i}", shared + [5, i], SamplingParams(max_tokens=2), []))
+    while sched.has_unfinished_requests():
+        runner.step()
+    computed = sched.stats.num_computed_prompt_tokens - before
+    assert computed == 4 * (202 - 192)       # 12 full blocks of 16 come from the cache
+    assert sched.stats.num_cached_prompt_tokens == 4 * 192
+
+
+def test_abort_waiting_and_running_frees_blocks():
+    sched = make(max_num_seqs=1)
+    sched.add_request(Request("run", [1] * 10, SamplingParams(max_tokens=50), []))
+    sched.add_request(Request("wait", [2] * 10, SamplingParams(max_tokens=50), []))
+    runner = FakeRunner(sched)
+    runner.step()
+    outs = sched.abort_requests(["run", "wait", "unknown"])
+    assert [(o.request_id, o.finish_reason) for o in outs] == [("run", "abort"), ("wait", "abort")]
+    assert not sched.has_unfinished_requests()
+    assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    out, _ = runner.step()
+    assert out.finished_request_ids == {"run", "wait"}
+
+
+def test_stop_conditions():
+    sched = make(max_model_len=12)
+    toks = expected([5, 6, 7], 5)
+    sched.add_request(Request("eos", [5, 6, 7], SamplingParams(max_tokens=10), [toks[2]]))
+    sched.add_request(Request("stopid", [5, 6, 7],
+                              SamplingParams(max_tokens=10, stop_token_ids=[toks[1]]), []))
+    sched.add_request(Request("len", [5, 6, 7], SamplingParams(max_tokens=4), []))
+    sched.add_request(Request("ctx", [5, 6, 7, 8, 9, 10, 11, 12, 13, 14],
+                              SamplingParams(max_tokens=10), []))
+    sched.add_request(Request("ign", [5, 6, 7], SamplingParams(max_tokens=5, ignore_eos=True),
+                              [toks[0]]))
+    runner = FakeRunner(sched)
+    final = {}
+    while sched.has_unfinished_requests():
+        _, outs = runner.step()
+        for o in outs:
+            if o.finished:
+                final[o.request_id] = (o.finish_reason, o.stop_reason)
+    assert final["eos"] == ("stop", None)
+    assert final["stopid"] == ("stop", toks[1])
+    assert final["len"] == ("length", None)
+    assert final["ctx"] == ("length", None)   # hit max_model_len after 2 tokens
+    assert final["ign"] == ("length", None)
+
+
+def test_min_tokens_defers_eos():
+    toks = expected([5, 6, 7], 6)
+    sched = make()
+    r = Request("a", [5, 6, 7], SamplingParams(max_tokens=6, min_tokens=3), [toks[0]])
+    sched.add_request(r)
+    runner = FakeRunner(sched)
+    while sched.has_unfinished_requests():
+        runner.step()
+    # The fake model emits EOS first; min_tokens=3 means it only counts from the 3rd token.
+    assert r.num_output_tokens == 6 and r.finish_reason == "length"
+
+
+def test_duplicate_request_id_rejected():
+    sched = make()
+    sched.add_request(Request("a", [1], SamplingParams(), []))
+    with pytest.raises(ValueError, match="request_id"):
+        sched.add_request(Request("a", [1], SamplingParams(), []))
