@@ -1,6 +1,7 @@
 """The busy loop's body: schedule, execute, update. Works on token ids only."""
 from __future__ import annotations
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -80,6 +81,10 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
+        # Start-up objects live forever; keeping them out of the collector's scans keeps
+        # collections short while the step loop allocates.
+        gc.collect()
+        gc.freeze()
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d, max_model_len %d",
                     config.model, self.device, self.dtype, num_blocks, config.block_size,
                     self.max_model_len)

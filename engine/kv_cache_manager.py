@@ -20,6 +20,9 @@ def hash_block(parent_hash: bytes | None, token_ids: list[int]) -> bytes:
     return h.digest()
 
 
+_NO_BLOCKS: list[int] = []   # shared, never mutated: "no new blocks this step"
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         self.block_size = block_size
@@ -67,18 +70,32 @@ class KVCacheManager:
         """Makes room for `num_new_tokens` more tokens after the computed ones (plus the
         prefix-cache hits in `computed_blocks`). Returns the ids of the blocks added to the
         request's table, or None (and changes nothing) when the pool is short."""
-        blocks = self._blocks.setdefault(request.request_id, [])
+        blocks = self._blocks.get(request.request_id)
+        if blocks is not None and not computed_blocks:
+            # The common decode case: the token still fits in the last block.
+            num_tokens = request.num_computed_tokens + num_new_tokens
+            if num_tokens <= len(blocks) * self.block_size:
+                if (self.enable_caching and num_tokens // self.block_size
+                        > self._num_cached_blocks.get(request.request_id, 0)):
+                    self._cache_full_blocks(request, blocks, num_tokens)
+                return _NO_BLOCKS
+        if blocks is None:
+            blocks = self._blocks[request.request_id] = []
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
         # A hit on a free cached block takes that block off the free list.
-        num_free_hits = sum(1 for b in computed_blocks if b.ref_cnt == 0)
+        num_free_hits = sum(b.ref_cnt == 0 for b in computed_blocks) if computed_blocks else 0
         if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
             if not blocks:
                 del self._blocks[request.request_id]
             return None
-        self.pool.touch(list(computed_blocks))
-        new_blocks = list(computed_blocks) + self.pool.allocate(num_new_blocks)
+        # Take the hits first: allocating could otherwise evict them.
+        if computed_blocks:
+            self.pool.touch(computed_blocks)
+        new_blocks = self.pool.allocate(num_new_blocks)
+        if computed_blocks:
+            new_blocks = list(computed_blocks) + new_blocks
         blocks.extend(new_blocks)
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)

@@ -110,10 +110,13 @@ class ModelRunner:
             self.requests[new.request_id] = _RunnerRequest(
                 list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens)
-        for cached in sched.cached_requests:
-            state = self.requests[cached.request_id]
-            state.block_ids.extend(cached.new_block_ids)
-            state.num_computed_tokens = cached.num_computed_tokens
+        cached = sched.cached_requests
+        for rid, new_block_ids, num_computed in zip(
+                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens):
+            state = self.requests[rid]
+            if new_block_ids:
+                state.block_ids.extend(new_block_ids)
+            state.num_computed_tokens = num_computed
 
     def _prepare_inputs(self, sched: SchedulerOutput):
         bs = self.block_size

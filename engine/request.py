@@ -70,9 +70,10 @@ class Request:
 
     def append_token(self, token_id: int, max_model_len: int) -> bool:
         """Adds a sampled token; returns True (and sets the status) if the request is done."""
-        self.all_token_ids.append(token_id)
+        tokens = self.all_token_ids
+        tokens.append(token_id)
         params = self.sampling_params
-        num_out = self.num_output_tokens
+        num_out = len(tokens) - self.num_prompt_tokens
         if num_out >= params.min_tokens:
             if token_id in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
@@ -81,7 +82,7 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = token_id
                 return True
-        if num_out >= params.max_tokens or self.num_tokens >= max_model_len:
+        if num_out >= params.max_tokens or len(tokens) >= max_model_len:
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

@@ -19,7 +19,7 @@ from engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(slots=True)
 class NewRequestData:
     """Sent to the runner the first time a request is scheduled (and again after preemption)."""
     request_id: str
@@ -30,18 +30,22 @@ class NewRequestData:
     num_computed_tokens: int          # prefix-cache hit
 
 
-@dataclass
+@dataclass(slots=True)
 class CachedRequestData:
-    """A request the runner already holds: only what changed."""
-    request_id: str
-    new_block_ids: list[int]
-    num_computed_tokens: int          # before this step
+    """Requests the runner already holds, column-wise: only what changed. Most steps add no
+    block to most requests, so `new_block_ids[i]` is usually empty."""
+    request_ids: list[str] = field(default_factory=list)
+    new_block_ids: list[list[int]] = field(default_factory=list)
+    num_computed_tokens: list[int] = field(default_factory=list)   # before this step
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
 
 
-@dataclass
+@dataclass(slots=True)
 class SchedulerOutput:
     new_requests: list[NewRequestData]
-    cached_requests: list[CachedRequestData]
+    cached_requests: CachedRequestData
     num_scheduled_tokens: dict[str, int]
     total_num_scheduled_tokens: int
     finished_request_ids: set[str]    # runner drops their state (finished, aborted, preempted)
@@ -51,7 +55,7 @@ class SchedulerOutput:
         return self.total_num_scheduled_tokens == 0
 
 
-@dataclass
+@dataclass(slots=True)
 class ModelRunnerOutput:
     """What one step produced: a token for each request that reached its last known token."""
     request_ids: list[str]
@@ -60,7 +64,7 @@ class ModelRunnerOutput:
     logprobs: list[tuple[list[int], list[float], int] | None] | None = None
 
 
-@dataclass
+@dataclass(slots=True)
 class EngineCoreOutput:
     request_id: str
     new_token_ids: list[int]
@@ -140,7 +144,7 @@ class Scheduler:
         budget = self.max_num_batched_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
-        cached_reqs: list[CachedRequestData] = []
+        cached_reqs = CachedRequestData()
         preempted = False
 
         i = 0
@@ -158,10 +162,12 @@ class Scheduler:
                     break
             if new_block_ids is None:
                 break
-            cached_reqs.append(CachedRequestData(req.request_id, new_block_ids,
-                                                 req.num_computed_tokens))
+            cached_reqs.request_ids.append(req.request_id)
+            cached_reqs.new_block_ids.append(new_block_ids)
+            cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
+            self._advance(req, num_new)
             i += 1
 
         # Admitting new work while evicting running work would just thrash.
@@ -186,18 +192,21 @@ class Scheduler:
                                            block_ids, num_cached))
             num_scheduled[req.request_id] = num_new
             budget -= num_new
+            self._advance(req, num_new)
 
-        for req in self.running:
-            n = num_scheduled.get(req.request_id)
-            if n is not None:
-                self.stats.num_computed_prompt_tokens += max(
-                    0, min(req.num_computed_tokens + n, req.num_prompt_tokens)
-                    - req.num_computed_tokens)
-                req.num_computed_tokens += n
         self.stats.num_steps += 1
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.max_num_batched_tokens - budget, finished)
+
+    def _advance(self, req: Request, num_new: int) -> None:
+        """The scheduled tokens count as computed from now on: the runner executes this step
+        before the scheduler plans the next."""
+        if req.num_computed_tokens < req.num_prompt_tokens:
+            self.stats.num_computed_prompt_tokens += (
+                min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
+                - req.num_computed_tokens)
+        req.num_computed_tokens += num_new
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)

@@ -34,8 +34,9 @@ class FakeRunner:
             self.block_ids.pop(rid, None)
         for new in out.new_requests:
             self.block_ids[new.request_id] = list(new.block_ids)
-        for c in out.cached_requests:
-            self.block_ids[c.request_id].extend(c.new_block_ids)
+        c = out.cached_requests
+        for rid, new_ids in zip(c.request_ids, c.new_block_ids):
+            self.block_ids[rid].extend(new_ids)
         for rid in out.num_scheduled_tokens:
             assert self.block_ids[rid] == s.kv.block_ids(rid), rid
         # The KV model: each slot holds the token last written there. After this step's

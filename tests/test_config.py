@@ -1,0 +1,45 @@
+import pytest
+
+from engine.config import EngineConfig
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return str(tmp_path)
+
+
+def test_defaults_are_valid(model_dir):
+    cfg = EngineConfig(model=model_dir)
+    assert cfg.block_size == 16 and cfg.enable_prefix_caching
+
+
+@pytest.mark.parametrize("field,value,allowed", [
+    ("dtype", "float64", "float32"),
+    ("device", "tpu", "cuda:N"),
+    ("max_model_len", 0, ">= 1"),
+    ("max_num_seqs", -1, ">= 1"),
+    ("max_num_batched_tokens", 0, ">= 1"),
+    ("block_size", 0, ">= 1"),
+    ("block_size", 1.5, ">= 1"),
+    ("num_kv_blocks", 0, ">= 1"),
+    ("gpu_memory_utilization", 1.5, "(0.0, 1.0]"),
+    ("gpu_memory_utilization", 0, "(0.0, 1.0]"),
+    ("enable_prefix_caching", "yes", "true or false"),
+    ("load_format", "pt", "dummy"),
+    ("seed", "1", "integer"),
+])
+def test_bad_setting_names_field_and_range(model_dir, field, value, allowed):
+    with pytest.raises(ValueError) as e:
+        EngineConfig(model=model_dir, **{field: value})
+    assert field in str(e.value) and allowed in str(e.value)
+
+
+def test_missing_model_folder():
+    with pytest.raises(ValueError, match="model"):
+        EngineConfig(model="/nonexistent/folder")
+
+
+def test_from_dict_rejects_unknown_keys_listing_valid_ones(model_dir):
+    with pytest.raises(ValueError) as e:
+        EngineConfig.from_dict({"model": model_dir, "max_batch": 3})
+    assert "max_batch" in str(e.value) and "max_num_seqs" in str(e.value)
