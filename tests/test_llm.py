@@ -1,0 +1,152 @@
+"""The engine against HF transformers, end to end, on tiny random models in float32 on CPU."""
+import json
+import random
+import shutil
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from engine import LLM, SamplingParams
+from scripts.make_tiny_model import make_tiny_model
+
+ARCHS = ["llama", "qwen2", "mistral"]
+MAX_TOKENS = 32
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(make_tiny_model(root / arch, arch=arch, seed=1)) for arch in ARCHS}
+
+
+def mixed_prompts(vocab_size, n=16, seed=0):
+    """Lengths from 1 to 300 tokens, random ids (specials excluded)."""
+    rng = random.Random(seed)
+    lengths = [1, 300, 2, 17, 64, 255, 5, 128, 33, 200, 9, 96, 150, 3, 47, 280][:n]
+    return [[rng.randrange(3, vocab_size) for _ in range(n_tok)] for n_tok in lengths]
+
+
+def hf_greedy(model_dir, prompts, max_tokens=MAX_TOKENS):
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.eval()
+    outs = []
+    with torch.no_grad():
+        for p in prompts:
+            ids = torch.tensor([p])
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=max_tokens, min_new_tokens=0)
+            outs.append(gen[0, len(p):].tolist())
+    return outs
+
+
+@pytest.fixture(scope="session")
+def hf_outputs(tiny_models):
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            llm_vocab = json.load(open(f"{tiny_models[arch]}/config.json"))["vocab_size"]
+            prompts = mixed_prompts(llm_vocab)
+            cache[arch] = (prompts, hf_greedy(tiny_models[arch], prompts))
+        return cache[arch]
+    return get
+
+
+GREEDY = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf(tiny_models, hf_outputs, arch):
+    prompts, expected = hf_outputs(arch)
+    llm = LLM(tiny_models[arch], dtype="float32", device="cpu", num_kv_blocks=512)
+    outs = llm.generate(prompts, GREEDY)
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} (len {len(prompts[i])}) differs"
+    assert [o.prompt_token_ids for o in outs] == prompts
+    stats = llm.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_greedy_matches_hf_chunked_prefill_and_preemption(tiny_models, hf_outputs, arch):
+    prompts, expected = hf_outputs(arch)
+    # 30 blocks of 16 = 480 tokens for 16 requests of up to 332 tokens: preemption is forced.
+    llm = LLM(tiny_models[arch], dtype="float32", device="cpu", block_size=16,
+              max_num_batched_tokens=64, num_kv_blocks=30, max_model_len=400)
+    outs = llm.generate(prompts, GREEDY)
+    stats = llm.get_stats()
+    assert stats.num_preemptions > 0, "the pool was meant to be too small for all requests"
+    assert stats.num_steps > sum(len(p) for p in prompts) // 64   # prompts went in chunks
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == e, f"prompt {i} (len {len(prompts[i])}) differs"
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_prefix_caching_skips_shared_prefix_with_identical_output(tiny_models):
+    model = tiny_models["llama"]
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 1000) for _ in range(200)]
+    first = [prefix + [rng.randrange(3, 1000) for _ in range(10)] for _ in range(2)]
+    second = [prefix + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 30))]
+              for _ in range(8)]
+
+    def run(caching):
+        llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=256,
+                  enable_prefix_caching=caching)
+        llm.generate(first, GREEDY)
+        before = llm.get_stats().num_computed_prompt_tokens
+        outs = llm.generate(second, GREEDY)
+        stats = llm.get_stats()
+        return [o.outputs[0].token_ids for o in outs], \
+            stats.num_computed_prompt_tokens - before, stats
+
+    with_cache, computed_cached, stats = run(True)
+    without_cache, computed_plain, _ = run(False)
+    assert with_cache == without_cache
+    assert computed_plain == sum(len(p) for p in second)
+    # 12 of the 200 shared tokens' blocks (192 tokens) come from the cache for each request.
+    assert computed_cached == computed_plain - 8 * 192
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_text_and_token_prompts_agree(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=128)
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = llm.tokenizer.encode(text)
+    a, b = llm.generate([text, ids], GREEDY)
+    assert a.prompt_token_ids == ids and a.prompt == text and b.prompt is None
+    assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert a.outputs[0].text == llm.tokenizer.decode(a.outputs[0].token_ids,
+                                                     skip_special_tokens=True)
+
+
+def test_prompt_longer_than_max_model_len_is_rejected(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64,
+              max_model_len=64)
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate([[5] * 65], GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        llm.generate([[10**7]], GREEDY)
+    with pytest.raises(ValueError, match="empty"):
+        llm.generate([[]], GREEDY)
+    # The engine still works afterwards.
+    assert llm.generate([[5] * 10], GREEDY)[0].outputs[0].finish_reason in ("length", "stop")
+
+
+def test_bad_engine_settings(tiny_models):
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLM(tiny_models["llama"], device="cpu", max_model_len=10**6)
+    with pytest.raises(ValueError, match="num_kv_blocks"):
+        LLM(tiny_models["llama"], device="cpu", num_kv_blocks=2, max_model_len=512)
+
+
+def test_unsupported_architecture_is_a_clear_error(tiny_models, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(tiny_models["llama"], bad)
+    cfg = json.load(open(bad / "config.json"))
+    cfg["architectures"] = ["GPT2LMHeadModel"]
+    json.dump(cfg, open(bad / "config.json", "w"))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        LLM(str(bad), device="cpu")
