@@ -1,0 +1,82 @@
+"""Paged attention as the model sees it: the per-step metadata and a layer over one KV cache.
+
+The runner builds one `AttentionMetadata` per step and passes it down through `forward`; the
+kernels doing the work come from an `AttentionBackend` chosen when the model is built, so GPU
+kernels plug in beside the PyTorch reference without the layers changing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kernels.attention_ref import paged_attention_ref, write_kv_ref
+
+
+@dataclass
+class AttentionMetadata:
+    """Where this step's tokens live in the paged KV cache (B sequences, T new tokens)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset; < 0 for padding rows
+    block_table: torch.Tensor  # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32, sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+    seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+
+@dataclass(frozen=True)
+class AttentionBackend:
+    """The two kernels a paged attention layer runs (signatures of kernels/attention_ref.py)."""
+
+    name: str
+    write_kv: Callable[..., None]  # (key, value, k_cache, v_cache, slot_mapping)
+    # (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, sliding_window) -> out
+    paged_attention: Callable[..., torch.Tensor]
+
+
+TORCH_REF_BACKEND = AttentionBackend("torch_ref", write_kv_ref, paged_attention_ref)
+
+
+class Attention(nn.Module):
+    """Store the new tokens' K/V in this layer's cache, then attend over the whole context."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        backend: AttentionBackend = TORCH_REF_BACKEND,
+    ):
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.scale = scale
+        self.sliding_window = sliding_window
+        self.backend = backend
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D], after rotary
+        k: torch.Tensor,  # [T, Hkv, D], after rotary
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, Hkv, D]
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        k_cache, v_cache = kv_cache
+        self.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        return self.backend.paged_attention(
+            q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q, attn.seq_lens,
+            self.scale, self.sliding_window,
+        )
+
+    def extra_repr(self) -> str:
+        return (
+            f"heads={self.num_heads}, kv_heads={self.num_kv_heads}, head_dim={self.head_dim}, "
+            f"sliding_window={self.sliding_window}, backend={self.backend.name}"
+        )

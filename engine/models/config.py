@@ -1,0 +1,169 @@
+"""What the engine needs to know about a checkpoint, read from its config.json.
+
+Both transformers-4 keys (`rope_theta` + `rope_scaling`) and transformers-5 keys (one
+`rope_parameters` dict holding `rope_theta`) are accepted and normalized the same way.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    # None for plain RoPE, else {"rope_type": "linear", "factor"} or {"rope_type": "llama3",
+    # "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}.
+    rope_scaling: dict[str, Any] | None
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_window: int | None
+    # Layer indices that use `sliding_window`: all of them for Mistral, those at or past
+    # `max_window_layers` (or marked "sliding_attention" in `layer_types`) for Qwen2.
+    sliding_window_layers: tuple[int, ...]
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    torch_dtype: str | None
+
+    def layer_sliding_window(self, layer_idx: int) -> int | None:
+        """The attention window of one layer, or None for full causal attention."""
+        return self.sliding_window if layer_idx in self.sliding_window_layers else None
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike) -> "ModelConfig":
+        """Read `path/config.json` (and `path/generation_config.json` for extra eos ids)."""
+        path = os.fspath(path)
+        if not os.path.isdir(path):
+            raise ValueError(f"model path {path!r} is not a folder (expected a local HF checkpoint folder)")
+        config_file = os.path.join(path, "config.json")
+        if not os.path.isfile(config_file):
+            raise ValueError(f"no config.json in model folder {path!r}")
+        with open(config_file, encoding="utf-8") as f:
+            raw = json.load(f)
+        generation = None
+        generation_file = os.path.join(path, "generation_config.json")
+        if os.path.isfile(generation_file):
+            with open(generation_file, encoding="utf-8") as f:
+                generation = json.load(f)
+        return cls.from_dict(raw, generation)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
+        """Build from the parsed config.json (and generation_config.json) dicts."""
+        architectures = raw.get("architectures") or []
+        architecture = architectures[0] if architectures else None
+        if architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        missing = [key for key in _REQUIRED_KEYS if raw.get(key) is None]
+        if missing:
+            raise ValueError(f"config.json lacks required key(s): {', '.join(missing)}")
+        hidden_act = raw.get("hidden_act", "silu")
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: 'silu'")
+
+        num_heads = raw["num_attention_heads"]
+        num_kv_heads = raw.get("num_key_value_heads") or num_heads
+        if num_heads % num_kv_heads != 0:
+            raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
+        num_layers = raw["num_hidden_layers"]
+        max_position_embeddings = raw.get("max_position_embeddings", 2048)
+        rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
+
+        is_qwen2 = architecture == "Qwen2ForCausalLM"
+        attention_bias = bool(raw.get("attention_bias", False))
+        sliding_window, sliding_window_layers = _parse_sliding_window(raw, is_qwen2, num_layers)
+        return cls(
+            architecture=architecture,
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_kv_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            max_position_embeddings=max_position_embeddings,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            qkv_bias=True if is_qwen2 else attention_bias,
+            o_bias=False if is_qwen2 else attention_bias,
+            mlp_bias=False if is_qwen2 else bool(raw.get("mlp_bias", False)),
+            sliding_window=sliding_window,
+            sliding_window_layers=sliding_window_layers,
+            bos_token_id=raw.get("bos_token_id"),
+            eos_token_ids=_eos_ids(raw, generation_config),
+            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        )
+
+
+def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[float, dict[str, Any] | None]:
+    # transformers gives `rope_scaling` priority over `rope_parameters`, and a theta inside the
+    # dict priority over a top-level `rope_theta`.
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    rope_theta = float(params.get("rope_theta") or raw.get("rope_theta") or _DEFAULT_ROPE_THETA)
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    if rope_type == "default":
+        return rope_theta, None
+    try:
+        if rope_type == "linear":
+            return rope_theta, {"rope_type": "linear", "factor": float(params["factor"])}
+        return rope_theta, {
+            "rope_type": "llama3",
+            "factor": float(params["factor"]),
+            "low_freq_factor": float(params["low_freq_factor"]),
+            "high_freq_factor": float(params["high_freq_factor"]),
+            "original_max_position_embeddings": int(
+                params.get("original_max_position_embeddings") or max_position_embeddings
+            ),
+        }
+    except KeyError as e:
+        raise ValueError(f"rope type {rope_type!r} needs the parameter {e.args[0]!r}") from None
+
+
+def _parse_sliding_window(raw: dict[str, Any], is_qwen2: bool, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    window = raw.get("sliding_window")
+    if is_qwen2 and not raw.get("use_sliding_window", False):
+        window = None
+    if window is None:
+        return None, ()
+    if not is_qwen2:
+        return window, tuple(range(num_layers))
+    layer_types = raw.get("layer_types")
+    if layer_types:
+        return window, tuple(i for i, kind in enumerate(layer_types) if kind == "sliding_attention")
+    max_window_layers = raw.get("max_window_layers", 28)
+    return window, tuple(range(max_window_layers, num_layers))
+
+
+def _eos_ids(raw: dict[str, Any], generation_config: dict[str, Any] | None) -> list[int]:
+    ids: list[int] = []
+    for source in (raw, generation_config or {}):
+        value = source.get("eos_token_id")
+        for token_id in [value] if isinstance(value, int) else value or []:
+            if token_id not in ids:
+                ids.append(token_id)
+    return ids

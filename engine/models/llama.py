@@ -1,0 +1,194 @@
+"""Llama, Mistral and Qwen2 causal LMs over a paged KV cache (one implementation, config flags).
+
+Our layout differs from HF's by fusing q/k/v into `qkv_proj` (rows q, then k, then v) and
+gate/up into `gate_up_proj` (rows gate, then up); the loader maps HF checkpoints onto it. The
+numerics follow HF's modeling code step by step so float32 logits agree to rounding.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.models.attention import TORCH_REF_BACKEND, Attention, AttentionBackend, AttentionMetadata
+from engine.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    """y = weight * (x / sqrt(mean(x^2) + eps)), normalized in fp32 and cast back to x's dtype
+    *before* the weight multiply, as HF does (it matters in bf16/fp16)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+def compute_inv_freq(
+    head_dim: int, rope_theta: float, rope_scaling: dict | None, device: torch.device | None = None
+) -> torch.Tensor:
+    """RoPE inverse frequencies [head_dim // 2] in fp32: theta^(-2i/D), then rescaled.
+
+    linear: divide by `factor` (same as dividing positions). llama3: wavelengths longer than
+    original_max_position_embeddings / low_freq_factor are divided by `factor`, those shorter
+    than original_max_position_embeddings / high_freq_factor are kept, and the ones in between
+    are interpolated linearly in original_max_position_embeddings / wavelength.
+    """
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device=device).float() / head_dim
+    inv_freq = 1.0 / (rope_theta**exponents)
+    rope_type = rope_scaling["rope_type"] if rope_scaling else "default"
+    if rope_type == "linear":
+        inv_freq = inv_freq / rope_scaling["factor"]
+    elif rope_type == "llama3":
+        factor = rope_scaling["factor"]
+        low_freq_factor = rope_scaling["low_freq_factor"]
+        high_freq_factor = rope_scaling["high_freq_factor"]
+        original_len = rope_scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        long_wave = wavelen > original_len / low_freq_factor
+        short_wave = wavelen < original_len / high_freq_factor
+        scaled = torch.where(long_wave, inv_freq / factor, inv_freq)
+        smooth = (original_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        interpolated = (1 - smooth) * scaled / factor + smooth * scaled
+        inv_freq = torch.where(~long_wave & ~short_wave, interpolated, scaled)
+    elif rope_type != "default":
+        raise ValueError(f"unsupported rope type {rope_type!r}")
+    return inv_freq
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin [T, D] of positions, in HF's non-interleaved layout (frequencies repeated twice)."""
+
+    def __init__(self, head_dim: int, rope_theta: float, rope_scaling: dict | None):
+        super().__init__()
+        self.head_dim = head_dim
+        self.rope_theta = rope_theta
+        self.rope_scaling = rope_scaling
+        self.register_buffer("inv_freq", compute_inv_freq(head_dim, rope_theta, rope_scaling), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        # `.to(dtype)` / `.to_empty()` would round or blank the fp32 frequencies: recompute them.
+        super()._apply(fn, recurse)
+        if self.inv_freq.device.type != "meta":
+            self.inv_freq = compute_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling, self.inv_freq.device)
+        return self
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, D/2], fp32
+        emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, H, D]; cos, sin [T, D]."""
+    return x * cos[:, None, :] + rotate_half(x) * sin[:, None, :]
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.attn = Attention(
+            self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5,
+            sliding_window=config.layer_sliding_window(layer_idx), backend=backend,
+        )
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2Hkv) * D]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
+        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        out = self.attn(q, k, v, kv_cache, attn)  # [T, Hq, D]
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2I] -> 2 x [T, I]
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, cos, sin, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Decoder-only LM for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints.
+
+    Parameter names are HF's without the leading "model." and with the fused projections above.
+    With tied embeddings there is no `lm_head`; the logits use `embed_tokens.weight`.
+    """
+
+    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend = TORCH_REF_BACKEND):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, attention_backend) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None
+        if not config.tie_word_embeddings:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer, each [num_blocks, block_size, Hkv, D]
+        attn: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, D] each
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, cos, sin, kv_cache, attn)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] -> logits [N, vocab] in float32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()

@@ -1,0 +1,148 @@
+"""Build a model straight in its target dtype and device, then fill it from a HF checkpoint.
+
+The module is created on the meta device, cast (free: meta tensors have no storage) and only
+then allocated on the target device, so a bf16 model never exists in fp32. Checkpoint tensors
+are read one at a time from the safetensors files and copied into their slice of our fused
+parameters, so no second copy of the model is ever held.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+
+import torch
+from safetensors import safe_open
+
+from engine.models.attention import TORCH_REF_BACKEND, AttentionBackend
+from engine.models.config import ModelConfig
+from engine.models.llama import LlamaForCausalLM, RMSNorm
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+_DUMMY_INIT_RANGE = 1e-3
+# Fused parameter -> the HF projections stacked in it, in row order.
+_FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def load_model(
+    model_path: str | os.PathLike,
+    dtype: torch.dtype,
+    device: torch.device,
+    load_format: str = "auto",
+    attention_backend: AttentionBackend = TORCH_REF_BACKEND,
+) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """Load a Llama / Mistral / Qwen2 checkpoint folder as an inference-only model.
+
+    load_format: "auto" / "safetensors" read `model.safetensors` or the shards listed in
+    `model.safetensors.index.json`; "dummy" needs only config.json and fills small random
+    weights from torch's current seed (for benchmarks at real sizes).
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
+    config = ModelConfig.from_pretrained(model_path)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, attention_backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    model.requires_grad_(False)
+    model.eval()
+    with torch.no_grad():
+        if load_format == "dummy":
+            _init_dummy(model)
+        else:
+            _load_safetensors(model, os.fspath(model_path))
+    logger.info("loaded %s from %s (%s, %s, load_format=%s)", config.architecture, model_path, dtype, device, load_format)
+    return model, config
+
+
+def _init_dummy(model: LlamaForCausalLM) -> None:
+    norm_weights = {id(m.weight) for m in model.modules() if isinstance(m, RMSNorm)}
+    for param in model.parameters():
+        if id(param) in norm_weights:
+            param.fill_(1.0)
+        else:
+            param.uniform_(-_DUMMY_INIT_RANGE, _DUMMY_INIT_RANGE)
+
+
+def _checkpoint_layout(model: LlamaForCausalLM) -> dict[str, tuple[str, torch.Tensor]]:
+    """HF tensor name -> (our parameter name, the slice of it that tensor fills)."""
+    config = model.config
+    q_rows = config.num_attention_heads * config.head_dim
+    kv_rows = config.num_key_value_heads * config.head_dim
+    rows = {"q_proj": q_rows, "k_proj": kv_rows, "v_proj": kv_rows,
+            "gate_proj": config.intermediate_size, "up_proj": config.intermediate_size}
+    layout = {}
+    for name, param in model.named_parameters():
+        prefix = "" if name.startswith("lm_head.") else "model."
+        module_path, leaf = name.rsplit(".", 1)
+        parent, module_name = module_path.rsplit(".", 1) if "." in module_path else ("", module_path)
+        if module_name not in _FUSED:
+            layout[prefix + name] = (name, param)
+            continue
+        start = 0
+        for part in _FUSED[module_name]:
+            layout[f"{prefix}{parent}.{part}.{leaf}"] = (name, param.narrow(0, start, rows[part]))
+            start += rows[part]
+        assert start == param.shape[0], f"{name}: fused rows {start} != {param.shape[0]}"
+    return layout
+
+
+def _is_ignored(checkpoint_name: str, config: ModelConfig) -> bool:
+    # Rotary tables are recomputed; a tied model may still ship its (identical) lm_head copy.
+    return checkpoint_name.endswith("rotary_emb.inv_freq") or (
+        config.tie_word_embeddings and checkpoint_name == "lm_head.weight"
+    )
+
+
+def _safetensors_files(folder: str) -> list[str]:
+    index_file = os.path.join(folder, "model.safetensors.index.json")
+    if os.path.isfile(index_file):
+        with open(index_file, encoding="utf-8") as f:
+            shard_names = sorted(set(json.load(f)["weight_map"].values()))
+        files = [os.path.join(folder, name) for name in shard_names]
+        for file in files:
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{index_file} lists {os.path.basename(file)}, which is not in {folder!r}")
+        return files
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".safetensors"))
+    if not files:
+        raise FileNotFoundError(
+            f"no safetensors weights (model.safetensors or model.safetensors.index.json) in {folder!r}; "
+            f"use load_format='dummy' for random weights"
+        )
+    return files
+
+
+def _load_safetensors(model: LlamaForCausalLM, folder: str) -> None:
+    layout = _checkpoint_layout(model)
+    remaining = set(layout)
+    for file in _safetensors_files(folder):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            for checkpoint_name in f.keys():
+                if checkpoint_name not in layout:
+                    if _is_ignored(checkpoint_name, model.config):
+                        continue
+                    raise ValueError(
+                        f"unexpected weight {checkpoint_name!r} in {os.path.basename(file)}: "
+                        f"the checkpoint does not match {model.config.architecture} as configured"
+                    )
+                our_name, target = layout[checkpoint_name]
+                tensor = f.get_tensor(checkpoint_name)
+                if tensor.shape != target.shape:
+                    raise ValueError(
+                        f"weight {checkpoint_name!r} in {os.path.basename(file)} has shape {tuple(tensor.shape)}, "
+                        f"the model expects {tuple(target.shape)} (for {our_name})"
+                    )
+                target.copy_(tensor)  # casts to the model dtype and moves to its device
+                remaining.discard(checkpoint_name)
+    if remaining:
+        missing = sorted(remaining)
+        raise ValueError(
+            f"checkpoint in {folder!r} lacks {len(missing)} expected weight(s): {', '.join(missing[:8])}"
+            + (" ..." if len(missing) > 8 else "")
+        )

@@ -1,0 +1,280 @@
+"""Batched next-token sampler: penalties, min_tokens, greedy / temperature / min-p / top-k / top-p,
+per-request seeds, raw logprobs.
+
+Plain device-agnostic torch. Per step the host only builds index tensors from Python lists and
+copies them to the device; nothing reads a device value back, so on CUDA a step never waits on
+the GPU. The one Python loop over rows in the hot path is over *seeded* rows (one generator
+re-seed and one noise kernel each).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from engine.sampling_params import SamplingParams
+
+# Temperatures below this are greedy: dividing fp32 logits by them can overflow, and the
+# distribution is a point mass to within rounding anyway (vLLM uses the same cut-off).
+_MIN_TEMPERATURE = 1e-5
+_MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class SamplingMetadata:
+    """The batch's sampling settings, one row per request sampled this step (B rows).
+
+    Tensors live on the logits' device. A feature no row uses is None and costs nothing.
+    """
+
+    temperature: Tensor                      # [B] float32, 0 = greedy
+    top_k: Tensor | None                     # [B] int64, 0 = off
+    top_p: Tensor | None                     # [B] float32, 1.0 = off
+    min_p: Tensor | None                     # [B] float32, 0 = off
+    repetition_penalty: Tensor | None        # [B] float32, 1 = off
+    presence_penalty: Tensor | None          # [B] float32, 0 = off
+    frequency_penalty: Tensor | None         # [B] float32, 0 = off
+    prompt_token_ids: list[list[int]] | None  # only when repetition_penalty is not None
+    output_token_ids: list[list[int]]        # generated so far; len() is the seed position
+    seeds: list[int | None]                  # None: the sampler's shared generator
+    no_stop_token_ids: list[list[int]]       # ids masked to -inf this step (min_tokens)
+    max_num_logprobs: int | None             # max SamplingParams.logprobs over rows
+    all_greedy: bool
+    all_random: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
+                    output_token_ids: list[list[int]], eos_token_ids: list[int],
+                    device: torch.device | str) -> "SamplingMetadata":
+        """Build the batch's metadata; row i is request i.
+
+        Top-k / top-p / min-p and seeds only matter for random rows, so greedy rows leave them
+        off (a batch whose random rows never use top-k gets `top_k=None`). Penalties apply to
+        greedy rows too. While `len(output) < min_tokens` a row masks its stop_token_ids and,
+        unless ignore_eos, the model's EOS ids.
+        """
+        assert len(prompt_token_ids) == len(output_token_ids) == len(params)
+        greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
+        rows = list(zip(params, greedy))
+
+        def per_row(values: list, off: float, dtype: torch.dtype) -> Tensor | None:
+            return None if all(v == off for v in values) else _to_device(values, dtype, device)
+
+        repetition_penalty = per_row([p.repetition_penalty for p in params], 1.0, torch.float32)
+        logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        return cls(
+            temperature=_to_device([0.0 if g else p.temperature for p, g in rows],
+                                   torch.float32, device),
+            top_k=per_row([0 if g else p.top_k for p, g in rows], 0, torch.int64),
+            top_p=per_row([1.0 if g else p.top_p for p, g in rows], 1.0, torch.float32),
+            min_p=per_row([0.0 if g else p.min_p for p, g in rows], 0.0, torch.float32),
+            repetition_penalty=repetition_penalty,
+            presence_penalty=per_row([p.presence_penalty for p in params], 0.0, torch.float32),
+            frequency_penalty=per_row([p.frequency_penalty for p in params], 0.0, torch.float32),
+            prompt_token_ids=prompt_token_ids if repetition_penalty is not None else None,
+            output_token_ids=output_token_ids,
+            seeds=[None if g else p.seed for p, g in rows],
+            no_stop_token_ids=[_no_stop_token_ids(p, len(out), eos_token_ids)
+                               for p, out in zip(params, output_token_ids)],
+            max_num_logprobs=max(logprobs) if logprobs else None,
+            all_greedy=all(greedy),
+            all_random=not any(greedy),
+        )
+
+
+@dataclass
+class SamplerOutput:
+    sampled_token_ids: Tensor            # [B] int64
+    # The rest only when some row asked for logprobs; N = max_num_logprobs. Column 0 is the
+    # sampled token, then the top-N by descending raw logprob (callers trim rows wanting fewer).
+    logprob_token_ids: Tensor | None     # [B, 1 + N] int64
+    logprobs: Tensor | None              # [B, 1 + N] float32
+    sampled_token_ranks: Tensor | None   # [B] int64, 1 = the most likely raw token
+
+
+class Sampler:
+    """Picks one token per row of `logits` [B, V].
+
+    Order: raw logprobs (before anything else) -> penalties -> min_tokens mask -> greedy argmax
+    | temperature -> min-p -> top-k -> top-p (on the renormalized survivors) -> exponential race
+    `argmax(p / q)`, q ~ Exp(1) per vocabulary entry. A seeded row draws q from a generator seeded
+    by (seed, len(output)), so its tokens do not depend on the rest of the batch; unseeded rows
+    share one generator, seeded by `seed` (None: nondeterministic).
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._shared_generators: dict[torch.device, torch.Generator] = {}
+        self._row_generators: dict[torch.device, torch.Generator] = {}
+
+    def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        logits = logits.float()  # no copy for fp32; nothing below writes into it
+        raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        logits = apply_penalties(logits, meta)
+        logits = _mask_tokens(logits, meta.no_stop_token_ids)
+
+        if meta.all_greedy:
+            sampled = logits.argmax(-1)
+        else:
+            sampled = self._sample_random(logits, meta)
+            if not meta.all_random:
+                greedy = meta.temperature < _MIN_TEMPERATURE
+                sampled = torch.where(greedy, logits.argmax(-1), sampled)
+
+        if raw_logprobs is None:
+            return SamplerOutput(sampled, None, None, None)
+        num_top = min(meta.max_num_logprobs, raw_logprobs.shape[1])
+        sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))     # [B, 1]
+        top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)          # [B, N], descending
+        ranks = (raw_logprobs > sampled_logprobs).sum(-1) + 1
+        return SamplerOutput(
+            sampled_token_ids=sampled,
+            logprob_token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),
+            logprobs=torch.cat([sampled_logprobs, top_logprobs], dim=1),
+            sampled_token_ranks=ranks,
+        )
+
+    def _sample_random(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
+        # Greedy rows (their result is discarded) divide by 1 so nothing overflows.
+        temperature = torch.where(meta.temperature < _MIN_TEMPERATURE, 1.0, meta.temperature)
+        logits = logits / temperature.unsqueeze(1)
+        if meta.min_p is not None:
+            logits = _apply_min_p(logits, meta.min_p)
+        if meta.top_k is not None or meta.top_p is not None:
+            logits = _apply_top_k_top_p(logits, meta.top_k, meta.top_p)
+        probs = logits.softmax(-1)
+        noise = self._exponential_noise(probs, meta)
+        return (probs / noise).argmax(-1)
+
+    def _exponential_noise(self, probs: Tensor, meta: SamplingMetadata) -> Tensor:
+        """q ~ Exp(1), shaped like `probs` [B, V]; seeded rows from their own (seed, position)."""
+        device = probs.device
+        noise = torch.empty_like(probs)
+        if any(seed is None for seed in meta.seeds):
+            noise.exponential_(generator=self._generator(self._shared_generators, device))
+        for row, seed in enumerate(meta.seeds):
+            if seed is not None:
+                gen = self._generator(self._row_generators, device)
+                # manual_seed is host-side state; the launch below captures it, so reusing one
+                # generator object for every seeded row is safe without waiting on the device.
+                gen.manual_seed(_row_seed(seed, len(meta.output_token_ids[row])))
+                noise[row].exponential_(generator=gen)
+        # exponential_ may return exactly 0; p / 0 would give inf (or nan for p = 0).
+        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
+
+    def _generator(self, cache: dict[torch.device, torch.Generator],
+                   device: torch.device) -> torch.Generator:
+        gen = cache.get(device)
+        if gen is None:
+            gen = torch.Generator(device=device)
+            if self.seed is None:
+                gen.seed()
+            else:
+                gen.manual_seed(self.seed)
+            cache[device] = gen
+        return gen
+
+
+def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """Penalized logits [B, V]; `logits` itself is never written.
+
+    With c_t the count of token t in the row's output:
+      repetition r, for t in prompt or output:  l_t <- l_t / r if l_t > 0 else l_t * r
+      then frequency f and presence p:         l_t <- l_t - f * c_t - p * [c_t > 0]
+    Rows with a penalty off (r = 1, f = p = 0) come out unchanged.
+    """
+    repetition, frequency = meta.repetition_penalty, meta.frequency_penalty
+    presence = meta.presence_penalty
+    if repetition is None and frequency is None and presence is None:
+        return logits
+    num_rows, vocab_size = logits.shape
+    # Rows are padded with the id `vocab_size`, which lands in an extra column that is dropped.
+    output_ids = _padded(meta.output_token_ids, vocab_size, logits.device)
+    counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
+    counts.scatter_add_(1, output_ids, torch.ones(output_ids.shape, dtype=logits.dtype,
+                                                  device=logits.device))
+    counts = counts[:, :vocab_size]                                          # [B, V]
+    if repetition is not None:
+        assert meta.prompt_token_ids is not None, "repetition_penalty needs prompt_token_ids"
+        prompt_ids = _padded(meta.prompt_token_ids, vocab_size, logits.device)
+        seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+        seen.scatter_(1, prompt_ids, True)
+        seen = seen[:, :vocab_size] | (counts > 0)
+        r = repetition.unsqueeze(1)
+        logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
+    if frequency is not None:
+        logits = logits - frequency.unsqueeze(1) * counts
+    if presence is not None:
+        logits = logits - presence.unsqueeze(1) * (counts > 0).to(logits.dtype)
+    return logits
+
+
+def _mask_tokens(logits: Tensor, token_ids: list[list[int]]) -> Tensor:
+    """Set logits[row, t] = -inf for t in token_ids[row] (min_tokens not reached yet)."""
+    vocab_size = logits.shape[1]
+    # A user's stop id past the model's vocabulary can never be sampled; indexing it would fault.
+    pairs = [(row, t) for row, ids in enumerate(token_ids) for t in ids if t < vocab_size]
+    if not pairs:
+        return logits
+    rows, cols = zip(*pairs)
+    index = tuple(_to_device(ids, torch.int64, logits.device) for ids in (rows, cols))
+    return logits.index_put(index, logits.new_full((), float("-inf")))
+
+
+def _apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
+    # p_t < min_p * p_max  <=>  l_t < l_max + log(min_p); log(0) = -inf drops nothing.
+    threshold = logits.amax(-1, keepdim=True) + min_p.log().unsqueeze(1)
+    return logits.masked_fill(logits < threshold, float("-inf"))
+
+
+def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
+    """Keep the k largest logits, then the smallest prefix of those (by probability,
+    renormalized over the survivors) whose mass reaches top_p; the rest become -inf.
+
+    Works on the descending stable sort, so ties are kept lowest id first.
+    """
+    num_rows, vocab_size = logits.shape
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)   # [B, V]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+        position = torch.arange(vocab_size, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(position >= k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        # Mass strictly before each position: keep a token while that is still below top_p.
+        mass_before = torch.cat([probs.new_zeros(num_rows, 1), probs.cumsum(-1)[:, :-1]], dim=1)
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
+
+
+def _no_stop_token_ids(params: SamplingParams, num_output_tokens: int,
+                       eos_token_ids: list[int]) -> list[int]:
+    if num_output_tokens >= params.min_tokens:
+        return []
+    ids = ([] if params.ignore_eos else list(eos_token_ids)) + params.stop_token_ids
+    return list(dict.fromkeys(ids))
+
+
+def _row_seed(seed: int, position: int) -> int:
+    """64-bit generator seed for (request seed, output position): splitmix64's output number
+    `position + 1` from state `seed`, so neighbouring seeds and positions give unrelated streams."""
+    z = ((seed & _MASK64) + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def _padded(rows: list[list[int]], pad: int, device: torch.device) -> Tensor:
+    width = max((len(r) for r in rows), default=0)
+    data = [list(r) + [pad] * (width - len(r)) for r in rows]
+    return _to_device(data, torch.int64, device).view(len(rows), width)
+
+
+def _to_device(data, dtype: torch.dtype, device: torch.device | str) -> Tensor:
+    """Host list -> device tensor; staged in pinned memory on CUDA so the copy does not block."""
+    device = torch.device(device)
+    host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)

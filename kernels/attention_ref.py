@@ -1,0 +1,128 @@
+"""Paged KV-cache write and paged attention in plain PyTorch.
+
+This is the reference every GPU attention kernel is held to, and the CPU path of the engine.
+It loops over sequences through the block table, so it knows nothing of any kernel's tiling.
+
+Layouts (T = number of new tokens in the batch, B = number of sequences):
+  q                [T, Hq, D]     new tokens of the B sequences packed back to back
+  key, value       [T, Hkv, D]
+  k_cache, v_cache [num_blocks, block_size, Hkv, D]
+  slot_mapping     [T]            slot = block_id * block_size + offset_in_block; < 0: skip row
+  block_table      [B, max_blocks] int32, block ids of each sequence in position order
+  cu_seqlens_q     [B + 1]        sequence b owns q rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
+  seq_lens         [B]            context length of b including its new tokens
+"""
+from __future__ import annotations
+
+import torch
+
+
+def write_kv_ref(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Store each new token's K/V in its cache slot, in place.
+
+    k_cache[s // block_size, s % block_size] = key[t]  for every row t with s = slot_mapping[t] >= 0
+    (likewise for values). Rows with a negative slot (batch padding) are not written.
+    """
+    if key.shape != value.shape or key.dim() != 3:
+        raise ValueError(f"key and value must both be [T, Hkv, D], got {tuple(key.shape)} and {tuple(value.shape)}")
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4 or k_cache.shape[2:] != key.shape[1:]:
+        raise ValueError(
+            f"caches must be [num_blocks, block_size, {key.shape[1]}, {key.shape[2]}], "
+            f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+        )
+    if slot_mapping.shape != (key.shape[0],):
+        raise ValueError(f"slot_mapping must be [{key.shape[0]}], got {tuple(slot_mapping.shape)}")
+    block_size = k_cache.shape[1]
+    rows = (slot_mapping >= 0).nonzero().squeeze(1)
+    slots = slot_mapping[rows].long()
+    block_ids, offsets = slots // block_size, slots % block_size
+    k_cache[block_ids, offsets] = key[rows].to(k_cache.dtype)
+    v_cache[block_ids, offsets] = value[rows].to(v_cache.dtype)
+
+
+def paged_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of new query rows over their sequence's paged K/V. Returns [T, Hq, D].
+
+    For sequence b with q_len = cu_seqlens_q[b + 1] - cu_seqlens_q[b] and L = seq_lens[b], query
+    row i sits at position p = L - q_len + i; its K/V (and those of all earlier positions) must
+    already be in the cache. Query head h reads kv head h // (Hq // Hkv) (GQA). Then
+
+        out[p, h] = sum_j softmax_j(scale * q[p, h] . k[j, h']) v[j, h']
+        over key positions j with j <= p and, given sliding_window W, j > p - W
+
+    (the window counts the query's own position, as in HF's `kv_idx > q_idx - sliding_window`).
+    Computed in fp32, returned in q's dtype. Rows past cu_seqlens_q[-1] (padding) come back zero.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of dim "
+            f"{cache_head_dim}: the head dims must match and Hq must be a multiple of Hkv"
+        )
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    cu_q = cu_seqlens_q.tolist()
+    kv_lens = seq_lens.tolist()
+    if len(cu_q) != len(kv_lens) + 1 or cu_q[-1] > num_tokens:
+        raise ValueError(
+            f"cu_seqlens_q ({len(cu_q)} entries, last {cu_q[-1]}) must have len(seq_lens) + 1 = "
+            f"{len(kv_lens) + 1} entries and end at or before T = {num_tokens}"
+        )
+
+    for b, kv_len in enumerate(kv_lens):
+        q_start, q_end = cu_q[b], cu_q[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if not 0 < q_len <= kv_len:
+            raise ValueError(f"sequence {b}: q_len {q_len} must be in 1..seq_len ({kv_len})")
+        first_q_pos = kv_len - q_len
+        # Keys before the first query's window are never read: skip whole blocks of them.
+        first_k_pos = 0 if sliding_window is None else max(0, first_q_pos - sliding_window + 1)
+        first_block = first_k_pos // block_size
+        last_block = (kv_len + block_size - 1) // block_size
+        blocks = block_table[b, first_block:last_block].long()
+        k_start = first_block * block_size
+        k_len = kv_len - k_start
+        # k, v: [Hkv, k_len, D] for key positions k_start..kv_len-1
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:k_len].transpose(0, 1).float()
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:k_len].transpose(0, 1).float()
+        # qb: [Hkv, group * q_len, D], query head h = kv_head * group + g
+        qb = q[q_start:q_end].float().view(q_len, num_kv_heads, group, head_dim)
+        qb = qb.permute(1, 2, 0, 3).reshape(num_kv_heads, group * q_len, head_dim)
+        scores = torch.bmm(qb, k.transpose(1, 2)) * scale  # [Hkv, group * q_len, k_len]
+
+        q_pos = torch.arange(first_q_pos, kv_len, device=q.device)
+        k_pos = torch.arange(k_start, kv_len, device=q.device)
+        visible = k_pos[None, :] <= q_pos[:, None]  # [q_len, k_len]
+        if sliding_window is not None:
+            visible &= k_pos[None, :] > q_pos[:, None] - sliding_window
+        scores = scores.view(num_kv_heads, group, q_len, k_len).masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, dim=-1).view(num_kv_heads, group * q_len, k_len)
+        o = torch.bmm(probs, v)  # [Hkv, group * q_len, D]
+        o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
+        out[q_start:q_end] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
+    return out

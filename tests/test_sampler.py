@@ -1,0 +1,324 @@
+"""Sampler tests: references are eager fp64 torch or hand-computed numbers."""
+import pytest
+import torch
+
+from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_penalties
+from engine.sampling_params import SamplingParams
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+ATOL, RTOL = 1e-4, 1.3e-6  # fp32
+
+
+def _meta(params, device="cpu", outputs=None, prompts=None, eos=()):
+    outputs = outputs if outputs is not None else [[] for _ in params]
+    prompts = prompts if prompts is not None else [[0] for _ in params]
+    return SamplingMetadata.from_params(params, prompts, outputs, list(eos), device)
+
+
+def _draws(row_logits, params, num_draws=3000, device="cpu"):
+    """`num_draws` independent unseeded samples from one row, reproducible via the sampler seed."""
+    logits = torch.as_tensor(row_logits, dtype=torch.float32, device=device)
+    logits = logits.expand(num_draws, -1).contiguous()
+    out = Sampler(seed=0)(logits, _meta([params] * num_draws, device))
+    return out.sampled_token_ids.cpu()
+
+
+def _log(probs):
+    return torch.tensor(probs, dtype=torch.float64).log().float()
+
+
+# ------------------------------------------------------------------ greedy and temperature
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_is_argmax_lowest_id_on_ties(device):
+    logits = torch.randn(5, 123, generator=torch.Generator().manual_seed(0)).to(device)
+    logits[3, 7] = logits[3, 90] = logits[3].max() + 1.0   # tie: the lower id wins
+    out = Sampler(seed=0)(logits, _meta([SamplingParams(temperature=0.0)] * 5, device))
+    expected = logits.double().cpu().argmax(-1)
+    assert out.sampled_token_ids.dtype == torch.int64
+    assert torch.equal(out.sampled_token_ids.cpu(), expected)
+    assert out.sampled_token_ids[3].item() == 7
+    assert out.logprobs is None and out.logprob_token_ids is None
+    assert out.sampled_token_ranks is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_small_temperature_samples_the_argmax(device):
+    # Top-2 gaps of 0.05 at temperature 1e-3 leave the runner-up a probability of e^-50.
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.stack([torch.randperm(100, generator=gen).float() * 0.05 for _ in range(64)])
+    params = [SamplingParams(temperature=1e-3, seed=i if i % 2 else None) for i in range(64)]
+    out = Sampler(seed=0)(logits.to(device), _meta(params, device))
+    assert torch.equal(out.sampled_token_ids.cpu(), logits.argmax(-1))
+
+
+def test_temperature_below_cutoff_is_greedy():
+    meta = _meta([SamplingParams(temperature=1e-7, seed=3), SamplingParams(temperature=0.5)])
+    assert meta.temperature.tolist() == [0.0, 0.5]
+    assert meta.seeds == [None, None] and not meta.all_greedy and not meta.all_random
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_top_k_1_equals_greedy(device):
+    logits = torch.randn(200, 50, generator=torch.Generator().manual_seed(2))
+    out = Sampler(seed=0)(logits.to(device),
+                          _meta([SamplingParams(temperature=1.5, top_k=1)] * 200, device))
+    assert torch.equal(out.sampled_token_ids.cpu(), logits.argmax(-1))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mixed_batch_greedy_rows_take_argmax(device):
+    logits = torch.randn(64, 50, generator=torch.Generator().manual_seed(8))
+    greedy = [i % 3 == 0 for i in range(64)]
+    params = [SamplingParams(temperature=0.0 if g else 5.0, top_p=0.9, seed=i if i % 2 else None)
+              for i, g in enumerate(greedy)]
+    sampled = Sampler(seed=0)(logits.to(device), _meta(params, device)).sampled_token_ids.cpu()
+    mask = torch.tensor(greedy)
+    assert torch.equal(sampled[mask], logits.argmax(-1)[mask])
+    # At temperature 5 over 50 tokens the random rows rarely hit the argmax.
+    assert (sampled[~mask] != logits.argmax(-1)[~mask]).sum() > 20
+
+
+def test_all_greedy_fast_path_does_not_sort_softmax_or_draw(monkeypatch):
+    def boom(*args, **kwargs):
+        raise AssertionError("all-greedy batch must not sort, softmax or draw noise")
+    for name in ("sort", "softmax", "exponential_"):
+        monkeypatch.setattr(torch.Tensor, name, boom)
+    monkeypatch.setattr(torch, "sort", boom)
+    logits = torch.randn(4, 33, generator=torch.Generator().manual_seed(3))
+    params = [SamplingParams(temperature=0.0, top_k=3, top_p=0.5, seed=1)] * 4
+    out = Sampler(seed=0)(logits, _meta(params))
+    assert torch.equal(out.sampled_token_ids, logits.argmax(-1))
+
+
+# ------------------------------------------------------------------ top-k / top-p / min-p support
+FLAT = [0.1, 0.0, 0.3, -0.1, 0.25, 0.05, 0.2, -0.2]
+PROBS_A = [0.10, 0.30, 0.05, 0.25, 0.20, 0.10]   # sorted: 1, 3, 4, 0|5, 2
+PROBS_B = [0.40, 0.30, 0.15, 0.10, 0.05]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("row_logits, params, allowed", [
+    (FLAT, SamplingParams(top_k=3), {2, 4, 6}),
+    (FLAT, SamplingParams(top_k=100), set(range(8))),                  # k > V keeps all
+    (_log(PROBS_A), SamplingParams(top_p=0.7), {1, 3, 4}),              # .30+.25 < .7 <= .75
+    (_log(PROBS_A), SamplingParams(top_p=0.5), {1, 3}),
+    # Temperature 2 flattens to p ~ sqrt(p): .233 .213 .190 ..., so 0.5 needs three tokens.
+    (_log(PROBS_A), SamplingParams(top_p=0.5, temperature=2.0), {1, 3, 4}),
+    (_log(PROBS_B), SamplingParams(min_p=0.3), {0, 1, 2}),              # p >= .12
+    # Temperature 2: p ~ sqrt(p) = .632 .548 .387 .316 .224, threshold .4 * .632 = .253.
+    (_log(PROBS_B), SamplingParams(min_p=0.4, temperature=2.0), {0, 1, 2, 3}),
+    (_log(PROBS_B), SamplingParams(min_p=0.4), {0, 1}),                 # p >= .16
+    # top-p is taken over the survivors renormalized: top-2 -> (.545, .455), 0.5 keeps one.
+    (_log(PROBS_B), SamplingParams(top_k=2, top_p=0.5), {0}),
+    # min-p first: {0,1,2} -> (.47, .35, .18); 0.8 keeps two.
+    (_log(PROBS_B), SamplingParams(min_p=0.3, top_p=0.8), {0, 1}),
+])
+def test_truncation_support(device, row_logits, params, allowed):
+    seen = set(_draws(row_logits, params, device=device).tolist())
+    assert seen == allowed
+
+
+@pytest.mark.parametrize("params, row_logits, expected_probs", [
+    (SamplingParams(temperature=0.8), [1.0, 0.5, 0.0, -0.5, 2.0, 0.2], None),
+    (SamplingParams(temperature=1.0, top_k=3), _log(PROBS_B).tolist(), [0.40 / .85, 0.30 / .85,
+                                                                       0.15 / .85, 0.0, 0.0]),
+])
+def test_frequencies_match_the_distribution(params, row_logits, expected_probs):
+    num_draws = 20000
+    draws = _draws(row_logits, params, num_draws=num_draws)
+    if expected_probs is None:
+        expected_probs = (torch.tensor(row_logits, dtype=torch.float64) / params.temperature)
+        expected_probs = expected_probs.softmax(-1)
+    expected = torch.as_tensor(expected_probs, dtype=torch.float64) * num_draws
+    observed = torch.bincount(draws, minlength=len(row_logits)).double()
+    support = expected > 0
+    assert observed[~support].sum() == 0
+    chi2 = ((observed - expected)[support] ** 2 / expected[support]).sum().item()
+    # Critical values at p = 0.001 for df = 5 and df = 2; the draws are seeded, so no flakes.
+    critical = {5: 20.52, 2: 13.82}[int(support.sum()) - 1]
+    assert chi2 < critical, chi2
+
+
+# ------------------------------------------------------------------ penalties and min_tokens
+def test_penalties_match_hand_computation():
+    logits = torch.tensor([[2.0, -1.0, 0.5, 3.0, -2.0, 0.0]] * 3)
+    before = logits.clone()
+    params = [
+        SamplingParams(repetition_penalty=2.0, frequency_penalty=0.25, presence_penalty=0.5),
+        SamplingParams(),                                  # penalties off: unchanged
+        SamplingParams(presence_penalty=-1.0),             # prompt tokens do not count
+    ]
+    meta = _meta(params, prompts=[[0, 4], [1, 2, 3], [0]], outputs=[[1, 2, 2], [0, 3], [5, 5, 3]])
+    got = apply_penalties(logits, meta)
+    # Row 0: seen {0,1,2,4} -> 2/2, -1*2, .5/2, -2*2; then counts t1:1, t2:2 (f .25, p .5).
+    expected = torch.tensor([
+        [1.0, -2.0 - 0.25 - 0.5, 0.25 - 0.5 - 0.5, 3.0, -4.0, 0.0],
+        [2.0, -1.0, 0.5, 3.0, -2.0, 0.0],
+        [2.0, -1.0, 0.5, 4.0, -2.0, 1.0],
+    ])
+    torch.testing.assert_close(got, expected, atol=ATOL, rtol=RTOL)
+    assert torch.equal(logits, before)
+
+
+def test_penalties_change_the_greedy_choice():
+    logits = torch.tensor([[3.0, 2.9, 0.0]] * 3)
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.2),
+              SamplingParams(temperature=0.0, frequency_penalty=0.2),
+              SamplingParams(temperature=0.0)]
+    out = Sampler()(logits, _meta(params, prompts=[[0], [2], [2]], outputs=[[], [0], [0]]))
+    assert out.sampled_token_ids.tolist() == [1, 1, 0]
+
+
+def test_from_params_min_tokens_masks_eos_and_stop_ids():
+    params = [SamplingParams(min_tokens=3, stop_token_ids=[5, 2]),
+              SamplingParams(min_tokens=3, stop_token_ids=[5], ignore_eos=True),
+              SamplingParams(min_tokens=2, stop_token_ids=[5]),
+              SamplingParams(stop_token_ids=[5])]
+    meta = _meta(params, outputs=[[1], [1], [1, 1], []], eos=[2, 7])
+    assert [sorted(ids) for ids in meta.no_stop_token_ids] == [[2, 5, 7], [5], [], []]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_min_tokens_mask_in_sampler(device):
+    logits = torch.tensor([[1.0, 0.0, 9.0, 0.0, 0.0, 8.0, 0.0, 7.0]] * 4, device=device)
+    params = [SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5, 1000]),
+              SamplingParams(temperature=0.0, min_tokens=3, stop_token_ids=[5], ignore_eos=True),
+              SamplingParams(temperature=0.0, min_tokens=1),
+              SamplingParams(temperature=0.0, min_tokens=1)]
+    meta = _meta(params, device, outputs=[[1], [1], [1], []], eos=[2, 7])
+    out = Sampler()(logits, meta)
+    assert out.sampled_token_ids.tolist() == [0, 2, 2, 5]
+    # Random rows never draw a masked id, even where it dominates.
+    flat = (logits[:1] * 0.1).expand(2000, -1).contiguous()
+    meta = _meta([SamplingParams(min_tokens=1, stop_token_ids=[5])] * 2000, device, eos=[2])
+    draws = set(Sampler(seed=0)(flat, meta).sampled_token_ids.tolist())
+    assert draws == {0, 1, 3, 4, 6, 7}
+
+
+# ------------------------------------------------------------------ seeds
+def _sample_seeded_row(device, row_logits, seed, output, position, batch_size=16,
+                       sampler_seed=0):
+    """Put a seeded request at `position` among `batch_size - 1` other random rows."""
+    gen = torch.Generator().manual_seed(100 + position)
+    logits = torch.randn(batch_size, row_logits.numel(), generator=gen)
+    logits[position] = row_logits
+    params = [SamplingParams(temperature=0.9, seed=None if i % 2 else 1000 + i)
+              for i in range(batch_size)]
+    outputs = [[i] * (i % 5) for i in range(batch_size)]
+    params[position], outputs[position] = SamplingParams(seed=seed), output
+    out = Sampler(seed=sampler_seed)(logits.to(device), _meta(params, device, outputs=outputs))
+    return out.sampled_token_ids[position].item()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_ignores_its_batch_and_row(device):
+    row_logits = torch.randn(50, generator=torch.Generator().manual_seed(4)) * 0.1
+    for num_generated in range(4):
+        output = list(range(num_generated))
+        alone = _sample_seeded_row(device, row_logits, 1234, output, 0, batch_size=1,
+                                   sampler_seed=0)
+        for position in (0, 7, 15):
+            # A different sampler seed too: a resumed request gets a fresh shared generator.
+            got = _sample_seeded_row(device, row_logits, 1234, output, position,
+                                     sampler_seed=position + 1)
+            assert got == alone, (num_generated, position)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_different_seeds_and_positions_draw_differently(device):
+    row_logits = torch.zeros(50)
+    by_seed = {_sample_seeded_row(device, row_logits, s, [], 0, batch_size=1) for s in range(20)}
+    by_step = {_sample_seeded_row(device, row_logits, 7, [0] * k, 0, batch_size=1)
+               for k in range(20)}
+    # 20 uniform draws over 50 tokens: chance of <= 5 distinct values is negligible.
+    assert len(by_seed) > 5 and len(by_step) > 5
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_seeded_row_same_after_greedy_or_random_rows(device):
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(5))
+    tokens = {}
+    for neighbours in ("greedy", "random"):
+        temperature = 0.0 if neighbours == "greedy" else 1.0
+        sampler, seq = Sampler(seed=0), []
+        for k in range(8):
+            params = [SamplingParams(temperature=temperature),
+                      SamplingParams(temperature=temperature, seed=99),
+                      SamplingParams(seed=42)]
+            outputs = [[1] * k, [2] * k, seq]
+            out = sampler(logits.to(device), _meta(params, device, outputs=outputs))
+            seq = seq + [out.sampled_token_ids[2].item()]
+        tokens[neighbours] = seq
+    assert tokens["greedy"] == tokens["random"]
+    assert len(set(tokens["greedy"])) > 1
+
+
+# ------------------------------------------------------------------ logprobs
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_are_raw_sorted_and_ranked(device):
+    logits = torch.randn(6, 37, generator=torch.Generator().manual_seed(6)) * 3
+    params = [SamplingParams(temperature=0.7, logprobs=5, repetition_penalty=1.5),
+              SamplingParams(temperature=0.0, logprobs=2, presence_penalty=1.0),
+              SamplingParams(temperature=1.3, top_k=4, seed=3),
+              SamplingParams(temperature=2.0, logprobs=0),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=5.0, top_p=0.9)]
+    meta = _meta(params, device, prompts=[[0, 1]] * 6, outputs=[[2, 3]] * 6)
+    out: SamplerOutput = Sampler(seed=0)(logits.to(device), meta)
+
+    reference = logits.double().log_softmax(-1)                 # before penalties/temperature
+    sampled = out.sampled_token_ids.cpu()
+    order = reference.argsort(-1, descending=True)
+    assert out.logprob_token_ids.shape == out.logprobs.shape == (6, 6)
+    assert out.logprobs.dtype == torch.float32 and out.logprob_token_ids.dtype == torch.int64
+    assert torch.equal(out.logprob_token_ids[:, 0].cpu(), sampled)
+    assert torch.equal(out.logprob_token_ids[:, 1:].cpu(), order[:, :5])
+    torch.testing.assert_close(out.logprobs.cpu().double(),
+                               reference.gather(1, out.logprob_token_ids.cpu()),
+                               atol=ATOL, rtol=RTOL)
+    assert (out.logprobs[:, 1:].diff(dim=-1) <= 0).all()
+    expected_ranks = (order == sampled[:, None]).int().argmax(-1) + 1
+    assert torch.equal(out.sampled_token_ranks.cpu(), expected_ranks)
+    assert out.sampled_token_ranks[1].item() != 0  # greedy row: rank of the penalized argmax
+    assert out.sampled_token_ranks.dtype == torch.int64
+
+
+def test_logprobs_zero_gives_only_the_sampled_column():
+    logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(7))
+    out = Sampler(seed=0)(logits, _meta([SamplingParams(temperature=0.0, logprobs=0)] * 2))
+    assert out.logprobs.shape == (2, 1)
+    assert torch.equal(out.logprob_token_ids[:, 0], logits.argmax(-1))
+    assert out.sampled_token_ranks.tolist() == [1, 1]
+
+
+# ------------------------------------------------------------------ from_params
+def test_from_params_leaves_unused_features_none():
+    meta = _meta([SamplingParams(), SamplingParams(temperature=0.0, top_k=5, top_p=0.5,
+                                                   min_p=0.2, seed=3)])
+    assert meta.temperature.dtype == torch.float32 and meta.temperature.tolist() == [1.0, 0.0]
+    for name in ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "prompt_token_ids", "max_num_logprobs"):
+        assert getattr(meta, name) is None, name
+    assert meta.seeds == [None, None]
+    assert meta.no_stop_token_ids == [[], []]
+    assert (meta.all_greedy, meta.all_random) == (False, False)
+    assert _meta([SamplingParams(temperature=0.0)]).all_greedy
+    assert _meta([SamplingParams(temperature=0.3)]).all_random
+
+
+def test_from_params_builds_used_features():
+    params = [SamplingParams(top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.1,
+                             presence_penalty=0.5, frequency_penalty=-0.5, logprobs=3, seed=7),
+              SamplingParams(logprobs=5)]
+    prompts = [[1, 2], [3]]
+    meta = _meta(params, prompts=prompts, outputs=[[4], []])
+    assert meta.top_k.dtype == torch.int64 and meta.top_k.tolist() == [5, 0]
+    torch.testing.assert_close(meta.top_p, torch.tensor([0.9, 1.0]))
+    torch.testing.assert_close(meta.min_p, torch.tensor([0.1, 0.0]))
+    torch.testing.assert_close(meta.repetition_penalty, torch.tensor([1.1, 1.0]))
+    torch.testing.assert_close(meta.presence_penalty, torch.tensor([0.5, 0.0]))
+    torch.testing.assert_close(meta.frequency_penalty, torch.tensor([-0.5, 0.0]))
+    assert all(t.dtype == torch.float32 for t in (meta.top_p, meta.min_p, meta.presence_penalty))
+    assert meta.prompt_token_ids == prompts and meta.output_token_ids == [[4], []]
+    assert meta.max_num_logprobs == 5 and meta.seeds == [7, None]
+    assert meta.all_random and not meta.all_greedy
