@@ -42,6 +42,35 @@ class EngineConfig:
                              f"{cls.field_names()}")
         return cls(**d)
 
+    @classmethod
+    def from_strings(cls, d: dict[str, str]) -> "EngineConfig":
+        """Build from string values (Triton `parameters`), converted by each field's type."""
+        types = {f.name: str(f.type) for f in fields(cls)}
+        unknown = sorted(set(d) - set(types))
+        if unknown:
+            raise ValueError(f"unknown engine setting(s) {unknown}; valid settings are "
+                             f"{list(types)}")
+        values: dict[str, Any] = {}
+        for k, v in d.items():
+            t = types[k]
+            s = v.strip()
+            if s == "" or (s.lower() == "none" and "None" in t):
+                continue                    # keep the default
+            try:
+                if t.startswith("bool"):
+                    if s.lower() not in ("true", "false", "1", "0"):
+                        raise ValueError
+                    values[k] = s.lower() in ("true", "1")
+                elif t.startswith("int"):
+                    values[k] = int(s)
+                elif t.startswith("float"):
+                    values[k] = float(s)
+                else:
+                    values[k] = s
+            except ValueError:
+                raise ValueError(f"{k} must be of type {t.split(' ')[0]}, got {v!r}") from None
+        return cls(**values)
+
     def validate(self) -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ValueError("model must be a path to a local Hugging Face model folder")
@@ -88,3 +117,16 @@ def _int_at_least(name: str, v: Any, lo: int) -> None:
 def _float_in(name: str, v: Any, lo: float, hi: float) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (lo < v <= hi):
         raise ValueError(f"{name} must be a number in ({lo}, {hi}], got {v!r}")
+
+
+def settings_from_triton(model_config: dict, repository: str, device: str) -> dict[str, str]:
+    """Engine settings from a Triton model config's `parameters` (string values). `model` and
+    `tokenizer` paths are resolved against the model repository; `device` comes from the
+    instance (KIND_CPU / KIND_GPU with its device id) unless a parameter sets it."""
+    params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+    for key in ("model", "tokenizer"):
+        if params.get(key) and not os.path.isabs(params[key]):
+            params[key] = os.path.normpath(os.path.join(repository, params[key]))
+    params.setdefault("device", device)
+    return params
+

@@ -1,0 +1,174 @@
+"""The tensor contract of the served models, as plain numpy (no Triton imports).
+
+Input and output names follow Triton's vLLM backend so that its clients (and
+`genai-perf --backend vllm`) work unchanged. The Triton models turn their request tensors into
+a dict of numpy arrays, call `parse_request`, and turn `make_response` back into tensors.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from typing import Any
+
+import numpy as np
+
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+
+_FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
+          "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
+          "return_output_ids")
+
+INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters") + _FLAGS
+OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
+                "output_ids", "logprobs")
+
+# TensorRT-LLM-style scalar inputs (llm_bls): they override the JSON sampling parameters.
+SCALAR_OVERRIDES = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
+                    "seed": int, "min_tokens": int, "repetition_penalty": float,
+                    "presence_penalty": float, "frequency_penalty": float}
+
+
+@dataclass
+class GenerateRequest:
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: bool = False
+    exclude_input_in_output: bool = False
+    return_finish_reason: bool = False
+    return_num_input_tokens: bool = False
+    return_num_output_tokens: bool = False
+    return_logprobs: bool = False
+    return_output_ids: bool = False
+
+
+def _scalar(arr: np.ndarray, name: str) -> Any:
+    flat = np.asarray(arr).reshape(-1)
+    if flat.size != 1:
+        raise ValueError(f"{name} must hold exactly one value, got {flat.size}")
+    return flat[0]
+
+
+def _text(arr: np.ndarray, name: str) -> str:
+    v = _scalar(arr, name)
+    if isinstance(v, (bytes, np.bytes_)):
+        try:
+            return bytes(v).decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{name} is not valid UTF-8: {e}") from None
+    if isinstance(v, str):
+        return v
+    raise ValueError(f"{name} must be a string (TYPE_STRING / BYTES), got {type(v).__name__}")
+
+
+def _flag(arr: np.ndarray, name: str) -> bool:
+    v = _scalar(arr, name)
+    if isinstance(v, (bool, np.bool_)):
+        return bool(v)
+    raise ValueError(f"{name} must be a boolean (TYPE_BOOL), got {np.asarray(arr).dtype}")
+
+
+def _coerce_json_values(d: dict) -> dict:
+    """Clients of Triton's vLLM backend often send numbers and booleans as strings
+    ("max_tokens": "64"); accept those where they parse cleanly."""
+    types = {f.name: f.type for f in fields(SamplingParams)}
+    out = {}
+    for k, v in d.items():
+        t = str(types.get(k, ""))
+        if isinstance(v, str) and k in types and "list" not in t and t != "str":
+            s = v.strip().lower()
+            if "bool" in t and s in ("true", "false"):
+                v = s == "true"
+            elif "int" in t:
+                try:
+                    v = int(s)
+                except ValueError:
+                    pass
+            elif "float" in t:
+                try:
+                    v = float(s)
+                except ValueError:
+                    pass
+        out[k] = v
+    return out
+
+
+def parse_sampling_parameters(text: str) -> dict:
+    try:
+        d = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"sampling_parameters is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError("sampling_parameters must be a JSON object")
+    return _coerce_json_values(d)
+
+
+def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
+    """Validates a request's tensors; raises ValueError naming the offending input."""
+    if "input_ids" in inputs and inputs["input_ids"] is not None:
+        ids = np.asarray(inputs["input_ids"]).reshape(-1)
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"input_ids must be integers (TYPE_INT32), got {ids.dtype}")
+        prompt: str | list[int] = [int(t) for t in ids]
+    elif inputs.get("text_input") is not None:
+        prompt = _text(inputs["text_input"], "text_input")
+    else:
+        raise ValueError("missing input: give text_input (a string) or input_ids")
+    if isinstance(prompt, str) and not prompt:
+        raise ValueError("text_input is empty")
+
+    params = {}
+    if inputs.get("sampling_parameters") is not None:
+        params = parse_sampling_parameters(_text(inputs["sampling_parameters"],
+                                                 "sampling_parameters"))
+    try:
+        sampling = SamplingParams.from_dict(params)
+    except TypeError as e:
+        raise ValueError(f"sampling_parameters: {e}") from None
+
+    flags = {name: _flag(inputs[name], name) for name in _FLAGS if inputs.get(name) is not None}
+    return GenerateRequest(prompt, sampling, **flags)
+
+
+def bls_inner_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The llm_bls request turned into an llm request: TensorRT-LLM-style scalar inputs merged
+    into `sampling_parameters` (they win), one response (`stream` false)."""
+    params = {}
+    if inputs.get("sampling_parameters") is not None:
+        params = parse_sampling_parameters(_text(inputs["sampling_parameters"],
+                                                 "sampling_parameters"))
+    for name, kind in SCALAR_OVERRIDES.items():
+        if inputs.get(name) is not None:
+            params[name] = kind(_scalar(inputs[name], name))
+    if inputs.get("stop_words") is not None:
+        words = np.asarray(inputs["stop_words"]).reshape(-1)
+        params["stop"] = [_text(np.array([w]), "stop_words") for w in words]
+    inner = {k: v for k, v in inputs.items() if k in INPUT_NAMES and v is not None}
+    inner["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
+    inner["stream"] = np.array([False])
+    return inner
+
+
+def make_response(req: GenerateRequest, out: RequestOutput, text: str,
+                  token_ids: list[int], logprobs: list | None,
+                  num_output_tokens: int) -> dict[str, np.ndarray]:
+    """Output tensors for one response. `text` / `token_ids` / `logprobs` are what this
+    response carries: the new part when streaming, everything when not."""
+    comp = out.outputs[0]
+    if not req.stream and not req.exclude_input_in_output and isinstance(out.prompt, str):
+        text = out.prompt + text
+    tensors: dict[str, np.ndarray] = {
+        "text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+    if req.return_output_ids:
+        tensors["output_ids"] = np.array(token_ids, dtype=np.int32)
+    if req.return_finish_reason and out.finished:
+        tensors["finish_reason"] = np.array([str(comp.finish_reason).encode()], dtype=np.object_)
+    if req.return_num_input_tokens:
+        tensors["num_input_tokens"] = np.array([len(out.prompt_token_ids)], dtype=np.uint32)
+    if req.return_num_output_tokens:
+        tensors["num_output_tokens"] = np.array([num_output_tokens], dtype=np.uint32)
+    if req.return_logprobs and logprobs is not None:
+        tensors["logprobs"] = np.array([json.dumps(
+            [{str(tid): lp.logprob for tid, lp in step.items()} for step in logprobs]
+        ).encode()], dtype=np.object_)
+    return tensors

@@ -1,0 +1,54 @@
+"""Triton adapter for the engine: decoupled, streaming. All logic is in engine/serving.py."""
+import json
+import os
+
+import triton_python_backend_utils as pb_utils
+
+from engine.config import EngineConfig, settings_from_triton
+from engine.metrics import TritonMetrics
+from engine.protocol import INPUT_NAMES
+from engine.serving import ServingEngine
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        self.logger = pb_utils.Logger
+        model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(model_config):
+            raise pb_utils.TritonModelException("the llm model must be decoupled")
+        device = "cpu"
+        if args["model_instance_kind"] == "GPU":
+            device = f"cuda:{args['model_instance_device_id']}"
+        repository = os.path.dirname(args["model_repository"].rstrip("/"))
+        config = EngineConfig.from_strings(settings_from_triton(model_config, repository, device))
+        labels = {"model": args["model_name"], "version": args["model_version"]}
+        self.serving = ServingEngine(config, TritonMetrics(pb_utils, labels))
+        self.logger.log_info(f"llm: engine ready on {device} with {config.model}")
+
+    def execute(self, requests):
+        for request in requests:
+            inputs = {}
+            for name in INPUT_NAMES + ("abort_request_id",):
+                tensor = pb_utils.get_input_tensor_by_name(request, name)
+                if tensor is not None:
+                    inputs[name] = tensor.as_numpy()
+            sender = request.get_response_sender()
+            self.serving.submit(inputs, _sender(sender), request.is_cancelled,
+                                request.request_id() or None)
+        return None
+
+    def finalize(self):
+        self.serving.shutdown()
+        self.logger.log_info("llm: engine stopped")
+
+
+def _sender(sender):
+    def send(tensors, error, final):
+        flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
+        if error is not None:
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(error))
+        else:
+            response = pb_utils.InferenceResponse(
+                [pb_utils.Tensor(name, value) for name, value in tensors.items()])
+        sender.send(response, flags=flags)
+    return send
