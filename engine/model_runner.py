@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
-from engine.models.attention import AttentionMetadata
+from engine.models.attention import TORCH_BACKEND, AttentionMetadata
 from engine.models.loader import load_model
 from engine.sampler import Sampler, SamplingMetadata
 from engine.sampling_params import SamplingParams
@@ -39,7 +39,8 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.eos_token_ids = list(eos_token_ids)
-        self.model, self.model_config = load_model(config.model, dtype, device, config.load_format)
+        self.model, self.model_config = load_model(config.model, dtype, device, config.load_format,
+                                                   attention_backend=TORCH_BACKEND)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _RunnerRequest] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -169,10 +169,11 @@ class ServingEngine:
                     self.metrics.on_inter_token((now - last) / len(comp.token_ids))
                 last = now
                 num_out += len(comp.token_ids)
-            if out.finished:
+            cancelled = not out.finished and is_cancelled()
+            if out.finished or cancelled:
                 self.metrics.on_tokens(len(out.prompt_token_ids), num_out)
-                self.metrics.on_finish(comp.finish_reason)
-            if is_cancelled():
+                self.metrics.on_finish("abort" if cancelled else comp.finish_reason)
+            if cancelled:
                 send(None, "request cancelled", True)
                 return                       # leaving the generator aborts it in the engine
             if req.stream:

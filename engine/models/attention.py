@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from kernels.attention_ref import paged_attention_ref, write_kv_ref
+from kernels.attention_torch import paged_attention_torch
 
 
 @dataclass
@@ -38,6 +39,8 @@ class AttentionBackend:
 
 
 TORCH_REF_BACKEND = AttentionBackend("torch_ref", write_kv_ref, paged_attention_ref)
+# The engine's default: decode rows batched in one matmul, same results as the reference.
+TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, paged_attention_torch)
 
 
 class Attention(nn.Module):
