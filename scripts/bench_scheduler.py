@@ -64,6 +64,16 @@ def bench(num_running: int, prompt_len: int, block_size: int, num_steps: int,
     }
 
 
+def cpu_name() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--num-running", type=int, nargs="+", default=[1, 64, 256, 1024])
@@ -78,13 +88,14 @@ def main() -> None:
     rows = [bench(n, args.prompt_len, args.block_size, args.num_steps, c)
             for n in args.num_running for c in (True, False)]
     meta = {"command": " ".join(["python"] + sys.argv), "commit": commit,
-            "cpu": platform.processor() or platform.machine(), "python": platform.python_version(),
+            "cpu": cpu_name(), "load_average": os.getloadavg()[0], "python": platform.python_version(),
             "target": "total_ms_per_step < 1.0 at num_running=256"}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
         json.dump({"meta": meta, "results": rows}, f, indent=2)
     lines = ["# Scheduler + block pool time per decode step", "",
-             f"commit `{commit}`, `{meta['command']}`, CPU {meta['cpu']}, Python {meta['python']}.",
+             f"commit `{commit}`, `{meta['command']}`, CPU {meta['cpu']} (load average "
+             f"{meta['load_average']:.1f} at start), Python {meta['python']}.",
              f"Target: {meta['target']}. Prompt {args.prompt_len} tokens, block {args.block_size}.",
              "", "| running | prefix caching | schedule ms | update ms | total ms/step |",
              "| ---: | :---: | ---: | ---: | ---: |"]
