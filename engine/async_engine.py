@@ -111,6 +111,7 @@ class AsyncEngine:
         self._core_thread.join()
         self._tokenizer_thread.shutdown(wait=True)
         self._fail_all(EngineDeadError("the engine was shut down"))
+        self.core.shutdown()
 
     # ------------------------------------------------------------------ tokenizer thread
     def _add_request(self, prompt: Prompt, params: SamplingParams, request_id: str) -> None:

@@ -120,6 +120,13 @@ class EngineCore:
         runner_out = self.runner.execute_model(sched)
         return self.scheduler.update_from_output(sched, runner_out)
 
+    def shutdown(self) -> None:
+        """Drops the model and the KV cache and hands their memory back."""
+        self.runner = None
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
     def get_stats(self) -> EngineStats:
         s = self.scheduler.stats
         return EngineStats(

@@ -370,3 +370,54 @@ def test_client_script_streams(server):
                            "--temperature", "0"], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert "length" in proc.stdout
+
+
+# ---------------------------------------------------------------------------- lifecycle
+def _repo_with(tmp_path, **params):
+    repo = tmp_path / "repo"
+    shutil.copytree(os.path.join(ROOT, "model_repository"), repo)
+    cfg_path = repo / "llm" / "config.pbtxt"
+    cfg = re.sub(r"^parameters .*$\n?", "", cfg_path.read_text(), flags=re.M)
+    cfg += "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
+                   for k, v in params.items())
+    cfg_path.write_text(cfg)
+    return repo
+
+
+def test_startup_failure_is_raised_from_initialize(tmp_path):
+    repo = _repo_with(tmp_path, model=str(tmp_path / "no-such-model"))
+    with pytest.raises(Exception) as e:
+        with start_server(repo, log_dir=tmp_path, timeout_s=60):
+            pass
+    assert "no-such-model" in str(e.value) and "does not exist" in str(e.value)
+
+
+def test_unload_lets_in_flight_streams_finish_then_finalizes(model_dir, tmp_path):
+    """Triton calls finalize only once in-flight requests are done: the stream must complete
+    (final flag, every token) and the unload must then finish, not hang."""
+    repo = _repo_with(tmp_path, model=model_dir, dtype="float32", **SETTINGS)
+    with start_server(repo, extra_args=["--model-control-mode=explicit", "--load-model=*"],
+                      log_dir=tmp_path) as server:
+        results: queue.Queue = queue.Queue()
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        client.start_stream(callback=lambda result, error: results.put((result, error)))
+        client.async_stream_infer("llm", grpc_inputs("Keep going", greedy(120),
+                                                     return_num_output_tokens=True),
+                                  enable_empty_final_response=True)
+        first, error = results.get(timeout=30)
+        assert error is None                                  # it is streaming
+        client.unload_model("llm_bls")
+        client.unload_model("llm")
+        last = first
+        while not last.get_response().parameters["triton_final_response"].bool_param:
+            last, error = results.get(timeout=30)
+            assert error is None, error
+        client.stop_stream()
+        assert last.as_numpy("num_output_tokens")[0] == 120
+        deadline = time.monotonic() + 30
+        while "successfully unloaded 'llm'" not in open(server.log_path).read():
+            assert time.monotonic() < deadline, "unload did not finish"
+            time.sleep(0.1)
+        assert "llm: engine stopped" in open(server.log_path).read()   # finalize ran
+        assert not client.is_model_ready("llm")
+        client.close()
