@@ -17,7 +17,7 @@ from collections.abc import AsyncIterator
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineStats
-from engine.llm import Prompt, encode_prompt, load_tokenizer
+from engine.llm import Prompt, encode_prompt, eos_token_ids, load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -45,8 +45,7 @@ class AsyncEngine:
         that will not mind the wait, then use it from one event loop."""
         self.config = config or EngineConfig(**settings)
         self.tokenizer = load_tokenizer(self.config)
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        self.core = EngineCore(self.config, eos)
+        self.core = EngineCore(self.config, eos_token_ids(self.tokenizer))
         self._processor = OutputProcessor(self.tokenizer, stream_deltas=True)
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()

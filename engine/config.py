@@ -25,6 +25,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     seed: int = 0
+    skip_tokenizer_init: bool = False     # token ids in and out only (benchmarks, no text)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -96,6 +97,9 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, "
                              f"got {self.enable_prefix_caching!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)
+        if not isinstance(self.skip_tokenizer_init, bool):
+            raise ValueError(f"skip_tokenizer_init must be true or false, "
+                             f"got {self.skip_tokenizer_init!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
 

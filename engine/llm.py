@@ -16,6 +16,8 @@ Prompt = str | list[int]
 
 
 def load_tokenizer(config: EngineConfig):
+    if config.skip_tokenizer_init:
+        return None
     try:
         return AutoTokenizer.from_pretrained(config.tokenizer or config.model)
     except Exception as e:  # transformers raises several types for a bad folder
@@ -27,6 +29,9 @@ def encode_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
     """Text is tokenized with the tokenizer's special tokens (e.g. BOS); a list of ints is
     taken as token ids."""
     if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer, and skip_tokenizer_init is set: "
+                             "give token ids")
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, (list, tuple)) and all(
             isinstance(t, int) and not isinstance(t, bool) for t in prompt):
@@ -35,12 +40,18 @@ def encode_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
                      f"{type(prompt).__name__}")
 
 
+def eos_token_ids(tokenizer) -> list[int]:
+    """The tokenizer's EOS, used when the model's config names none."""
+    if tokenizer is None or tokenizer.eos_token_id is None:
+        return []
+    return [tokenizer.eos_token_id]
+
+
 class LLM:
     def __init__(self, model: str, **settings) -> None:
         self.config = EngineConfig(model=model, **settings)
         self.tokenizer = load_tokenizer(self.config)
-        eos = [self.tokenizer.eos_token_id] if self.tokenizer.eos_token_id is not None else []
-        self.core = EngineCore(self.config, eos)
+        self.core = EngineCore(self.config, eos_token_ids(self.tokenizer))
         self._ids = itertools.count()
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
@@ -56,15 +67,14 @@ class LLM:
             raise ValueError(f"got {len(sampling_params)} sampling_params for "
                              f"{len(prompts)} prompts")
         # Validate everything before starting anything.
+        processor = OutputProcessor(self.tokenizer, stream_deltas=False)
         requests = []
         for prompt, params in zip(prompts, sampling_params):
             text, ids = encode_prompt(self.tokenizer, prompt)
-            rid = str(next(self._ids))
-            requests.append((text, self.core.make_request(rid, ids, params)))
-
-        processor = OutputProcessor(self.tokenizer, stream_deltas=False)
-        for text, req in requests:
-            processor.add_request(req.request_id, text, req.prompt_token_ids, req.sampling_params)
+            req = self.core.make_request(str(next(self._ids)), ids, params)
+            processor.add_request(req.request_id, text, req.prompt_token_ids, params)
+            requests.append(req)
+        for req in requests:
             self.core.add_request(req)
         finished: dict[str, RequestOutput] = {}
         while processor.has_unfinished():
@@ -73,7 +83,7 @@ class LLM:
                 self.core.abort_requests(to_abort)
             for out in outs:
                 finished[out.request_id] = out
-        return [finished[req.request_id] for _, req in requests]
+        return [finished[req.request_id] for req in requests]
 
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()

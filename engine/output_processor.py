@@ -19,7 +19,12 @@ class _RequestState:
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_token_ids, params.skip_special_tokens)
+        if tokenizer is None and params.stop:
+            raise ValueError("stop strings need a tokenizer, and skip_tokenizer_init is set: "
+                             "use stop_token_ids")
+        self.detok = (IncrementalDetokenizer(tokenizer, prompt_token_ids,
+                                             params.skip_special_tokens)
+                      if tokenizer is not None else None)
         self.stop = StopStringMatcher(params.stop, params.include_stop_str_in_output)
         self.text = ""
         self.num_sent_chars = 0
@@ -61,7 +66,7 @@ class OutputProcessor:
             if st.logprobs is not None and co.new_logprobs:
                 st.logprobs.extend(self._logprobs(lp) for lp in co.new_logprobs)
             finished = co.finished
-            new_text = st.detok.step(co.new_token_ids, final=finished)
+            new_text = st.detok.step(co.new_token_ids, final=finished) if st.detok else ""
             st.text += new_text
             if finished:
                 st.finish_reason, st.stop_reason = co.finish_reason, co.stop_reason
@@ -88,7 +93,8 @@ class OutputProcessor:
             if tid in d:
                 continue                    # the sampled token is also among the top-n
             rank = sampled_rank if i == 0 else i
-            d[tid] = Logprob(v, rank, self.tokenizer.decode([tid]))
+            text = self.tokenizer.decode([tid]) if self.tokenizer is not None else ""
+            d[tid] = Logprob(v, rank, text)
         return d
 
     def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput | None:

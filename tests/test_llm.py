@@ -150,3 +150,17 @@ def test_unsupported_architecture_is_a_clear_error(tiny_models, tmp_path):
     json.dump(cfg, open(bad / "config.json", "w"))
     with pytest.raises(ValueError, match="GPT2LMHeadModel"):
         LLM(str(bad), device="cpu")
+
+
+def test_skip_tokenizer_init_works_on_token_ids(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64,
+              skip_tokenizer_init=True)
+    ref = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64)
+    prompt = [5, 17, 99, 250]
+    out = llm.generate([prompt], GREEDY)[0].outputs[0]
+    assert out.token_ids == ref.generate([prompt], GREEDY)[0].outputs[0].token_ids
+    assert out.text == ""
+    with pytest.raises(ValueError, match="tokenizer"):
+        llm.generate(["text needs a tokenizer"], GREEDY)
+    with pytest.raises(ValueError, match="stop strings"):
+        llm.generate([prompt], SamplingParams(max_tokens=4, stop=["x"]))
