@@ -26,6 +26,7 @@ class EngineConfig:
     load_format: str = "auto"
     seed: int = 0
     skip_tokenizer_init: bool = False     # token ids in and out only (benchmarks, no text)
+    enforce_eager: bool = False           # no CUDA graphs / padded decode path
 
     def __post_init__(self) -> None:
         self.validate()
@@ -97,6 +98,8 @@ class EngineConfig:
             raise ValueError(f"enable_prefix_caching must be true or false, "
                              f"got {self.enable_prefix_caching!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)
+        if not isinstance(self.enforce_eager, bool):
+            raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.skip_tokenizer_init, bool):
             raise ValueError(f"skip_tokenizer_init must be true or false, "
                              f"got {self.skip_tokenizer_init!r}")

@@ -77,7 +77,7 @@ class EngineCore:
                 f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold "
                 f"one sequence of max_model_len={self.max_model_len}: raise num_kv_blocks "
                 f"(or the memory for it) or lower max_model_len")
-        self.runner.allocate_kv_cache(num_blocks)
+        self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)

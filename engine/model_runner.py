@@ -13,6 +13,7 @@ import numpy as np
 import torch
 
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs
 from engine.models.attention import TORCH_BACKEND, AttentionMetadata
 from engine.models.loader import load_model
 from engine.sampler import Sampler, SamplingMetadata
@@ -20,6 +21,19 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _StepInputs:
+    """One step's inputs on the host: T tokens of B requests."""
+    input_ids: np.ndarray       # [T] int64
+    positions: np.ndarray       # [T] int64
+    slot_mapping: np.ndarray    # [T] int64
+    q_lens: np.ndarray          # [B] int32, new tokens per request
+    seq_lens: np.ndarray        # [B] int32, context length including them
+    block_table: np.ndarray     # [B, max_blocks] int32
+    sampled_rows: list[int]     # requests that get a new token this step
+    sampled_ids: list[str]
 
 
 @dataclass
@@ -45,6 +59,7 @@ class ModelRunner:
         self.requests: dict[str, _RunnerRequest] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
+        self.decode_graphs: DecodeGraphs | None = None
 
     # ------------------------------------------------------------------ start-up
     @property
@@ -99,9 +114,15 @@ class ModelRunner:
                  torch.zeros(shape, dtype=self.dtype, device=self.device))
                 for _ in range(mc.num_hidden_layers)]
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
+    def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.num_blocks = num_blocks
         self.kv_caches = self._new_caches(num_blocks)
+        if not self.config.enforce_eager:
+            self.decode_graphs = DecodeGraphs(
+                self.model, self.kv_caches, self.config.max_num_seqs,
+                -(-max_model_len // self.block_size), max_model_len, self.device,
+                use_graphs=self.device.type == "cuda")
+            self.decode_graphs.capture()
 
     # ------------------------------------------------------------------ the step
     def _update_states(self, sched: SchedulerOutput) -> None:
@@ -119,17 +140,17 @@ class ModelRunner:
                 state.block_ids.extend(new_block_ids)
             state.num_computed_tokens = num_computed
 
-    def _prepare_inputs(self, sched: SchedulerOutput):
+    def _prepare_inputs(self, sched: SchedulerOutput) -> "_StepInputs":
         bs = self.block_size
         input_ids: list[int] = []
         positions: list[np.ndarray] = []
         slots: list[np.ndarray] = []
-        cu_seqlens_q = [0]
-        seq_lens = []
-        tables = []
-        logits_indices = []
-        sampled_ids = []
-        for rid, n in sched.num_scheduled_tokens.items():
+        q_lens: list[int] = []
+        seq_lens: list[int] = []
+        tables: list[np.ndarray] = []
+        sampled_rows: list[int] = []
+        sampled_ids: list[str] = []
+        for row, (rid, n) in enumerate(sched.num_scheduled_tokens.items()):
             state = self.requests[rid]
             start = state.num_computed_tokens
             end = start + n
@@ -138,41 +159,54 @@ class ModelRunner:
             table = np.asarray(state.block_ids, dtype=np.int64)
             positions.append(pos)
             slots.append(table[pos // bs] * bs + pos % bs)
-            cu_seqlens_q.append(cu_seqlens_q[-1] + n)
+            q_lens.append(n)
             seq_lens.append(end)
             tables.append(table)
             state.num_computed_tokens = end
             if end == len(state.token_ids):     # last known token: sample the next one
-                logits_indices.append(cu_seqlens_q[-1] - 1)
+                sampled_rows.append(row)
                 sampled_ids.append(rid)
-        max_blocks = max(len(t) for t in tables)
-        block_table = np.zeros((len(tables), max_blocks), dtype=np.int32)
+        block_table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
         for i, t in enumerate(tables):
             block_table[i, :len(t)] = t
+        return _StepInputs(np.asarray(input_ids, dtype=np.int64), np.concatenate(positions),
+                           np.concatenate(slots), np.asarray(q_lens, dtype=np.int32),
+                           np.asarray(seq_lens, dtype=np.int32), block_table, sampled_rows,
+                           sampled_ids)
+
+    def _forward_eager(self, x: "_StepInputs") -> torch.Tensor:
+        """Any batch: prompt chunks and decode rows together. Returns the sampled rows' logits."""
         dev = self.device
+        cu = np.zeros(len(x.q_lens) + 1, dtype=np.int32)
+        np.cumsum(x.q_lens, out=cu[1:])
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(np.concatenate(slots)).to(dev),
-            block_table=torch.from_numpy(block_table).to(dev),
-            cu_seqlens_q=torch.tensor(cu_seqlens_q, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            max_seqlen_q=max(b - a for a, b in zip(cu_seqlens_q, cu_seqlens_q[1:])),
-            max_seqlen_k=max(seq_lens))
-        ids = torch.tensor(input_ids, dtype=torch.long, device=dev)
-        pos = torch.from_numpy(np.concatenate(positions)).to(dev)
-        return ids, pos, meta, logits_indices, sampled_ids
+            slot_mapping=torch.from_numpy(x.slot_mapping).to(dev),
+            block_table=torch.from_numpy(x.block_table).to(dev),
+            cu_seqlens_q=torch.from_numpy(cu).to(dev),
+            seq_lens=torch.from_numpy(x.seq_lens).to(dev),
+            max_seqlen_q=int(x.q_lens.max()), max_seqlen_k=int(x.seq_lens.max()))
+        hidden = self.model(torch.from_numpy(x.input_ids).to(dev),
+                            torch.from_numpy(x.positions).to(dev), self.kv_caches, meta)
+        index = torch.from_numpy(cu[1:][x.sampled_rows] - 1).to(dev)
+        return self.model.compute_logits(hidden[index])
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
-        ids, pos, meta, logits_indices, sampled_ids = self._prepare_inputs(sched)
-        hidden = self.model(ids, pos, self.kv_caches, meta)
-        if not sampled_ids:
+        x = self._prepare_inputs(sched)
+        if not x.sampled_ids:
+            self._forward_eager(x)              # prompt chunks only: nothing to sample
             return ModelRunnerOutput([], [])
-        index = torch.tensor(logits_indices, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[index])
-        states = [self.requests[rid] for rid in sampled_ids]
+        batch = len(x.q_lens)
+        decode_only = len(x.input_ids) == batch and len(x.sampled_rows) == batch
+        if decode_only and self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+            logits = self.decode_graphs.run(x.input_ids, x.positions, x.slot_mapping,
+                                            x.block_table, x.seq_lens)
+        else:
+            logits = self._forward_eager(x)
+        states = [self.requests[rid] for rid in x.sampled_ids]
         meta_s = SamplingMetadata.from_params(
             [s.sampling_params for s in states],
             [s.token_ids[:s.num_prompt_tokens] for s in states],
@@ -182,7 +216,7 @@ class ModelRunner:
         tokens = out.sampled_token_ids.tolist()
         for state, tok in zip(states, tokens):
             state.token_ids.append(tok)
-        return ModelRunnerOutput(sampled_ids, tokens, self._logprobs(states, out))
+        return ModelRunnerOutput(x.sampled_ids, tokens, self._logprobs(states, out))
 
     @staticmethod
     def _logprobs(states: list[_RunnerRequest], out) -> list | None:

@@ -1,0 +1,88 @@
+"""Shared by the benchmarks: model presets (real configs, dummy weights), hardware, results."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# Llama-3.1-8B's config.json (the architecture; weights are random, `load_format="dummy"`).
+PRESETS = {
+    "llama-3.1-8b": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 14336, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+        "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False,
+        "hidden_act": "silu", "bos_token_id": 128000, "eos_token_id": 128001,
+        "torch_dtype": "bfloat16",
+    },
+}
+
+# H200 SXM datasheet peaks; what a benchmark is compared against.
+HBM_BYTES_PER_S = 4.8e12
+BF16_DENSE_FLOPS = 989.4e12
+
+
+def preset_dir(name: str) -> str:
+    """A model folder holding only the preset's config.json (for dummy weights)."""
+    d = os.path.join(tempfile.gettempdir(), f"preset-{name}")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(PRESETS[name], f)
+    return d
+
+
+def param_count(cfg: dict) -> int:
+    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i + 2 * h
+    embed = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
+    return cfg["num_hidden_layers"] * per_layer + embed + h
+
+
+def kv_bytes_per_token(cfg: dict, elem_bytes: int = 2) -> int:
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * elem_bytes
+
+
+def hardware() -> dict:
+    info = {"python": platform.python_version(), "host": platform.node()}
+    try:
+        import torch
+        info["torch"] = torch.__version__
+        if torch.cuda.is_available():
+            info["gpu"] = torch.cuda.get_device_name()
+    except ImportError:
+        pass
+    return info
+
+
+def git_commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
+                              capture_output=True, text=True).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+def write_results(out_prefix: str, meta: dict, rows: list[dict], table: list[str]) -> None:
+    """`out_prefix`.json (everything) and `out_prefix`.md (the table with its provenance)."""
+    os.makedirs(os.path.dirname(out_prefix) or ".", exist_ok=True)
+    with open(out_prefix + ".json", "w") as f:
+        json.dump({"meta": meta, "results": rows}, f, indent=2)
+    head = [f"# {meta['title']}", "",
+            f"Hardware: {meta['hardware']}. Commit `{meta['commit']}`.",
+            f"Command: `{meta['command']}`", ""]
+    with open(out_prefix + ".md", "w") as f:
+        f.write("\n".join(head + table) + "\n")
+    print("\n".join(head + table))

@@ -1,0 +1,74 @@
+"""Single-stream decode: ms per token and tokens/s, beside the HBM roofline (weight bytes /
+peak bandwidth: every decode step reads all weights once)."""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+from bench_common import (HBM_BYTES_PER_S, PRESETS, git_commit, hardware, kv_bytes_per_token,
+                          param_count, preset_dir, write_results)
+
+from engine import LLM, SamplingParams
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--input-len", type=int, default=128)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default="benchmarks/latency")
+    args = ap.parse_args()
+
+    import torch
+    cfg = PRESETS[args.preset]
+    llm = LLM(preset_dir(args.preset), load_format="dummy", dtype=args.dtype,
+              skip_tokenizer_init=True, max_num_seqs=8, max_model_len=8192,
+              enforce_eager=args.enforce_eager)
+    core = llm.core
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    prompt = [(i * 7919) % cfg["vocab_size"] for i in range(args.input_len)]
+
+    step_ms: list[float] = []
+    ttft_ms: list[float] = []
+    for it in range(args.iters + 1):                       # the first run warms up
+        core.add_request(core.make_request(f"lat{it}", prompt, params))
+        times = []
+        while core.has_unfinished_requests():
+            t0 = time.perf_counter()
+            core.step()                                    # ends with the sampled token on host
+            times.append(1e3 * (time.perf_counter() - t0))
+        if it:
+            ttft_ms.append(times[0])
+            step_ms.extend(times[1:])
+    ms = statistics.median(step_ms)
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    weight_bytes = param_count(cfg) * elem
+    # Per token the step also reads the sequence's KV (small at this length): count it.
+    kv_bytes = kv_bytes_per_token(cfg, elem) * (args.input_len + args.output_len // 2)
+    roofline_ms = 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
+    row = {"preset": args.preset, "dtype": args.dtype, "input_len": args.input_len,
+           "output_len": args.output_len, "enforce_eager": args.enforce_eager,
+           "ms_per_token_median": ms, "ms_per_token_p90": statistics.quantiles(step_ms, n=10)[8],
+           "tokens_per_s": 1e3 / ms, "ttft_ms_median": statistics.median(ttft_ms),
+           "weight_bytes": weight_bytes, "roofline_ms_per_token": roofline_ms,
+           "fraction_of_roofline": roofline_ms / ms,
+           "achieved_hbm_tb_per_s": (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e12}
+    meta = {"title": f"Single-stream decode, {args.preset} ({args.dtype}, dummy weights)",
+            "hardware": hardware(), "commit": git_commit(),
+            "command": " ".join(["python"] + sys.argv),
+            "roofline": "weights + KV bytes / 4.8 TB/s (H200 spec); target >= 80%"}
+    table = ["| ms/token (median) | p90 | tokens/s | roofline ms/token | % of roofline | "
+             "achieved TB/s | TTFT ms |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+             f"| {ms:.2f} | {row['ms_per_token_p90']:.2f} | {row['tokens_per_s']:.1f} | "
+             f"{roofline_ms:.2f} | {100 * row['fraction_of_roofline']:.1f}% | "
+             f"{row['achieved_hbm_tb_per_s']:.2f} | {row['ttft_ms_median']:.1f} |"]
+    write_results(args.out, meta, [row], table)
+
+
+if __name__ == "__main__":
+    main()
