@@ -22,6 +22,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None      # None: sized from memory
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0          # KV budget on CPU when num_kv_blocks is None
+    cpu_threads: int | None = None        # torch intra-op threads on CPU (None: torch's default)
     enable_prefix_caching: bool = True
     load_format: str = "auto"
     seed: int = 0
@@ -94,6 +95,8 @@ class EngineConfig:
             _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)
         _float_in("gpu_memory_utilization", self.gpu_memory_utilization, 0.0, 1.0)
         _float_in("cpu_kv_cache_gb", self.cpu_kv_cache_gb, 0.0, 1e6)
+        if self.cpu_threads is not None:
+            _int_at_least("cpu_threads", self.cpu_threads, 1)
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be true or false, "
                              f"got {self.enable_prefix_caching!r}")

@@ -61,6 +61,10 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        elif config.cpu_threads is not None:
+            # Small models gain nothing from intra-op threads and lose a lot when the cores
+            # are busy with other work (the server, the tokenizer thread, clients).
+            torch.set_num_threads(config.cpu_threads)
 
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         if self.max_model_len > model_config.max_position_embeddings:

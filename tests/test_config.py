@@ -27,6 +27,7 @@ def test_defaults_are_valid(model_dir):
     ("enable_prefix_caching", "yes", "true or false"),
     ("load_format", "pt", "dummy"),
     ("seed", "1", "integer"),
+    ("cpu_threads", 0, ">= 1"),
 ])
 def test_bad_setting_names_field_and_range(model_dir, field, value, allowed):
     with pytest.raises(ValueError) as e:

@@ -23,7 +23,7 @@ from tests.tritonserver import start_server
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_MODEL_LEN = 256
 SETTINGS = {"max_num_seqs": 64, "max_num_batched_tokens": 512, "num_kv_blocks": 256,
-            "max_model_len": MAX_MODEL_LEN}
+            "max_model_len": MAX_MODEL_LEN, "cpu_threads": 1}
 
 
 @pytest.fixture(scope="module")
@@ -238,13 +238,17 @@ def test_32_concurrent_streams_and_32_concurrent_bls(server, direct):
 def test_16_concurrent_bls_are_batched_not_queued(server):
     params = greedy(64)
     bls_grpc(server, "warm up", params)
-    t0 = time.monotonic()
-    bls_grpc(server, PROMPTS[0], params)
-    one = time.monotonic() - t0
-    t0 = time.monotonic()
-    with concurrent.futures.ThreadPoolExecutor(16) as pool:
-        list(pool.map(lambda p: bls_grpc(server, p, params), PROMPTS[:16]))
-    sixteen = time.monotonic() - t0
+
+    def timed(n):
+        t0 = time.monotonic()
+        with concurrent.futures.ThreadPoolExecutor(n) as pool:
+            list(pool.map(lambda p: bls_grpc(server, p, params), PROMPTS[:n]))
+        return time.monotonic() - t0
+
+    # Other processes on a small machine only ever add time: take the best of a few runs of
+    # each. Served one after another, 16 would take ~16x one.
+    one = min(timed(1) for _ in range(3))
+    sixteen = min(timed(16) for _ in range(2))
     assert sixteen < 2 * one, f"16 at once took {sixteen:.2f}s, one took {one:.2f}s"
 
 
@@ -353,8 +357,10 @@ def test_perf_analyzer_streaming_and_bls(server, tmp_path):
     pa = _perf_analyzer()
     assert pa, "perf_analyzer missing from the virtualenv"
     env = dict(os.environ)
+    # Concurrency 16 over llm_bls once crashed the server (a cancellation check on a request
+    # already answered): keep it high enough to catch that again.
     common = ["-u", server.grpc_url, "-i", "grpc", "--measurement-mode", "count_windows",
-              "--measurement-request-count", "10", "--concurrency-range", "4",
+              "--measurement-request-count", "64", "--concurrency-range", "16",
               "--stability-percentage", "999", "--max-trials", "3"]
     for args in (["-m", "llm", "--streaming", "--input-data", str(data)],
                  ["-m", "llm_bls", "--input-data", str(bls_data)]):

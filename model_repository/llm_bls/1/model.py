@@ -51,7 +51,8 @@ class TritonPythonModel:
             try:
                 inner = bls_inner_inputs(inputs)
             except ValueError as e:
-                return sender.send(_error(str(e)), flags=_FINAL)
+                sender.send(_error(str(e)), flags=_FINAL)
+                return
             with self.lock:
                 self.inflight[inner_id] = request
             call = pb_utils.InferenceRequest(
@@ -64,7 +65,11 @@ class TritonPythonModel:
                 elif response.output_tensors():
                     outputs = [pb_utils.Tensor(t.name(), t.as_numpy())
                                for t in response.output_tensors()]
-            if request.is_cancelled():
+            cancelled = request.is_cancelled()
+            # Once the FINAL response is sent Triton frees the request: the watcher must not
+            # see it any more, so it leaves `inflight` first.
+            self._forget(inner_id)
+            if cancelled:
                 sender.send(_error("request cancelled", pb_utils.TritonError.CANCELLED),
                             flags=_FINAL)
             elif error is not None or outputs is None:
@@ -72,22 +77,25 @@ class TritonPythonModel:
             else:
                 sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL)
         except Exception as e:  # noqa: BLE001 - the client must always get its final response
+            self._forget(inner_id)
             pb_utils.Logger.log_error(f"llm_bls: {e!r}")
             sender.send(_error(f"internal error: {e}"), flags=_FINAL)
-        finally:
-            with self.lock:
-                self.inflight.pop(inner_id, None)
+
+    def _forget(self, inner_id):
+        with self.lock:
+            self.inflight.pop(inner_id, None)
 
     def _watch_cancellations(self):
         aborted = set()
         while not self.stopping.wait(_CANCEL_POLL_S):
+            # is_cancelled() under the lock: a request out of `inflight` may be freed already.
             with self.lock:
-                items = list(self.inflight.items())
-            aborted &= {inner_id for inner_id, _ in items}
-            for inner_id, request in items:
-                if inner_id not in aborted and request.is_cancelled():
-                    aborted.add(inner_id)
-                    self._abort_inner(inner_id)
+                aborted &= set(self.inflight)
+                cancelled = [inner_id for inner_id, request in self.inflight.items()
+                             if inner_id not in aborted and request.is_cancelled()]
+            for inner_id in cancelled:
+                aborted.add(inner_id)
+                self._abort_inner(inner_id)
 
     def _abort_inner(self, inner_id):
         call = pb_utils.InferenceRequest(

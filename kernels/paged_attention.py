@@ -1,0 +1,370 @@
+"""Paged attention in Triton: one kernel for prefill chunks, decode rows and mixed batches.
+
+Same contract and layouts as `attention_ref.paged_attention_ref` (re-exported here for tests):
+
+  q                [T, Hq, D]     new tokens of the B sequences back to back; any strides
+  k_cache, v_cache [num_blocks, block_size, Hkv, D]   any strides
+  block_table      [B, max_blocks] int32, block ids of each sequence in position order
+  cu_seqlens_q     [B + 1] int32  sequence b owns q rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
+  seq_lens         [B] int32      context length of b including its new tokens
+  out              [T, Hq, D]     q's dtype; rows past cu_seqlens_q[-1] are written as zeros
+
+Query row i of sequence b (q_len rows, L = seq_lens[b]) sits at position p = L - q_len + i and
+query head h reads kv head h // G, G = Hq // Hkv. With scores in fp32,
+
+    out[p, h] = sum_j softmax_j(scale * q[p, h] . k[j, h // G]) v[j, h // G]
+    over key positions j <= p and, given a sliding window W, j > p - W,
+
+computed with an online softmax (running max m, running sum l, fp32 accumulator; exp2 with
+log2(e) folded into the scale).
+
+Tiling. One program owns a tile of BLOCK_M query positions x all G query heads of one kv head
+(BLOCK_Q = BLOCK_M * G_PAD rows, row r = position r // G_PAD, head r % G_PAD), so each K/V block
+read from the cache serves every query head that shares it, and tl.dot sees >= 16 rows even for
+one decode token. The program walks its sequence's keys BLOCK_N at a time through the block
+table; key blocks that no row of the tile can see (after the last position, before the first
+window) are never visited. Grid: (query tiles of the longest q, B + 1, Hkv * num_kv_splits);
+the extra "sequence" B zeroes the padding rows past cu_seqlens_q[-1].
+
+Split-KV. With num_kv_splits = S > 1 each tile's key range is cut into S pieces (whole BLOCK_N
+steps), each program writes its partial (m, l, acc) to an fp32 workspace, and
+`_reduce_splits_kernel` merges them. This is what lets a few long decode sequences (8k-32k
+context) fill all SMs; `choose_num_kv_splits` picks S for `max_seqlen_q == 1` calls.
+
+CUDA graphs. The launcher reads no device value: grids come from tensor shapes and the ints
+max_seqlen_q / num_kv_splits; shorter sequences exit early or mask. The caller must pass
+max_seqlen_q >= every q_len (unchecked, as checking would sync). The split workspace is a
+torch.empty per call; under graph capture it comes from the graph's private memory pool.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_ref import paged_attention_ref
+
+__all__ = ["paged_attention", "paged_attention_ref", "choose_num_kv_splits"]
+
+_LOG2E = 1.4426950408889634
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_H200_NUM_SMS = 132
+
+
+# The kernels call only Triton builtins and the @triton.jit functions below, none of triton's own
+# library (tl.max, tl.sum, tl.zeros, tl.cdiv): those are decorated when triton is first imported,
+# so under TRITON_INTERPRET set later (the CPU tests) they would not run in the interpreter.
+@triton.jit
+def _max_combine(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _add_combine(a, b):
+    return a + b
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,              # [T, Hq, S] x2, [T, Hq, S, D] fp32
+    block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
+    qk_scale, sliding_window, num_seqs, num_tokens, num_heads, num_m_tiles,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Longest-running tiles (last positions of a prompt see the most keys) start first.
+    pid_m = num_m_tiles - 1 - tl.program_id(0).to(tl.int64)
+    seq = tl.program_id(1).to(tl.int64)
+    pid_hs = tl.program_id(2).to(tl.int64)
+    kv_head = pid_hs // NUM_SPLITS
+    split = pid_hs % NUM_SPLITS
+
+    rows = tl.arange(0, BLOCK_Q)
+    row_pos = rows // G_PAD                     # query position inside the tile
+    row_g = rows % G_PAD                        # query head inside the group
+    head = kv_head * GROUP + row_g
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    if seq == num_seqs:
+        # Padding rows past cu_seqlens_q[-1] come back zero, as in the reference.
+        if split == 0:
+            zeros = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=out_ptr.dtype.element_ty)
+            tail_start = tl.load(cu_seqlens_q_ptr + num_seqs).to(tl.int64)
+            for t0 in range(tail_start + pid_m * BLOCK_M, num_tokens, num_m_tiles * BLOCK_M):
+                t = t0 + row_pos
+                mask = (row_g < GROUP) & (t < num_tokens)
+                ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+                tl.store(ptrs, zeros, mask=mask[:, None])
+        return
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int64) - q_start
+    if pid_m * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+
+    first_pos = seq_len - q_len + pid_m * BLOCK_M   # position of the tile's first query
+    row_in_seq = pid_m * BLOCK_M + row_pos
+    row_valid = (row_g < GROUP) & (row_in_seq < q_len)
+    q_pos = first_pos + row_pos
+
+    # Keys [k_lo, k_hi) are all a tile can see: up to its last query, from its first's window.
+    k_hi = tl.minimum(first_pos + BLOCK_M, seq_len)
+    k_lo = 0
+    if HAS_WINDOW:
+        k_lo = tl.maximum(first_pos - sliding_window + 1, 0)
+    k_lo = (k_lo // BLOCK_N) * BLOCK_N
+    if NUM_SPLITS > 1:
+        per_split = ((k_hi - k_lo + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        k_lo = k_lo + split * per_split
+        k_hi = tl.minimum(k_lo + per_split, k_hi)
+
+    t = q_start + row_in_seq
+    q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_Q], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table_row = block_table_ptr + seq * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+
+    for start in range(k_lo, k_hi, BLOCK_N):
+        k_pos = start + offs_n
+        k_in = k_pos < k_hi
+        block_id = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_in, other=0).to(tl.int64)
+        slot = k_pos % PAGE_SIZE
+        # k: [D, BLOCK_N], v: [BLOCK_N, D], gathered key by key through the block table.
+        k = tl.load(k_base + block_id[None, :] * stride_kb + slot[None, :] * stride_ks
+                    + offs_d[:, None] * stride_kd, mask=k_in[None, :], other=0.0)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_Q, BLOCK_N]
+        visible = (k_pos[None, :] <= q_pos[:, None]) & k_in[None, :]
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
+        # A row that has seen no visible key yet keeps m = -inf; subtract 0 to avoid inf - inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
+        v = tl.load(v_base + block_id[:, None] * stride_vb + slot[:, None] * stride_vs
+                    + offs_d[None, :] * stride_vd, mask=k_in[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+        out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+    else:
+        # A split that sees no key of a row stores m = -inf, l = 0, acc = 0 for it.
+        part = (t * num_heads + head) * NUM_SPLITS + split
+        tl.store(part_m_ptr + part, m_i, mask=row_valid)
+        tl.store(part_l_ptr + part, l_i, mask=row_valid)
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cu_seqlens_q_ptr,
+    num_seqs, num_heads, stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, for ROWS
+    token rows x the G query heads of one kv head (row r = token r // G_PAD, head r % G_PAD)."""
+    pid_t = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1).to(tl.int64)
+    offs_r = tl.arange(0, ROWS * G_PAD)
+    t = pid_t * ROWS + offs_r // G_PAD
+    g = offs_r % G_PAD
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    # Padding rows past cu_seqlens_q[-1] were zeroed by the main kernel and have no partials.
+    valid = (g < GROUP) & (t < tl.load(cu_seqlens_q_ptr + num_seqs))
+    head = kv_head * GROUP + g
+    base = (t * num_heads + head) * NUM_SPLITS
+    ml_mask = valid[:, None] & (offs_s[None, :] < NUM_SPLITS)
+    m = tl.load(part_m_ptr + base[:, None] + offs_s[None, :], mask=ml_mask, other=float("-inf"))
+    l = tl.load(part_l_ptr + base[:, None] + offs_s[None, :], mask=ml_mask, other=0.0)
+    m_max = tl.where(valid, tl.reduce(m, 1, _max_combine), 0.0)  # finite on valid rows: a split saw the own key
+    l_sum = tl.reduce(l * tl.exp2(m - m_max[:, None]), 1, _add_combine)
+    acc = tl.full([ROWS * G_PAD, HEAD_DIM], 0.0, dtype=tl.float32)
+    for s in range(NUM_SPLITS):
+        m_s = tl.load(part_m_ptr + base + s, mask=valid, other=0.0)
+        acc_s = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=valid[:, None], other=0.0)
+        acc += acc_s * tl.exp2(m_s - m_max)[:, None]
+    out = acc / tl.where(valid, l_sum, 1.0)[:, None]
+    tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
+             out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
+
+
+@dataclass(frozen=True)
+class _TileConfig:
+    block_q: int        # target rows per tile (query positions x padded group)
+    block_n: int        # keys per step
+    num_warps: int
+    num_stages: int
+
+
+def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
+    """Decode: 16-row tiles (memory-bound; the dot only has to reach tensor-core size) and a
+    3-deep copy pipeline. Prefill: 128-row tiles on 8 warps (wgmma). Sizes checked for spills
+    with ptxas for sm_90."""
+    if dtype == torch.float32:
+        # An exact fp32 dot (input_precision="ieee") runs on the FMA units; only small tiles stay
+        # out of local memory. fp32 on the GPU is a test path, not a fast one.
+        small = 16 if head_dim >= 128 else 32
+        return _TileConfig(small, small, 4, 2)
+    if max_seqlen_q == 1:
+        return _TileConfig(16, 32 if head_dim == 256 else 64, 4, 3)
+    if head_dim == 256:
+        return _TileConfig(64, 32, 4, 2)
+    return _TileConfig(128, 64, 8, 3)
+
+
+def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
+                         num_sms: int = _H200_NUM_SMS, min_keys_per_split: int = 256,
+                         max_splits: int = 64) -> int:
+    """Splits per (sequence, kv head) for a decode call: enough programs for about two per SM,
+    but no split shorter than min_keys_per_split keys (the partials cost a write and a merge)."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    want = triton.cdiv(2 * num_sms, programs)
+    cap = max(max_seqlen_k // min_keys_per_split, 1)
+    return max(1, min(want, cap, max_splits))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _H200_NUM_SMS
+
+
+def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out):
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of "
+            f"dim {cache_head_dim}: the head dims must match and Hq must be a multiple of Hkv")
+    if head_dim not in _HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {_HEAD_DIMS}, got {head_dim}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16 (16, 32, 64, ...), got {block_size}")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and the caches must share one dtype of {_DTYPES}, got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    for name, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    num_seqs = seq_lens.shape[0]
+    if block_table.dim() != 2 or block_table.shape[0] != num_seqs or cu_seqlens_q.shape != (num_seqs + 1,):
+        raise ValueError(
+            f"with {num_seqs} sequences, block_table must be [{num_seqs}, max_blocks] and cu_seqlens_q "
+            f"[{num_seqs + 1}], got {tuple(block_table.shape)} and {tuple(cu_seqlens_q.shape)}")
+    tensors = (k_cache, v_cache, block_table, cu_seqlens_q, seq_lens) + ((out,) if out is not None else ())
+    if any(t.device != q.device for t in tensors):
+        raise ValueError("all tensors must be on q's device")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+
+
+def paged_attention(
+    q: torch.Tensor,             # [T, Hq, D], any strides
+    k_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,   # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,      # [B] int32
+    scale: float,
+    sliding_window: int | None = None,
+    *,
+    max_seqlen_q: int,
+    max_seqlen_k: int,
+    num_kv_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention of the new query rows, as `paged_attention_ref`. Returns [T, Hq, D].
+
+    max_seqlen_q must be >= every sequence's q_len and max_seqlen_k >= every seq_len (neither is
+    checked on the device). num_kv_splits=None: split-KV for decode calls (max_seqlen_q == 1) by
+    `choose_num_kv_splits`, none otherwise. out: optional [T, Hq, D] buffer to write into.
+    """
+    _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
+    if max_seqlen_q < 1 or max_seqlen_k < 1:
+        raise ValueError(f"max_seqlen_q and max_seqlen_k must be >= 1, got {max_seqlen_q}, {max_seqlen_k}")
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    if num_kv_splits is None:
+        num_kv_splits = 1 if max_seqlen_q > 1 else choose_num_kv_splits(
+            num_seqs, num_kv_heads, max_seqlen_k, _num_sms(q.device))
+    if num_kv_splits < 1:
+        raise ValueError(f"num_kv_splits must be >= 1 or None, got {num_kv_splits}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    cfg = _pick_config(max_seqlen_q, head_dim, q.dtype)
+    _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
+            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg)
+    return out
+
+
+def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale, sliding_window,
+            max_seqlen_q, num_kv_splits, cfg: _TileConfig) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    block_m = max(cfg.block_q // g_pad, 1)
+    num_m_tiles = triton.cdiv(max_seqlen_q, block_m)
+    if num_kv_splits > 1:
+        # fp32 partials of every (row, head, split); torch.empty is graph-safe (private pool).
+        part_m = torch.empty(num_tokens, num_heads, num_kv_splits, dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        part_acc = torch.empty(num_tokens, num_heads, num_kv_splits, head_dim,
+                               dtype=torch.float32, device=q.device)
+    else:
+        part_m = part_l = part_acc = out     # unused
+    grid = (num_m_tiles, num_seqs + 1, num_kv_heads * num_kv_splits)
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, out, part_m, part_l, part_acc,
+        block_table, cu_seqlens_q, seq_lens,
+        scale * _LOG2E, sliding_window or 0, num_seqs, num_tokens, num_heads, num_m_tiles,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_table.stride(0),
+        GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
+        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
+        NUM_SPLITS=num_kv_splits, HAS_WINDOW=sliding_window is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if num_kv_splits > 1:
+        rows = max(16 // g_pad, 1)
+        _reduce_splits_kernel[(triton.cdiv(num_tokens, rows), num_kv_heads)](
+            out, part_m, part_l, part_acc, cu_seqlens_q, num_seqs, num_heads, *out.stride(),
+            GROUP=group, G_PAD=g_pad, ROWS=rows, NUM_SPLITS=num_kv_splits,
+            SPLITS_PAD=triton.next_power_of_2(num_kv_splits), HEAD_DIM=head_dim, num_warps=4,
+        )

@@ -1,0 +1,152 @@
+"""RMSNorm, optionally fused with the residual add that precedes it, as one Triton kernel.
+
+Math (HF LlamaRMSNorm, eps inside the square root), for each row of x [T, H]:
+
+    s       = x + residual                   in x's dtype (HF adds the residual in the model dtype)
+    normed  = (s_fp32 * rsqrt(mean(s_fp32^2) + eps)).to(x.dtype)
+    out     = weight * normed                in promote(weight.dtype, x.dtype)
+
+Without a residual, s = x. The normalization runs in fp32 and is rounded to x's dtype *before*
+the weight multiply, exactly as HF does; the multiply itself is done in fp32 and rounded once,
+which equals torch's own bf16/fp16 multiply (it also computes in fp32 and rounds).
+
+Layouts: x, residual, out, residual_out are [T, H] with unit column stride and any row stride
+(so a row-slice of a wider buffer works without a copy); weight is [H], contiguous.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_MAX_HIDDEN = 65536  # one row is one block in registers
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr, stride_x,
+    res_ptr, stride_res,
+    res_out_ptr, stride_res_out,
+    w_ptr,
+    out_ptr, stride_out,
+    hidden_size, eps,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_H)
+    mask = cols < hidden_size
+
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
+        # Round the sum to the model dtype first: that rounded value is both the new residual
+        # and what HF normalizes.
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+        tl.store(res_out_ptr + row * stride_res_out + cols, x, mask=mask)
+
+    x32 = x.to(tl.float32)
+    mean_sq = tl.sum(x32 * x32, axis=0) / hidden_size
+    normed = (x32 * tl.rsqrt(mean_sq + eps)).to(x.dtype)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0)
+    out = w.to(tl.float32) * normed.to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
+# interpreted kernel runs on CPU tensors, a compiled one on CUDA tensors only.
+_INTERPRETED = not isinstance(_rms_norm_kernel, triton.runtime.JITFunction)
+
+
+def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
+    if t.shape != shape:
+        raise ValueError(f"{name} must be [T, H] = {list(shape)}, got {list(t.shape)}")
+    if t.dtype != dtype:
+        raise ValueError(f"{name} must be {dtype}, got {t.dtype}")
+    if t.device != device:
+        raise ValueError(f"{name} must be on {device}, got {t.device}")
+    if t.shape[1] > 1 and t.stride(1) != 1:
+        raise ValueError(f"{name} must have unit column stride, got strides {t.stride()}")
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """RMSNorm of x [T, H] (see the module docstring). Returns out, or (out, new_residual).
+
+    `out` and `residual_out` are optional preallocated outputs (e.g. static CUDA-graph buffers).
+    In-place use is allowed: `out` may be `x` itself and `residual_out` may be `residual` itself,
+    since each row is read completely before it is written. Other overlaps are not checked.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be [T, H], got shape {list(x.shape)}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise ValueError(f"x must be one of {_FLOAT_DTYPES}, got {x.dtype}")
+    if x.device.type != "cuda" and not (_INTERPRETED and x.device.type == "cpu"):
+        raise ValueError(
+            f"x is on {x.device}: rms_norm needs CUDA tensors (CPU only with TRITON_INTERPRET=1 "
+            f"set before kernels.rmsnorm is imported)"
+        )
+    num_tokens, hidden_size = x.shape
+    if not 0 < hidden_size <= _MAX_HIDDEN:
+        raise ValueError(f"H must be in 1..{_MAX_HIDDEN}, got {hidden_size}")
+    _check_rows("x", x, (num_tokens, hidden_size), x.dtype, x.device)
+    if weight.shape != (hidden_size,) or weight.dtype not in _FLOAT_DTYPES or weight.device != x.device:
+        raise ValueError(
+            f"weight must be a float [{hidden_size}] tensor on {x.device}, "
+            f"got {weight.dtype} {list(weight.shape)} on {weight.device}"
+        )
+    if not weight.is_contiguous():
+        raise ValueError(f"weight must be contiguous, got stride {weight.stride()}")
+    if not eps >= 0:
+        raise ValueError(f"eps must be >= 0, got {eps}")
+
+    out_dtype = torch.promote_types(weight.dtype, x.dtype)
+    if out is None:
+        out = torch.empty((num_tokens, hidden_size), dtype=out_dtype, device=x.device)
+    _check_rows("out", out, (num_tokens, hidden_size), out_dtype, x.device)
+    if residual is not None:
+        _check_rows("residual", residual, (num_tokens, hidden_size), x.dtype, x.device)
+        if residual_out is None:
+            residual_out = torch.empty_like(x, memory_format=torch.contiguous_format)
+        _check_rows("residual_out", residual_out, (num_tokens, hidden_size), x.dtype, x.device)
+    elif residual_out is not None:
+        raise ValueError("residual_out is given but residual is None")
+
+    if num_tokens > 0:
+        block_h = triton.next_power_of_2(hidden_size)
+        has_residual = residual is not None
+        res = residual if has_residual else x  # placeholders never read: HAS_RESIDUAL is False
+        res_out = residual_out if has_residual else x
+        grid = (num_tokens,)  # one program per row
+        _rms_norm_kernel[grid](
+            x, x.stride(0),
+            res, res.stride(0),
+            res_out, res_out.stride(0),
+            weight,
+            out, out.stride(0),
+            hidden_size, eps,
+            HAS_RESIDUAL=has_residual,
+            BLOCK_H=block_h,
+            num_warps=min(max(block_h // 512, 1), 16),
+        )
+    return out if residual is None else (out, residual_out)
+
+
+def rms_norm_ref(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """Eager HF LlamaRMSNorm, with HF's decoder-layer residual add (in x's dtype) in front."""
+    if residual is not None:
+        x = residual + x
+    x32 = x.float()
+    normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    out = weight * normed.to(x.dtype)
+    return out if residual is None else (out, x)

@@ -1,0 +1,135 @@
+"""Runs the real `tritonserver` that ships inside the `nvidia-pytriton` wheel.
+
+The wheel carries the server binary, the Python backend and one backend stub per Python
+version. We copy the backend into `.triton/backends/python` with the stub for the running
+interpreter beside `libtriton_python.so`, and point the loader at the wheel's bundled
+libraries and this interpreter's libpython.
+
+    python scripts/tritonserver_env.py [--http-port 8000] [--grpc-port 8001]
+        [--metrics-port 8002] [--model-repository model_repository] [extra tritonserver args]
+"""
+from __future__ import annotations
+
+import argparse
+import hashlib
+import os
+import shlex
+import shutil
+import site
+import sys
+import sysconfig
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BACKEND_DIR = os.path.join(ROOT, ".triton", "backends")
+
+
+def _pytriton_dir() -> str:
+    for sp in site.getsitepackages() + [site.getusersitepackages()]:
+        d = os.path.join(sp, "pytriton", "tritonserver")
+        if os.path.isdir(d):
+            return d
+    raise FileNotFoundError("tritonserver not found: install it with "
+                            "`pip install --no-deps nvidia-pytriton==0.7.0`")
+
+
+def server_binary() -> str:
+    return os.path.join(_pytriton_dir(), "bin", "tritonserver")
+
+
+def prepare_backend_dir() -> str:
+    """Makes `.triton/backends/python` with the stub for this Python; returns the backends dir.
+
+    The copy is remade when what it was made from changes (another Python, another wheel; not
+    merely another venv with the same wheel), and swapped in by rename, so that concurrent
+    callers (tests, `make serve`) never see half a copy.
+    """
+    src = _pytriton_dir()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = os.path.join(src, "python_backend_stubs", version, "triton_python_backend_stub")
+    if not os.path.exists(stub):
+        raise FileNotFoundError(f"the wheel has no Python backend stub for Python {version}")
+    dst = os.path.join(BACKEND_DIR, "python")
+    marker = os.path.join(dst, ".source")
+    lib = os.path.join(src, "backends", "python", "libtriton_python.so")
+    source = f"python {version} stub {_sha256(stub)} backend {_sha256(lib)}"
+    if _read(marker) == source:
+        return BACKEND_DIR
+    os.makedirs(BACKEND_DIR, exist_ok=True)
+    gitignore = os.path.join(os.path.dirname(BACKEND_DIR), ".gitignore")
+    if not os.path.exists(gitignore):
+        with open(gitignore, "w") as f:
+            f.write("# made by scripts/tritonserver_env.py\n*\n")
+    tmp = tempfile.mkdtemp(prefix=".python-", dir=BACKEND_DIR)
+    shutil.copytree(os.path.join(src, "backends", "python"), tmp, dirs_exist_ok=True)
+    shutil.copy2(stub, os.path.join(tmp, "triton_python_backend_stub"))
+    with open(os.path.join(tmp, ".source"), "w") as f:
+        f.write(source)
+    old = tmp + ".old"
+    try:
+        os.rename(dst, old)
+    except FileNotFoundError:
+        pass
+    try:
+        os.rename(tmp, dst)
+    except OSError:  # another process put its copy there first: keep that one
+        shutil.rmtree(tmp, ignore_errors=True)
+    shutil.rmtree(old, ignore_errors=True)
+    return BACKEND_DIR
+
+
+def _sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()[:16]
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except FileNotFoundError:
+        return None
+
+
+def server_env(base: dict | None = None) -> dict:
+    """Environment for tritonserver and its Python stubs (which import our engine)."""
+    env = dict(os.environ if base is None else base)
+    src = _pytriton_dir()
+    site_packages = os.path.dirname(os.path.dirname(src))
+    libs = [os.path.join(site_packages, "nvidia_pytriton.libs"),
+            sysconfig.get_config_var("LIBDIR") or ""]
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(
+        [p for p in libs if p] + [p for p in env.get("LD_LIBRARY_PATH", "").split(os.pathsep) if p])
+    # The backend stub embeds Python in isolated mode (PYTHONPATH is ignored) and takes its
+    # sys.executable from the first `python3` on PATH; Python then finds the virtualenv's
+    # pyvenv.cfg beside it, so the stub sees this environment's packages (its numpy, torch).
+    env["PATH"] = os.pathsep.join([os.path.dirname(sys.executable), env.get("PATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT, site_packages] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    return env
+
+
+def server_command(model_repository: str, http_port: int, grpc_port: int, metrics_port: int,
+                   extra: list[str] | None = None) -> list[str]:
+    return [server_binary(), f"--model-repository={model_repository}",
+            f"--backend-directory={prepare_backend_dir()}",
+            f"--http-port={http_port}", f"--grpc-port={grpc_port}",
+            f"--metrics-port={metrics_port}", "--allow-metrics=true",
+            "--log-info=true"] + list(extra or [])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--model-repository", default=os.path.join(ROOT, "model_repository"))
+    ap.add_argument("--http-port", type=int, default=int(os.environ.get("HTTP_PORT", 8000)))
+    ap.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
+    ap.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
+    args, extra = ap.parse_known_args()
+    cmd = server_command(args.model_repository, args.http_port, args.grpc_port,
+                         args.metrics_port, extra)
+    print(shlex.join(cmd), flush=True)
+    os.execve(cmd[0], cmd, server_env())
+
+
+if __name__ == "__main__":
+    main()

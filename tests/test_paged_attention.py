@@ -1,0 +1,228 @@
+"""The Triton paged attention against the eager reference, on mixed batches.
+
+Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 is set here, before
+kernels.paged_attention is imported (triton reads it when a kernel is decorated; the module is
+reloaded if something imported it earlier). If that does not take, the module stops with an
+error rather than skipping. With CUDA the same tests run on the GPU, bf16 included, plus the
+CUDA-graph checks.
+"""
+import importlib
+import os
+
+import torch
+
+ON_GPU = torch.cuda.is_available()
+if not ON_GPU:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
+
+import kernels.paged_attention as pa  # noqa: E402
+
+if not ON_GPU and not isinstance(pa._paged_attention_kernel, InterpretedFunction):
+    pa = importlib.reload(pa)       # imported before TRITON_INTERPRET was set: decorate again
+if not ON_GPU and not isinstance(pa._paged_attention_kernel, InterpretedFunction):
+    raise RuntimeError("no CUDA and the Triton kernels are not interpreted: is TRITON_INTERPRET=0 set?")
+choose_num_kv_splits, paged_attention, paged_attention_ref = (
+    pa.choose_num_kv_splits, pa.paged_attention, pa.paged_attention_ref)
+
+# The interpreter turns scalar arrays into loop bounds through a numpy call it deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+DEVICE = "cuda" if ON_GPU else "cpu"
+TOLS = {torch.float32: (1e-4, 1.3e-6), torch.float16: (1e-2, 1e-3), torch.bfloat16: (1.5e-2, 1e-2)}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+
+# Decode rows (context 5, 70, 1), a whole prompt (37 of 37), an empty row, a later prompt chunk
+# over a cached prefix (20 new of 60), a decode row at context 100.
+MIXED_Q = [1, 1, 37, 0, 20, 1, 1]
+MIXED_CTX = [5, 70, 37, 3, 60, 100, 1]
+
+
+def make_batch(q_lens, ctx_lens, hq, hkv, d, block_size, dtype, seed, pad_rows=3, q_view=None):
+    """Random q and scattered cache blocks. q has pad_rows rows past cu_seqlens_q[-1].
+    q_view="rows": q is a slice of a fused [T, Hq + 2 Hkv, D] tensor; "dim": every other column."""
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in ctx_lens) + 5
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    max_blocks = max(-(-n // block_size) for n in ctx_lens) + 1
+    table = torch.full((len(ctx_lens), max_blocks), num_blocks + 1000, dtype=torch.int32)  # junk past the end
+    for b, n in enumerate(ctx_lens):
+        table[b, :-(-n // block_size)] = torch.tensor([perm.pop() for _ in range(-(-n // block_size))])
+    cu = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    num_tokens = int(cu[-1]) + pad_rows
+    to = lambda t: t.to(DEVICE, dtype if t.is_floating_point() else t.dtype)  # noqa: E731
+    if q_view == "rows":
+        q = to(torch.randn(num_tokens, hq + 2 * hkv, d, generator=g))[:, :hq]
+    elif q_view == "dim":
+        q = to(torch.randn(num_tokens, hq, 2 * d, generator=g))[:, :, ::2]
+    else:
+        q = to(torch.randn(num_tokens, hq, d, generator=g))
+    return (q, to(k_cache), to(v_cache), to(table), to(cu), to(torch.tensor(ctx_lens, dtype=torch.int32)))
+
+
+def check(args, q_lens, ctx_lens, sliding_window=None, num_kv_splits=None, max_seqlen_q=None):
+    """Run the kernel into a NaN-poisoned buffer and compare every element with the reference."""
+    q = args[0]
+    scale = q.shape[-1] ** -0.5
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    got = paged_attention(*args, scale, sliding_window, max_seqlen_q=max_seqlen_q or max(q_lens),
+                          max_seqlen_k=max(ctx_lens), num_kv_splits=num_kv_splits, out=out)
+    assert got is out
+    ref = paged_attention_ref(*args, scale, sliding_window)
+    atol, rtol = TOLS[q.dtype]
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,window", [(4, 4, 32, None), (4, 2, 16, 7), (8, 2, 64, None)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_mixed_batch_matches_reference(dtype, hq, hkv, d, window, block_size):
+    args = make_batch(MIXED_Q, MIXED_CTX, hq, hkv, d, block_size, dtype, seed=hq * 7 + d + block_size)
+    check(args, MIXED_Q, MIXED_CTX, sliding_window=window)
+
+
+@pytest.mark.parametrize("window", [1, 16, 33])
+@pytest.mark.parametrize("num_kv_splits", [1, 3])
+def test_sliding_window(window, num_kv_splits):
+    args = make_batch(MIXED_Q, MIXED_CTX, 8, 2, 32, 16, torch.float32, seed=window)
+    check(args, MIXED_Q, MIXED_CTX, sliding_window=window, num_kv_splits=num_kv_splits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_kv_splits", [2, 3, 8])
+def test_split_kv_decode(dtype, num_kv_splits):
+    # Short contexts: with 8 splits most splits of most rows see no key at all.
+    q_lens, ctx = [1, 1, 1, 0, 1, 1], [1, 17, 64, 9, 100, 33]
+    args = make_batch(q_lens, ctx, 8, 2, 32, 16, dtype, seed=num_kv_splits)
+    check(args, q_lens, ctx, num_kv_splits=num_kv_splits)
+
+
+def test_split_kv_on_a_mixed_batch():
+    args = make_batch(MIXED_Q, MIXED_CTX, 4, 2, 16, 16, torch.float32, seed=5)
+    check(args, MIXED_Q, MIXED_CTX, num_kv_splits=3)
+
+
+def test_decode_picks_splits_itself():
+    q_lens, ctx = [1, 1], [700, 300]
+    assert choose_num_kv_splits(2, 1, max(ctx)) > 1
+    args = make_batch(q_lens, ctx, 4, 1, 16, 32, torch.float16, seed=2)
+    check(args, q_lens, ctx, num_kv_splits=None)
+
+
+def test_choose_num_kv_splits():
+    assert choose_num_kv_splits(64, 8, 32768) == 1              # 512 programs fill 132 SMs
+    assert choose_num_kv_splits(1, 8, 100) == 1                 # too short to be worth a merge
+    one_long = choose_num_kv_splits(1, 8, 32768)
+    assert 8 * one_long >= 132 and one_long <= 64
+    assert choose_num_kv_splits(16, 8, 8192) > 1
+    assert choose_num_kv_splits(1, 8, 1024) <= 1024 // 256
+    assert choose_num_kv_splits(1, 1, 10**6, max_splits=64) == 64
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prompt_longer_than_several_tiles(dtype):
+    d, hq, hkv = 16, 4, 2
+    cfg = pa._pick_config(2, d, dtype)
+    block_m = cfg.block_q // 2
+    q_lens = [2 * block_m + 5, 1, block_m + 1]
+    ctx = [2 * block_m + 5, 40, block_m + 50]
+    args = make_batch(q_lens, ctx, hq, hkv, d, 16, dtype, seed=11, pad_rows=0)
+    check(args, q_lens, ctx)
+    check(args, q_lens, ctx, sliding_window=block_m // 2 + 3)
+
+
+@pytest.mark.parametrize("q_view", ["rows", "dim"])
+def test_strided_q_and_out(q_view):
+    args = make_batch(MIXED_Q, MIXED_CTX, 4, 2, 32, 16, torch.float16, seed=3, q_view=q_view)
+    q = args[0]
+    assert not q.is_contiguous()
+    check(args, MIXED_Q, MIXED_CTX)
+    # out may be a view too: the first Hq heads of a wider buffer.
+    wide = torch.full((q.shape[0], q.shape[1] + 3, q.shape[2]), float("nan"), dtype=q.dtype, device=q.device)
+    got = paged_attention(*args, 0.2, max_seqlen_q=max(MIXED_Q), max_seqlen_k=max(MIXED_CTX),
+                          out=wide[:, :q.shape[1]])
+    torch.testing.assert_close(got, paged_attention_ref(*args, 0.2), atol=1e-2, rtol=1e-3)
+    assert wide[:, q.shape[1]:].isnan().all()
+
+
+def test_head_dim_256():
+    q_lens, ctx = [1, 9, 1], [20, 30, 50]
+    args = make_batch(q_lens, ctx, 2, 1, 256, 16, torch.float16, seed=4)
+    check(args, q_lens, ctx)
+
+
+def test_only_padding_rows_and_a_zero_q_batch():
+    q_lens, ctx = [0, 0], [5, 9]
+    args = make_batch(q_lens, ctx, 2, 1, 16, 16, torch.float32, seed=6, pad_rows=4)
+    got = check(args, q_lens, ctx, max_seqlen_q=1)
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+def test_a_wrong_cache_entry_changes_only_its_sequence():
+    q_lens, ctx = [1, 1, 1], [20, 30, 7]
+    q, k_cache, v_cache, table, cu, lens = make_batch(q_lens, ctx, 4, 2, 16, 16, torch.float32, seed=3)
+    run = lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 0.3,  # noqa: E731
+                                  max_seqlen_q=1, max_seqlen_k=30, num_kv_splits=2)
+    before = run()
+    v_cache[int(table[1, 1])] += 1.0            # the block holding positions 16..29 of sequence 1
+    after = run()
+    assert not torch.allclose(before[1], after[1])
+    assert torch.equal(before[0], after[0]) and torch.equal(before[2], after[2])
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(block_size=8), "block_size must be a power of two >= 16"),
+    (dict(block_size=48), "block_size must be a power of two >= 16"),
+    (dict(d=48), "head_dim must be one of"),
+    (dict(hkv=3), "multiple of Hkv"),
+])
+def test_rejects_unsupported_shapes(change, match):
+    shape = dict(hq=4, hkv=2, d=16, block_size=16) | change
+    args = make_batch([1], [5], shape["hq"], shape["hkv"], shape["d"], shape["block_size"],
+                      torch.float32, seed=0)
+    with pytest.raises(ValueError, match=match):
+        paged_attention(*args, 0.25, max_seqlen_q=1, max_seqlen_k=5)
+
+
+def test_rejects_mismatched_dtypes():
+    q, k_cache, v_cache, table, cu, lens = make_batch([1], [5], 4, 2, 16, 16, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="share one dtype"):
+        paged_attention(q.half(), k_cache, v_cache, table, cu, lens, 0.25, max_seqlen_q=1, max_seqlen_k=5)
+    with pytest.raises(ValueError, match="block_table must be int32"):
+        paged_attention(q, k_cache, v_cache, table.long(), cu, lens, 0.25, max_seqlen_q=1, max_seqlen_k=5)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and sync checks need a GPU")
+@pytest.mark.parametrize("num_kv_splits", [1, 4])
+def test_cuda_graph_replay_follows_new_lengths(num_kv_splits):
+    """Captured once; new seq_lens / cu_seqlens_q / tables written in place change the result."""
+    q_lens, ctx = [1, 1, 1, 1], [300, 40, 129, 1]
+    q, k_cache, v_cache, table, cu, lens = make_batch(q_lens, ctx, 8, 2, 64, 16, torch.bfloat16, seed=8)
+    call = lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 0.125,  # noqa: E731
+                                   max_seqlen_q=2, max_seqlen_k=320, num_kv_splits=num_kv_splits)
+    torch.cuda.set_sync_debug_mode("error")     # any host read of a device value raises
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    # Next step: sequence 0 decodes again, sequence 2 now runs a 2-token chunk, 3 is gone.
+    lens.copy_(torch.tensor([301, 41, 131, 5], dtype=torch.int32))
+    cu.copy_(torch.tensor([0, 1, 2, 4, 4], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = paged_attention_ref(q, k_cache, v_cache, table, cu, lens, 0.125)
+    torch.testing.assert_close(out, ref, atol=1.5e-2, rtol=1e-2)

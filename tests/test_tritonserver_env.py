@@ -1,0 +1,260 @@
+"""The real tritonserver from scripts/tritonserver_env.py, driven through tests/tritonserver.py.
+
+Probe models are written into tmp dirs: `echo` (plain, STRING in -> STRING out) and
+`stream_echo` (decoupled, with the `llm` model's tensor names: it streams the prompt's words,
+at most `max_tokens` of them), so these tests do not depend on the engine.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+
+from tests import tritonserver
+from tests.tritonserver import start_server
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PERF_ANALYZER = os.path.join(os.path.dirname(sys.executable), "perf_analyzer")
+
+ECHO_CONFIG = """
+backend: "python"
+max_batch_size: 0
+input [ { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] } ]
+output [ { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] } ]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+ECHO_MODEL = """
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+class TritonPythonModel:
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()
+            out = np.array([b"echo: " + text.reshape(-1)[0]], dtype=object)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", out)]))
+        return responses
+"""
+STREAM_ECHO_CONFIG = """
+backend: "python"
+max_batch_size: 0
+model_transaction_policy { decoupled: true }
+input [
+  { name: "text_input" data_type: TYPE_STRING dims: [ 1 ] },
+  { name: "stream" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
+  { name: "sampling_parameters" data_type: TYPE_STRING dims: [ 1 ] optional: true },
+  { name: "exclude_input_in_output" data_type: TYPE_BOOL dims: [ 1 ] optional: true },
+  { name: "return_finish_reason" data_type: TYPE_BOOL dims: [ 1 ] optional: true }
+]
+output [
+  { name: "text_output" data_type: TYPE_STRING dims: [ -1 ] },
+  { name: "finish_reason" data_type: TYPE_STRING dims: [ 1 ] }
+]
+instance_group [ { count: 1 kind: KIND_CPU } ]
+"""
+STREAM_ECHO_MODEL = """
+import json
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+def _scalar(request, name, default):
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return default if tensor is None else tensor.as_numpy().reshape(-1)[0]
+
+class TritonPythonModel:
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            words = _scalar(request, "text_input", b"").decode().split()
+            params = json.loads(_scalar(request, "sampling_parameters", b"{}"))
+            max_tokens = int(params.get("max_tokens", 16))
+            tokens = [w + " " for w in words[:max_tokens]] or [""]
+            finish = "length" if len(words) > max_tokens else "stop"
+            for i, token in enumerate(tokens):
+                outs = [pb_utils.Tensor("text_output", np.array([token.encode()], dtype=object))]
+                last = i == len(tokens) - 1
+                if last and _scalar(request, "return_finish_reason", False):
+                    outs.append(pb_utils.Tensor("finish_reason",
+                                                np.array([finish.encode()], dtype=object)))
+                sender.send(pb_utils.InferenceResponse(outs), flags=FINAL if last else 0)
+        return None
+"""
+BROKEN_MODEL = """
+class TritonPythonModel:
+    def initialize(self, args):
+        raise RuntimeError("probe model refuses to load: 7f3a")
+"""
+# A stub that cannot exit by itself: its finalize holds the GIL (libc sleep called through
+# ctypes.PyDLL, which keeps the GIL), so the server waits on it after SIGTERM, and the stub's
+# own exit on seeing the server gone would block on the GIL too.
+STUCK_MODEL = ECHO_MODEL + """
+    def finalize(self):
+        import ctypes
+        ctypes.PyDLL(None).sleep(600)
+"""
+
+
+def write_model(repo: pathlib.Path, name: str, config: str, model_py: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(textwrap.dedent(config))
+    (repo / name / "1" / "model.py").write_text(textwrap.dedent(model_py))
+
+
+def stub_pids(repo: pathlib.Path) -> list[int]:
+    """Live Python backend stubs serving models of `repo` (argv: stub, model.py path, ...)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+        except (FileNotFoundError, NotADirectoryError, ProcessLookupError, PermissionError):
+            continue
+        if (len(argv) > 1 and argv[0].endswith(b"triton_python_backend_stub")
+                and argv[1].startswith(bytes(repo) + b"/") and pid_alive(int(entry))):
+            pids.append(int(entry))
+    return pids
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def echo_repo(tmp_path_factory) -> pathlib.Path:
+    repo = tmp_path_factory.mktemp("echo_repo")
+    write_model(repo, "echo", ECHO_CONFIG, ECHO_MODEL)
+    write_model(repo, "stream_echo", STREAM_ECHO_CONFIG, STREAM_ECHO_MODEL)
+    return repo
+
+
+@pytest.fixture(scope="module")
+def server(echo_repo, tmp_path_factory):
+    with start_server(echo_repo, log_dir=tmp_path_factory.mktemp("logs")) as s:
+        yield s
+
+
+def test_server_starts_on_free_ports_and_is_ready(server):
+    ports = {server.http_url, server.grpc_url, server.metrics_url}
+    assert len(ports) == 3 and all(url.startswith("localhost:") for url in ports)
+    assert httpclient.InferenceServerClient(server.http_url).is_server_ready()
+    assert grpcclient.InferenceServerClient(server.grpc_url).is_model_ready("stream_echo")
+    assert "Started GRPCInferenceService" in server.log_tail(200)
+
+
+def test_http_inference(server):
+    client = httpclient.InferenceServerClient(server.http_url)
+    text = httpclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"over http"], dtype=object))
+    result = client.infer("echo", [text])
+    assert result.as_numpy("text_output").tolist() == [b"echo: over http"]
+
+
+def test_grpc_inference(server):
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"over grpc"], dtype=object))
+    result = client.infer("echo", [text])
+    assert result.as_numpy("text_output").tolist() == [b"echo: over grpc"]
+
+
+def _run_perf_analyzer(args: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run([PERF_ANALYZER, *args], capture_output=True, text=True, timeout=120)
+
+
+def test_perf_analyzer_non_streaming(server):
+    out = _run_perf_analyzer(["-m", "echo", "-u", server.http_url, "-i", "http",
+                              "--concurrency-range", "1", "--request-count", "50"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Throughput:" in out.stdout
+
+
+def test_perf_analyzer_streaming_with_shipped_input_file(server):
+    """scripts/perf_input.json (the README's load test input) is valid for the llm contract."""
+    inputs = json.loads((ROOT / "scripts" / "perf_input.json").read_text())
+    assert set(inputs["data"][0]) >= {"text_input", "stream", "sampling_parameters"}
+    out = _run_perf_analyzer(["-m", "stream_echo", "-u", server.grpc_url, "-i", "grpc",
+                              "--streaming", "--input-data", str(ROOT / "scripts/perf_input.json"),
+                              "--concurrency-range", "1", "--request-count", "50"])
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "Throughput:" in out.stdout
+
+
+def test_stop_leaves_no_process_even_when_the_body_fails(tmp_path):
+    repo = tmp_path / "repo"
+    write_model(repo, "echo", ECHO_CONFIG, ECHO_MODEL)
+    with pytest.raises(ZeroDivisionError):
+        with start_server(repo, log_dir=tmp_path) as s:
+            stubs = stub_pids(repo)
+            assert stubs, "the echo model should run in a triton_python_backend_stub"
+            assert set(stubs) <= set(s.group_pids())
+            1 / 0
+    assert not pid_alive(s.pid)
+    assert s.group_pids() == []
+    assert stub_pids(repo) == [] and not any(pid_alive(p) for p in stubs)
+    assert s.returncode() == 0  # SIGTERM was enough: a graceful shutdown
+
+
+def test_stop_kills_the_group_when_the_server_hangs(tmp_path):
+    """A stub stuck in finalize keeps the server from exiting on SIGTERM; after the grace
+    period stop() must SIGKILL the server and the stub, not orphan the stub."""
+    repo = tmp_path / "repo"
+    write_model(repo, "stuck", ECHO_CONFIG, STUCK_MODEL)
+    s = start_server(repo, log_dir=tmp_path)
+    stubs = stub_pids(repo)
+    assert stubs
+    started = time.monotonic()
+    s.stop(timeout_s=2.0)
+    assert time.monotonic() - started < 15
+    assert s.returncode() == -9  # it did hang, so it was the SIGKILL that ended it
+    assert stub_pids(repo) == [] and not any(pid_alive(p) for p in stubs)
+    assert s.group_pids() == []
+
+
+def test_broken_repository_fails_fast_with_log_tail(tmp_path):
+    repo = tmp_path / "repo"
+    write_model(repo, "broken", ECHO_CONFIG, BROKEN_MODEL)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="probe model refuses to load: 7f3a"):
+        start_server(repo, log_dir=tmp_path, timeout_s=60)
+    assert time.monotonic() - started < 30
+    assert stub_pids(repo) == []
+
+
+def test_start_retries_when_a_port_is_taken(tmp_path, monkeypatch):
+    """A port can be taken between picking it and the server's bind (parallel test runs)."""
+    repo = tmp_path / "repo"  # no models: starts and stops in well under a second
+    repo.mkdir()
+    taken = socket.create_server(("0.0.0.0", 0))
+    taken_port = taken.getsockname()[1]
+    real_free_ports = tritonserver._free_ports
+    calls = []
+
+    def free_ports_first_taken(count):
+        calls.append(count)
+        ports = real_free_ports(count)
+        return [taken_port] + ports[1:] if len(calls) == 1 else ports
+
+    monkeypatch.setattr(tritonserver, "_free_ports", free_ports_first_taken)
+    with taken, start_server(repo, log_dir=tmp_path) as s:
+        assert len(calls) == 2
+        assert s.http_url != f"localhost:{taken_port}" and s.is_ready()
+    logs = sorted(tmp_path.glob("tritonserver-*.log"))
+    assert len(logs) == 2
+    assert any("already in use" in log.read_text() for log in logs)

@@ -1,0 +1,205 @@
+"""A real `tritonserver` for tests: free ports, its own process group, a log file, a clean stop.
+
+    from tests.tritonserver import start_server
+
+    with start_server("path/to/model_repository") as server:
+        client = tritonclient.grpc.InferenceServerClient(server.grpc_url)
+        ...
+
+    @pytest.fixture(scope="module")
+    def server(tmp_path_factory):
+        with start_server(repo, log_dir=tmp_path_factory.mktemp("server")) as s:
+            yield s
+
+The server runs in a session of its own, so `stop()` can SIGKILL the whole process group after
+the SIGTERM grace period. Killing the server alone can orphan its `triton_python_backend_stub`
+processes (one per model instance): a stub exits once its server is gone, but not while the
+dead server is unreaped, nor when the stub itself is stuck. Servers still running when the
+interpreter exits are stopped too.
+"""
+from __future__ import annotations
+
+import atexit
+import os
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from typing import Sequence
+
+from scripts.tritonserver_env import server_command, server_env
+
+_POLL_INTERVAL_S = 0.1
+_MAX_PORT_ATTEMPTS = 3
+_live_servers: set[TritonServer] = set()  # strong refs: a dropped server is still stopped
+
+
+class TritonServer:
+    """A started server. `http_url`, `grpc_url`, `metrics_url` are "localhost:PORT"."""
+
+    def __init__(self, proc: subprocess.Popen, http_port: int, grpc_port: int,
+                 metrics_port: int, log_path: str):
+        self._proc = proc
+        self.pid = proc.pid
+        self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
+        self.http_url = f"localhost:{http_port}"
+        self.grpc_url = f"localhost:{grpc_port}"
+        self.metrics_url = f"localhost:{metrics_port}"
+        self.log_path = log_path
+        _live_servers.add(self)
+
+    def __enter__(self) -> TritonServer:
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self.stop()
+
+    def __repr__(self) -> str:
+        return f"TritonServer(pid={self.pid}, http={self.http_url}, grpc={self.grpc_url})"
+
+    def returncode(self) -> int | None:
+        """None while the server runs, else its exit status (negative: killed by that signal).
+
+        Does not reap the server: until `stop()` does, its pid, which is also its process
+        group's id, cannot be reused by an unrelated process that stop() would then kill."""
+        if self._proc.returncode is not None:
+            return self._proc.returncode
+        info = os.waitid(os.P_PID, self.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is None:
+            return None
+        return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready",
+                                        timeout=2) as resp:
+                return resp.status == 200
+        except (urllib.error.URLError, OSError):  # refused, not ready (HTTP 400), timed out
+            return False
+
+    def log_tail(self, num_lines: int = 60) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-num_lines:])
+        except FileNotFoundError:
+            return ""
+
+    def group_pids(self) -> list[int]:
+        """Live (not zombie) processes of the server's process group: the server and its stubs."""
+        return _live_pids_in_group(self.pid)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server, wait up to `timeout_s`, then SIGKILL whatever is left of its
+        process group, and wait until none of it is alive. Safe to call more than once."""
+        if self.returncode() is None:
+            os.kill(self.pid, signal.SIGTERM)  # not Popen.send_signal: that may reap it
+            deadline = time.monotonic() + timeout_s
+            while self.returncode() is None and time.monotonic() < deadline:
+                time.sleep(_POLL_INTERVAL_S)
+        if self._proc.returncode is None:  # not reaped yet, so the group id is still ours
+            try:
+                os.killpg(self.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            self._proc.wait()
+        deadline = time.monotonic() + 10.0
+        while self.group_pids() and time.monotonic() < deadline:
+            time.sleep(_POLL_INTERVAL_S)
+        _live_servers.discard(self)
+        left = self.group_pids()
+        if left:
+            raise RuntimeError(f"tritonserver {self.pid}: processes {left} survived SIGKILL")
+
+
+def start_server(model_repository: str | os.PathLike, extra_args: Sequence[str] = (),
+                 timeout_s: float = 120.0, log_dir: str | os.PathLike | None = None,
+                 ) -> TritonServer:
+    """Starts tritonserver on free localhost ports and waits until /v2/health/ready answers.
+
+    Raises RuntimeError with the log's tail if the server exits first (e.g. a model fails to
+    load), TimeoutError (server stopped) if it is not ready within `timeout_s`. The log goes
+    to `log_dir` (default: a new temporary directory), see `TritonServer.log_path`.
+    """
+    log_dir = str(log_dir) if log_dir is not None else tempfile.mkdtemp(prefix="tritonserver-")
+    os.makedirs(log_dir, exist_ok=True)
+    for attempt in range(_MAX_PORT_ATTEMPTS):
+        server = _launch(os.path.abspath(model_repository), list(extra_args), log_dir)
+        try:
+            _wait_ready(server, timeout_s)
+            return server
+        except RuntimeError:
+            server.stop(timeout_s=5.0)
+            # Another process took a port between _free_ports() and the server's bind.
+            if "already in use" in server.log_tail() and attempt + 1 < _MAX_PORT_ATTEMPTS:
+                continue
+            raise
+        except BaseException:  # TimeoutError, KeyboardInterrupt: leave nothing running
+            server.stop(timeout_s=5.0)
+            raise
+    raise AssertionError("unreachable")
+
+
+def _launch(model_repository: str, extra_args: list[str], log_dir: str) -> TritonServer:
+    log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log", dir=log_dir)[1]
+    http_port, grpc_port, metrics_port = _free_ports(3)
+    cmd = server_command(model_repository, http_port, grpc_port, metrics_port, extra_args)
+    with open(log_path, "wb") as log:
+        # stdin closed, output to a file: the stubs inherit these, and a pipe held open by
+        # a stub would outlive the server.
+        proc = subprocess.Popen(cmd, env=server_env(), stdin=subprocess.DEVNULL, stdout=log,
+                                stderr=subprocess.STDOUT, start_new_session=True)
+    return TritonServer(proc, http_port, grpc_port, metrics_port, log_path)
+
+
+def _wait_ready(server: TritonServer, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not server.is_ready():
+        if server.returncode() is not None:
+            raise RuntimeError(f"tritonserver exited with status {server.returncode()} before "
+                               f"it was ready; log {server.log_path}:\n{server.log_tail()}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"tritonserver not ready after {timeout_s:.0f} s; "
+                               f"log {server.log_path}:\n{server.log_tail()}")
+        time.sleep(_POLL_INTERVAL_S)
+
+
+def _free_ports(count: int) -> list[int]:
+    """Distinct ports the kernel considers free now (all sockets held until all are chosen).
+    Another process may still take one before the server binds it; the server then exits
+    with "already in use" in its log and start_server() tries new ports."""
+    sockets = []
+    try:
+        for _ in range(count):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("localhost", 0))
+            sockets.append(s)
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
+def _live_pids_in_group(pgid: int) -> list[int]:
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:  # exited meanwhile
+            continue
+        # Fields after the parenthesised command name: state, ppid, pgrp, ...
+        state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+        if int(pgrp) == pgid and state != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+@atexit.register
+def _stop_live_servers() -> None:
+    for server in list(_live_servers):
+        server.stop(timeout_s=10.0)
