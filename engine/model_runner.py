@@ -14,7 +14,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
-from engine.models.attention import TORCH_BACKEND, AttentionMetadata
+from engine.models.attention import TORCH_BACKEND, AttentionMetadata, triton_backend
 from engine.models.loader import load_model
 from engine.sampler import Sampler, SamplingMetadata
 from engine.sampling_params import SamplingParams
@@ -53,8 +53,12 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.eos_token_ids = list(eos_token_ids)
-        self.model, self.model_config = load_model(config.model, dtype, device, config.load_format,
-                                                   attention_backend=TORCH_BACKEND)
+        # CUDA: Triton kernels for attention and the small layers; CPU: PyTorch.
+        on_gpu = device.type == "cuda"
+        self.model, self.model_config = load_model(
+            config.model, dtype, device, config.load_format,
+            attention_backend=triton_backend() if on_gpu else TORCH_BACKEND,
+            fused_kernels=on_gpu)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _RunnerRequest] = {}
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []

@@ -26,21 +26,43 @@ class AttentionMetadata:
     seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
     max_seqlen_q: int
     max_seqlen_k: int
+    num_kv_splits: int | None = None  # decode split-KV count, fixed for a CUDA graph
 
 
 @dataclass(frozen=True)
 class AttentionBackend:
-    """The two kernels a paged attention layer runs (signatures of kernels/attention_ref.py)."""
+    """The two kernels a paged attention layer runs."""
 
     name: str
     write_kv: Callable[..., None]  # (key, value, k_cache, v_cache, slot_mapping)
-    # (q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, scale, sliding_window) -> out
+    # (q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window) -> out [T, Hq, D]
     paged_attention: Callable[..., torch.Tensor]
 
 
-TORCH_REF_BACKEND = AttentionBackend("torch_ref", write_kv_ref, paged_attention_ref)
-# The engine's default: decode rows batched in one matmul, same results as the reference.
-TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, paged_attention_torch)
+def _with_metadata(fn):
+    """Adapts a kernels/attention_ref.py-style function to the backend signature."""
+    def run(q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window):
+        return fn(q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q, attn.seq_lens,
+                  scale, sliding_window)
+    return run
+
+
+TORCH_REF_BACKEND = AttentionBackend("torch_ref", write_kv_ref, _with_metadata(paged_attention_ref))
+# The engine's CPU default: decode rows batched in one matmul, same results as the reference.
+TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, _with_metadata(paged_attention_torch))
+
+
+def triton_backend() -> AttentionBackend:
+    """The GPU kernels (imported on demand; CUDA-graph safe)."""
+    from kernels.kv_cache import write_kv
+    from kernels.paged_attention import paged_attention
+
+    def run(q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window):
+        return paged_attention(q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q,
+                               attn.seq_lens, scale, sliding_window,
+                               max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k,
+                               num_kv_splits=attn.num_kv_splits)
+    return AttentionBackend("triton", write_kv, run)
 
 
 class Attention(nn.Module):
@@ -73,10 +95,8 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, Hq, D]
         k_cache, v_cache = kv_cache
         self.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
-        return self.backend.paged_attention(
-            q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q, attn.seq_lens,
-            self.scale, self.sliding_window,
-        )
+        return self.backend.paged_attention(q, k_cache, v_cache, attn, self.scale,
+                                            self.sliding_window)
 
     def extra_repr(self) -> str:
         return (

@@ -14,18 +14,33 @@ from torch import nn
 
 from engine.models.attention import TORCH_REF_BACKEND, Attention, AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
+from kernels.activation import silu_and_mul
+from kernels.rmsnorm import rms_norm
+from kernels.rotary import build_cos_sin_cache, rotary_embedding
 
 
 class RMSNorm(nn.Module):
     """y = weight * (x / sqrt(mean(x^2) + eps)), normalized in fp32 and cast back to x's dtype
-    *before* the weight multiply, as HF does (it matters in bf16/fp16)."""
+    *before* the weight multiply, as HF does (it matters in bf16/fp16).
 
-    def __init__(self, hidden_size: int, eps: float):
+    With `residual`, first x = x + residual (in x's dtype, HF's residual add) and return
+    (norm(x), x): the add and the norm are one kernel on the fused path."""
+
+    def __init__(self, hidden_size: int, eps: float, fused: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
+        self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if self.fused:
+            return rms_norm(x, self.weight, self.eps, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x32.to(x.dtype)
@@ -85,6 +100,37 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)  # [T, D]
         return emb.cos().to(dtype), emb.sin().to(dtype)
 
+    def cos_sin_cache(self, max_positions: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """fp32 tables [max_positions, D/2] for the fused kernel, built once (before any CUDA
+        graph capture, by the first forward) and kept out of the module's buffers so a dtype
+        cast never rounds them."""
+        cache = getattr(self, "_cos_sin", None)
+        if cache is None or cache[0].device != self.inv_freq.device:
+            cache = build_cos_sin_cache(self.inv_freq, max_positions)
+            self._cos_sin = cache
+        return cache
+
+
+class Rope:
+    """This step's rotary embedding, applied to each layer's q and k."""
+
+    def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
+                 fused: bool, max_positions: int):
+        self.fused = fused
+        self.positions = positions
+        if fused:
+            self.cos, self.sin = rotary.cos_sin_cache(max_positions)  # [max_pos, D/2] fp32
+        else:
+            self.cos, self.sin = rotary(positions, dtype)  # [T, D]
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, D], k [T, Hkv, D] (views into the qkv output on the fused path, rotated in
+        place there)."""
+        if self.fused:
+            rotary_embedding(q, k, self.positions, self.cos, self.sin)
+            return q, k
+        return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     x1, x2 = x.chunk(2, dim=-1)
@@ -114,43 +160,56 @@ class LlamaAttention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
+        rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = apply_rotary(q.view(num_tokens, self.num_heads, self.head_dim), cos, sin)  # [T, Hq, D]
-        k = apply_rotary(k.view(num_tokens, self.num_kv_heads, self.head_dim), cos, sin)  # [T, Hkv, D]
+        q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
+        q, k = rope.apply(q, k)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         out = self.attn(q, k, v, kv_cache, attn)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, fused: bool = False):
         super().__init__()
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, 2I] -> 2 x [T, I]
+        gate_up = self.gate_up_proj(x)  # [T, 2I]
+        if self.fused:
+            return self.down_proj(silu_and_mul(gate_up))
+        gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, I]
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend):
-        super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = LlamaAttention(config, layer_idx, backend)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = LlamaMLP(config)
+    """HF's x = x + attn(norm(x)); x = x + mlp(norm(x)), carried as (hidden, residual) so that
+    each residual add is fused with the norm that follows it."""
 
-    def forward(self, x, cos, sin, kv_cache, attn: AttentionMetadata) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def __init__(self, config: ModelConfig, layer_idx: int, backend: AttentionBackend,
+                 fused: bool = False):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.self_attn = LlamaAttention(config, layer_idx, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
+        self.mlp = LlamaMLP(config, fused)
+
+    def forward(self, x, residual, rope: Rope, kv_cache, attn: AttentionMetadata):
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, rope, kv_cache, attn)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -160,15 +219,19 @@ class LlamaForCausalLM(nn.Module):
     With tied embeddings there is no `lm_head`; the logits use `embed_tokens.weight`.
     """
 
-    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend = TORCH_REF_BACKEND):
+    def __init__(self, config: ModelConfig, attention_backend: AttentionBackend = TORCH_REF_BACKEND,
+                 fused_kernels: bool = False):
+        """fused_kernels: Triton RMSNorm(+residual), rotary and SiLU-and-mul (CUDA only)."""
         super().__init__()
         self.config = config
+        self.fused = fused_kernels
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, attention_backend) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, attention_backend, fused_kernels)
+            for i in range(config.num_hidden_layers)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_kernels)
         self.lm_head = None
         if not config.tie_word_embeddings:
             self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -183,10 +246,13 @@ class LlamaForCausalLM(nn.Module):
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)  # [T, hidden]
-        cos, sin = self.rotary_emb(positions, x.dtype)  # [T, D] each
+        rope = Rope(self.rotary_emb, positions, x.dtype, self.fused,
+                    self.config.max_position_embeddings)
+        residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, cos, sin, kv_cache, attn)
-        return self.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, attn)
+        x, _ = self.norm(x, residual)
+        return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""

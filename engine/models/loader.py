@@ -32,6 +32,7 @@ def load_model(
     device: torch.device,
     load_format: str = "auto",
     attention_backend: AttentionBackend = TORCH_REF_BACKEND,
+    fused_kernels: bool = False,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a Llama / Mistral / Qwen2 checkpoint folder as an inference-only model.
 
@@ -44,7 +45,7 @@ def load_model(
     config = ModelConfig.from_pretrained(model_path)
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention_backend)
+        model = LlamaForCausalLM(config, attention_backend, fused_kernels)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.requires_grad_(False)
     model.eval()
