@@ -5,7 +5,8 @@ Math, for x [T, 2I] laid out gate first, up second (our `gate_up_proj` row order
     out[t, i] = silu(g) * u,   g = x[t, i], u = x[t, I + i],   silu(g) = g / (1 + exp(-g))
 
 computed in fp32 and rounded once to x's dtype. HF computes `F.silu(gate) * up` in the model
-dtype, rounding silu(g) to it before the multiply: in bf16 the two differ by up to about one ulp.
+dtype, rounding silu(g) to it before the multiply: in bf16 the two differ by up to about one ulp
+(measured on an H200, |x| up to ~15: largest error against fp64 0.25 here, 0.45 in HF's order).
 
 Layouts: x [T, 2I] with unit column stride and any row stride; out [T, I], likewise.
 """

@@ -23,8 +23,10 @@ Tiling. One program owns a tile of BLOCK_M query positions x all G query heads o
 read from the cache serves every query head that shares it, and tl.dot sees >= 16 rows even for
 one decode token. The program walks its sequence's keys BLOCK_N at a time through the block
 table; key blocks that no row of the tile can see (after the last position, before the first
-window) are never visited. Grid: (query tiles of the longest q, B + 1, Hkv * num_kv_splits);
-the extra "sequence" B zeroes the padding rows past cu_seqlens_q[-1].
+window) are never visited, and those every row sees skip the mask math (only the window's ragged
+start and the causal diagonal are masked). Grid: (query tiles of the longest q, B + 1, Hkv * num_kv_splits);
+the extra "sequence" B zeroes the padding rows past cu_seqlens_q[-1]. The tail programs of the
+longest prompts start first.
 
 Split-KV. With num_kv_splits = S > 1 each tile's key range is cut into S pieces (whole BLOCK_N
 steps), each program writes its partial (m, l, acc) to an fp32 workspace, and
@@ -52,19 +54,66 @@ _LOG2E = 1.4426950408889634
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
+_MAX_GRID_Y = 65535             # grid axis 1 holds B + 1 programs
 
 
-# The kernels call only Triton builtins and the @triton.jit functions below, none of triton's own
-# library (tl.max, tl.sum, tl.zeros, tl.cdiv): those are decorated when triton is first imported,
-# so under TRITON_INTERPRET set later (the CPU tests) they would not run in the interpreter.
+# The kernels call Triton builtins only, none of triton's own @triton.jit library functions
+# (tl.max, tl.sum, tl.zeros, tl.cdiv): those are decorated when triton is first imported, so with
+# TRITON_INTERPRET set later (the CPU tests) they would not run. Reductions go through tl.reduce
+# with triton's own combine functions, which the interpreter maps to numpy (any other combine
+# function runs there element by element) and which compile to what tl.max / tl.sum give.
+_MAX = tl.standard._elementwise_max
+_SUM = tl.standard._sum_combine
+
+
 @triton.jit
-def _max_combine(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _add_combine(a, b):
-    return a + b
+def _attend_keys(
+    acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_start, k_stop, qk_scale, sliding_window,
+    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, m_i, l_i) over keys [k_start, k_stop), BLOCK_N at a time
+    from a multiple of BLOCK_N. MASKED=False: every key is visible to every row (no mask math)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(k_start, k_stop, BLOCK_N):
+        k_pos = start + offs_n
+        k_in = k_pos < k_stop
+        if MASKED:
+            block_id = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_in, other=0).to(tl.int64)
+        else:
+            block_id = tl.load(table_row + k_pos // PAGE_SIZE).to(tl.int64)
+        slot = k_pos % PAGE_SIZE
+        # k: [D, BLOCK_N], v: [BLOCK_N, D], gathered key by key through the block table.
+        k_ptrs = k_base + block_id[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None] * stride_kd
+        v_ptrs = v_base + block_id[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_in[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_Q, BLOCK_N]
+        if MASKED:
+            visible = (k_pos[None, :] <= q_pos[:, None]) & k_in[None, :]
+            if HAS_WINDOW:
+                visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+            # A row that has seen no visible key yet keeps m = -inf: subtract 0, not inf - inf.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+            m_sub = m_new
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
 
 
 @triton.jit
@@ -127,7 +176,16 @@ def _paged_attention_kernel(
     if NUM_SPLITS > 1:
         per_split = ((k_hi - k_lo + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
         k_lo = k_lo + split * per_split
-        k_hi = tl.minimum(k_lo + per_split, k_hi)
+        k_hi = tl.maximum(tl.minimum(k_lo + per_split, k_hi), k_lo)    # may be empty
+    # Keys [k_full_lo, k_full_hi) are visible to every valid row of the tile: no mask there.
+    k_full_hi = tl.maximum(tl.minimum((first_pos + 1) // BLOCK_N * BLOCK_N, k_hi), k_lo)
+    k_full_lo = k_lo
+    if HAS_WINDOW:
+        last_pos = tl.minimum(first_pos + BLOCK_M, seq_len) - 1
+        # (// truncates toward zero on the GPU: keep its operands >= 0)
+        window_lo = tl.maximum(last_pos - sliding_window + BLOCK_N, 0) // BLOCK_N * BLOCK_N
+        k_full_lo = tl.minimum(tl.maximum(window_lo, k_lo), k_hi)
+        k_full_hi = tl.maximum(k_full_hi, k_full_lo)
 
     t = q_start + row_in_seq
     q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
@@ -136,35 +194,22 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_Q], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=tl.float32)
-    offs_n = tl.arange(0, BLOCK_N)
     table_row = block_table_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-
-    for start in range(k_lo, k_hi, BLOCK_N):
-        k_pos = start + offs_n
-        k_in = k_pos < k_hi
-        block_id = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_in, other=0).to(tl.int64)
-        slot = k_pos % PAGE_SIZE
-        # k: [D, BLOCK_N], v: [BLOCK_N, D], gathered key by key through the block table.
-        k = tl.load(k_base + block_id[None, :] * stride_kb + slot[None, :] * stride_ks
-                    + offs_d[:, None] * stride_kd, mask=k_in[None, :], other=0.0)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_Q, BLOCK_N]
-        visible = (k_pos[None, :] <= q_pos[:, None]) & k_in[None, :]
-        if HAS_WINDOW:
-            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
-
-        m_new = tl.maximum(m_i, tl.reduce(s, 1, _max_combine))
-        # A row that has seen no visible key yet keeps m = -inf; subtract 0 to avoid inf - inf.
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_i - m_safe)
-        p = tl.exp2(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _add_combine)
-        v = tl.load(v_base + block_id[:, None] * stride_vb + slot[:, None] * stride_vs
-                    + offs_d[None, :] * stride_vd, mask=k_in[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if HAS_WINDOW:          # the window's ragged start
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_lo, k_full_lo, qk_scale, sliding_window,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION)
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_lo, k_full_hi, qk_scale, sliding_window,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION)
+    acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
+        acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION)
 
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
@@ -201,8 +246,8 @@ def _reduce_splits_kernel(
     ml_mask = valid[:, None] & (offs_s[None, :] < NUM_SPLITS)
     m = tl.load(part_m_ptr + base[:, None] + offs_s[None, :], mask=ml_mask, other=float("-inf"))
     l = tl.load(part_l_ptr + base[:, None] + offs_s[None, :], mask=ml_mask, other=0.0)
-    m_max = tl.where(valid, tl.reduce(m, 1, _max_combine), 0.0)  # finite on valid rows: a split saw the own key
-    l_sum = tl.reduce(l * tl.exp2(m - m_max[:, None]), 1, _add_combine)
+    m_max = tl.where(valid, tl.reduce(m, 1, _MAX), 0.0)  # finite on valid rows: a split saw the own key
+    l_sum = tl.reduce(l * tl.exp2(m - m_max[:, None]), 1, _SUM)
     acc = tl.full([ROWS * G_PAD, HEAD_DIM], 0.0, dtype=tl.float32)
     for s in range(NUM_SPLITS):
         m_s = tl.load(part_m_ptr + base + s, mask=valid, other=0.0)
@@ -223,19 +268,19 @@ class _TileConfig:
 
 
 def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
-    """Decode: 16-row tiles (memory-bound; the dot only has to reach tensor-core size) and a
-    3-deep copy pipeline. Prefill: 128-row tiles on 8 warps (wgmma). Sizes checked for spills
-    with ptxas for sm_90."""
+    """Decode: 16-row tiles (the dot only has to reach tensor-core size; the kernel is bound by
+    K/V reads), 128 keys a step. Prefill: 128-row tiles, 128 keys a step, 8 warps (wgmma).
+    Chosen from an H200 sweep (scripts/gpu_check_attention.py --sweep) at D = 128; every size
+    here compiles for sm_90 without spilling, save a few bytes with splits and a window."""
     if dtype == torch.float32:
         # An exact fp32 dot (input_precision="ieee") runs on the FMA units; only small tiles stay
         # out of local memory. fp32 on the GPU is a test path, not a fast one.
-        small = 16 if head_dim >= 128 else 32
-        return _TileConfig(small, small, 4, 2)
+        return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     if max_seqlen_q == 1:
-        return _TileConfig(16, 32 if head_dim == 256 else 64, 4, 3)
+        return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
     if head_dim == 256:
-        return _TileConfig(64, 32, 4, 2)
-    return _TileConfig(128, 64, 8, 3)
+        return _TileConfig(64, 32, 8, 2)
+    return _TileConfig(128, 128, 8, 3)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
@@ -277,6 +322,8 @@ def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
     num_seqs = seq_lens.shape[0]
+    if num_seqs >= _MAX_GRID_Y:
+        raise ValueError(f"at most {_MAX_GRID_Y - 1} sequences per call (a CUDA grid dimension), got {num_seqs}")
     if block_table.dim() != 2 or block_table.shape[0] != num_seqs or cu_seqlens_q.shape != (num_seqs + 1,):
         raise ValueError(
             f"with {num_seqs} sequences, block_table must be [{num_seqs}, max_blocks] and cu_seqlens_q "
@@ -306,8 +353,9 @@ def paged_attention(
     """Causal paged attention of the new query rows, as `paged_attention_ref`. Returns [T, Hq, D].
 
     max_seqlen_q must be >= every sequence's q_len and max_seqlen_k >= every seq_len (neither is
-    checked on the device). num_kv_splits=None: split-KV for decode calls (max_seqlen_q == 1) by
-    `choose_num_kv_splits`, none otherwise. out: optional [T, Hq, D] buffer to write into.
+    checked on the device; max_seqlen_k only sizes the split count). num_kv_splits=None: split-KV
+    for decode calls (max_seqlen_q == 1) by `choose_num_kv_splits`, none otherwise; any S >= 1
+    works for any batch. out: optional [T, Hq, D] buffer (any strides) to write into.
     """
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     if max_seqlen_q < 1 or max_seqlen_k < 1:

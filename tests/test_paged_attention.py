@@ -94,6 +94,14 @@ def test_sliding_window(window, num_kv_splits):
     check(args, MIXED_Q, MIXED_CTX, sliding_window=window, num_kv_splits=num_kv_splits)
 
 
+@pytest.mark.parametrize("num_kv_splits", [1, 2])
+def test_long_window_with_unmasked_middle(num_kv_splits):
+    # A window several key steps wide: masked start, unmasked middle, masked diagonal.
+    q_lens, ctx = [1, 50, 1, 1], [400, 300, 170, 20]
+    args = make_batch(q_lens, ctx, 4, 2, 16, 16, torch.float16, seed=9)
+    check(args, q_lens, ctx, sliding_window=150, num_kv_splits=num_kv_splits)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("num_kv_splits", [2, 3, 8])
 def test_split_kv_decode(dtype, num_kv_splits):
@@ -188,6 +196,15 @@ def test_rejects_unsupported_shapes(change, match):
                       torch.float32, seed=0)
     with pytest.raises(ValueError, match=match):
         paged_attention(*args, 0.25, max_seqlen_q=1, max_seqlen_k=5)
+
+
+def test_rejects_more_sequences_than_a_grid_axis_holds():
+    n = 65535
+    q, k_cache, v_cache = torch.zeros(n, 2, 16), torch.zeros(2, 16, 1, 16), torch.zeros(2, 16, 1, 16)
+    table, lens = torch.zeros(n, 1, dtype=torch.int32), torch.ones(n, dtype=torch.int32)
+    cu = torch.arange(n + 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="at most 65534 sequences"):
+        paged_attention(q, k_cache, v_cache, table, cu, lens, 0.25, max_seqlen_q=1, max_seqlen_k=1)
 
 
 def test_rejects_mismatched_dtypes():

@@ -119,13 +119,14 @@ def test_rms_norm_allocates_outputs_and_runs_in_place(dtype, atol, rtol):
 
 
 def test_rms_norm_promotes_like_hf_with_fp32_weight():
-    """HF multiplies an fp32 weight by the fp16-rounded normalized row: the result is fp32."""
+    """HF multiplies an fp32 weight by the fp16-rounded normalized row: the result is fp32, but
+    only as precise as that fp16 rounding (which a reordered sum may flip), hence fp16 tolerances."""
     gen = torch.Generator().manual_seed(2)
     x = make_rows(5, 64, torch.float16, False, gen)
     weight = (1 + 0.2 * torch.randn(64, generator=gen)).to(DEVICE)
     out = rms_norm(x, weight, EPS)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), atol=1e-4, rtol=1.3e-6)
+    torch.testing.assert_close(out, rms_norm_ref(x, weight, EPS), atol=1e-2, rtol=1e-3)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
