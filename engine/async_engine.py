@@ -58,34 +58,35 @@ class AsyncEngine:
         self._core_thread.start()
 
     # ------------------------------------------------------------------ public API
-    async def generate(self, prompt: Prompt, params: SamplingParams,
-                       request_id: str) -> AsyncIterator[RequestOutput]:
+    async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                       stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Yields one output per engine step with the new text and token ids; the last has
-        `finished=True`. Leaving the loop early aborts the request."""
+        `finished=True`. With stream=False, yields only that last one, holding everything
+        (and costs no per-step work). Leaving the loop early aborts the request."""
         self._check_alive()
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
-        stream = _Stream()
-        self._streams[request_id] = stream
+        channel = _Stream()
+        self._streams[request_id] = channel
         try:
             await self._loop.run_in_executor(self._tokenizer_thread, self._add_request,
-                                             prompt, params, request_id)
-            if stream.abort_requested:            # abort() came while we were tokenizing
+                                             prompt, params, request_id, stream)
+            if channel.abort_requested:            # abort() came while we were tokenizing
                 self._inbox.put(("abort", [request_id]))
             while True:
-                item = await stream.queue.get()
+                item = await channel.queue.get()
                 if isinstance(item, BaseException):
                     raise item
                 if item.finished:
-                    stream.finished = True
+                    channel.finished = True
                 yield item
                 if item.finished:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not stream.finished and not self._stopped:
+            if not channel.finished and not self._stopped:
                 self._inbox.put(("abort", [request_id]))
 
     async def abort(self, request_id: str) -> None:
@@ -113,10 +114,11 @@ class AsyncEngine:
         self.core.shutdown()
 
     # ------------------------------------------------------------------ tokenizer thread
-    def _add_request(self, prompt: Prompt, params: SamplingParams, request_id: str) -> None:
+    def _add_request(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                     stream: bool) -> None:
         text, ids = encode_prompt(self.tokenizer, prompt)
         req = self.core.make_request(request_id, ids, params)
-        self._processor.add_request(request_id, text, req.prompt_token_ids, params)
+        self._processor.add_request(request_id, text, req.prompt_token_ids, params, stream)
         self._inbox.put(("add", req))
 
     def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> None:

@@ -46,15 +46,17 @@ class DecodeGraphs:
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
 
-    def _metadata(self, batch: int) -> AttentionMetadata:
+    def _metadata(self, batch: int, max_seqlen_k: int) -> AttentionMetadata:
         return AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch], block_table=self.block_table[:batch],
             cu_seqlens_q=self.cu_seqlens_q[:batch + 1], seq_lens=self.seq_lens[:batch],
-            max_seqlen_q=1, max_seqlen_k=self.max_seqlen_k)
+            max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
 
-    def _forward(self, batch: int) -> torch.Tensor:
-        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches,
-                            self._metadata(batch))
+    def _forward(self, batch: int, max_seqlen_k: int | None = None) -> torch.Tensor:
+        """A graph must hold for any length, so it is captured for max_model_len; an eager run
+        can use the step's own longest sequence."""
+        meta = self._metadata(batch, max_seqlen_k or self.max_seqlen_k)
+        hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
@@ -99,4 +101,4 @@ class DecodeGraphs:
             graph, logits = self.graphs[size]
             graph.replay()
             return logits[:batch]
-        return self._forward(size)[:batch]
+        return self._forward(size, int(seq_lens.max()))[:batch]

@@ -36,10 +36,13 @@ class EngineStats:
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device {name!r} asked for, but no CUDA device is available")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {name!r} asked for, but no CUDA device is available")
+        if device.index is None:          # memory queries need an index
+            device = torch.device("cuda", torch.cuda.current_device())
     return device
 
 

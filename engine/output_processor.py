@@ -2,9 +2,12 @@
 
 Owns the tokenizer's decoding side, so it must run on the thread that owns the tokenizer.
 A stop string ends a request here, not in the core: `process` returns those ids so the
-caller aborts them in the core.
+caller aborts them in the core. A request nobody watches step by step (not streamed, no stop
+strings) is decoded once, at the end: no per-step work for it here or downstream.
 """
 from __future__ import annotations
+
+import time
 
 from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -14,8 +17,14 @@ from engine.scheduler import EngineCoreOutput
 
 class _RequestState:
     def __init__(self, tokenizer, request_id: str, prompt: str | None,
-                 prompt_token_ids: list[int], params: SamplingParams) -> None:
+                 prompt_token_ids: list[int], params: SamplingParams, stream: bool) -> None:
         self.request_id = request_id
+        self.stream = stream
+        # Not streamed and no stop string to look for: decode once when it finishes.
+        self.final_only = not stream and not params.stop
+        self.num_decoded = 0                # token ids already passed to the detokenizer
+        self.first_token_time: float | None = None
+        self.last_token_time: float | None = None
         self.prompt = prompt
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -45,9 +54,11 @@ class OutputProcessor:
         self.states: dict[str, _RequestState] = {}
 
     def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams) -> None:
+                    params: SamplingParams, stream: bool = True) -> None:
+        """stream=False: only the finished output is wanted (always so without stream_deltas)."""
         self.states[request_id] = _RequestState(self.tokenizer, request_id, prompt,
-                                                prompt_token_ids, params)
+                                                prompt_token_ids, params,
+                                                stream and self.stream_deltas)
 
     def has_unfinished(self) -> bool:
         return bool(self.states)
@@ -62,11 +73,19 @@ class OutputProcessor:
             st = self.states.get(co.request_id)
             if st is None:
                 continue                    # already ended here by a stop string
+            if co.new_token_ids:
+                st.last_token_time = time.monotonic()
+                if st.first_token_time is None:
+                    st.first_token_time = st.last_token_time
             st.token_ids.extend(co.new_token_ids)
             if st.logprobs is not None and co.new_logprobs:
                 st.logprobs.extend(self._logprobs(lp) for lp in co.new_logprobs)
             finished = co.finished
-            new_text = st.detok.step(co.new_token_ids, final=finished) if st.detok else ""
+            if st.final_only and not finished:
+                continue
+            new_ids = st.token_ids[st.num_decoded:]
+            st.num_decoded = len(st.token_ids)
+            new_text = st.detok.step(new_ids, final=finished) if st.detok else ""
             st.text += new_text
             if finished:
                 st.finish_reason, st.stop_reason = co.finish_reason, co.stop_reason
@@ -98,7 +117,7 @@ class OutputProcessor:
         return d
 
     def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput | None:
-        if not self.stream_deltas:
+        if not st.stream:
             if not finished:
                 return None
             comp = CompletionOutput(0, st.text, list(st.token_ids), st.finish_reason,
@@ -116,4 +135,6 @@ class OutputProcessor:
                 st.num_sent_logprobs = len(st.logprobs)
             comp = CompletionOutput(0, text, token_ids, st.finish_reason if finished else None,
                                     st.stop_reason if finished else None, logprobs)
-        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [comp], finished)
+        return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [comp], finished,
+                             metrics={"first_token_time": st.first_token_time,
+                                      "last_token_time": st.last_token_time})

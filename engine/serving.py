@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -27,6 +28,7 @@ logger = logging.getLogger(__name__)
 SendFn = Callable[[dict[str, np.ndarray] | None, str | None, bool], None]
 
 CANCEL_POLL_S = 0.1
+GIL_SWITCH_INTERVAL_S = 0.0005
 STATS_POLL_S = 0.5
 
 
@@ -50,6 +52,9 @@ class ServingEngine:
     def __init__(self, config: EngineConfig, metrics: Metrics | None = None) -> None:
         """Builds the engine (raises if it cannot start) and starts the loop thread."""
         self.metrics = metrics or _NoMetrics()
+        # The core, tokenizer and loop threads share one GIL; by default a thread that wants it
+        # waits up to 5 ms, so each step's hand-offs would cost the core thread milliseconds.
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         self.engine = AsyncEngine(config)
         self.loop = asyncio.new_event_loop()
         self._inflight: dict[str, Callable[[], bool]] = {}
@@ -156,35 +161,36 @@ class ServingEngine:
                         is_cancelled: Callable[[], bool]) -> None:
         start = last = time.monotonic()
         num_out = 0
-        text_parts: list[str] = []
-        ids: list[int] = []
-        logprobs: list | None = [] if req.return_logprobs else None
-        async for out in self.engine.generate(req.prompt, req.params, rid):
+        async for out in self.engine.generate(req.prompt, req.params, rid, stream=req.stream):
             comp = out.outputs[0]
             now = time.monotonic()
-            if comp.token_ids:
+            if req.stream and comp.token_ids:
                 if num_out == 0:
                     self.metrics.on_first_token(now - start)
                 else:
                     self.metrics.on_inter_token((now - last) / len(comp.token_ids))
                 last = now
-                num_out += len(comp.token_ids)
+            num_out += len(comp.token_ids)
             cancelled = not out.finished and is_cancelled()
             if out.finished or cancelled:
+                if not req.stream:
+                    self._observe_latencies(out, start, num_out)
                 self.metrics.on_tokens(len(out.prompt_token_ids), num_out)
                 self.metrics.on_finish("abort" if cancelled else comp.finish_reason)
             if cancelled:
                 send(None, "request cancelled", True)
                 return                       # leaving the generator aborts it in the engine
-            if req.stream:
-                if comp.token_ids or comp.text or out.finished:
-                    send(make_response(req, out, comp.text, comp.token_ids, comp.logprobs,
-                                       num_out), None, out.finished)
-            else:
-                text_parts.append(comp.text)
-                ids.extend(comp.token_ids)
-                if logprobs is not None and comp.logprobs:
-                    logprobs.extend(comp.logprobs)
-                if out.finished:
-                    send(make_response(req, out, "".join(text_parts), ids, logprobs, num_out),
-                         None, True)
+            # Streaming: each step's new part; not streaming: the one output, with everything.
+            if comp.token_ids or comp.text or out.finished:
+                send(make_response(req, out, comp.text, comp.token_ids, comp.logprobs, num_out),
+                     None, out.finished)
+
+    def _observe_latencies(self, out, start: float, num_out: int) -> None:
+        """A request that was not streamed has no per-step outputs: its time to first token
+        and its mean inter-token latency come from the timestamps the engine kept."""
+        first, last = out.metrics.get("first_token_time"), out.metrics.get("last_token_time")
+        if first is None:
+            return
+        self.metrics.on_first_token(first - start)
+        if num_out > 1:
+            self.metrics.on_inter_token((last - first) / (num_out - 1))

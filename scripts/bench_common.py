@@ -68,6 +68,9 @@ def hardware() -> dict:
 
 
 def git_commit() -> str:
+    """The commit measured; the GPU machine gets a copy without history, so BENCH_COMMIT says."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
                               capture_output=True, text=True).stdout.strip() or "unknown"

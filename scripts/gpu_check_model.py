@@ -63,23 +63,35 @@ def main() -> None:
         state = fast.state_dict()
         del fast, caches
         torch.cuda.empty_cache()
-        with dev:
-            ref = LlamaForCausalLM(cfg, TORCH_REF_BACKEND, fused_kernels=False)
-        ref.load_state_dict({k: v.float() for k, v in state.items()})
-        del state
-        meta, caches, pos = paged_inputs(args.lens, 16, cfg.num_key_value_heads, cfg.head_dim,
-                                         cfg.num_hidden_layers, torch.float32, dev)
-        ref_logits = ref.compute_logits(ref(ids, pos, caches, meta)[last])
-    rel = ((logits - ref_logits).norm() / ref_logits.norm()).item()
-    top1 = (logits.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    result = {"preset": args.preset, "lens": args.lens, "relative_error": rel,
-              "top1_agreement": top1, "tolerance": "bf16: relative error < 2e-2",
+        ref_logits = {}
+        for dtype in (torch.bfloat16, torch.float32):   # PyTorch ops: bf16 and the fp32 truth
+            with dev:
+                ref = LlamaForCausalLM(cfg, TORCH_REF_BACKEND, fused_kernels=False).to(dtype)
+            ref.load_state_dict({k: v.to(dtype) for k, v in state.items()})
+            meta, caches, pos = paged_inputs(args.lens, 16, cfg.num_key_value_heads,
+                                             cfg.head_dim, cfg.num_hidden_layers, dtype, dev)
+            ref_logits[dtype] = ref.compute_logits(ref(ids, pos, caches, meta)[last])
+            del ref, caches
+            torch.cuda.empty_cache()
+    truth = ref_logits[torch.float32]
+
+    def rel(x):
+        return ((x - truth).norm() / truth.norm()).item()
+
+    rel_engine, rel_torch_bf16 = rel(logits), rel(ref_logits[torch.bfloat16])
+    top1 = (logits.argmax(-1) == truth.argmax(-1)).float().mean().item()
+    result = {"preset": args.preset, "lens": args.lens,
+              "engine_bf16_vs_fp32_relative_error": rel_engine,
+              "torch_bf16_vs_fp32_relative_error": rel_torch_bf16,
+              "engine_top1_agreement_with_fp32": top1,
+              "criterion": "bf16 judged against PyTorch's own bf16 error on the same weights: "
+                           "engine error <= 1.25 x PyTorch bf16 error",
               "hardware": hardware(), "commit": git_commit(),
               "command": " ".join(["python"] + sys.argv)}
     print(json.dumps(result, indent=2))
     with open(args.out, "w") as f:
         json.dump(result, f, indent=2)
-    assert rel < 2e-2, rel
+    assert rel_engine <= 1.25 * rel_torch_bf16, (rel_engine, rel_torch_bf16)
 
 
 if __name__ == "__main__":

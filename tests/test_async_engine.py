@@ -145,3 +145,27 @@ def test_duplicate_request_id(model_dir):
         asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+def test_non_streamed_request_yields_one_complete_output(model_dir):
+    params = [SamplingParams(max_tokens=20, temperature=0, ignore_eos=True),
+              SamplingParams(max_tokens=20, temperature=0, ignore_eos=True, stop=["e"])]
+    prompts = ["one output please", "one output please"]
+    expected = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=64).generate(
+        prompts, params)
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+
+    async def main():
+        return [[o async for o in engine.generate(p, sp, f"n{i}", stream=False)]
+                for i, (p, sp) in enumerate(zip(prompts, params))]
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for outs, exp in zip(results, expected):
+        assert len(outs) == 1 and outs[0].finished
+        got = outs[0].outputs[0]
+        assert got.text == exp.outputs[0].text and got.token_ids == exp.outputs[0].token_ids
+        assert got.finish_reason == exp.outputs[0].finish_reason
+        assert outs[0].metrics["first_token_time"] <= outs[0].metrics["last_token_time"]

@@ -57,3 +57,16 @@ def test_a_wrong_cache_entry_changes_the_output():
     v_cache[int(table[1, 2])] += 1.0          # a block sequence 1 reads
     after = paged_attention_torch(q, k_cache, v_cache, table, cu, lens, 0.3)
     assert not torch.allclose(before[1], after[1]) and torch.equal(before[0], after[0])
+
+
+def test_decode_only_entry_point_matches_reference():
+    from kernels.attention_torch import decode_attention_torch
+    args = make_batch([1] * 6, [3, 17, 40, 1, 64, 9], 8, 2, 16, 16, torch.float32, seed=9)
+    q, k_cache, v_cache, table, cu, lens = args
+    ref = paged_attention_ref(*args, 0.25, 5)
+    torch.testing.assert_close(decode_attention_torch(q, k_cache, v_cache, table, lens, 0.25, 5),
+                               ref, atol=1e-4, rtol=1.3e-6)
+    # A max_seqlen_k above every length (as in a padded decode step) changes nothing.
+    torch.testing.assert_close(
+        decode_attention_torch(q, k_cache, v_cache, table, lens, 0.25, 5, max_seqlen_k=64),
+        ref, atol=1e-4, rtol=1.3e-6)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kernels.attention_ref import paged_attention_ref, write_kv_ref
-from kernels.attention_torch import paged_attention_torch
+from kernels.attention_torch import decode_attention_torch, paged_attention_torch
 
 
 @dataclass
@@ -47,9 +47,17 @@ def _with_metadata(fn):
     return run
 
 
+def _torch_attention(q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window):
+    if attn.max_seqlen_q == 1:            # a decode-only step: no per-layer sorting of rows
+        return decode_attention_torch(q, k_cache, v_cache, attn.block_table, attn.seq_lens,
+                                      scale, sliding_window, attn.max_seqlen_k)
+    return paged_attention_torch(q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q,
+                                 attn.seq_lens, scale, sliding_window)
+
+
 TORCH_REF_BACKEND = AttentionBackend("torch_ref", write_kv_ref, _with_metadata(paged_attention_ref))
 # The engine's CPU default: decode rows batched in one matmul, same results as the reference.
-TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, _with_metadata(paged_attention_torch))
+TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, _torch_attention)
 
 
 def triton_backend() -> AttentionBackend:
