@@ -211,9 +211,12 @@ class ModelRunner:
         else:
             logits = self._forward_eager(x)
         states = [self.requests[rid] for rid in x.sampled_ids]
+        params = [s.sampling_params for s in states]
+        # Prompts are read only by the repetition penalty: don't copy them every step for nothing.
+        needs_prompts = any(p.repetition_penalty != 1.0 for p in params)
         meta_s = SamplingMetadata.from_params(
-            [s.sampling_params for s in states],
-            [s.token_ids[:s.num_prompt_tokens] for s in states],
+            params,
+            [s.token_ids[:s.num_prompt_tokens] if needs_prompts else [] for s in states],
             [s.token_ids[s.num_prompt_tokens:] for s in states],
             self.eos_token_ids, self.device)
         out = self.sampler(logits, meta_s)

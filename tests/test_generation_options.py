@@ -174,3 +174,19 @@ def test_streamed_text_never_breaks_utf8(llm):
     for o in outs:
         assert o.outputs[0].text == llm.tokenizer.decode(o.outputs[0].token_ids,
                                                          skip_special_tokens=True)
+
+
+def test_repetition_penalty_matches_hf(llm, model_dir):
+    """HF's repetition penalty covers prompt and output tokens, as ours does."""
+    prompt = llm.tokenizer.encode(PROMPT)
+    out = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0, ignore_eos=True,
+                                                repetition_penalty=1.5))[0].outputs[0]
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        gen = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                          max_new_tokens=16, min_new_tokens=16, repetition_penalty=1.5)
+    assert out.token_ids == gen[0, len(prompt):].tolist()
+    plain = llm.generate([prompt], SamplingParams(max_tokens=16, temperature=0,
+                                                  ignore_eos=True))[0].outputs[0]
+    assert plain.token_ids != out.token_ids          # the penalty did something
