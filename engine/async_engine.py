@@ -1,29 +1,38 @@
 """asyncio front end: `async for out in engine.generate(prompt, params, request_id)`.
 
-Three threads, none of them doing heavy work on the event loop:
-- the loop: per-request queues, hands out outputs;
-- one tokenizer thread (HF fast tokenizers are not thread-safe): tokenizes prompts and
-  detokenizes outputs, in arrival order;
-- the core thread: schedule / execute / update, fed by a thread-safe inbox.
+The scheduler, KV cache and model run in the engine core process (engine/core_process.py);
+this side keeps what needs the tokenizer, and nothing heavy runs on the event loop:
+- the loop: checks requests, per-request queues, hands out outputs;
+- one tokenizer thread: prompts that arrive together are tokenized in one batch call (the
+  tokenizer drops the GIL while it works, so the loop keeps running);
+- the core client's reader thread: each step's token ids become text here (incremental
+  detokenization, stop strings), then go to the loop; its sender thread writes the frames.
+Each thread that touches a tokenizer has its own copy: HF tokenizers are not thread-safe.
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
-import queue
 import threading
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import AsyncIterator
+
+import numpy as np
 
 from engine.config import EngineConfig
-from engine.engine_core import EngineCore, EngineStats
-from engine.llm import Prompt, encode_prompt, eos_token_ids, load_tokenizer
+from engine.core_client import CoreClient, CoreDiedError
+from engine.llm import Prompt, eos_token_ids, load_tokenizer
 from engine.output_processor import OutputProcessor
-from engine.outputs import RequestOutput
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.request import check_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput
+from engine.tokenize import BatchTokenizer
 
 logger = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 10.0
 
 
 class EngineDeadError(RuntimeError):
@@ -31,31 +40,42 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    __slots__ = ("queue", "abort_requested", "finished")
+    __slots__ = ("queue", "index", "finished", "abort_requested")
 
     def __init__(self) -> None:
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
-        self.abort_requested = False
+        self.index: int | None = None      # the core's id for it, once sent
         self.finished = False
+        self.abort_requested = False       # abort() came before it was sent
 
 
 class AsyncEngine:
-    def __init__(self, config: EngineConfig | None = None, **settings) -> None:
-        """Builds the engine (model load, KV cache) on the calling thread; call from the thread
-        that will not mind the wait, then use it from one event loop."""
+    def __init__(self, config: EngineConfig | None = None,
+                 on_dead: Callable[[str], None] | None = None, **settings) -> None:
+        """Starts the engine core process and waits until it has loaded the model (call from a
+        thread that does not mind the wait); then use it from one event loop. `on_dead(reason)`
+        is called once, from another thread, if the core process dies."""
         self.config = config or EngineConfig(**settings)
-        self.tokenizer = load_tokenizer(self.config)
-        self.core = EngineCore(self.config, eos_token_ids(self.tokenizer))
-        self._processor = OutputProcessor(self.tokenizer, stream_deltas=True)
-        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, _Stream] = {}
+        self._on_dead = on_dead
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._dead: BaseException | None = None
+        self._streams: dict[str, _Stream] = {}
+        self._ids_by_index: dict[int, str] = {}
+        self._indices = itertools.count()
+        self._dead: str | None = None
         self._stopped = False
-        self._core_thread = threading.Thread(target=self._core_loop, name="engine-core",
-                                             daemon=True)
-        self._core_thread.start()
+        tokenizer = load_tokenizer(self.config)        # detokenizes, on the core reader thread
+        self.tokenizer = tokenizer
+        self._processor = OutputProcessor(tokenizer, stream_deltas=True)
+        self.core = CoreClient(self.config, eos_token_ids(tokenizer), self._process_outputs,
+                               self._core_died)
+        self.info = self.core.info
+        self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
+        self._batch_tokenizer = BatchTokenizer(load_tokenizer(self.config),
+                                               self._tokenizer_thread, self.info.max_model_len)
+        inline_max = self.config.tokenize_inline_max_chars
+        self._inline_tokenizer = (BatchTokenizer(load_tokenizer(self.config), None,
+                                                 self.info.max_model_len)
+                                  if inline_max and tokenizer is not None else None)
 
     # ------------------------------------------------------------------ public API
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,
@@ -64,17 +84,29 @@ class AsyncEngine:
         `finished=True`. With stream=False, yields only that last one, holding everything
         (and costs no per-step work). Leaving the loop early aborts the request."""
         self._check_alive()
-        if self._loop is None:
-            self._loop = asyncio.get_running_loop()
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._streams:
+                raise RuntimeError("this AsyncEngine is serving requests on another event loop")
+            self._loop = loop               # e.g. a second asyncio.run() after the first
         if request_id in self._streams:
             raise ValueError(f"request_id {request_id!r} is already in use")
         channel = _Stream()
         self._streams[request_id] = channel
         try:
-            await self._loop.run_in_executor(self._tokenizer_thread, self._add_request,
-                                             prompt, params, request_id, stream)
-            if channel.abort_requested:            # abort() came while we were tokenizing
-                self._inbox.put(("abort", [request_id]))
+            text, ids, packed = await self._tokenize(prompt)
+            self._check_alive()
+            check_request(packed, params, self.info.max_model_len, self.info.vocab_size)
+            if channel.abort_requested:
+                channel.finished = True
+                yield RequestOutput(request_id, text, ids,
+                                    [CompletionOutput(0, "", [], "abort")], True)
+                return
+            index = next(self._indices) % 2**32   # the wire's u32; wraps after 4G requests
+            self._processor.add_request(index, request_id, text, ids, params, stream)
+            channel.index = index
+            self._ids_by_index[index] = request_id
+            self.core.add(index, packed, params)
             while True:
                 item = await channel.queue.get()
                 if isinstance(item, BaseException):
@@ -86,96 +118,108 @@ class AsyncEngine:
                     return
         finally:
             self._streams.pop(request_id, None)
-            if not channel.finished and not self._stopped:
-                self._inbox.put(("abort", [request_id]))
+            if channel.index is not None:
+                self._ids_by_index.pop(channel.index, None)
+                if not channel.finished and self._dead is None and not self._stopped:
+                    self.core.abort([channel.index])
+                    self._processor.drop(channel.index)
 
     async def abort(self, request_id: str) -> None:
-        stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.abort_requested = True
-        self._inbox.put(("abort", [request_id]))
+        """Ends the request: its stream gets a final output with finish_reason "abort"."""
+        channel = self._streams.get(request_id)
+        if channel is None:
+            return
+        if channel.index is not None:
+            self.core.abort([channel.index])
+        else:                               # still tokenizing: it will not reach the core
+            channel.abort_requested = True
+
+    async def stats(self) -> EngineStats:
+        return await asyncio.wrap_future(self.core.request_stats())
 
     def get_stats(self) -> EngineStats:
-        return self.core.get_stats()
+        """Blocking; not from the event loop (use `await stats()` there)."""
+        try:
+            return self.core.request_stats().result(timeout=STATS_TIMEOUT_S)
+        except CoreDiedError as e:
+            raise EngineDeadError(str(e)) from None
 
     @property
     def is_alive(self) -> bool:
         return self._dead is None and not self._stopped
 
+    @property
+    def dead_reason(self) -> str | None:
+        return self._dead
+
     def shutdown(self) -> None:
-        """Stops the core thread (in-flight requests end with an error) and the tokenizer."""
+        """Stops the core process (in-flight requests end with an error) and our threads."""
         if self._stopped:
             return
         self._stopped = True
-        self._inbox.put(("stop", None))
-        self._core_thread.join()
+        self.core.shutdown()
         self._tokenizer_thread.shutdown(wait=True)
         self._fail_all(EngineDeadError("the engine was shut down"))
-        self.core.shutdown()
 
-    # ------------------------------------------------------------------ tokenizer thread
-    def _add_request(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                     stream: bool) -> None:
-        text, ids = encode_prompt(self.tokenizer, prompt)
-        req = self.core.make_request(request_id, ids, params)
-        self._processor.add_request(request_id, text, req.prompt_token_ids, params, stream)
-        self._inbox.put(("add", req))
+    # ------------------------------------------------------------------ event loop
+    async def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int], np.ndarray]:
+        if not isinstance(prompt, str):
+            if isinstance(prompt, (list, tuple)) and all(
+                    isinstance(t, (int, np.integer)) and not isinstance(t, bool)
+                    for t in prompt):
+                ids = [int(t) for t in prompt]
+                return None, ids, np.asarray(ids, dtype=np.int64)
+            raise ValueError(f"a prompt must be a string or a list of token ids, got "
+                             f"{type(prompt).__name__}")
+        if self.tokenizer is None:
+            raise ValueError("a text prompt needs a tokenizer, and skip_tokenizer_init is set: "
+                             "give token ids")
+        if self._inline_tokenizer is not None and (
+                len(prompt) <= self.config.tokenize_inline_max_chars):
+            result = self._inline_tokenizer.encode_now([prompt])[0]
+            if isinstance(result, ValueError):
+                raise result
+            return (prompt, *result)
+        return (prompt, *await self._batch_tokenizer.encode(prompt))
 
+    def _dispatch(self, outputs: list[RequestOutput]) -> None:
+        for out in outputs:
+            channel = self._streams.get(out.request_id)
+            if channel is not None:
+                channel.queue.put_nowait(out)
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine is not running: {self._dead}")
+        if self._stopped:
+            raise EngineDeadError("the engine was shut down")
+
+    def _fail_all(self, exc: BaseException) -> None:
+        def fail() -> None:
+            for channel in list(self._streams.values()):
+                channel.queue.put_nowait(exc)
+        if self._loop is not None and not self._loop.is_closed():
+            try:
+                self._loop.call_soon_threadsafe(fail)
+            except RuntimeError:             # closed meanwhile
+                pass
+
+    # ------------------------------------------------------------------ core reader thread
     def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> None:
         outputs, to_abort = self._processor.process(core_outputs)
         if to_abort:
-            self._inbox.put(("abort", to_abort))
+            self.core.abort(to_abort)
         if outputs and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, outputs)
             except RuntimeError:             # the loop is closed: nobody is listening
                 pass
 
-    # ------------------------------------------------------------------ event loop
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            stream = self._streams.get(out.request_id)
-            if stream is not None:
-                stream.queue.put_nowait(out)
-
-    def _check_alive(self) -> None:
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine has stopped: {self._dead!r}")
+    def _core_died(self, reason: str) -> None:
         if self._stopped:
-            raise EngineDeadError("the engine was shut down")
-
-    def _fail_all(self, exc: BaseException) -> None:
-        def fail() -> None:
-            for stream in list(self._streams.values()):
-                stream.queue.put_nowait(exc)
-        if self._loop is not None and not self._loop.is_closed():
-            self._loop.call_soon_threadsafe(fail)
-
-    # ------------------------------------------------------------------ core thread
-    def _core_loop(self) -> None:
-        core = self.core
-        try:
-            while True:
-                block = not core.has_unfinished_requests()
-                while True:
-                    try:
-                        kind, arg = self._inbox.get(block=block)
-                    except queue.Empty:
-                        break
-                    block = False
-                    if kind == "stop":
-                        return
-                    if kind == "add":
-                        core.add_request(arg)
-                    else:
-                        self._submit(core.abort_requests(arg))
-                if core.has_unfinished_requests():
-                    self._submit(core.step())
-        except BaseException as e:  # the engine is unusable: every stream must hear of it
-            logger.exception("engine core died")
-            self._dead = e
-            self._fail_all(EngineDeadError(f"the engine core failed: {e!r}"))
-
-    def _submit(self, outputs: list[EngineCoreOutput]) -> None:
-        if outputs:
-            self._tokenizer_thread.submit(self._process_outputs, outputs)
+            return
+        self._dead = reason
+        self._fail_all(EngineDeadError(f"the engine core failed: {reason}"))
+        if self._on_dead is not None:
+            threading.Thread(target=self._on_dead, args=(reason,), name="engine-dead",
+                             daemon=True).start()

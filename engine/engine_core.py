@@ -3,35 +3,20 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass
 
 import torch
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_runner import ModelRunner
-from engine.request import Request
+from engine.outputs import EngineStats
+from engine.request import Request, check_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput, Scheduler
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    num_kv_blocks: int
-    num_free_kv_blocks: int
-    num_cached_kv_blocks: int
-    num_steps: int
-    num_prompt_tokens: int
-    num_computed_prompt_tokens: int
-    num_cached_prompt_tokens: int
-    num_generated_tokens: int
-    num_preemptions: int
 
 
 def resolve_device(name: str) -> torch.device:
@@ -96,21 +81,10 @@ class EngineCore:
                     config.model, self.device, self.dtype, num_blocks, config.block_size,
                     self.max_model_len)
 
-    def make_request(self, request_id: str, prompt_token_ids: list[int],
+    def make_request(self, request_id: int | str, prompt_token_ids: list[int],
                      params: SamplingParams) -> Request:
         """Checks a request against this engine's limits; raises ValueError naming the field."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise ValueError("the prompt is empty: give at least one token")
-        if n > self.max_model_len:
-            raise ValueError(f"the prompt is {n} tokens long, more than max_model_len "
-                             f"({self.max_model_len})")
-        bad = [t for t in prompt_token_ids if not (0 <= t < self.vocab_size)]
-        if bad:
-            raise ValueError(f"prompt token ids must be in [0, {self.vocab_size}), got {bad[:5]}")
-        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
-        if bad:
-            raise ValueError(f"stop_token_ids must be in [0, {self.vocab_size}), got {bad[:5]}")
+        check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
         return Request(request_id, prompt_token_ids, params, self.eos_token_ids)
 
     def add_request(self, request: Request) -> None:

@@ -72,7 +72,8 @@ class LLM:
         for prompt, params in zip(prompts, sampling_params):
             text, ids = encode_prompt(self.tokenizer, prompt)
             req = self.core.make_request(str(next(self._ids)), ids, params)
-            processor.add_request(req.request_id, text, req.prompt_token_ids, params)
+            processor.add_request(req.request_id, req.request_id, text, req.prompt_token_ids,
+                                  params)
             requests.append(req)
         for req in requests:
             self.core.add_request(req)

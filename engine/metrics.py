@@ -4,10 +4,11 @@ The Triton `pb_utils` module is passed in, not imported, so engine/ stays free o
 """
 from __future__ import annotations
 
-from engine.engine_core import EngineStats
+from engine.outputs import EngineStats
 
 _LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                     10.0, 30.0]
+_LAG_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
 
 
 class TritonMetrics:
@@ -48,6 +49,11 @@ class TritonMetrics:
                               MF.GAUGE)
         self.kv_usage = metric("llm_kv_cache_usage_ratio", "Fraction of KV blocks in use",
                                MF.GAUGE)
+        self.loop_lag = family("llm_event_loop_lag_seconds",
+                               "How late the serving event loop wakes from a 10 ms sleep",
+                               MF.HISTOGRAM).Metric(labels=labels, buckets=_LAG_BUCKETS)
+        self.loop_lag_max = metric("llm_event_loop_lag_max_seconds",
+                                   "Largest event-loop lag over the last half second", MF.GAUGE)
         self.prefix_hit = metric("llm_prefix_cache_hit_ratio",
                                  "Prompt tokens served from the prefix cache / prompt tokens",
                                  MF.GAUGE)
@@ -65,6 +71,12 @@ class TritonMetrics:
     def on_finish(self, reason: str) -> None:
         if reason in self.finished:
             self.finished[reason].increment(1)
+
+    def on_loop_lag(self, seconds: float) -> None:
+        self.loop_lag.observe(seconds)
+
+    def on_loop_lag_max(self, seconds: float) -> None:
+        self.loop_lag_max.set(seconds)
 
     def on_stats(self, stats: EngineStats) -> None:
         self.running.set(stats.num_running)

@@ -137,12 +137,9 @@ class ModelRunner:
                 list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens)
         cached = sched.cached_requests
-        for rid, new_block_ids, num_computed in zip(
-                cached.request_ids, cached.new_block_ids, cached.num_computed_tokens):
-            state = self.requests[rid]
+        for rid, new_block_ids in zip(cached.request_ids, cached.new_block_ids):
             if new_block_ids:
-                state.block_ids.extend(new_block_ids)
-            state.num_computed_tokens = num_computed
+                self.requests[rid].block_ids.extend(new_block_ids)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> "_StepInputs":
         bs = self.block_size

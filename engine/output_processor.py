@@ -53,20 +53,26 @@ class OutputProcessor:
         self.stream_deltas = stream_deltas
         self.states: dict[str, _RequestState] = {}
 
-    def add_request(self, request_id: str, prompt: str | None, prompt_token_ids: list[int],
-                    params: SamplingParams, stream: bool = True) -> None:
-        """stream=False: only the finished output is wanted (always so without stream_deltas)."""
-        self.states[request_id] = _RequestState(self.tokenizer, request_id, prompt,
-                                                prompt_token_ids, params,
-                                                stream and self.stream_deltas)
+    def add_request(self, key, request_id: str, prompt: str | None,
+                    prompt_token_ids: list[int], params: SamplingParams,
+                    stream: bool = True) -> None:
+        """`key` is the core's id for the request (what its outputs carry), `request_id` the
+        caller's. stream=False: only the finished output is wanted (always so without
+        stream_deltas). Safe to call from another thread than `process`."""
+        self.states[key] = _RequestState(self.tokenizer, request_id, prompt, prompt_token_ids,
+                                         params, stream and self.stream_deltas)
+
+    def drop(self, key) -> None:
+        """Forgets a request that ended elsewhere (aborted by its caller)."""
+        self.states.pop(key, None)
 
     def has_unfinished(self) -> bool:
         return bool(self.states)
 
     def process(self, core_outputs: list[EngineCoreOutput]
                 ) -> tuple[list[RequestOutput], list[str]]:
-        """Returns the outputs to hand out and the request ids the core must abort (stop
-        string found)."""
+        """Returns the outputs to hand out and the keys of the requests the core must abort
+        (stop string found)."""
         outputs: list[RequestOutput] = []
         to_abort: list[str] = []
         for co in core_outputs:
@@ -99,7 +105,7 @@ class OutputProcessor:
                         to_abort.append(co.request_id)
                     finished = True
             if finished:
-                del self.states[co.request_id]
+                self.states.pop(co.request_id, None)
             out = self._make_output(st, finished)
             if out is not None:
                 outputs.append(out)

@@ -37,3 +37,18 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    num_kv_blocks: int
+    num_free_kv_blocks: int
+    num_cached_kv_blocks: int
+    num_steps: int
+    num_prompt_tokens: int
+    num_computed_prompt_tokens: int
+    num_cached_prompt_tokens: int
+    num_generated_tokens: int
+    num_preemptions: int

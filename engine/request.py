@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import enum
 
+import numpy as np
+
 from engine.sampling_params import SamplingParams
 
 
@@ -30,8 +32,28 @@ FINISH_REASONS = {
 }
 
 
+def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
+                  vocab_size: int) -> None:
+    """Raises ValueError naming what in a request this engine cannot serve. Token ids may be a
+    list or a numpy array (long prompts are checked without a Python loop)."""
+    n = len(prompt_token_ids)
+    if n == 0:
+        raise ValueError("the prompt is empty: give at least one token")
+    if n > max_model_len:
+        raise ValueError(f"the prompt is {n} tokens long, more than max_model_len "
+                         f"({max_model_len})")
+    ids = np.asarray(prompt_token_ids, dtype=np.int64)
+    bad = ids[(ids < 0) | (ids >= vocab_size)]
+    if bad.size:
+        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got "
+                         f"{bad[:5].tolist()}")
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
+
+
 class Request:
-    def __init__(self, request_id: str, prompt_token_ids: list[int],
+    def __init__(self, request_id: int | str, prompt_token_ids: list[int],
                  sampling_params: SamplingParams, eos_token_ids: list[int]) -> None:
         self.request_id = request_id
         self.sampling_params = sampling_params

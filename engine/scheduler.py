@@ -22,7 +22,7 @@ logger = logging.getLogger(__name__)
 @dataclass(slots=True)
 class NewRequestData:
     """Sent to the runner the first time a request is scheduled (and again after preemption)."""
-    request_id: str
+    request_id: int | str            # the core process uses integer indices
     token_ids: list[int]              # prompt + any tokens generated before a preemption
     num_prompt_tokens: int
     sampling_params: SamplingParams
@@ -33,10 +33,10 @@ class NewRequestData:
 @dataclass(slots=True)
 class CachedRequestData:
     """Requests the runner already holds, column-wise: only what changed. Most steps add no
-    block to most requests, so `new_block_ids[i]` is usually empty."""
-    request_ids: list[str] = field(default_factory=list)
+    block to most requests, so `new_block_ids[i]` is usually empty. The runner advances each
+    request's computed tokens itself, by its scheduled tokens."""
+    request_ids: list[int | str] = field(default_factory=list)
     new_block_ids: list[list[int]] = field(default_factory=list)
-    num_computed_tokens: list[int] = field(default_factory=list)   # before this step
 
     def __len__(self) -> int:
         return len(self.request_ids)
@@ -66,12 +66,11 @@ class ModelRunnerOutput:
 
 @dataclass(slots=True)
 class EngineCoreOutput:
-    request_id: str
+    request_id: int | str
     new_token_ids: list[int]
     finish_reason: str | None = None           # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
-    num_cached_tokens: int = 0
 
     @property
     def finished(self) -> bool:
@@ -164,7 +163,6 @@ class Scheduler:
                 break
             cached_reqs.request_ids.append(req.request_id)
             cached_reqs.new_block_ids.append(new_block_ids)
-            cached_reqs.num_computed_tokens.append(req.num_computed_tokens)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             self._advance(req, num_new)
@@ -232,8 +230,7 @@ class Scheduler:
                 rid, [token_id],
                 req.finish_reason if done else None,
                 req.stop_reason if done else None,
-                [lp] if lp is not None else None,
-                max(req.num_cached_tokens, 0)))
+                [lp] if lp is not None else None))
             if done:
                 self.running.remove(req)
                 self._free(req)

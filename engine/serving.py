@@ -17,9 +17,9 @@ from typing import Protocol
 
 import numpy as np
 
-from engine.async_engine import AsyncEngine
+from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
-from engine.engine_core import EngineStats
+from engine.outputs import EngineStats
 from engine.protocol import GenerateRequest, make_response, parse_request
 
 logger = logging.getLogger(__name__)
@@ -28,11 +28,14 @@ logger = logging.getLogger(__name__)
 SendFn = Callable[[dict[str, np.ndarray] | None, str | None, bool], None]
 
 CANCEL_POLL_S = 0.1
+LAG_PROBE_S = 0.01
 GIL_SWITCH_INTERVAL_S = 0.0005
 STATS_POLL_S = 0.5
 
 
 class Metrics(Protocol):
+    def on_loop_lag(self, seconds: float) -> None: ...
+    def on_loop_lag_max(self, seconds: float) -> None: ...
     def on_first_token(self, seconds: float) -> None: ...
     def on_inter_token(self, seconds: float) -> None: ...
     def on_tokens(self, num_prompt: int, num_generated: int) -> None: ...
@@ -41,6 +44,8 @@ class Metrics(Protocol):
 
 
 class _NoMetrics:
+    def on_loop_lag(self, seconds: float) -> None: pass
+    def on_loop_lag_max(self, seconds: float) -> None: pass
     def on_first_token(self, seconds: float) -> None: pass
     def on_inter_token(self, seconds: float) -> None: pass
     def on_tokens(self, num_prompt: int, num_generated: int) -> None: pass
@@ -49,23 +54,29 @@ class _NoMetrics:
 
 
 class ServingEngine:
-    def __init__(self, config: EngineConfig, metrics: Metrics | None = None) -> None:
-        """Builds the engine (raises if it cannot start) and starts the loop thread."""
+    def __init__(self, config: EngineConfig, metrics: Metrics | None = None,
+                 on_dead: Callable[[str], None] | None = None) -> None:
+        """Builds the engine (raises if it cannot start) and starts the loop thread.
+        `on_dead(reason)` runs once if the engine core process dies, after every in-flight
+        request has been answered with an error."""
         self.metrics = metrics or _NoMetrics()
-        # The core, tokenizer and loop threads share one GIL; by default a thread that wants it
-        # waits up to 5 ms, so each step's hand-offs would cost the core thread milliseconds.
+        # The loop, tokenizer and core-reader threads share one GIL; by default a thread that
+        # wants it waits up to 5 ms, so each step's hand-offs would cost milliseconds.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
-        self.engine = AsyncEngine(config)
+        self._on_dead = on_dead
+        self.engine = AsyncEngine(config, on_dead=self._engine_died)
         self.loop = asyncio.new_event_loop()
         self._inflight: dict[str, Callable[[], bool]] = {}
         self._client_ids: dict[str, str] = {}     # caller's request id -> engine request id
         self._ids = itertools.count()
+        self.max_loop_lag_s = 0.0           # since the last stats publication
         self._thread = threading.Thread(target=self._run_loop, name="serving-loop", daemon=True)
         self._thread.start()
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.create_task(self._poll())
+        self.loop.create_task(self._watch_lag())
         self.loop.run_forever()
 
     # ------------------------------------------------------------------ any thread
@@ -86,6 +97,7 @@ class ServingEngine:
             self._serve(rid, inputs, send, is_cancelled, request_id), self.loop)
 
     def stats(self) -> EngineStats:
+        """Blocking; not from the loop thread."""
         return self.engine.get_stats()
 
     @property
@@ -106,11 +118,30 @@ class ServingEngine:
         self._thread.join(timeout=10)
 
     # ------------------------------------------------------------------ the loop
+    def _engine_died(self, reason: str) -> None:
+        """Runs on a thread of its own once the core is gone. Streams have been failed by the
+        engine; wait (briefly) until their error responses are out, then tell the owner."""
+        deadline = time.monotonic() + 1.0
+        while self._inflight and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self._on_dead is not None:
+            self._on_dead(reason)
+
     async def _drain(self) -> None:
         for _ in range(100):
             if not self._inflight:
                 return
             await asyncio.sleep(0.05)
+
+    async def _watch_lag(self) -> None:
+        """Every response goes out through this loop: how late it wakes is latency for every
+        client. Published as a histogram and as the recent maximum."""
+        while True:
+            start = time.perf_counter()
+            await asyncio.sleep(LAG_PROBE_S)
+            lag = max(0.0, time.perf_counter() - start - LAG_PROBE_S)
+            self.max_loop_lag_s = max(self.max_loop_lag_s, lag)
+            self.metrics.on_loop_lag(lag)
 
     async def _poll(self) -> None:
         """Aborts cancelled requests that produce no output (e.g. still queued) and publishes
@@ -125,9 +156,14 @@ class ServingEngine:
                 except Exception:  # noqa: BLE001 - a broken callback must not stop the poller
                     logger.exception("cancellation check for %s", rid)
             now = time.monotonic()
-            if now - last_stats >= STATS_POLL_S:
+            if now - last_stats >= STATS_POLL_S and self.engine.is_alive:
                 last_stats = now
-                self.metrics.on_stats(self.engine.get_stats())
+                self.metrics.on_loop_lag_max(self.max_loop_lag_s)
+                self.max_loop_lag_s = 0.0
+                try:
+                    self.metrics.on_stats(await self.engine.stats())
+                except Exception:  # noqa: BLE001 - the engine died meanwhile: nothing to show
+                    pass
 
     async def _abort_client(self, client_id: str, send: SendFn) -> None:
         rid = self._client_ids.get(client_id)
@@ -147,7 +183,7 @@ class ServingEngine:
             self._client_ids[client_id] = rid
         try:
             await self._generate(rid, req, send, is_cancelled)
-        except ValueError as e:             # rejected by the engine (e.g. prompt too long)
+        except (ValueError, EngineDeadError) as e:  # rejected (e.g. prompt too long), or dead
             send(None, str(e), True)
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
             logger.exception("request %s failed", rid)

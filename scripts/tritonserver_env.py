@@ -115,6 +115,10 @@ def server_command(model_repository: str, http_port: int, grpc_port: int, metric
             f"--backend-directory={prepare_backend_dir()}",
             f"--http-port={http_port}", f"--grpc-port={grpc_port}",
             f"--metrics-port={metrics_port}", "--allow-metrics=true",
+            # Explicit model control, loading every model at start: the same models as the
+            # default mode, and `llm` can unload itself when its engine dies, which turns its
+            # readiness false (the only way to in this Triton version).
+            "--model-control-mode=explicit", "--load-model=*",
             "--log-info=true"] + list(extra or [])
 
 

@@ -1,9 +1,13 @@
 import asyncio
+import os
+import signal
 import threading
+import time
 
 import pytest
 
 from engine import AsyncEngine, LLM, SamplingParams
+from engine.async_engine import EngineDeadError
 from scripts.make_tiny_model import make_tiny_model
 
 
@@ -26,7 +30,7 @@ async def _collect(engine, prompt, params, rid, abort_after=None):
 
 async def _wait_idle(engine, timeout=10.0):
     for _ in range(int(timeout / 0.01)):
-        s = engine.get_stats()
+        s = await engine.stats()
         if s.num_running == 0 and s.num_waiting == 0:
             return s
         await asyncio.sleep(0.01)
@@ -89,27 +93,21 @@ def test_leaving_the_loop_early_aborts(model_dir):
     assert stats.num_generated_tokens < 200
 
 
-def test_steps_run_off_the_event_loop_thread(model_dir):
+def test_core_runs_in_its_own_process_and_stops_with_the_engine(model_dir):
     engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
-    threads = set()
-    real_step = engine.core.step
-
-    def step():
-        threads.add(threading.current_thread().name)
-        return real_step()
-
-    engine.core.step = step
-
-    async def main():
-        loop_thread = threading.current_thread().name
-        await _collect(engine, "hi", SamplingParams(max_tokens=3, temperature=0), "a")
-        return loop_thread
-
+    pid = engine.core.pid
     try:
-        loop_thread = asyncio.run(main())
+        assert pid != os.getpid()
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            assert b"engine.core_process" in f.read()
+        outs = asyncio.run(_collect(engine, "hi", SamplingParams(max_tokens=3, temperature=0),
+                                    "a"))
+        assert outs[-1].finished
+        assert engine.get_stats().num_steps >= 3          # the steps ran over there
     finally:
         engine.shutdown()
-    assert threads and loop_thread not in threads
+    assert engine.core.process.poll() is not None
+    assert not os.path.exists(f"/proc/{pid}")
 
 
 def test_bad_request_is_an_error_for_that_request_only(model_dir):
@@ -169,3 +167,118 @@ def test_non_streamed_request_yields_one_complete_output(model_dir):
         assert got.text == exp.outputs[0].text and got.token_ids == exp.outputs[0].token_ids
         assert got.finish_reason == exp.outputs[0].finish_reason
         assert outs[0].metrics["first_token_time"] <= outs[0].metrics["last_token_time"]
+
+
+def test_killing_the_core_ends_every_stream_with_an_error_within_a_second(model_dir):
+    died = threading.Event()
+    reasons = []
+
+    def on_dead(reason):
+        reasons.append(reason)
+        died.set()
+
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256,
+                         on_dead=on_dead)
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+
+    async def stream(i, started):
+        n = 0
+        try:
+            async for _ in engine.generate(f"stream {i}", params, f"s{i}"):
+                n += 1
+                if n == 2:
+                    started.release()
+        except EngineDeadError as e:
+            return time.monotonic(), str(e), n
+        return None, "finished normally", n
+
+    async def main():
+        started = asyncio.Semaphore(0)
+        tasks = [asyncio.create_task(stream(i, started)) for i in range(4)]
+        for _ in tasks:
+            await started.acquire()
+        killed_at = time.monotonic()
+        os.kill(engine.core.pid, signal.SIGKILL)
+        results = await asyncio.wait_for(asyncio.gather(*tasks), timeout=5)
+        with pytest.raises(EngineDeadError, match="killed by signal 9"):
+            await _collect(engine, "after", SamplingParams(max_tokens=2), "late")
+        return killed_at, results
+
+    try:
+        killed_at, results = asyncio.run(main())
+        assert died.wait(5)
+    finally:
+        engine.shutdown()
+    for ended_at, message, n in results:
+        assert ended_at is not None, message
+        assert ended_at - killed_at < 1.0
+        assert "killed by signal 9" in message and n >= 2
+    assert "killed by signal 9" in reasons[0]
+    with pytest.raises(EngineDeadError):
+        engine.get_stats()
+
+
+def test_core_start_failure_is_raised_with_its_message(model_dir):
+    with pytest.raises(RuntimeError, match="cannot hold one sequence"):
+        AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=2,
+                    max_model_len=1024)
+
+
+def test_loop_keeps_ticking_while_a_1m_character_prompt_is_tokenized(model_dir):
+    gaps_ms, tokens_during, error = _tokenize_huge_prompt_beside_streams(model_dir, inline=False)
+    assert "max_model_len" in error                     # 1M characters is far too long
+    assert max(gaps_ms) < 50, f"the loop stalled {max(gaps_ms):.0f} ms"
+    assert min(tokens_during) >= 3, tokens_during       # and the streams kept going
+
+
+def test_the_tick_test_sees_a_stall_when_tokenizing_inline(model_dir):
+    # The same measurement with tokenization forced onto the loop: proves it can fail.
+    gaps_ms, _, error = _tokenize_huge_prompt_beside_streams(model_dir, inline=True)
+    assert "max_model_len" in error
+    assert max(gaps_ms) > 200
+
+
+def _tokenize_huge_prompt_beside_streams(model_dir, inline):
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256,
+                         tokenize_inline_max_chars=2_000_000 if inline else 0)
+    huge = ("The quick brown fox jumps over the lazy dog. " * 25000)[:1_000_000]
+    params = SamplingParams(max_tokens=5000, temperature=0, ignore_eos=True)
+
+    async def main():
+        gaps, stamps = [], [[] for _ in range(2)]
+        done = asyncio.Event()
+
+        async def ticker():
+            last = time.perf_counter()
+            while not done.is_set():
+                await asyncio.sleep(0.005)
+                now = time.perf_counter()
+                gaps.append((now - last) * 1000)
+                last = now
+
+        async def stream(i):
+            async for _ in engine.generate(f"short stream {i}", params, f"s{i}"):
+                stamps[i].append(time.perf_counter())
+                if done.is_set():
+                    return
+
+        streams = [asyncio.create_task(stream(i)) for i in range(2)]
+        while not all(stamps):
+            await asyncio.sleep(0.01)
+        tick = asyncio.create_task(ticker())
+        await asyncio.sleep(0.05)
+        start = time.perf_counter()
+        try:
+            await _collect(engine, huge, SamplingParams(max_tokens=1), "huge")
+            error = ""
+        except ValueError as e:
+            error = str(e)
+        end = time.perf_counter()
+        done.set()
+        await asyncio.gather(tick, *streams)
+        return gaps, [sum(start < t < end for t in s) for s in stamps], error
+
+    try:
+        return asyncio.run(main())
+    finally:
+        engine.shutdown()

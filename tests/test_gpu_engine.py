@@ -59,3 +59,36 @@ def test_gpu_engine_equals_cpu_engine_fp32(tiny_models):
     a = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
     b = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
     assert a == b
+
+
+def test_async_engine_core_process_on_the_gpu_it_is_given(tiny_models):
+    """AsyncEngine starts its core process pinned to cuda:N (CUDA_VISIBLE_DEVICES=N); its
+    streamed output equals the in-process engine's."""
+    import asyncio
+    from engine import AsyncEngine
+    device = f"cuda:{torch.cuda.device_count() - 1}"
+    prompts = [f"gpu stream {i}" for i in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    expected = LLM(tiny_models["llama"], dtype="float32", device=device,
+                   num_kv_blocks=256).generate(prompts, params)
+    engine = AsyncEngine(model=tiny_models["llama"], dtype="float32", device=device,
+                         num_kv_blocks=256)
+
+    async def one(i, p):
+        return [t async for o in engine.generate(p, params, f"g{i}") for t in o.outputs[0].token_ids]
+
+    async def main():
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+    try:
+        with open(f"/proc/{engine.core.pid}/environ", "rb") as f:
+            env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+        got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    import os
+    index = int(device.split(":")[1])
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    want = visible.split(",")[index].strip() if visible else str(index)
+    assert env[b"CUDA_VISIBLE_DEVICES"] == want.encode()
+    assert got == [o.outputs[0].token_ids for o in expected]

@@ -5,6 +5,7 @@ import os
 import queue
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -343,12 +344,13 @@ def test_metrics_families_move(server):
     stream_request(server, "count me", greedy(8))
     after = metrics(server)
     for family in ("llm_time_to_first_token_seconds_count", "llm_inter_token_latency_seconds_count",
-                   "llm_prompt_tokens_total", "llm_generation_tokens_total"):
+                   "llm_prompt_tokens_total", "llm_generation_tokens_total",
+                   "llm_event_loop_lag_seconds_count"):
         key = next(k for k in after if k.startswith(family + "{"))
         assert after[key] > before.get(key, 0), family
     for family in ("llm_num_requests_running", "llm_num_requests_waiting", "llm_kv_blocks_total",
                    "llm_kv_blocks_free", "llm_kv_cache_usage_ratio",
-                   "llm_prefix_cache_hit_ratio"):
+                   "llm_prefix_cache_hit_ratio", "llm_event_loop_lag_max_seconds"):
         assert any(k.startswith(family + "{") for k in after), family
     assert metric(server, "llm_kv_blocks_total") == SETTINGS["num_kv_blocks"]
 
@@ -414,8 +416,7 @@ def test_unload_lets_in_flight_streams_finish_then_finalizes(model_dir, tmp_path
     """Triton calls finalize only once in-flight requests are done: the stream must complete
     (final flag, every token) and the unload must then finish, not hang."""
     repo = _repo_with(tmp_path, model=model_dir, dtype="float32", **SETTINGS)
-    with start_server(repo, extra_args=["--model-control-mode=explicit", "--load-model=*"],
-                      log_dir=tmp_path) as server:
+    with start_server(repo, log_dir=tmp_path) as server:
         results: queue.Queue = queue.Queue()
         client = grpcclient.InferenceServerClient(server.grpc_url)
         client.start_stream(callback=lambda result, error: results.put((result, error)))
@@ -439,3 +440,55 @@ def test_unload_lets_in_flight_streams_finish_then_finalizes(model_dir, tmp_path
         assert "llm: engine stopped" in open(server.log_path).read()   # finalize ran
         assert not client.is_model_ready("llm")
         client.close()
+
+
+def _core_pids(server):
+    """The engine core processes of this server (in its process group, by command line)."""
+    pids = []
+    for pid in server.group_pids():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"engine.core_process" in f.read():
+                    pids.append(pid)
+        except OSError:
+            pass
+    return pids
+
+
+def test_killing_the_core_process_ends_streams_and_makes_llm_not_ready(model_dir, tmp_path):
+    repo = _repo_with(tmp_path, model=model_dir, dtype="float32", **SETTINGS)
+    with start_server(repo, log_dir=tmp_path) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        assert client.is_model_ready("llm")
+        (core_pid,) = _core_pids(server)
+        results: queue.Queue = queue.Queue()
+        client.start_stream(callback=lambda result, error: results.put(
+            (time.monotonic(), result, error)))
+        for i in range(4):
+            client.async_stream_infer("llm", grpc_inputs(f"stream {i}", greedy(200)),
+                                      request_id=f"k{i}")
+        seen = {}
+        while len(seen) < 4:                                # every stream is under way
+            _, result, error = results.get(timeout=30)
+            assert error is None, error
+            seen[result.get_response().id] = True
+        killed_at = time.monotonic()
+        os.kill(core_pid, signal.SIGKILL)
+        errors = {}
+        while len(errors) < 4:
+            at, result, error = results.get(timeout=10)
+            if error is not None:
+                errors[len(errors)] = (at - killed_at, str(error))
+        client.stop_stream()
+        for delay, message in errors.values():
+            assert delay < 1.0, (delay, message)
+            assert "engine core" in message and "killed by signal 9" in message, message
+        deadline = time.monotonic() + 10
+        while client.is_model_ready("llm"):
+            assert time.monotonic() < deadline, "llm still reports ready"
+            time.sleep(0.1)
+        with pytest.raises(Exception, match="llm"):          # and new requests are refused
+            stream_request(server, "after", greedy(4))
+        client.close()
+        assert not _core_pids(server)
+    assert not server.group_pids()                          # nothing left behind

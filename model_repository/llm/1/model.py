@@ -22,7 +22,9 @@ class TritonPythonModel:
         repository = os.path.dirname(args["model_repository"].rstrip("/"))
         config = EngineConfig.from_strings(settings_from_triton(model_config, repository, device))
         labels = {"model": args["model_name"], "version": args["model_version"]}
-        self.serving = ServingEngine(config, TritonMetrics(pb_utils, labels))
+        self.model_name = args["model_name"]
+        self.serving = ServingEngine(config, TritonMetrics(pb_utils, labels),
+                                     on_dead=self._engine_died)
         self.logger.log_info(f"llm: engine ready on {device} with {config.model}")
 
     def execute(self, requests):
@@ -36,6 +38,19 @@ class TritonPythonModel:
             self.serving.submit(inputs, _sender(sender), request.is_cancelled,
                                 request.request_id() or None)
         return None
+
+    def _engine_died(self, reason):
+        """The engine core process is gone and every in-flight request has its error. Unload
+        ourselves so that Triton reports the model not ready (readiness in this Triton version
+        follows load state only); that needs --model-control-mode=explicit."""
+        self.logger.log_error(f"llm: the engine core died ({reason}); unloading the model")
+        try:
+            pb_utils.unload_model(self.model_name)
+        except Exception as e:  # noqa: BLE001 - e.g. model control mode NONE
+            self.logger.log_error(
+                f"llm: cannot unload the model ({e}); it stays loaded and answers every request "
+                f"with an error. Run tritonserver with --model-control-mode=explicit "
+                f"--load-model=* for readiness to follow the engine")
 
     def finalize(self):
         self.serving.shutdown()

@@ -1,0 +1,249 @@
+"""The front end's handle on the engine core process: start it, talk to it, notice its death.
+
+Two threads of ours, so the caller's event loop never waits on the socket:
+- the sender takes (kind, args) off a queue, packs the frame and writes it (a long prompt's
+  ADD frame can take a while to build and to be read);
+- the reader reads frames, hands each step's outputs to `on_outputs` (on the reader thread),
+  answers stats futures, and calls `on_dead` once if the core dies or talks nonsense.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import asdict
+
+from engine import wire
+from engine.config import EngineConfig
+from engine.outputs import EngineStats
+from engine.sampling_params import SamplingParams
+from engine.scheduler import EngineCoreOutput
+
+logger = logging.getLogger(__name__)
+
+RECV_BYTES = 1 << 20
+SHUTDOWN_WAIT_S = 10.0
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+class CoreDiedError(RuntimeError):
+    pass
+
+
+def python_executable() -> str:
+    """The interpreter for the core process. Inside Triton's backend stub `sys.executable` can
+    be the stub itself, so fall back to the environment's own python."""
+    exe = sys.executable
+    if exe and os.path.basename(exe).startswith("python") and os.access(exe, os.X_OK):
+        return exe
+    for name in (f"python{sys.version_info.major}.{sys.version_info.minor}", "python3"):
+        candidate = os.path.join(sys.prefix, "bin", name)
+        if os.access(candidate, os.X_OK):
+            return candidate
+    raise RuntimeError(f"cannot find a python interpreter for the engine core "
+                       f"(sys.executable={exe!r}, sys.prefix={sys.prefix!r})")
+
+
+def _pin_device(config: EngineConfig, env: dict[str, str]) -> EngineConfig:
+    """cuda:N -> the process sees only GPU N (as cuda:0)."""
+    device = config.device
+    if not device.startswith("cuda:"):
+        return config
+    index = int(device.split(":")[1])
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v.strip() for v in visible.split(",") if v.strip()]
+        if index >= len(ids):
+            raise ValueError(f"device {device!r}: CUDA_VISIBLE_DEVICES={visible!r} has "
+                             f"{len(ids)} device(s)")
+        env["CUDA_VISIBLE_DEVICES"] = ids[index]
+    else:
+        env["CUDA_VISIBLE_DEVICES"] = str(index)
+    return EngineConfig(**{**asdict(config), "device": "cuda:0"})
+
+
+class CoreClient:
+    def __init__(self, config: EngineConfig, eos_token_ids: list[int],
+                 on_outputs: Callable[[list[EngineCoreOutput]], None],
+                 on_dead: Callable[[str], None]) -> None:
+        """Starts the core process and waits until it is READY (model loaded, KV cache sized);
+        raises RuntimeError with the core's own message if it cannot start."""
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
+        env = dict(os.environ)
+        config = _pin_device(config, env)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self._sock, child = socket.socketpair()
+        self.process = subprocess.Popen(
+            [python_executable(), "-m", "engine.core_process", "--fd", str(child.fileno()),
+             "--config", json.dumps(asdict(config)), "--eos-token-ids",
+             json.dumps(list(eos_token_ids))],
+            pass_fds=(child.fileno(),), env=env, cwd=_ROOT)
+        child.close()
+        self._reader = wire.FrameReader()
+        self._decoder = wire.OutputsDecoder()
+        try:
+            self.info = self._wait_ready()
+        except BaseException:
+            self._kill()
+            raise
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._stats_waiters: deque[Future] = deque()
+        self._lock = threading.Lock()
+        self.dead_reason: str | None = None
+        self._closing = False
+        self._sender = threading.Thread(target=self._send_loop, name="core-sender", daemon=True)
+        self._receiver = threading.Thread(target=self._recv_loop, name="core-reader",
+                                          daemon=True)
+        self._sender.start()
+        self._receiver.start()
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    # ------------------------------------------------------------------ any thread
+    def add(self, index: int, token_ids, params: SamplingParams) -> None:
+        self._outbox.put((wire.ADD, (index, token_ids, params)))
+
+    def abort(self, indices: list[int]) -> None:
+        if indices:
+            self._outbox.put((wire.ABORT, list(indices)))
+
+    def request_stats(self) -> Future:
+        """A future of the core's EngineStats, as of the end of its current step."""
+        fut: Future = Future()
+        with self._lock:
+            if self.dead_reason is not None:
+                fut.set_exception(CoreDiedError(self.dead_reason))
+                return fut
+            self._stats_waiters.append(fut)
+        self._outbox.put((wire.STATS_REQ, None))
+        return fut
+
+    def shutdown(self) -> None:
+        """Asks the core to exit, waits (then kills), joins our threads."""
+        self._closing = True
+        self._outbox.put((wire.SHUTDOWN, None))
+        try:
+            self.process.wait(SHUTDOWN_WAIT_S)
+        except subprocess.TimeoutExpired:
+            logger.warning("engine core did not exit in %.0f s: killing it", SHUTDOWN_WAIT_S)
+        self._kill()
+        self._outbox.put(None)
+        self._sender.join(timeout=5)
+        self._receiver.join(timeout=5)
+
+    # ------------------------------------------------------------------ start-up
+    def _wait_ready(self) -> wire.CoreInfo:
+        while True:
+            data = self._sock.recv(RECV_BYTES)
+            if not data:
+                code = self.process.wait()
+                raise RuntimeError(f"the engine core process exited during start-up "
+                                   f"(exit code {code}); see its log above")
+            for kind, payload in self._reader.feed(data):
+                if kind == wire.READY:
+                    return wire.decode_ready(payload)
+                if kind == wire.ERROR:
+                    raise RuntimeError(wire.decode_error(payload))
+                raise RuntimeError(f"the engine core sent {wire.KIND_NAMES[kind]} before READY")
+
+    def _kill(self) -> None:
+        if self.process.poll() is None:
+            self.process.kill()
+        self.process.wait()
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    # ------------------------------------------------------------------ sender thread
+    def _send_loop(self) -> None:
+        while True:
+            item = self._outbox.get()
+            if item is None:
+                return
+            kind, arg = item
+            try:
+                if kind == wire.ADD:
+                    data = wire.encode_add(*arg)
+                elif kind == wire.ABORT:
+                    data = wire.encode_abort(arg)
+                else:
+                    data = wire.frame(kind)
+            except Exception as e:  # noqa: BLE001 - a bug; nothing may wait for this forever
+                logger.exception("cannot encode a %s frame", wire.KIND_NAMES[kind])
+                self._die(f"cannot encode a {wire.KIND_NAMES[kind]} frame: {e!r}")
+                self._kill()
+                return
+            try:
+                self._sock.sendall(data)
+            except OSError as e:
+                self._die(f"cannot write to the engine core: {e}")
+                return
+
+    # ------------------------------------------------------------------ reader thread
+    def _recv_loop(self) -> None:
+        try:
+            while True:
+                data = self._sock.recv(RECV_BYTES)
+                if not data:
+                    self._reader.eof()
+                    self._die(self._exit_message())
+                    return
+                for kind, payload in self._reader.feed(data):
+                    if kind == wire.OUTPUTS:
+                        self._on_outputs(self._decoder.decode(payload))
+                    elif kind == wire.STATS:
+                        stats = wire.decode_stats(payload)
+                        with self._lock:
+                            fut = self._stats_waiters.popleft() if self._stats_waiters else None
+                        if fut is not None:
+                            fut.set_result(stats)
+                    elif kind == wire.ERROR:
+                        self._die(wire.decode_error(payload))
+                        return
+                    else:
+                        raise wire.FrameError(
+                            f"the front end does not take {wire.KIND_NAMES[kind]} frames")
+        except wire.FrameError as e:
+            self._die(f"malformed frame from the engine core: {e}")
+            self._kill()
+        except OSError as e:
+            self._die(f"lost the engine core: {e}")
+        except BaseException as e:  # noqa: BLE001 - e.g. on_outputs failing: nothing works now
+            logger.exception("engine core reader failed")
+            self._die(f"the engine front end failed: {e!r}")
+            self._kill()
+
+    def _exit_message(self) -> str:
+        if self._closing:
+            return "the engine was shut down"
+        try:
+            code = self.process.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            return "the engine core closed its connection"
+        how = f"killed by signal {-code}" if code < 0 else f"exited with code {code}"
+        return f"the engine core process {self.process.pid} {how}"
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            if self.dead_reason is not None:
+                return
+            self.dead_reason = reason
+            waiters, self._stats_waiters = list(self._stats_waiters), deque()
+        for fut in waiters:
+            fut.set_exception(CoreDiedError(reason))
+        if not self._closing:
+            logger.error("engine core is gone: %s", reason)
+        self._on_dead(reason)

@@ -1,0 +1,130 @@
+"""The engine core in a process of its own: `python -m engine.core_process --fd N ...`.
+
+Started by `CoreClient` (engine/core_client.py) with one end of a socket pair. It builds the
+EngineCore, says READY (or ERROR and exits), then loops: take the frames that have arrived
+(new requests, aborts, stats requests), run one step, send its outputs as one OUTPUTS frame.
+With nothing to do it sleeps in `select` until a frame arrives. It exits when told to, when
+the front end goes away (end of stream) or on a malformed frame, after saying why in an ERROR
+frame. It never imports the tokenizer: it sees token ids only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import select
+import socket
+import sys
+
+from engine import wire
+from engine.config import EngineConfig
+
+logger = logging.getLogger("engine.core_process")
+
+RECV_BYTES = 1 << 20
+STALLED_FRAME_S = 30.0      # a frame begun and not finished this long: the peer is broken
+
+
+class _Exit(Exception):
+    pass
+
+
+class CoreServer:
+    def __init__(self, sock: socket.socket, core) -> None:
+        self.sock = sock
+        self.core = core
+        self.reader = wire.FrameReader()
+        self.encoder = wire.OutputsEncoder()
+
+    def serve(self) -> None:
+        pending = []            # outputs of aborts, sent with the next step's
+        while True:
+            busy = self.core.has_unfinished_requests()
+            timeout = 0.0 if busy else (STALLED_FRAME_S if self.reader.mid_frame else None)
+            readable, _, _ = select.select([self.sock], [], [], timeout)
+            if readable:
+                data = self.sock.recv(RECV_BYTES)
+                if not data:
+                    self.reader.eof()
+                    raise _Exit("the front end closed the connection")
+                for kind, payload in self.reader.feed(data):
+                    pending.extend(self._handle(kind, payload))
+            elif not busy and self.reader.mid_frame:
+                raise wire.FrameError(f"a frame stalled for {STALLED_FRAME_S:.0f} s")
+            outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            if pending:
+                outputs, pending = pending + outputs, []
+            if outputs:
+                self.sock.sendall(self.encoder.encode(outputs))
+
+    def _handle(self, kind: int, payload) -> list:
+        if kind == wire.ADD:
+            index, ids, params = wire.decode_add(payload)
+            try:
+                request = self.core.make_request(index, ids, params)
+                self.core.add_request(request)
+            except ValueError as e:     # the front end checks first: this is a protocol bug
+                raise wire.FrameError(f"ADD for request {index}: {e}") from None
+            return []
+        if kind == wire.ABORT:
+            return self.core.abort_requests(wire.decode_abort(payload))
+        if kind == wire.STATS_REQ:
+            wire.decode_empty(kind, payload)
+            self.sock.sendall(wire.encode_stats(self.core.get_stats()))
+            return []
+        if kind == wire.SHUTDOWN:
+            wire.decode_empty(kind, payload)
+            raise _Exit("shutdown requested")
+        raise wire.FrameError(f"the core does not take {wire.KIND_NAMES[kind]} frames")
+
+
+def _send_error(sock: socket.socket, message: str) -> None:
+    try:
+        sock.sendall(wire.encode_error(message))
+    except OSError:
+        pass                    # nobody is listening any more
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fd", type=int, required=True, help="socket to the front end")
+    ap.add_argument("--config", required=True, help="EngineConfig as JSON")
+    ap.add_argument("--eos-token-ids", default="[]", help="the tokenizer's EOS ids, JSON")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"core[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    sock = socket.socket(fileno=args.fd)
+    try:
+        from engine.engine_core import EngineCore   # torch: only in this process's start-up
+
+        config = EngineConfig.from_dict(json.loads(args.config))
+        core = EngineCore(config, json.loads(args.eos_token_ids))
+        sock.sendall(wire.encode_ready(wire.CoreInfo(
+            core.max_model_len, core.vocab_size, core.kv.num_blocks, config.block_size,
+            core.eos_token_ids)))
+    except BaseException as e:  # noqa: BLE001 - whatever it is, the front end must hear it
+        logger.exception("engine core failed to start")
+        _send_error(sock, f"the engine core failed to start: {e}")
+        return 1
+    code = 0
+    try:
+        CoreServer(sock, core).serve()
+    except _Exit as e:
+        logger.info("engine core exiting: %s", e)
+    except wire.FrameError as e:
+        logger.error("engine core got a malformed frame: %s", e)
+        _send_error(sock, f"the engine core got a malformed frame: {e}")
+        code = 2
+    except BaseException as e:  # noqa: BLE001
+        logger.exception("engine core failed")
+        _send_error(sock, f"the engine core failed: {e!r}")
+        code = 1
+    finally:
+        core.shutdown()
+        sock.close()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
