@@ -87,7 +87,7 @@ class CoreClient:
             [python_executable(), "-m", "engine.core_process", "--fd", str(child.fileno()),
              "--config", json.dumps(asdict(config)), "--eos-token-ids",
              json.dumps(list(eos_token_ids))],
-            pass_fds=(child.fileno(),), env=env, cwd=_ROOT)
+            pass_fds=(child.fileno(),), env=env)
         child.close()
         self._reader = wire.FrameReader()
         self._decoder = wire.OutputsDecoder()
