@@ -188,6 +188,9 @@ class CoreClient:
                 return
             try:
                 self._sock.sendall(data)
+                if kind == wire.SHUTDOWN:   # and nothing more: the core sees the end of stream
+                    self._sock.shutdown(socket.SHUT_WR)
+                    return
             except OSError as e:
                 self._die(f"cannot write to the engine core: {e}")
                 return

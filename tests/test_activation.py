@@ -3,37 +3,19 @@
 Without CUDA the kernel runs under Triton's interpreter on CPU (fp32 and fp16; the interpreter
 has no bf16), with CUDA on the GPU in bf16 too.
 """
-import importlib
-import os
-
+import pytest
 import torch
+import torch.nn.functional as F
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # @triton.jit picks the interpreter when a kernel is decorated, i.e. when kernels.activation is
-    # imported. (The kernels call no @triton.jit function of Triton's own library, for which that
-    # was settled when triton was first imported, e.g. by torch._dynamo in another test module.)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
-import pytest  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-import kernels.activation as activation_module  # noqa: E402
-
-if not ON_GPU and not activation_module._INTERPRETED:
-    # Imported (e.g. through engine/) before TRITON_INTERPRET was set: decorate the kernel again.
-    activation_module = importlib.reload(activation_module)
-
+activation_module = load_kernels("kernels.activation")
 silu_and_mul, silu_and_mul_ref = activation_module.silu_and_mul, activation_module.silu_and_mul_ref
-
-DEVICE = "cuda" if ON_GPU else "cpu"
 
 
 @pytest.fixture(autouse=True)
 def kernels_can_run_here():
-    """Fail, never skip, where the kernels can run neither on a GPU nor in the interpreter."""
-    if not ON_GPU and not activation_module._INTERPRETED:
-        pytest.fail("no CUDA device and the Triton kernels are not interpreted: is TRITON_INTERPRET=0 set?")
+    require_runnable(activation_module)
 
 
 DTYPE_TOLS = [(torch.float32, 1e-4, 1.3e-6), (torch.float16, 1e-2, 1e-3)]

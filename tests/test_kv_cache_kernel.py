@@ -4,37 +4,19 @@ Without CUDA the kernel runs under Triton's interpreter on CPU (fp32 and fp16; t
 has no bf16), with CUDA on the GPU in bf16 too. A write is a copy (or one cast), so every
 element must match exactly, and every slot not written must keep its NaN poison.
 """
-import importlib
-import os
-
+import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # @triton.jit picks the interpreter when a kernel is decorated, i.e. when kernels.kv_cache is
-    # imported. (The kernels call no @triton.jit function of Triton's own library, for which that
-    # was settled when triton was first imported, e.g. by torch._dynamo in another test module.)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from kernels.attention_ref import write_kv_ref
+from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
-import pytest  # noqa: E402
-
-import kernels.kv_cache as kv_cache_module  # noqa: E402
-from kernels.attention_ref import write_kv_ref  # noqa: E402
-
-if not ON_GPU and not kv_cache_module._INTERPRETED:
-    # Imported (e.g. through engine/) before TRITON_INTERPRET was set: decorate the kernel again.
-    kv_cache_module = importlib.reload(kv_cache_module)
-
+kv_cache_module = load_kernels("kernels.kv_cache")
 write_kv = kv_cache_module.write_kv
-
-DEVICE = "cuda" if ON_GPU else "cpu"
 
 
 @pytest.fixture(autouse=True)
 def kernels_can_run_here():
-    """Fail, never skip, where the kernels can run neither on a GPU nor in the interpreter."""
-    if not ON_GPU and not kv_cache_module._INTERPRETED:
-        pytest.fail("no CUDA device and the Triton kernels are not interpreted: is TRITON_INTERPRET=0 set?")
+    require_runnable(kv_cache_module)
 
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])

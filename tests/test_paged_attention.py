@@ -1,36 +1,27 @@
 """The Triton paged attention against the eager reference, on mixed batches.
 
-Without CUDA the kernels run in Triton's interpreter: TRITON_INTERPRET=1 is set here, before
-kernels.paged_attention is imported (triton reads it when a kernel is decorated; the module is
-reloaded if something imported it earlier). If that does not take, the module stops with an
-error rather than skipping. With CUDA the same tests run on the GPU, bf16 included, plus the
-CUDA-graph checks.
+Without CUDA the kernels run in Triton's interpreter (set up by tests/kernel_support.py); if
+that does not take, every test fails rather than skipping. With CUDA the same tests run on the
+GPU, bf16 included, plus the CUDA-graph checks.
 """
-import importlib
-import os
-
+import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
-import pytest  # noqa: E402
-from triton.runtime.interpreter import InterpretedFunction  # noqa: E402
-
-import kernels.paged_attention as pa  # noqa: E402
-
-if not ON_GPU and not isinstance(pa._paged_attention_kernel, InterpretedFunction):
-    pa = importlib.reload(pa)       # imported before TRITON_INTERPRET was set: decorate again
-if not ON_GPU and not isinstance(pa._paged_attention_kernel, InterpretedFunction):
-    raise RuntimeError("no CUDA and the Triton kernels are not interpreted: is TRITON_INTERPRET=0 set?")
+pa = load_kernels("kernels.paged_attention")
 choose_num_kv_splits, paged_attention, paged_attention_ref = (
     pa.choose_num_kv_splits, pa.paged_attention, pa.paged_attention_ref)
+
+
+@pytest.fixture(autouse=True)
+def kernels_can_run_here():
+    require_runnable(pa)
+
 
 # The interpreter turns scalar arrays into loop bounds through a numpy call it deprecates.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 
-DEVICE = "cuda" if ON_GPU else "cpu"
 TOLS = {torch.float32: (1e-4, 1.3e-6), torch.float16: (1e-2, 1e-3), torch.bfloat16: (1.5e-2, 1e-2)}
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 

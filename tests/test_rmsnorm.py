@@ -3,44 +3,19 @@
 Without CUDA the kernel runs under Triton's interpreter on CPU (fp32 and fp16; the interpreter
 has no bf16), with CUDA on the GPU in bf16 too.
 """
-import importlib
-import os
-
+import pytest
 import torch
+import triton.language as tl
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # @triton.jit picks the interpreter when a function is decorated: ours when kernels.rmsnorm is
-    # imported, Triton's own (tl.sum) when triton is first imported, which torch._dynamo does as
-    # soon as transformers' models are imported, e.g. by a test module collected before this one.
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
-import pytest  # noqa: E402
-import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
-
-import kernels.rmsnorm as rmsnorm_module  # noqa: E402
-
-if not ON_GPU and not rmsnorm_module._INTERPRETED:
-    # Imported (e.g. through engine/) before TRITON_INTERPRET was set: decorate the kernel again.
-    rmsnorm_module = importlib.reload(rmsnorm_module)
-
+rmsnorm_module = load_kernels("kernels.rmsnorm")
 rms_norm, rms_norm_ref = rmsnorm_module.rms_norm, rmsnorm_module.rms_norm_ref
-
-DEVICE = "cuda" if ON_GPU else "cpu"
 
 
 @pytest.fixture(autouse=True)
 def kernels_can_run_here():
-    """Fail, never skip, where the kernel can run neither on a GPU nor in the interpreter."""
-    if ON_GPU:
-        return
-    if not rmsnorm_module._INTERPRETED:
-        pytest.fail("no CUDA device and the Triton kernels are not interpreted: is TRITON_INTERPRET=0 set?")
-    if isinstance(tl.sum, triton.runtime.JITFunction):
-        pytest.fail("triton was imported before TRITON_INTERPRET=1 was set (by a test module collected "
-                    "earlier?), so tl.sum cannot run in the interpreter: run with TRITON_INTERPRET=1 "
-                    "in the environment, or set it in tests/conftest.py")
+    require_runnable(rmsnorm_module, triton_functions=(tl.sum,))
 
 
 DTYPE_TOLS = [(torch.float32, 1e-4, 1.3e-6), (torch.float16, 1e-2, 1e-3)]

@@ -4,38 +4,20 @@ the model's current RotaryEmbedding + apply_rotary path with llama3-scaled frequ
 Without CUDA the kernel runs under Triton's interpreter on CPU (fp32 and fp16; the interpreter
 has no bf16), with CUDA on the GPU in bf16 too.
 """
-import importlib
-import os
-
+import pytest
 import torch
 
-ON_GPU = torch.cuda.is_available()
-if not ON_GPU:
-    # @triton.jit picks the interpreter when a kernel is decorated, i.e. when kernels.rotary is
-    # imported. (The kernels call no @triton.jit function of Triton's own library, for which that
-    # was settled when triton was first imported, e.g. by torch._dynamo in another test module.)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
+from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
-import pytest  # noqa: E402
-
-import kernels.rotary as rotary_module  # noqa: E402
-
-if not ON_GPU and not rotary_module._INTERPRETED:
-    # Imported (e.g. through engine/) before TRITON_INTERPRET was set: decorate the kernel again.
-    rotary_module = importlib.reload(rotary_module)
-
+rotary_module = load_kernels("kernels.rotary")
 rotary_embedding = rotary_module.rotary_embedding
 rotary_embedding_ref = rotary_module.rotary_embedding_ref
 build_cos_sin_cache = rotary_module.build_cos_sin_cache
 
-DEVICE = "cuda" if ON_GPU else "cpu"
-
 
 @pytest.fixture(autouse=True)
 def kernels_can_run_here():
-    """Fail, never skip, where the kernels can run neither on a GPU nor in the interpreter."""
-    if not ON_GPU and not rotary_module._INTERPRETED:
-        pytest.fail("no CUDA device and the Triton kernels are not interpreted: is TRITON_INTERPRET=0 set?")
+    require_runnable(rotary_module)
 
 
 # bf16: the kernel rounds once from fp32, while the HF-order reference rounds cos/sin (relative

@@ -1,0 +1,60 @@
+"""engine/core_process.py: the real core process, fed bad frames through its socket."""
+import struct
+import threading
+import time
+
+import pytest
+
+from engine import wire
+from engine.config import EngineConfig
+from engine.core_client import CoreClient
+from scripts.make_tiny_model import make_tiny_model
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "llama", arch="llama", seed=2))
+
+
+def _start(model_dir):
+    died, outputs = [], []
+    event = threading.Event()
+
+    def on_dead(reason):
+        died.append(reason)
+        event.set()
+
+    client = CoreClient(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                     num_kv_blocks=64, cpu_threads=1),
+                        [], outputs.extend, on_dead)
+    return client, died, event
+
+
+BAD_FRAMES = {
+    "random bytes": bytes(range(7, 57)),
+    "wrong version": struct.pack("<BBBI", wire.MAGIC, wire.VERSION + 1, wire.ADD, 0),
+    "truncated ADD payload": wire.frame(wire.ADD, b"\x01\x00\x00"),
+}   # every other kind of bad frame, decoder by decoder: tests/test_wire.py
+
+
+@pytest.mark.parametrize("name", list(BAD_FRAMES))
+def test_bad_frame_is_answered_with_an_error_and_the_core_exits(model_dir, name):
+    client, died, event = _start(model_dir)
+    try:
+        start = time.monotonic()
+        client._sock.sendall(BAD_FRAMES[name])
+        assert event.wait(10), "the core neither answered nor exited"
+        assert client.process.wait(10) == 2             # a malformed frame: exit code 2
+        assert time.monotonic() - start < 10
+        assert "malformed frame" in died[0], died
+    finally:
+        client.shutdown()
+
+
+def test_a_stalled_partial_frame_does_not_stop_the_core_from_exiting(model_dir):
+    client, died, event = _start(model_dir)
+    client._sock.sendall(wire.frame(wire.ADD, b"x" * 100)[:20])   # half a frame, then nothing
+    start = time.monotonic()
+    client.shutdown()           # SHUTDOWN goes in as part of that frame, then end of stream
+    assert time.monotonic() - start < 5
+    assert client.process.returncode == 2              # "ended in the middle of a frame"
