@@ -1,8 +1,8 @@
 """Prompt tokenization that does not hold up the event loop.
 
-`BatchTokenizer.encode` queues a prompt for the tokenizer thread; the thread takes everything
-queued and tokenizes the short prompts in one batch call and each long one on its own (so a
-300k-character prompt does not delay the short ones that came with it more than it must).
+`BatchTokenizer.encode` queues a prompt for the tokenizer thread; the thread tokenizes all the
+short prompts queued in one batch call and the long ones one at a time, short ones first: under
+a flood of 300k-character prompts a short prompt waits behind at most one of them.
 
 A Hugging Face fast tokenizer drops the GIL inside its Rust `encode_batch*` calls, but building
 the Python objects for a long result holds it: for a 1M-character prompt, HF's `encode` holds
@@ -74,22 +74,24 @@ class BatchTokenizer:
 
     # ------------------------------------------------------------------ tokenizer thread
     def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Short prompts first, all of them in one call; then one long prompt; then look again,
+        so a short prompt waits behind at most one long one, however many are queued."""
         while True:
             with self._lock:
-                batch, self._pending = self._pending, []
-                if not batch:
+                group = [p for p in self._pending if len(p[0]) <= BATCH_MAX_CHARS]
+                if group:
+                    self._pending = [p for p in self._pending if len(p[0]) > BATCH_MAX_CHARS]
+                elif self._pending:
+                    group = [self._pending.pop(0)]
+                else:
                     self._running = False
                     return
-            short = [(t, f) for t, f in batch if len(t) <= BATCH_MAX_CHARS]
-            groups = ([short] if short else []) + [
-                [(t, f)] for t, f in batch if len(t) > BATCH_MAX_CHARS]
-            for group in groups:
-                try:
-                    results = self.encode_now([t for t, _ in group])
-                except Exception as e:  # noqa: BLE001 - each caller hears of it
-                    results = [e] * len(group)
-                loop.call_soon_threadsafe(_settle, [f for _, f in group], results)
-                del results, group      # a rejected prompt's ids are freed here, not on the loop
+            try:
+                results = self.encode_now([t for t, _ in group])
+            except Exception as e:  # noqa: BLE001 - each caller hears of it
+                results = [e] * len(group)
+            loop.call_soon_threadsafe(_settle, [f for _, f in group], results)
+            del results, group          # a rejected prompt's ids are freed here, not on the loop
 
 
 def _settle(futures: list[asyncio.Future], results: list) -> None:

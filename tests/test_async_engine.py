@@ -239,8 +239,9 @@ def test_the_tick_test_sees_a_stall_when_tokenizing_inline(model_dir):
 
 
 def _tokenize_huge_prompt_beside_streams(model_dir, inline):
+    inline_max = {"tokenize_inline_max_chars": 2_000_000} if inline else {}   # else default
     engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256,
-                         tokenize_inline_max_chars=2_000_000 if inline else 0)
+                         **inline_max)
     huge = ("The quick brown fox jumps over the lazy dog. " * 25000)[:1_000_000]
     params = SamplingParams(max_tokens=5000, temperature=0, ignore_eos=True)
 

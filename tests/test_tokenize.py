@@ -43,7 +43,10 @@ def test_prompts_arriving_together_share_one_call_and_long_ones_go_alone(tokeniz
     pool = ThreadPoolExecutor(1)
     bt = BatchTokenizer(tokenizer, pool, max_num_tokens=10**6)
     long_text = "y " * (BATCH_MAX_CHARS // 2 + 10)
-    texts = [f"prompt number {i}" for i in range(20)] + [long_text]
+    texts = [long_text] + [f"prompt number {i}" for i in range(20)] + [long_text + "z"]
+    order = []
+    real = bt.encode_now
+    bt.encode_now = lambda batch: order.append(len(batch)) or real(batch)
 
     async def main():
         gate = threading.Event()
@@ -58,4 +61,4 @@ def test_prompts_arriving_together_share_one_call_and_long_ones_go_alone(tokeniz
     finally:
         pool.shutdown()
     assert [r[0] for r in results] == [tokenizer.encode(t) for t in texts]
-    assert bt.num_batch_calls == 2             # the 20 short ones together, the long one alone
+    assert order == [20, 1, 1]    # the short ones first and together, though a long one came first
