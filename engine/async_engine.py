@@ -176,7 +176,7 @@ class AsyncEngine:
                              "give token ids")
         if self._inline_tokenizer is not None and (
                 len(prompt) <= self.config.tokenize_inline_max_chars):
-            result = self._inline_tokenizer.encode_now([prompt])[0]
+            result = self._inline_tokenizer.encode_now([prompt], inline=True)[0]
             if isinstance(result, ValueError):
                 raise result
             return (prompt, *result)

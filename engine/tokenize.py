@@ -9,6 +9,8 @@ the Python objects for a long result holds it: for a 1M-character prompt, HF's `
 the GIL for ~50 ms at the end (offsets, tokens and masks it builds and then throws away), while
 `encode_batch_fast` (ids only) holds it for ~15 ms. So the backend's `encode_batch_fast` is
 used when it gives exactly what `tokenizer.encode` gives (checked once on probe strings).
+The batch calls run on the library's own thread pool, shared by the process: a short prompt
+tokenized inline on the event loop uses the single-text call instead, so it never queues there.
 """
 from __future__ import annotations
 
@@ -42,14 +44,18 @@ class BatchTokenizer:
         self._running = False
         self.num_batch_calls = 0
 
-    def encode_now(self, texts: list[str]) -> list[Encoded | ValueError]:
-        """Tokenizes on the calling thread, with special tokens (e.g. BOS), like `encode`."""
+    def encode_now(self, texts: list[str], inline: bool = False) -> list[Encoded | ValueError]:
+        """Tokenizes with special tokens (e.g. BOS), like `encode`. `inline`: on the event loop,
+        for short prompts: one plain call each, never the batch call, which hands the work to
+        the tokenizers library's thread pool and would wait there behind a long prompt."""
         self.num_batch_calls += 1
-        if self._backend is not None:
+        if self._backend is None:
+            lists = [self.tokenizer.encode(t) for t in texts]
+        elif inline:
+            lists = [self._backend.encode(t, add_special_tokens=True).ids for t in texts]
+        else:
             lists = [e.ids for e in self._backend.encode_batch_fast(texts,
                                                                     add_special_tokens=True)]
-        else:
-            lists = [self.tokenizer.encode(t) for t in texts]
         results: list[Encoded | ValueError] = []
         for ids in lists:
             if len(ids) > self.max_num_tokens:
@@ -112,9 +118,11 @@ def _fast_backend(tokenizer):
         return None
     try:
         fast = [e.ids for e in backend.encode_batch_fast(_PROBES, add_special_tokens=True)]
+        single = [backend.encode(p, add_special_tokens=True).ids for p in _PROBES]
     except Exception:  # noqa: BLE001 - any failure: use the plain path
         return None
-    if fast != [tokenizer.encode(p) for p in _PROBES]:
+    expected = [tokenizer.encode(p) for p in _PROBES]
+    if fast != expected or single != expected:
         logger.info("encode_batch_fast disagrees with encode for this tokenizer: not used")
         return None
     return backend

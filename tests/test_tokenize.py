@@ -21,9 +21,10 @@ def tokenizer(tmp_path_factory):
 def test_fast_path_is_used_and_equals_encode(tokenizer):
     bt = BatchTokenizer(tokenizer, None, max_num_tokens=10**6)
     assert bt._backend is not None             # this tokenizer has the ids-only batch call
-    for text, (ids, packed) in zip(TEXTS, bt.encode_now(TEXTS)):
-        assert ids == tokenizer.encode(text)
-        assert packed.tolist() == ids and packed.dtype.name == "int32"
+    for inline in (False, True):
+        for text, (ids, packed) in zip(TEXTS, bt.encode_now(TEXTS, inline=inline)):
+            assert ids == tokenizer.encode(text)
+            assert packed.tolist() == ids and packed.dtype.name == "int32"
 
 
 def test_plain_path_equals_encode(tokenizer):
