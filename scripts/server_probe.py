@@ -1,0 +1,173 @@
+"""What a benchmark reads from a running tritonserver and from the machine under it.
+
+- /metrics: histogram deltas between two scrapes (count, mean, quantiles interpolated within
+  the bucket as Prometheus' histogram_quantile does, the highest non-empty bucket), gauges, and
+  a thread that polls one gauge;
+- CPU seconds of the machine, of this process and of each server process (the llm stub's
+  threads one by one), and the kernel's CPU pressure (time some runnable task waited for a CPU).
+"""
+from __future__ import annotations
+
+import os
+import platform
+import re
+import threading
+import time
+import urllib.request
+
+
+def scrape(metrics_url: str) -> dict[str, float]:
+    """The `llm_*` series of /metrics: {'name{labels}': value}."""
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("llm_"):
+            key, value = line.rsplit(" ", 1)
+            values[key] = float(value)
+    return values
+
+
+def _buckets(values: dict[str, float], name: str) -> list[tuple[float, float]]:
+    """[(le, cumulative count)] ascending, +Inf last."""
+    pat = re.compile(re.escape(name) + r'_bucket\{.*le="([^"]+)".*\}$')
+    return sorted((float(m.group(1)), v) for k, v in values.items() if (m := pat.match(k)))
+
+
+def hist_delta(before: dict[str, float], after: dict[str, float], name: str) -> dict:
+    """What histogram `name` (in seconds) observed between two scrapes, in ms. A quantile that
+    falls in the +Inf bucket is reported as the last finite bound (a floor); `max_bucket_ms`
+    is [lower, upper] of the highest non-empty bucket, upper None for +Inf."""
+    start = dict(_buckets(before, name))
+    cum = [(le, c - start.get(le, 0.0)) for le, c in _buckets(after, name)]
+    total = cum[-1][1] if cum else 0.0
+    sum_key = next((k for k in after if k.startswith(name + "_sum")), None)
+    total_s = after[sum_key] - before.get(sum_key, 0.0) if sum_key else 0.0
+
+    def quantile_ms(q: float) -> float | None:
+        if total <= 0:
+            return None
+        rank, lo, prev = q * total, 0.0, 0.0
+        for le, c in cum:
+            if c >= rank:
+                if le == float("inf"):
+                    return 1e3 * lo
+                return 1e3 * (lo + (le - lo) * (rank - prev) / max(c - prev, 1e-12))
+            lo, prev = le, c
+        return 1e3 * lo
+
+    top, prev_le, prev = None, 0.0, 0.0
+    for le, c in cum:
+        if c > prev:
+            top = [1e3 * prev_le, None if le == float("inf") else 1e3 * le]
+        prev_le, prev = le, c
+    return {"count": int(total), "mean_ms": 1e3 * total_s / total if total else None,
+            "p50_ms": quantile_ms(0.50), "p99_ms": quantile_ms(0.99), "max_bucket_ms": top}
+
+
+def gauge(values: dict[str, float], name: str) -> float:
+    """The largest value of gauge `name` over its label sets (0 if absent)."""
+    return max((v for k, v in values.items() if k.startswith(name + "{")), default=0.0)
+
+
+class GaugePoller(threading.Thread):
+    """Reads gauge `name` every `interval_s`; `samples`: [(perf_counter time, value)]."""
+
+    def __init__(self, metrics_url: str, name: str, interval_s: float) -> None:
+        super().__init__(name="gauge-poller", daemon=True)
+        self.metrics_url, self.gauge_name, self.interval_s = metrics_url, name, interval_s
+        self.samples: list[tuple[float, float]] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while not self.stop.wait(self.interval_s):
+            try:
+                value = gauge(scrape(self.metrics_url), self.gauge_name)
+            except OSError:             # a scrape that timed out: the next one will do
+                continue
+            self.samples.append((time.perf_counter(), value))
+
+    def max_between(self, start: float, end: float) -> float | None:
+        values = [v for t, v in self.samples if start <= t <= end]
+        return max(values) if values else None
+
+
+# ---------------------------------------------------------------------------- CPU
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cpu_seconds(server_pids: list[int]) -> dict[str, float]:
+    """CPU seconds so far: the machine (busy and total, all cores), this process ("client"),
+    each server process by role, each thread of the llm stub ("thread:TID"), and the CPU
+    pressure stall time ("cpu_pressure_some")."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    out = {"machine_busy": (sum(fields) - fields[3] - fields[4]) / tick,   # - idle - iowait
+           "machine_total": sum(fields) / tick, "client": sum(os.times()[:2])}
+    for pid in server_pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                stat = f.read()
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:                 # exited meanwhile
+            continue
+        role = _role(cmd, pid)
+        out[role] = _cpu_s(stat, tick)
+        if role.startswith("stub_llm["):
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                try:
+                    with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                        out[f"thread:{tid}"] = _cpu_s(f.read(), tick)
+                except OSError:
+                    continue
+    try:
+        with open("/proc/pressure/cpu") as f:
+            out["cpu_pressure_some"] = int(f.readline().split("total=")[1]) / 1e6
+    except (OSError, IndexError, ValueError):   # no PSI in this kernel
+        pass
+    return out
+
+
+def cpu_delta(before: dict[str, float], after: dict[str, float], seconds: float) -> dict:
+    """Cores used on average between two `cpu_seconds`; `cpu_pressure_some` becomes the
+    fraction of the time some runnable task waited for a CPU; `other_processes` is machine
+    busy minus the server and this client (load that is not ours); the llm stub's four
+    busiest threads as [tid, cores]."""
+    def rate(k: str) -> float:
+        return round((after[k] - before.get(k, 0.0)) / seconds, 3)
+
+    out = {k: rate(k) for k in after if k != "machine_total" and not k.startswith("thread:")}
+    threads = sorted(((rate(k), k[7:]) for k in after if k.startswith("thread:")), reverse=True)
+    ours = sum(v for k, v in out.items()
+               if k in ("client", "tritonserver") or k.startswith(("stub_", "engine_core")))
+    out["other_processes"] = round(out["machine_busy"] - ours, 3)
+    out["machine_busy_fraction"] = round(
+        (after["machine_busy"] - before["machine_busy"])
+        / max(after["machine_total"] - before["machine_total"], 1e-9), 3)
+    out["stub_llm_top_threads"] = [[tid, cores] for cores, tid in threads[:4]]
+    return out
+
+
+def _cpu_s(stat: str, tick: int) -> float:
+    utime, stime = (int(x) for x in stat[stat.rindex(")") + 2:].split()[11:13])
+    return (utime + stime) / tick
+
+
+def _role(cmd: str, pid: int) -> str:
+    if "engine.core_process" in cmd:
+        return f"engine_core[{pid}]"
+    if "triton_python_backend_stub" in cmd:
+        return f"stub_{'llm_bls' if '/llm_bls/' in cmd else 'llm'}[{pid}]"
+    if "tritonserver" in cmd:
+        return "tritonserver"
+    return f"{os.path.basename(cmd.split(' ')[0])}[{pid}]"

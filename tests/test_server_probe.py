@@ -1,0 +1,57 @@
+"""scripts/server_probe.py: histogram deltas and CPU accounting, on hand-made inputs."""
+import pytest
+
+from scripts.server_probe import cpu_delta, gauge, hist_delta
+
+LAG = "llm_event_loop_lag_seconds"
+
+
+def hist(counts_by_le, total_s, labels='model="llm",version="1"'):
+    """A scrape holding one histogram: {le: cumulative count}."""
+    values = {f'{LAG}_bucket{{{labels},le="{le}"}}': float(c) for le, c in counts_by_le.items()}
+    values[f"{LAG}_count{{{labels}}}"] = float(max(counts_by_le.values()))
+    values[f"{LAG}_sum{{{labels}}}"] = total_s
+    return values
+
+
+def test_hist_delta_interpolates_within_the_bucket_of_the_delta():
+    before = hist({"0.001": 50, "0.01": 50, "0.1": 50, "+Inf": 50}, 0.02)
+    # Between the scrapes: 90 samples <= 1 ms, 10 in (10 ms, 100 ms].
+    after = hist({"0.001": 140, "0.01": 140, "0.1": 150, "+Inf": 150}, 0.02 + 0.5)
+    d = hist_delta(before, after, LAG)
+    assert d["count"] == 100
+    assert d["mean_ms"] == pytest.approx(5.0)
+    assert d["p50_ms"] == pytest.approx(1.0 * 50 / 90)          # within (0, 1 ms]
+    assert d["p99_ms"] == pytest.approx(10 + 90 * 9 / 10)        # 9th of 10 in (10, 100]
+    assert d["max_bucket_ms"] == [10.0, 100.0]
+
+
+def test_hist_delta_beyond_the_last_bound_is_a_floor_and_empty_is_none():
+    before = hist({"0.5": 0, "5.0": 0, "+Inf": 0}, 0.0)
+    after = hist({"0.5": 1, "5.0": 1, "+Inf": 3}, 20.0)
+    d = hist_delta(before, after, LAG)
+    assert d["p99_ms"] == 5000.0 and d["max_bucket_ms"] == [5000.0, None]
+    empty = hist_delta(after, after, LAG)
+    assert empty["count"] == 0 and empty["p99_ms"] is None and empty["max_bucket_ms"] is None
+
+
+def test_gauge_takes_the_largest_label_set():
+    values = {'llm_event_loop_lag_max_seconds{model="a"}': 0.2,
+              'llm_event_loop_lag_max_seconds{model="b"}': 0.7}
+    assert gauge(values, "llm_event_loop_lag_max_seconds") == 0.7
+    assert gauge({}, "llm_event_loop_lag_max_seconds") == 0.0
+
+
+def test_cpu_delta_cores_other_load_and_busiest_threads():
+    before = {"machine_busy": 100.0, "machine_total": 200.0, "client": 1.0,
+              "tritonserver": 2.0, "stub_llm[7]": 3.0, "engine_core[9]": 4.0,
+              "thread:8": 1.0, "thread:10": 1.0, "cpu_pressure_some": 5.0}
+    after = {"machine_busy": 118.0, "machine_total": 220.0, "client": 2.0,
+             "tritonserver": 3.0, "stub_llm[7]": 9.0, "engine_core[9]": 10.0,
+             "thread:8": 6.0, "thread:10": 1.5, "cpu_pressure_some": 11.0}
+    d = cpu_delta(before, after, 10.0)
+    assert d["machine_busy"] == 1.8 and d["machine_busy_fraction"] == 0.9
+    assert d["stub_llm[7]"] == 0.6 and d["engine_core[9]"] == 0.6
+    assert d["other_processes"] == pytest.approx(1.8 - (0.1 + 0.1 + 0.6 + 0.6))
+    assert d["cpu_pressure_some"] == 0.6
+    assert d["stub_llm_top_threads"] == [["8", 0.5], ["10", 0.05]]
