@@ -22,7 +22,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.core_client import CoreClient, CoreDiedError
-from engine.llm import Prompt, eos_token_ids, load_tokenizer
+from engine.llm import Prompt, encode_prompt, eos_token_ids, load_tokenizer
 from engine.output_processor import OutputProcessor
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.request import check_request
@@ -163,17 +163,9 @@ class AsyncEngine:
 
     # ------------------------------------------------------------------ event loop
     async def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int], np.ndarray]:
-        if not isinstance(prompt, str):
-            if isinstance(prompt, (list, tuple)) and all(
-                    isinstance(t, (int, np.integer)) and not isinstance(t, bool)
-                    for t in prompt):
-                ids = [int(t) for t in prompt]
-                return None, ids, np.asarray(ids, dtype=np.int64)
-            raise ValueError(f"a prompt must be a string or a list of token ids, got "
-                             f"{type(prompt).__name__}")
-        if self.tokenizer is None:
-            raise ValueError("a text prompt needs a tokenizer, and skip_tokenizer_init is set: "
-                             "give token ids")
+        if not isinstance(prompt, str) or self.tokenizer is None:
+            _, ids = encode_prompt(self.tokenizer, prompt)    # token ids, or the error
+            return None, ids, np.asarray(ids, dtype=np.int64)
         if self._inline_tokenizer is not None and (
                 len(prompt) <= self.config.tokenize_inline_max_chars):
             result = self._inline_tokenizer.encode_now([prompt], inline=True)[0]

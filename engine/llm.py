@@ -4,6 +4,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
+import numpy as np
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
@@ -34,8 +35,8 @@ def encode_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
                              "give token ids")
         return prompt, tokenizer.encode(prompt)
     if isinstance(prompt, (list, tuple)) and all(
-            isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        return None, list(prompt)
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
+        return None, [int(t) for t in prompt]
     raise ValueError(f"a prompt must be a string or a list of token ids, got "
                      f"{type(prompt).__name__}")
 

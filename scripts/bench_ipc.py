@@ -37,6 +37,7 @@ from engine.request import Request  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import ModelRunnerOutput, Scheduler  # noqa: E402
 from scripts.bench_common import git_commit, write_results  # noqa: E402
+from scripts.server_probe import cpu_name  # noqa: E402
 
 TARGET_BYTES_PER_REQUEST = 16
 BUDGET_TOKENS = 8192
@@ -266,17 +267,6 @@ def bench(num_running: int, num_steps: int, prompt_len: int, block_size: int,
 
 
 # ---------------------------------------------------------------------------- report
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
 def _verdict(meets: bool | None) -> str:
     return "n/a (runner)" if meets is None else "pass" if meets else "FAIL"
 

@@ -53,8 +53,11 @@ def test_bad_frame_is_answered_with_an_error_and_the_core_exits(model_dir, name)
 
 def test_a_stalled_partial_frame_does_not_stop_the_core_from_exiting(model_dir):
     client, died, event = _start(model_dir)
-    client._sock.sendall(wire.frame(wire.ADD, b"x" * 100)[:20])   # half a frame, then nothing
-    start = time.monotonic()
-    client.shutdown()           # SHUTDOWN goes in as part of that frame, then end of stream
-    assert time.monotonic() - start < 5
-    assert client.process.returncode == 2              # "ended in the middle of a frame"
+    try:
+        client._sock.sendall(wire.frame(wire.ADD, b"x" * 100)[:20])   # half a frame, then nothing
+        start = time.monotonic()
+        client.shutdown()       # SHUTDOWN goes in as part of that frame, then end of stream
+        assert time.monotonic() - start < 5
+        assert client.process.returncode == 2          # "ended in the middle of a frame"
+    finally:
+        client.shutdown()       # a second call only makes sure the process is gone

@@ -53,7 +53,8 @@ def test_prompts_arriving_together_share_one_call_and_long_ones_go_alone(tokeniz
         gate = threading.Event()
         pool.submit(gate.wait)                 # hold the thread: all 21 prompts queue up
         tasks = [asyncio.create_task(bt.encode(t)) for t in texts]
-        await asyncio.sleep(0.05)
+        while len(bt._pending) < len(texts):   # every prompt queued behind the held thread
+            await asyncio.sleep(0)
         gate.set()
         return await asyncio.gather(*tasks)
 
