@@ -3,8 +3,9 @@
 The scheduler, KV cache and model run in the engine core process (engine/core_process.py);
 this side keeps what needs the tokenizer, and nothing heavy runs on the event loop:
 - the loop: checks requests, per-request queues, hands out outputs;
-- one tokenizer thread: prompts that arrive together are tokenized in one batch call (the
-  tokenizer drops the GIL while it works, so the loop keeps running);
+- one tokenizer thread: prompts that arrive together are tokenized in one batch call, in a
+  tokenizer process at a lower priority (engine/tokenizer_process.py) or, without one, here
+  (the tokenizer drops the GIL while it works, so the loop keeps running);
 - the core client's reader thread: each step's token ids become text here (incremental
   detokenization, stop strings), then go to the loop; its sender thread writes the frames.
 Each thread that touches a tokenizer has its own copy: HF tokenizers are not thread-safe.
@@ -70,8 +71,9 @@ class AsyncEngine:
                                self._core_died)
         self.info = self.core.info
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        self._batch_tokenizer = BatchTokenizer(load_tokenizer(self.config),
-                                               self._tokenizer_thread, self.info.max_model_len)
+        self._batch_tokenizer = BatchTokenizer(
+            load_tokenizer(self.config), self._tokenizer_thread, self.info.max_model_len,
+            self.config.tokenizer_process_nice if self.config.tokenizer_process else None)
         inline_max = self.config.tokenize_inline_max_chars
         self._inline_tokenizer = (BatchTokenizer(load_tokenizer(self.config), None,
                                                  self.info.max_model_len)
@@ -159,6 +161,7 @@ class AsyncEngine:
         self._stopped = True
         self.core.shutdown()
         self._tokenizer_thread.shutdown(wait=True)
+        self._batch_tokenizer.close()
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     # ------------------------------------------------------------------ event loop

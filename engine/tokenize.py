@@ -11,15 +11,26 @@ the GIL for ~50 ms at the end (offsets, tokens and masks it builds and then thro
 used when it gives exactly what `tokenizer.encode` gives (checked once on probe strings).
 The batch calls run on the library's own thread pool, shared by the process: a short prompt
 tokenized inline on the event loop uses the single-text call instead, so it never queues there.
+
+With a `TokenizerProcess` the thread only hands its batches to a tokenizer process of its own
+(engine/tokenizer_process.py), at a lower CPU priority, and waits on the socket without the
+GIL: the serving process then spends no CPU on long prompts but the conversion of the ids of
+a prompt that fits. A prompt too long comes back as its length alone. If that process dies,
+the thread tokenizes from then on (logged).
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import socket
+import subprocess
 import threading
 from concurrent.futures import Executor
 
 import numpy as np
+
+from engine import wire
 
 logger = logging.getLogger(__name__)
 
@@ -28,17 +39,27 @@ _PROBES = ["Hello, world!", "  two  spaces\tand a tab\n\nnew lines", "café ☕ 
            "<s> special-looking </s> text", "a" * 300, " leading space", ""]
 
 Encoded = tuple[list[int], np.ndarray]       # the ids as a list and as int32
+RECV_BYTES = 1 << 20
+STOP_WAIT_S = 5.0
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class BatchTokenizer:
-    def __init__(self, tokenizer, executor: Executor | None, max_num_tokens: int) -> None:
+    def __init__(self, tokenizer, executor: Executor | None, max_num_tokens: int,
+                 process_nice: int | None = None) -> None:
         """`executor` must have one thread (it owns `tokenizer`); None: only `encode_now`.
         A prompt over `max_num_tokens` is an error, found here, so that its ids are never
-        converted or freed on the event loop."""
+        converted or freed on the event loop. `process_nice`: not None, the thread's batches
+        go to a tokenizer process with this niceness added, if the tokenizer has a fast
+        backend and the process gives the same ids on the probes."""
         self.tokenizer = tokenizer
         self.max_num_tokens = max_num_tokens
         self._executor = executor
         self._backend = _fast_backend(tokenizer)
+        self.process: TokenizerProcess | None = None
+        if process_nice is not None and self._backend is not None and executor is not None:
+            self.process = TokenizerProcess.start(self._backend, max_num_tokens, process_nice,
+                                                  [tokenizer.encode(p) for p in _PROBES])
         self._lock = threading.Lock()
         self._pending: list[tuple[str, asyncio.Future]] = []
         self._running = False
@@ -59,11 +80,36 @@ class BatchTokenizer:
         results: list[Encoded | ValueError] = []
         for ids in lists:
             if len(ids) > self.max_num_tokens:
-                results.append(ValueError(
-                    f"the prompt is {len(ids)} tokens long, more than max_model_len "
-                    f"({self.max_num_tokens})"))
+                results.append(self._too_long(len(ids)))
             else:
                 results.append((ids, np.asarray(ids, dtype=np.int32)))
+        return results
+
+    def close(self) -> None:
+        if self.process is not None:
+            self.process.close()
+
+    def _too_long(self, num_tokens: int) -> ValueError:
+        return ValueError(f"the prompt is {num_tokens} tokens long, more than max_model_len "
+                          f"({self.max_num_tokens})")
+
+    def _encode_in_process(self, texts: list[str]) -> list[Encoded | ValueError]:
+        try:
+            items = self.process.encode(texts)
+        except RuntimeError as e:
+            logger.error("the tokenizer process failed (%s): tokenizing on the tokenizer "
+                         "thread from now on", e)
+            self.process.close()
+            self.process = None
+            return self.encode_now(texts)
+        results: list[Encoded | ValueError] = []
+        for status, value in items:
+            if status == wire.TOKENS_OK:
+                results.append((value.tolist(), value))
+            elif status == wire.TOKENS_TOO_LONG:
+                results.append(self._too_long(value))
+            else:
+                results.append(ValueError(value))
         return results
 
     async def encode(self, text: str) -> Encoded:
@@ -92,12 +138,110 @@ class BatchTokenizer:
                 else:
                     self._running = False
                     return
+            texts = [t for t, _ in group]
             try:
-                results = self.encode_now([t for t, _ in group])
+                results = (self._encode_in_process(texts) if self.process is not None
+                           else self.encode_now(texts))
             except Exception as e:  # noqa: BLE001 - each caller hears of it
                 results = [e] * len(group)
             loop.call_soon_threadsafe(_settle, [f for _, f in group], results)
-            del results, group          # a rejected prompt's ids are freed here, not on the loop
+            del results, group, texts   # a rejected prompt's ids are freed here, not on the loop
+
+
+class TokenizerProcess:
+    """The handle on a tokenizer process. One caller at a time (the tokenizer thread)."""
+
+    def __init__(self, backend, max_num_tokens: int, nice: int) -> None:
+        """Starts the process and waits until it has loaded the tokenizer; raises
+        RuntimeError if it cannot."""
+        from engine.core_client import python_executable
+
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(
+            [_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+        self._sock, child = socket.socketpair()
+        self.process = subprocess.Popen(
+            [python_executable(), "-m", "engine.tokenizer_process", "--fd",
+             str(child.fileno()), "--nice", str(nice)], pass_fds=(child.fileno(),), env=env)
+        child.close()
+        self._reader = wire.FrameReader()
+        self._frames: list[tuple[int, memoryview]] = []
+        try:
+            self._sock.sendall(wire.encode_load_tokenizer(max_num_tokens, backend.to_str()))
+            kind, payload = self._recv()
+            if kind != wire.TOKENIZER_READY:
+                raise RuntimeError(f"the tokenizer process answered {wire.KIND_NAMES[kind]}")
+            wire.decode_empty(kind, payload)
+        except BaseException:
+            self.close()
+            raise
+
+    @classmethod
+    def start(cls, backend, max_num_tokens: int, nice: int,
+              expected_probes: list[list[int]]) -> "TokenizerProcess | None":
+        """A process whose ids on the probe strings are `expected_probes`, or None (logged)."""
+        try:
+            proc = cls(backend, max_num_tokens, nice)
+        except (OSError, RuntimeError, wire.FrameError) as e:
+            logger.warning("no tokenizer process (%s): tokenizing on the tokenizer thread", e)
+            return None
+        try:
+            # A probe over the limit comes back as its length.
+            got = [v.tolist() if s == wire.TOKENS_OK else v for s, v in proc.encode(_PROBES)]
+        except RuntimeError as e:
+            got = str(e)
+        if got != [e if len(e) <= max_num_tokens else len(e) for e in expected_probes]:
+            logger.warning("the tokenizer process disagrees with the tokenizer on probe "
+                           "strings: tokenizing on the tokenizer thread")
+            proc.close()
+            return None
+        return proc
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    def encode(self, texts: list[str]) -> list[wire.TokensItem]:
+        """One item per text; raises RuntimeError if the process is gone or talks nonsense."""
+        try:
+            self._sock.sendall(wire.encode_tokenize(texts))
+            kind, payload = self._recv()
+            if kind != wire.TOKENS:
+                raise RuntimeError(f"the tokenizer process answered {wire.KIND_NAMES[kind]}")
+            items = wire.decode_tokens(payload)
+        except wire.FrameError as e:
+            raise RuntimeError(f"the tokenizer process sent a malformed frame: {e}") from None
+        except OSError as e:
+            raise RuntimeError(f"the tokenizer process {self.pid} is gone: {e}") from None
+        if len(items) != len(texts):
+            raise RuntimeError(f"the tokenizer process answered {len(items)} of {len(texts)}")
+        return items
+
+    def close(self) -> None:
+        """End of stream tells the process to exit; killed if it has not within a few s."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._sock.close()
+        try:
+            self.process.wait(STOP_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    def _recv(self) -> tuple[int, memoryview]:
+        while not self._frames:
+            data = self._sock.recv(RECV_BYTES)
+            if not data:
+                code = self.process.poll()
+                raise RuntimeError(f"the tokenizer process {self.process.pid} exited"
+                                   + (f" (code {code})" if code is not None else ""))
+            self._frames.extend(self._reader.feed(data))
+        kind, payload = self._frames.pop(0)
+        if kind == wire.ERROR:
+            raise RuntimeError(wire.decode_error(payload))
+        return kind, payload
 
 
 def _settle(futures: list[asyncio.Future], results: list) -> None:

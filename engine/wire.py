@@ -23,6 +23,14 @@ Kinds and payloads (u32 unless said; arrays are packed, no padding):
                4 bytes (the token) per running request.
     STATS      EngineStats fields as i64
     ERROR      utf-8 message
+  front end -> tokenizer process (engine/tokenizer_process.py)
+    LOAD_TOKENIZER  max_num_tokens, the Rust tokenizer's JSON as utf-8  (answered by
+                    TOKENIZER_READY, empty, or ERROR)
+    TOKENIZE   n, byte lengths[n], utf-8 texts (concatenated)
+  tokenizer process -> front end
+    TOKENS     n, then per text: status u8, count, and for status TOKENS_OK ids i32[count],
+               for TOKENS_TOO_LONG nothing (count is the prompt's length in tokens),
+               for TOKENS_FAILED a utf-8 message of count bytes
   core -> model runner (the tensor-parallel worker boundary)
     SCHED      n_rows, total_tokens, indices[n_rows], num_tokens[n_rows],
                n_new, new requests (index, num_prompt_tokens, num_computed_tokens, params
@@ -48,13 +56,17 @@ VERSION = 1
 HEADER = struct.Struct("<BBBI")
 MAX_PAYLOAD_BYTES = 1 << 30
 
-ADD, ABORT, STATS_REQ, SHUTDOWN, READY, OUTPUTS, STATS, ERROR, SCHED = range(1, 10)
+(ADD, ABORT, STATS_REQ, SHUTDOWN, READY, OUTPUTS, STATS, ERROR, SCHED, LOAD_TOKENIZER,
+ TOKENIZER_READY, TOKENIZE, TOKENS) = range(1, 14)
 KIND_NAMES = {ADD: "ADD", ABORT: "ABORT", STATS_REQ: "STATS_REQ", SHUTDOWN: "SHUTDOWN",
               READY: "READY", OUTPUTS: "OUTPUTS", STATS: "STATS", ERROR: "ERROR",
-              SCHED: "SCHED"}
+              SCHED: "SCHED", LOAD_TOKENIZER: "LOAD_TOKENIZER",
+              TOKENIZER_READY: "TOKENIZER_READY", TOKENIZE: "TOKENIZE", TOKENS: "TOKENS"}
 
 # OUTPUTS flags
 ROWS, FINISHED, ABORTED, LOGPROBS = 1, 2, 4, 8
+# TOKENS statuses
+TOKENS_OK, TOKENS_TOO_LONG, TOKENS_FAILED = 0, 1, 2
 # finish codes
 FINISH_EOS, FINISH_STOP_TOKEN, FINISH_LENGTH = 1, 2, 3
 
@@ -66,6 +78,7 @@ _SCHED_HEAD = struct.Struct("<II")
 _NEW_HEAD = struct.Struct("<III")
 _STATS_FIELDS = [f.name for f in dataclasses.fields(EngineStats)]
 _STATS = struct.Struct("<" + "q" * len(_STATS_FIELDS))
+_TOKENS_ITEM = struct.Struct("<BI")
 _I32_MIN, _I32_MAX = -(2**31), 2**31 - 1
 
 
@@ -312,6 +325,79 @@ def encode_error(message: str) -> bytes:
 
 def decode_error(payload: memoryview) -> str:
     return bytes(payload).decode("utf-8", errors="replace")
+
+
+# ---------------------------------------------------------------------------- tokenizer process
+def encode_load_tokenizer(max_num_tokens: int, tokenizer_json: str) -> bytes:
+    return frame(LOAD_TOKENIZER, _u32(max_num_tokens, "max_num_tokens")
+                 + tokenizer_json.encode("utf-8"))
+
+
+def decode_load_tokenizer(payload: memoryview) -> tuple[int, str]:
+    cur = _Cursor(payload, "LOAD_TOKENIZER")
+    max_num_tokens = cur.u32()
+    return max_num_tokens, _utf8(cur.take(len(payload) - cur.pos), "LOAD_TOKENIZER json")
+
+
+def encode_tokenize(texts: list[str]) -> bytes:
+    data = [t.encode("utf-8") for t in texts]
+    return frame(TOKENIZE, _U32.pack(len(data)) + _u32s([len(d) for d in data], "text lengths")
+                 + b"".join(data))
+
+
+def decode_tokenize(payload: memoryview) -> list[str]:
+    cur = _Cursor(payload, "TOKENIZE")
+    lengths = cur.array("<u4", cur.count(4)).astype(np.int64)
+    if int(lengths.sum()) != len(payload) - cur.pos:
+        raise FrameError(f"TOKENIZE: text lengths add up to {int(lengths.sum())} bytes, the "
+                         f"frame holds {len(payload) - cur.pos}")
+    return [_utf8(cur.take(int(n)), "TOKENIZE text") for n in lengths]
+
+
+TokensItem = tuple[int, "np.ndarray | int | str"]    # (status, ids / length / message)
+
+
+def encode_tokens(items: list[TokensItem]) -> bytes:
+    parts = [_U32.pack(len(items))]
+    for status, value in items:
+        if status == TOKENS_OK:
+            ids = _ids(value)
+            parts += [_TOKENS_ITEM.pack(status, len(ids) // 4), ids]
+        elif status == TOKENS_TOO_LONG:
+            parts += [bytes([status]), _u32(value, "token count")]
+        elif status == TOKENS_FAILED:
+            message = value.encode("utf-8", errors="replace")
+            parts += [_TOKENS_ITEM.pack(status, len(message)), message]
+        else:
+            raise ValueError(f"unknown TOKENS status {status}")
+    return frame(TOKENS, b"".join(parts))
+
+
+def decode_tokens(payload: memoryview) -> list[TokensItem]:
+    """TOKENS_OK items hold int32 arrays (copies, not views of `payload`)."""
+    cur = _Cursor(payload, "TOKENS")
+    items: list[TokensItem] = []
+    for _ in range(cur.count(_TOKENS_ITEM.size)):
+        status, n = cur.unpack(_TOKENS_ITEM)
+        if status == TOKENS_OK:
+            if n * 4 > len(cur.buf) - cur.pos:
+                raise FrameError(f"TOKENS: {n} ids do not fit in the frame")
+            items.append((status, cur.array("<i4", n).astype(np.int32)))
+        elif status == TOKENS_TOO_LONG:
+            items.append((status, n))
+        elif status == TOKENS_FAILED:
+            items.append((status, bytes(cur.take(n)).decode("utf-8", errors="replace")))
+        else:
+            raise FrameError(f"TOKENS: unknown status {status}")
+    cur.done()
+    return items
+
+
+def _utf8(data: memoryview, what: str) -> str:
+    try:
+        return bytes(data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise FrameError(f"{what}: invalid utf-8 at byte {e.start}") from None
 
 
 class OutputsEncoder:

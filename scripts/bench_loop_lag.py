@@ -2,8 +2,11 @@
 
 Through a real tritonserver, gRPC streaming to the `llm` model, once per tokenization mode:
 
-  executor  the repository's settings: prompts longer than `tokenize_inline_max_chars` (the
-            engine default) go to the engine's one tokenizer thread
+  process   the repository's settings: prompts longer than `tokenize_inline_max_chars` (the
+            engine default) go to the tokenizer thread, which hands them to the tokenizer
+            process (lower CPU priority, `tokenizer_process_nice`)
+  thread    `tokenizer_process` = false: the tokenizer thread tokenizes them itself, in the
+            serving process
   inline    `tokenize_inline_max_chars` = 1,000,000: every prompt is tokenized on the loop
 
 Each run gets a fresh server. `--streams` slots each run short greedy requests back to back
@@ -63,6 +66,9 @@ TIMELINE_BIN_S = 0.5
 LAG_HIST = "llm_event_loop_lag_seconds"
 LAG_GAUGE = "llm_event_loop_lag_max_seconds"
 ITL_HIST = "llm_inter_token_latency_seconds"
+# Each mode's llm settings over the repository's.
+MODES = {"process": {}, "thread": {"tokenizer_process": "false"},
+         "inline": {"tokenize_inline_max_chars": str(INLINE_MAX_CHARS)}}
 _PARAM = re.compile(r'^parameters \{ key: "([^"]+)" value: \{ string_value: "([^"]*)" \} \}$\n?',
                     re.M)
 _LEDGER = ("Ledger {n}: on day {d} the harbour office at Port {p} logged {q} crates of salt, "
@@ -254,11 +260,20 @@ def timeline(slots: list[StreamSlot], poller: GaugePoller, start: float, end: fl
 
 
 # ---------------------------------------------------------------------------- one run
+def mode_settings(mode: str) -> str:
+    """The tokenization settings a mode runs with, defaults included."""
+    fields = EngineConfig.__dataclass_fields__
+    names = ("tokenize_inline_max_chars", "tokenizer_process", "tokenizer_process_nice")
+    values = {n: MODES[mode].get(n, str(fields[n].default).lower()) for n in names}
+    if values["tokenizer_process"] == "false":
+        del values["tokenizer_process_nice"]
+    return ", ".join(f"{k} {v}" for k, v in values.items())
+
+
 def run_mode(mode: str, args, work_dir: str) -> dict:
     """One server: warm-up, unloaded phase, flood phase."""
-    extra = {"tokenize_inline_max_chars": str(INLINE_MAX_CHARS)} if mode == "inline" else {}
     repo = os.path.join(work_dir, f"repo-{mode}")
-    settings = make_repo(repo, args.model, extra)
+    make_repo(repo, args.model, MODES[mode])
     params = {"max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True}
     flood_inputs = [grpc_inputs(flood_prompt(i, args.flood_chars), {"max_tokens": 16})
                     for i in range(args.flood_requests)]
@@ -305,9 +320,7 @@ def run_mode(mode: str, args, work_dir: str) -> dict:
     p99_0, p99_1 = unloaded["itl_p99_ms"], loaded["itl_p99_ms"]
     ratio = p99_1 / p99_0 if p99_0 and p99_1 is not None else None
     errors = [e for s in slots for e in s.errors]
-    inline_default = EngineConfig.__dataclass_fields__["tokenize_inline_max_chars"].default
-    return {"mode": mode, "tokenize_inline_max_chars": int(settings.get(
-                "tokenize_inline_max_chars", inline_default)),
+    return {"mode": mode, "settings": mode_settings(mode),
             "unloaded": unloaded, "flood": loaded, "itl_p99_ratio": ratio,
             "meets_target": ratio is not None and ratio <= TARGET_RATIO,
             "num_slot_errors": len(errors), "first_slot_error": errors[0] if errors else None}
@@ -329,7 +342,7 @@ def summary(results: list[dict]) -> dict[str, dict]:
     """Per mode over its runs: the flood / unloaded ITL p99 ratios and their median."""
     out: dict[str, dict] = {}
     for r in results:
-        out.setdefault(r["mode"], {"tokenize_inline_max_chars": r["tokenize_inline_max_chars"],
+        out.setdefault(r["mode"], {"settings": r["settings"],
                                    "ratios": []})["ratios"].append(r["itl_p99_ratio"])
     for m in out.values():
         ratios = [x for x in m["ratios"] if x is not None]
@@ -438,7 +451,7 @@ def report(args, argv, results: list[dict], load_start, load_end, seconds: float
                      f"{fl['duration_s']:.1f} s. Short-stream errors: {r['num_slot_errors']}.")
     notes += ["", f"Flood ITL p99 / unloaded ITL p99 (target ≤ {TARGET_RATIO}x):", ""]
     for mode, m in meta["summary"].items():
-        notes.append(f"- {mode} (tokenize_inline_max_chars {m['tokenize_inline_max_chars']}): "
+        notes.append(f"- {mode} ({m['settings']}): "
                      f"{', '.join(_f(x, 2) for x in m['ratios'])}; median "
                      f"{_f(m['median_ratio'], 2)}x: {'pass' if m['meets_target'] else 'FAIL'}")
     return meta, notes + [""] + tables(results)
@@ -451,8 +464,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--flood-senders", type=int, default=4, help="gRPC streams sending the flood")
     ap.add_argument("--streams", type=int, default=8, help="short streams running throughout")
     ap.add_argument("--max-tokens", type=int, default=64, help="tokens per short request")
-    ap.add_argument("--modes", default="executor,inline",
-                    help="comma-separated, of: executor, inline")
+    ap.add_argument("--modes", default=",".join(MODES),
+                    help=f"comma-separated, of: {', '.join(MODES)}")
     ap.add_argument("--unloaded-seconds", type=float, default=10.0)
     ap.add_argument("--repeats", type=int, default=1,
                     help="runs of each mode, a fresh server each, modes taking turns")
@@ -461,8 +474,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out-name", default="loop_lag", help="writes OUT_NAME.json and .md")
     args = ap.parse_args(argv)
     modes = args.modes.split(",")
-    if not set(modes) <= {"executor", "inline"}:
-        raise ValueError(f"--modes must be executor and/or inline, got {args.modes!r}")
+    if not modes or not set(modes) <= set(MODES):
+        raise ValueError(f"--modes must be some of {', '.join(MODES)}, got {args.modes!r}")
     if min(args.flood_requests, args.flood_chars, args.flood_senders, args.streams,
            args.max_tokens, args.repeats) < 1 or args.unloaded_seconds <= 0:
         raise ValueError("every count must be >= 1 and --unloaded-seconds > 0")
@@ -483,7 +496,7 @@ def main(argv: list[str] | None = None) -> dict:
     meta, lines = report(args, argv, results, load_start, os.getloadavg(),
                          time.perf_counter() - t0, work_dir)
     rows = [{"mode": r["mode"], "repeat": r["repeat"], "phase": phase,
-             "tokenize_inline_max_chars": r["tokenize_inline_max_chars"], **r[phase],
+             "settings": r["settings"], **r[phase],
              **({k: r[k] for k in ("itl_p99_ratio", "meets_target", "num_slot_errors",
                                    "first_slot_error")} if phase == "flood" else {})}
             for r in results for phase in ("unloaded", "flood")]

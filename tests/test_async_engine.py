@@ -96,10 +96,13 @@ def test_leaving_the_loop_early_aborts(model_dir):
 def test_core_runs_in_its_own_process_and_stops_with_the_engine(model_dir):
     engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
     pid = engine.core.pid
+    tokenizer_pid = engine._batch_tokenizer.process.pid
     try:
         assert pid != os.getpid()
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             assert b"engine.core_process" in f.read()
+        with open(f"/proc/{tokenizer_pid}/cmdline", "rb") as f:
+            assert b"engine.tokenizer_process" in f.read()
         outs = asyncio.run(_collect(engine, "hi", SamplingParams(max_tokens=3, temperature=0),
                                     "a"))
         assert outs[-1].finished
@@ -108,6 +111,7 @@ def test_core_runs_in_its_own_process_and_stops_with_the_engine(model_dir):
         engine.shutdown()
     assert engine.core.process.poll() is not None
     assert not os.path.exists(f"/proc/{pid}")
+    assert not os.path.exists(f"/proc/{tokenizer_pid}")
 
 
 def test_bad_request_is_an_error_for_that_request_only(model_dir):
@@ -224,8 +228,11 @@ def test_core_start_failure_is_raised_with_its_message(model_dir):
                     max_model_len=1024)
 
 
-def test_loop_keeps_ticking_while_a_1m_character_prompt_is_tokenized(model_dir):
-    gaps_ms, tokens_during, error = _tokenize_huge_prompt_beside_streams(model_dir, inline=False)
+@pytest.mark.parametrize("tokenizer_process", [True, False], ids=["process", "thread"])
+def test_loop_keeps_ticking_while_a_1m_character_prompt_is_tokenized(model_dir,
+                                                                     tokenizer_process):
+    gaps_ms, tokens_during, error = _tokenize_huge_prompt_beside_streams(
+        model_dir, inline=False, tokenizer_process=tokenizer_process)
     assert "max_model_len" in error                     # 1M characters is far too long
     assert max(gaps_ms) < 50, f"the loop stalled {max(gaps_ms):.0f} ms"
     assert min(tokens_during) >= 3, tokens_during       # and the streams kept going
@@ -238,10 +245,11 @@ def test_the_tick_test_sees_a_stall_when_tokenizing_inline(model_dir):
     assert max(gaps_ms) > 200
 
 
-def _tokenize_huge_prompt_beside_streams(model_dir, inline):
+def _tokenize_huge_prompt_beside_streams(model_dir, inline, tokenizer_process=True):
     inline_max = {"tokenize_inline_max_chars": 2_000_000} if inline else {}   # else default
     engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256,
-                         **inline_max)
+                         tokenizer_process=tokenizer_process, **inline_max)
+    assert (engine._batch_tokenizer.process is not None) == tokenizer_process
     huge = ("The quick brown fox jumps over the lazy dog. " * 25000)[:1_000_000]
     params = SamplingParams(max_tokens=5000, temperature=0, ignore_eos=True)
 

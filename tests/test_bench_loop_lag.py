@@ -59,7 +59,7 @@ def test_flood_prompts_are_exact_length_varied_and_distinct():
 
 def test_bench_loop_lag_tiny_run_writes_results(tmp_path):
     model = make_tiny_model(tmp_path / "llama", arch="llama", seed=4)
-    out = main(["--modes", "executor", "--streams", "2", "--max-tokens", "8",
+    out = main(["--modes", "process", "--streams", "2", "--max-tokens", "8",
                 "--flood-requests", "3", "--flood-chars", "20000", "--unloaded-seconds", "1",
                 "--model", str(model), "--out-dir", str(tmp_path)])
     data = json.loads((tmp_path / "loop_lag.json").read_text())

@@ -1,11 +1,15 @@
 import asyncio
+import os
+import re
+import signal
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from transformers import AutoTokenizer
 
-from engine.tokenize import BATCH_MAX_CHARS, BatchTokenizer
+from engine import wire
+from engine.tokenize import BATCH_MAX_CHARS, BatchTokenizer, TokenizerProcess
 from scripts.make_tiny_model import make_tiny_model
 
 TEXTS = ["Hello there", "  spaces  and\ttabs\n", "naïve café ☕ 日本語 🙂", "x" * 5000,
@@ -64,3 +68,93 @@ def test_prompts_arriving_together_share_one_call_and_long_ones_go_alone(tokeniz
         pool.shutdown()
     assert [r[0] for r in results] == [tokenizer.encode(t) for t in texts]
     assert order == [20, 1, 1]    # the short ones first and together, though a long one came first
+
+
+# ---------------------------------------------------------------------------- tokenizer process
+def _nice_of(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[16])     # field 19; the split starts at 3
+
+
+@pytest.fixture
+def process_tokenizer(tokenizer):
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=20_000, process_nice=5)
+    yield bt
+    bt.close()
+    pool.shutdown()
+
+
+def _encode_all(bt, texts):
+    async def main():
+        return await asyncio.gather(*(bt.encode(t) for t in texts), return_exceptions=True)
+    return asyncio.run(main())
+
+
+def test_the_process_gives_the_tokenizers_ids_and_runs_at_lower_priority(process_tokenizer,
+                                                                         tokenizer):
+    bt = process_tokenizer
+    assert bt.process is not None and bt.process.process.poll() is None
+    assert _nice_of(bt.process.pid) == min(19, _nice_of(os.getpid()) + 5)
+    texts = TEXTS + ["", "z" * (BATCH_MAX_CHARS + 5), "é" * 900]
+    results = _encode_all(bt, texts)
+    for text, result in zip(texts, results):
+        ids, packed = result
+        assert ids == tokenizer.encode(text)
+        assert packed.tolist() == ids and packed.dtype.name == "int32"
+
+
+def test_the_process_sends_only_the_length_of_a_prompt_too_long(process_tokenizer, tokenizer):
+    text = "many words " * 7000
+    [result] = _encode_all(process_tokenizer, [text])
+    assert isinstance(result, ValueError)
+    assert str(result) == (f"the prompt is {len(tokenizer.encode(text))} tokens long, more "
+                           f"than max_model_len (20000)")
+
+
+def test_a_killed_process_leaves_the_thread_to_tokenize(process_tokenizer, tokenizer, caplog):
+    bt = process_tokenizer
+    proc = bt.process.process
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(5)
+    texts = TEXTS + ["many words " * 7000]
+    results = _encode_all(bt, texts)
+    assert [r[0] for r in results[:-1]] == [tokenizer.encode(t) for t in TEXTS]
+    assert isinstance(results[-1], ValueError) and "max_model_len (20000)" in str(results[-1])
+    assert bt.process is None
+    assert "tokenizing on the tokenizer thread from now on" in caplog.text
+    assert re.search(f"the tokenizer process {proc.pid} (exited|is gone)", caplog.text)
+
+
+def test_close_ends_the_process(tokenizer):
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=100, process_nice=0)
+    proc = bt.process.process
+    bt.close()
+    pool.shutdown()
+    assert proc.returncode == 0
+
+
+def test_the_process_answers_a_malformed_frame_with_an_error_and_exits(tokenizer):
+    backend = BatchTokenizer(tokenizer, None, 100)._backend
+    proc = TokenizerProcess(backend, 100, 0)
+    try:
+        proc._sock.sendall(wire.frame(wire.TOKENIZE, b"\x01\x00\x00\x00\x05\x00\x00\x00ab"))
+        with pytest.raises(RuntimeError, match="malformed frame: TOKENIZE: text lengths add up"):
+            proc._recv()
+        assert proc.process.wait(5) == 2
+    finally:
+        proc.close()
+
+
+def test_a_process_that_disagrees_on_the_probes_is_not_used(tokenizer, caplog):
+    backend = BatchTokenizer(tokenizer, None, 100)._backend
+    assert TokenizerProcess.start(backend, 100, 0, [[0]] * 7) is None
+    assert "disagrees with the tokenizer on probe strings" in caplog.text
+
+
+def test_without_a_fast_backend_there_is_no_process(tokenizer, monkeypatch):
+    monkeypatch.setattr("engine.tokenize._fast_backend", lambda tok: None)
+    bt = BatchTokenizer(tokenizer, ThreadPoolExecutor(1), 100, process_nice=0)
+    assert bt.process is None
+    assert _encode_all(bt, ["hi"])[0][0] == tokenizer.encode("hi")

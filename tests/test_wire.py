@@ -210,6 +210,8 @@ ADD_PARAMS = SamplingParams(max_tokens=300, min_tokens=7, temperature=0.85, top_
                             frequency_penalty=2.0, logprobs=MAX_LOGPROBS)
 SCHED_NEW, SCHED_RICH = busy_sched_frames()
 # name -> (decode(payload), a valid whole frame): every decoder, and both OutputsDecoder states.
+TOKENS_ITEMS = [(wire.TOKENS_OK, [1, 2, I32_MAX]), (wire.TOKENS_TOO_LONG, 150_000),
+                (wire.TOKENS_FAILED, "boom ✓"), (wire.TOKENS_OK, [])]
 VALID = {
     "ADD": (wire.decode_add, wire.encode_add(5, [1, 2, 3, I32_MAX], ADD_PARAMS)),
     "ABORT": (wire.decode_abort, wire.encode_abort([4, 0, U32_MAX])),
@@ -221,10 +223,15 @@ VALID = {
     "OUTPUTS rows+logprobs": (lambda p: wire.OutputsDecoder().decode(p), OUTPUT_FRAMES[0]),
     "OUTPUTS steady": (lambda p: primed_outputs_decoder().decode(p), OUTPUT_FRAMES[1]),
     "OUTPUTS finished+aborted": (lambda p: primed_outputs_decoder().decode(p), OUTPUT_FRAMES[2]),
+    "LOAD_TOKENIZER": (wire.decode_load_tokenizer,
+                       wire.encode_load_tokenizer(1024, '{"model": "ünï"}')),
+    "TOKENIZE": (wire.decode_tokenize, wire.encode_tokenize(["hi", "", "café ☕", "x" * 40])),
+    "TOKENS": (wire.decode_tokens, wire.encode_tokens(TOKENS_ITEMS)),
     "SCHED new": (wire.decode_sched, SCHED_NEW),
     "SCHED blocks+finished": (wire.decode_sched, SCHED_RICH),
 }
-STRUCTURED = [name for name in VALID if name != "ERROR"]     # ERROR takes any bytes
+# ERROR takes any bytes; LOAD_TOKENIZER any valid utf-8 after its u32.
+STRUCTURED = [name for name in VALID if name not in ("ERROR", "LOAD_TOKENIZER")]
 
 
 def body_of(name: str) -> bytes:
@@ -301,7 +308,55 @@ def test_error_with_bad_utf8_still_decodes():
     assert wire.decode_error(memoryview(b"bad \xff\xfe end")) == "bad \ufffd\ufffd end"
 
 
-@pytest.mark.parametrize("kind", [wire.STATS_REQ, wire.SHUTDOWN])
+@pytest.mark.parametrize("texts", [[], [""], ["hi", "café ☕ 日本語 🙂", "x" * 100_000]])
+def test_tokenize_round_trip(texts):
+    assert wire.decode_tokenize(payload(wire.encode_tokenize(texts), wire.TOKENIZE)) == texts
+
+
+def test_tokenize_rejects_invalid_utf8_and_lengths_that_do_not_add_up():
+    body = struct.pack("<II", 1, 2) + b"\xff\xfe"
+    with pytest.raises(wire.FrameError, match="invalid utf-8"):
+        wire.decode_tokenize(memoryview(body))
+    with pytest.raises(wire.FrameError, match="add up to 3 bytes, the frame holds 2"):
+        wire.decode_tokenize(memoryview(struct.pack("<II", 1, 3) + b"ab"))
+
+
+def test_tokens_round_trip():
+    items = wire.decode_tokens(payload(wire.encode_tokens(TOKENS_ITEMS), wire.TOKENS))
+    assert [s for s, _ in items] == [s for s, _ in TOKENS_ITEMS]
+    assert items[0][1].tolist() == [1, 2, I32_MAX] and items[0][1].dtype == np.int32
+    assert items[1][1] == 150_000 and items[2][1] == "boom ✓" and items[3][1].size == 0
+
+
+def test_tokens_ids_are_not_a_view_of_the_frame():
+    body = bytearray(body_of("TOKENS"))
+    ids = wire.decode_tokens(memoryview(body))[0][1]
+    body[:] = b"\0" * len(body)
+    assert ids.tolist() == [1, 2, I32_MAX]
+
+
+def test_tokens_refuses_unknown_status_and_token_counts_outside_u32():
+    with pytest.raises(ValueError, match="unknown TOKENS status"):
+        wire.encode_tokens([(7, [1])])
+    with pytest.raises(ValueError, match="uint32"):
+        wire.encode_tokens([(wire.TOKENS_TOO_LONG, 2**32)])
+    with pytest.raises(wire.FrameError, match="unknown status 7"):
+        wire.decode_tokens(memoryview(struct.pack("<IBI", 1, 7, 0)))
+
+
+def test_load_tokenizer_round_trip():
+    got = wire.decode_load_tokenizer(payload(wire.encode_load_tokenizer(77, "{}"),
+                                             wire.LOAD_TOKENIZER))
+    assert got == (77, "{}")
+    body = body_of("LOAD_TOKENIZER")
+    for n in range(4):
+        assert not decodes_or_frame_error(wire.decode_load_tokenizer, body[:n])
+    cut = body.index("ü".encode()) + 1                          # inside a 2-byte character
+    with pytest.raises(wire.FrameError, match="invalid utf-8"):
+        wire.decode_load_tokenizer(memoryview(body[:cut]))
+
+
+@pytest.mark.parametrize("kind", [wire.STATS_REQ, wire.SHUTDOWN, wire.TOKENIZER_READY])
 def test_empty_frames(kind):
     wire.decode_empty(kind, payload(wire.frame(kind), kind))
     with pytest.raises(wire.FrameError, match="no payload"):
@@ -543,6 +598,9 @@ def _count_offsets() -> dict[str, tuple[str, int]]:
         "READY eos n": ("READY", 16),
         "OUTPUTS n_rows": ("OUTPUTS rows+logprobs", 0),
         "SCHED n_rows": ("SCHED new", 0),
+        "TOKENIZE n": ("TOKENIZE", 0),
+        "TOKENS n": ("TOKENS", 0),
+        "TOKENS ids n": ("TOKENS", 5),
         "SCHED n_new": ("SCHED new", 8 + 8 * n_rows),
     }
 

@@ -1,0 +1,96 @@
+"""Prompt tokenization in a process of its own, at a lower CPU priority:
+`python -m engine.tokenizer_process --fd N --nice K`.
+
+Started by `TokenizerProcess` (engine/tokenize.py) with one end of a socket pair. It lowers its
+own priority, takes the tokenizer (the Rust `tokenizers` JSON, sent in a LOAD_TOKENIZER frame:
+no transformers import here), says TOKENIZER_READY, then answers each TOKENIZE frame with one
+TOKENS frame. A prompt longer than the limit comes back as its length only. It exits at end
+of stream, or on a malformed frame after an ERROR frame.
+
+Why a process: the serving process's event loop sends every response. Tokenizing a 300k-
+character prompt there, even on another thread, takes CPU time and the GIL from it; in a
+process of its own, at a lower priority, it takes only what the loop and the engine core leave.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import sys
+
+from engine import wire
+
+logger = logging.getLogger("engine.tokenizer_process")
+
+RECV_BYTES = 1 << 20
+
+
+def tokenize(backend, texts: list[str], max_num_tokens: int) -> list[wire.TokensItem]:
+    try:
+        encodings = backend.encode_batch_fast(texts, add_special_tokens=True)
+    except Exception as e:  # noqa: BLE001 - the callers hear of it; the process carries on
+        return [(wire.TOKENS_FAILED, f"tokenization failed: {e}")] * len(texts)
+    items: list[wire.TokensItem] = []
+    for enc in encodings:
+        ids = enc.ids
+        if len(ids) > max_num_tokens:
+            items.append((wire.TOKENS_TOO_LONG, len(ids)))
+        else:
+            items.append((wire.TOKENS_OK, ids))
+    return items
+
+
+def serve(sock: socket.socket) -> None:
+    from tokenizers import Tokenizer
+
+    reader = wire.FrameReader()
+    backend, max_num_tokens = None, 0
+    while True:
+        data = sock.recv(RECV_BYTES)
+        if not data:
+            reader.eof()
+            return
+        for kind, payload in reader.feed(data):
+            if kind == wire.LOAD_TOKENIZER and backend is None:
+                max_num_tokens, tokenizer_json = wire.decode_load_tokenizer(payload)
+                try:
+                    backend = Tokenizer.from_str(tokenizer_json)
+                except Exception as e:  # noqa: BLE001
+                    raise wire.FrameError(f"LOAD_TOKENIZER: not a tokenizer: {e}") from None
+                sock.sendall(wire.frame(wire.TOKENIZER_READY))
+            elif kind == wire.TOKENIZE and backend is not None:
+                texts = wire.decode_tokenize(payload)
+                sock.sendall(wire.encode_tokens(tokenize(backend, texts, max_num_tokens)))
+                del texts
+            else:
+                raise wire.FrameError(f"the tokenizer process does not take a "
+                                      f"{wire.KIND_NAMES[kind]} frame here")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--fd", type=int, required=True, help="socket to the front end")
+    ap.add_argument("--nice", type=int, default=0, help="added to the process's niceness")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format=f"tokenizer[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
+    if args.nice:
+        os.nice(args.nice)
+    sock = socket.socket(fileno=args.fd)
+    try:
+        serve(sock)
+        return 0
+    except wire.FrameError as e:
+        logger.error("malformed frame: %s", e)
+        try:
+            sock.sendall(wire.encode_error(f"the tokenizer process got a malformed frame: {e}"))
+        except OSError:
+            pass
+        return 2
+    finally:
+        sock.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
