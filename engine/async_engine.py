@@ -73,7 +73,7 @@ class AsyncEngine:
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._batch_tokenizer = BatchTokenizer(
             load_tokenizer(self.config), self._tokenizer_thread, self.info.max_model_len,
-            self.config.tokenizer_process_nice if self.config.tokenizer_process else None)
+            self.config.tokenizer_process_priority if self.config.tokenizer_process else None)
         inline_max = self.config.tokenize_inline_max_chars
         self._inline_tokenizer = (BatchTokenizer(load_tokenizer(self.config), None,
                                                  self.info.max_model_len)

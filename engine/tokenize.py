@@ -46,19 +46,20 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class BatchTokenizer:
     def __init__(self, tokenizer, executor: Executor | None, max_num_tokens: int,
-                 process_nice: int | None = None) -> None:
+                 process_priority: str | None = None) -> None:
         """`executor` must have one thread (it owns `tokenizer`); None: only `encode_now`.
         A prompt over `max_num_tokens` is an error, found here, so that its ids are never
-        converted or freed on the event loop. `process_nice`: not None, the thread's batches
-        go to a tokenizer process with this niceness added, if the tokenizer has a fast
-        backend and the process gives the same ids on the probes."""
+        converted or freed on the event loop. `process_priority` (see
+        engine.config.TOKENIZER_PRIORITIES): not None, the thread's batches go to a tokenizer
+        process at that priority, if the tokenizer has a fast backend and the process gives
+        the same ids on the probes."""
         self.tokenizer = tokenizer
         self.max_num_tokens = max_num_tokens
         self._executor = executor
         self._backend = _fast_backend(tokenizer)
         self.process: TokenizerProcess | None = None
-        if process_nice is not None and self._backend is not None and executor is not None:
-            self.process = TokenizerProcess.start(self._backend, max_num_tokens, process_nice,
+        if process_priority is not None and self._backend is not None and executor is not None:
+            self.process = TokenizerProcess.start(self._backend, max_num_tokens, process_priority,
                                                   [tokenizer.encode(p) for p in _PROBES])
         self._lock = threading.Lock()
         self._pending: list[tuple[str, asyncio.Future]] = []
@@ -151,7 +152,7 @@ class BatchTokenizer:
 class TokenizerProcess:
     """The handle on a tokenizer process. One caller at a time (the tokenizer thread)."""
 
-    def __init__(self, backend, max_num_tokens: int, nice: int) -> None:
+    def __init__(self, backend, max_num_tokens: int, priority: str) -> None:
         """Starts the process and waits until it has loaded the tokenizer; raises
         RuntimeError if it cannot."""
         from engine.core_client import python_executable
@@ -162,7 +163,8 @@ class TokenizerProcess:
         self._sock, child = socket.socketpair()
         self.process = subprocess.Popen(
             [python_executable(), "-m", "engine.tokenizer_process", "--fd",
-             str(child.fileno()), "--nice", str(nice)], pass_fds=(child.fileno(),), env=env)
+             str(child.fileno()), "--priority", priority], pass_fds=(child.fileno(),),
+            env=env)
         child.close()
         self._reader = wire.FrameReader()
         self._frames: list[tuple[int, memoryview]] = []
@@ -177,11 +179,11 @@ class TokenizerProcess:
             raise
 
     @classmethod
-    def start(cls, backend, max_num_tokens: int, nice: int,
+    def start(cls, backend, max_num_tokens: int, priority: str,
               expected_probes: list[list[int]]) -> "TokenizerProcess | None":
         """A process whose ids on the probe strings are `expected_probes`, or None (logged)."""
         try:
-            proc = cls(backend, max_num_tokens, nice)
+            proc = cls(backend, max_num_tokens, priority)
         except (OSError, RuntimeError, wire.FrameError) as e:
             logger.warning("no tokenizer process (%s): tokenizing on the tokenizer thread", e)
             return None

@@ -1,8 +1,8 @@
 """Prompt tokenization in a process of its own, at a lower CPU priority:
-`python -m engine.tokenizer_process --fd N --nice K`.
+`python -m engine.tokenizer_process --fd N --priority idle|low|normal`.
 
 Started by `TokenizerProcess` (engine/tokenize.py) with one end of a socket pair. It lowers its
-own priority, takes the tokenizer (the Rust `tokenizers` JSON, sent in a LOAD_TOKENIZER frame:
+own priority (idle: Linux SCHED_IDLE; low: niceness 10), takes the tokenizer (the Rust `tokenizers` JSON, sent in a LOAD_TOKENIZER frame:
 no transformers import here), says TOKENIZER_READY, then answers each TOKENIZE frame with one
 TOKENS frame. A prompt longer than the limit comes back as its length only. It exits at end
 of stream, or on a malformed frame after an ERROR frame.
@@ -10,6 +10,9 @@ of stream, or on a malformed frame after an ERROR frame.
 Why a process: the serving process's event loop sends every response. Tokenizing a 300k-
 character prompt there, even on another thread, takes CPU time and the GIL from it; in a
 process of its own, at a lower priority, it takes only what the loop and the engine core leave.
+SCHED_IDLE does that best: measured on 2 cores (benchmarks/loop_lag.md), a niceness of 10 or 19
+still let it take CPU time from them, as a CPU running only SCHED_IDLE work counts as free
+when the kernel places a waking task.
 """
 from __future__ import annotations
 
@@ -39,6 +42,15 @@ def tokenize(backend, texts: list[str], max_num_tokens: int) -> list[wire.Tokens
         else:
             items.append((wire.TOKENS_OK, ids))
     return items
+
+
+def set_priority(priority: str) -> None:
+    if priority == "idle" and hasattr(os, "SCHED_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    elif priority == "idle":
+        os.nice(19)                             # no SCHED_IDLE on this platform: the nearest
+    elif priority == "low":
+        os.nice(10)
 
 
 def serve(sock: socket.socket) -> None:
@@ -71,12 +83,11 @@ def serve(sock: socket.socket) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--fd", type=int, required=True, help="socket to the front end")
-    ap.add_argument("--nice", type=int, default=0, help="added to the process's niceness")
+    ap.add_argument("--priority", choices=("idle", "low", "normal"), default="normal")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"tokenizer[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
-    if args.nice:
-        os.nice(args.nice)
+    set_priority(args.priority)
     sock = socket.socket(fileno=args.fd)
     try:
         serve(sock)

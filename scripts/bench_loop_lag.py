@@ -4,7 +4,7 @@ Through a real tritonserver, gRPC streaming to the `llm` model, once per tokeniz
 
   process   the repository's settings: prompts longer than `tokenize_inline_max_chars` (the
             engine default) go to the tokenizer thread, which hands them to the tokenizer
-            process (lower CPU priority, `tokenizer_process_nice`)
+            process (lower CPU priority, `tokenizer_process_priority`)
   thread    `tokenizer_process` = false: the tokenizer thread tokenizes them itself, in the
             serving process
   inline    `tokenize_inline_max_chars` = 1,000,000: every prompt is tokenized on the loop
@@ -263,10 +263,10 @@ def timeline(slots: list[StreamSlot], poller: GaugePoller, start: float, end: fl
 def mode_settings(mode: str) -> str:
     """The tokenization settings a mode runs with, defaults included."""
     fields = EngineConfig.__dataclass_fields__
-    names = ("tokenize_inline_max_chars", "tokenizer_process", "tokenizer_process_nice")
+    names = ("tokenize_inline_max_chars", "tokenizer_process", "tokenizer_process_priority")
     values = {n: MODES[mode].get(n, str(fields[n].default).lower()) for n in names}
     if values["tokenizer_process"] == "false":
-        del values["tokenizer_process_nice"]
+        del values["tokenizer_process_priority"]
     return ", ".join(f"{k} {v}" for k, v in values.items())
 
 

@@ -30,9 +30,8 @@ def test_defaults_are_valid(model_dir):
     ("cpu_threads", 0, ">= 1"),
     ("tokenize_inline_max_chars", -1, ">= 0"),
     ("tokenizer_process", "no", "true or false"),
-    ("tokenizer_process_nice", 20, "from 0 to 19"),
-    ("tokenizer_process_nice", -1, "from 0 to 19"),
-    ("tokenizer_process_nice", True, "from 0 to 19"),
+    ("tokenizer_process_priority", "high", "idle"),
+    ("tokenizer_process_priority", 10, "normal"),
 ])
 def test_bad_setting_names_field_and_range(model_dir, field, value, allowed):
     with pytest.raises(ValueError) as e:

@@ -71,15 +71,19 @@ def test_prompts_arriving_together_share_one_call_and_long_ones_go_alone(tokeniz
 
 
 # ---------------------------------------------------------------------------- tokenizer process
-def _nice_of(pid: int) -> int:
+def _nice_and_policy(pid: int) -> tuple[int, int]:
     with open(f"/proc/{pid}/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[16])     # field 19; the split starts at 3
+        fields = f.read().rsplit(")", 1)[1].split()        # from field 3 on
+    return int(fields[16]), int(fields[38])                # fields 19 (nice) and 41 (policy)
+
+
+SCHED_IDLE = 5
 
 
 @pytest.fixture
 def process_tokenizer(tokenizer):
     pool = ThreadPoolExecutor(1)
-    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=20_000, process_nice=5)
+    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=20_000, process_priority="idle")
     yield bt
     bt.close()
     pool.shutdown()
@@ -91,11 +95,11 @@ def _encode_all(bt, texts):
     return asyncio.run(main())
 
 
-def test_the_process_gives_the_tokenizers_ids_and_runs_at_lower_priority(process_tokenizer,
-                                                                         tokenizer):
+def test_the_process_gives_the_tokenizers_ids_and_runs_at_idle_priority(process_tokenizer,
+                                                                        tokenizer):
     bt = process_tokenizer
     assert bt.process is not None and bt.process.process.poll() is None
-    assert _nice_of(bt.process.pid) == min(19, _nice_of(os.getpid()) + 5)
+    assert _nice_and_policy(bt.process.pid)[1] == SCHED_IDLE
     texts = TEXTS + ["", "z" * (BATCH_MAX_CHARS + 5), "é" * 900]
     results = _encode_all(bt, texts)
     for text, result in zip(texts, results):
@@ -126,9 +130,22 @@ def test_a_killed_process_leaves_the_thread_to_tokenize(process_tokenizer, token
     assert re.search(f"the tokenizer process {proc.pid} (exited|is gone)", caplog.text)
 
 
+@pytest.mark.parametrize("priority,nice_added", [("low", 10), ("normal", 0)])
+def test_low_and_normal_priorities_are_niceness_10_and_0(tokenizer, priority, nice_added):
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=100, process_priority=priority)
+    try:
+        nice, policy = _nice_and_policy(bt.process.pid)
+        own_nice, own_policy = _nice_and_policy(os.getpid())
+        assert (nice, policy) == (min(19, own_nice + nice_added), own_policy)
+    finally:
+        bt.close()
+        pool.shutdown()
+
+
 def test_close_ends_the_process(tokenizer):
     pool = ThreadPoolExecutor(1)
-    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=100, process_nice=0)
+    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=100, process_priority="normal")
     proc = bt.process.process
     bt.close()
     pool.shutdown()
@@ -137,7 +154,7 @@ def test_close_ends_the_process(tokenizer):
 
 def test_the_process_answers_a_malformed_frame_with_an_error_and_exits(tokenizer):
     backend = BatchTokenizer(tokenizer, None, 100)._backend
-    proc = TokenizerProcess(backend, 100, 0)
+    proc = TokenizerProcess(backend, 100, "normal")
     try:
         proc._sock.sendall(wire.frame(wire.TOKENIZE, b"\x01\x00\x00\x00\x05\x00\x00\x00ab"))
         with pytest.raises(RuntimeError, match="malformed frame: TOKENIZE: text lengths add up"):
@@ -149,12 +166,12 @@ def test_the_process_answers_a_malformed_frame_with_an_error_and_exits(tokenizer
 
 def test_a_process_that_disagrees_on_the_probes_is_not_used(tokenizer, caplog):
     backend = BatchTokenizer(tokenizer, None, 100)._backend
-    assert TokenizerProcess.start(backend, 100, 0, [[0]] * 7) is None
+    assert TokenizerProcess.start(backend, 100, "normal", [[0]] * 7) is None
     assert "disagrees with the tokenizer on probe strings" in caplog.text
 
 
 def test_without_a_fast_backend_there_is_no_process(tokenizer, monkeypatch):
     monkeypatch.setattr("engine.tokenize._fast_backend", lambda tok: None)
-    bt = BatchTokenizer(tokenizer, ThreadPoolExecutor(1), 100, process_nice=0)
+    bt = BatchTokenizer(tokenizer, ThreadPoolExecutor(1), 100, process_priority="normal")
     assert bt.process is None
     assert _encode_all(bt, ["hi"])[0][0] == tokenizer.encode("hi")
