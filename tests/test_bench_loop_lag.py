@@ -7,8 +7,8 @@ import threading
 
 import pytest
 
-from scripts.bench_loop_lag import (StreamSlot, flood_prompt, main, make_repo, phase_stats,
-                                    short_prompt)
+from scripts.bench_loop_lag import (StreamSlot, flood_prompt, is_stalled, main, make_repo,
+                                    phase_stats, short_prompt, summary)
 from scripts.make_tiny_model import make_tiny_model
 
 
@@ -78,3 +78,14 @@ def test_bench_loop_lag_tiny_run_writes_results(tmp_path):
         assert phase["loop_lag"]["count"] > 0
     assert rows["flood"]["itl_p99_ratio"] == pytest.approx(
         rows["flood"]["itl_p99_ms"] / rows["unloaded"]["itl_p99_ms"])
+
+
+def test_a_mode_whose_streams_stalled_fails_whatever_its_p99():
+    unloaded = {"num_itl": 1000, "duration_s": 10.0}
+    assert not is_stalled(unloaded, {"num_itl": 1000, "duration_s": 20.0})   # half the pace
+    assert is_stalled(unloaded, {"num_itl": 999, "duration_s": 20.0})
+    runs = [{"mode": m, "settings": "", "itl_p99_ratio": 0.8, "stalled": stalled}
+            for m, stalled in (("ok", False), ("ok", False), ("frozen", True), ("frozen", False))]
+    out = summary(runs)
+    assert out["ok"]["meets_target"] and out["ok"]["stalled"] == 0
+    assert not out["frozen"]["meets_target"] and out["frozen"]["stalled"] == 1
