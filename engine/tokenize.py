@@ -41,6 +41,7 @@ _PROBES = ["Hello, world!", "  two  spaces\tand a tab\n\nnew lines", "café ☕ 
 Encoded = tuple[list[int], np.ndarray]       # the ids as a list and as int32
 RECV_BYTES = 1 << 20
 STOP_WAIT_S = 5.0
+START_TIMEOUT_S = 60.0
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -169,11 +170,13 @@ class TokenizerProcess:
         self._reader = wire.FrameReader()
         self._frames: list[tuple[int, memoryview]] = []
         try:
+            self._sock.settimeout(START_TIMEOUT_S)      # a process that never answers: OSError
             self._sock.sendall(wire.encode_load_tokenizer(max_num_tokens, backend.to_str()))
             kind, payload = self._recv()
             if kind != wire.TOKENIZER_READY:
                 raise RuntimeError(f"the tokenizer process answered {wire.KIND_NAMES[kind]}")
             wire.decode_empty(kind, payload)
+            self._sock.settimeout(None)                 # then a long prompt may take its time
         except BaseException:
             self.close()
             raise

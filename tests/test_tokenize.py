@@ -2,7 +2,9 @@ import asyncio
 import os
 import re
 import signal
+import subprocess
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -175,3 +177,19 @@ def test_without_a_fast_backend_there_is_no_process(tokenizer, monkeypatch):
     bt = BatchTokenizer(tokenizer, ThreadPoolExecutor(1), 100, process_priority="normal")
     assert bt.process is None
     assert _encode_all(bt, ["hi"])[0][0] == tokenizer.encode("hi")
+
+
+def test_a_process_that_never_gets_ready_is_given_up(tokenizer, monkeypatch, caplog):
+    # A process that starts but never answers (it sleeps): start-up gives up, then kills it.
+    monkeypatch.setattr("engine.tokenize.START_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("engine.tokenize.STOP_WAIT_S", 0.5)
+    real_popen = subprocess.Popen
+
+    def silent(cmd, **kw):
+        return real_popen([cmd[0], "-c", "import time; time.sleep(60)"], **kw)
+    monkeypatch.setattr("engine.tokenize.subprocess.Popen", silent)
+    backend = BatchTokenizer(tokenizer, None, 100)._backend
+    start = time.monotonic()
+    assert TokenizerProcess.start(backend, 100, "normal", []) is None
+    assert time.monotonic() - start < 5
+    assert "no tokenizer process" in caplog.text
