@@ -14,16 +14,14 @@ import os
 import queue
 import socket
 import subprocess
-import sys
 import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict
 
-from engine import wire
+from engine import child_process, wire
 from engine.config import EngineConfig
-from engine.outputs import EngineStats
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput
 
@@ -31,25 +29,10 @@ logger = logging.getLogger(__name__)
 
 RECV_BYTES = 1 << 20
 SHUTDOWN_WAIT_S = 10.0
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class CoreDiedError(RuntimeError):
     pass
-
-
-def python_executable() -> str:
-    """The interpreter for the core process. Inside Triton's backend stub `sys.executable` can
-    be the stub itself, so fall back to the environment's own python."""
-    exe = sys.executable
-    if exe and os.path.basename(exe).startswith("python") and os.access(exe, os.X_OK):
-        return exe
-    for name in (f"python{sys.version_info.major}.{sys.version_info.minor}", "python3"):
-        candidate = os.path.join(sys.prefix, "bin", name)
-        if os.access(candidate, os.X_OK):
-            return candidate
-    raise RuntimeError(f"cannot find a python interpreter for the engine core "
-                       f"(sys.executable={exe!r}, sys.prefix={sys.prefix!r})")
 
 
 def _pin_device(config: EngineConfig, env: dict[str, str]) -> EngineConfig:
@@ -80,15 +63,9 @@ class CoreClient:
         self._on_dead = on_dead
         env = dict(os.environ)
         config = _pin_device(config, env)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        self._sock, child = socket.socketpair()
-        self.process = subprocess.Popen(
-            [python_executable(), "-m", "engine.core_process", "--fd", str(child.fileno()),
-             "--config", json.dumps(asdict(config)), "--eos-token-ids",
-             json.dumps(list(eos_token_ids))],
-            pass_fds=(child.fileno(),), env=env)
-        child.close()
+        self._sock, self.process = child_process.start(
+            "engine.core_process", ["--config", json.dumps(asdict(config)),
+                                    "--eos-token-ids", json.dumps(list(eos_token_ids))], env)
         self._reader = wire.FrameReader()
         self._decoder = wire.OutputsDecoder()
         try:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import socket
 import subprocess
 import threading
@@ -30,7 +29,7 @@ from concurrent.futures import Executor
 
 import numpy as np
 
-from engine import wire
+from engine import child_process, wire
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +41,6 @@ Encoded = tuple[list[int], np.ndarray]       # the ids as a list and as int32
 RECV_BYTES = 1 << 20
 STOP_WAIT_S = 5.0
 START_TIMEOUT_S = 60.0
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class BatchTokenizer:
@@ -156,17 +154,8 @@ class TokenizerProcess:
     def __init__(self, backend, max_num_tokens: int, priority: str) -> None:
         """Starts the process and waits until it has loaded the tokenizer; raises
         RuntimeError if it cannot."""
-        from engine.core_client import python_executable
-
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(
-            [_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
-        self._sock, child = socket.socketpair()
-        self.process = subprocess.Popen(
-            [python_executable(), "-m", "engine.tokenizer_process", "--fd",
-             str(child.fileno()), "--priority", priority], pass_fds=(child.fileno(),),
-            env=env)
-        child.close()
+        self._sock, self.process = child_process.start("engine.tokenizer_process",
+                                                       ["--priority", priority])
         self._reader = wire.FrameReader()
         self._frames: list[tuple[int, memoryview]] = []
         try:

@@ -187,7 +187,7 @@ def test_a_process_that_never_gets_ready_is_given_up(tokenizer, monkeypatch, cap
 
     def silent(cmd, **kw):
         return real_popen([cmd[0], "-c", "import time; time.sleep(60)"], **kw)
-    monkeypatch.setattr("engine.tokenize.subprocess.Popen", silent)
+    monkeypatch.setattr("engine.child_process.subprocess.Popen", silent)
     backend = BatchTokenizer(tokenizer, None, 100)._backend
     start = time.monotonic()
     assert TokenizerProcess.start(backend, 100, "normal", []) is None

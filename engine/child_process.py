@@ -1,0 +1,48 @@
+"""Starting an engine module in a child process of its own, with a socket pair to talk over.
+
+Used for the engine core (engine/core_process.py) and the tokenizer process
+(engine/tokenizer_process.py): a fresh interpreter (spawn semantics), the repository importable,
+the child's end of the socket passed as `--fd N`.
+"""
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python_executable() -> str:
+    """The interpreter for child processes. Inside Triton's backend stub `sys.executable` can
+    be the stub itself, so fall back to the environment's own python."""
+    exe = sys.executable
+    if exe and os.path.basename(exe).startswith("python") and os.access(exe, os.X_OK):
+        return exe
+    for name in (f"python{sys.version_info.major}.{sys.version_info.minor}", "python3"):
+        candidate = os.path.join(sys.prefix, "bin", name)
+        if os.access(candidate, os.X_OK):
+            return candidate
+    raise RuntimeError(f"cannot find a python interpreter for the engine's processes "
+                       f"(sys.executable={exe!r}, sys.prefix={sys.prefix!r})")
+
+
+def start(module: str, args: list[str], env: dict[str, str] | None = None
+          ) -> tuple[socket.socket, subprocess.Popen]:
+    """Runs `python -m module --fd N *args` (env: os.environ by default); returns our end of
+    the socket pair and the process."""
+    env = dict(os.environ if env is None else env)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [_ROOT] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    ours, child = socket.socketpair()
+    try:
+        process = subprocess.Popen(
+            [python_executable(), "-m", module, "--fd", str(child.fileno()), *args],
+            pass_fds=(child.fileno(),), env=env)
+    except BaseException:
+        ours.close()
+        raise
+    finally:
+        child.close()
+    return ours, process
