@@ -143,29 +143,31 @@ class ModelRunner:
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> "_StepInputs":
         bs = self.block_size
-        input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        num_tokens = sum(sched.num_scheduled_tokens.values())
+        input_ids = np.empty(num_tokens, dtype=np.int64)
+        positions = np.empty(num_tokens, dtype=np.int64)
+        slots = np.empty(num_tokens, dtype=np.int64)
         q_lens: list[int] = []
         seq_lens: list[int] = []
         tables: list[list[int]] = []
         sampled_rows: list[int] = []
         sampled_ids: list[str] = []
+        at = 0
         for row, (rid, n) in enumerate(sched.num_scheduled_tokens.items()):
             state = self.requests[rid]
             start = state.num_computed_tokens
             end = start + n
             table = state.block_ids
-            if n == 1:                          # decode, the bulk of a busy step: no numpy
-                input_ids.append(state.token_ids[start])
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
+            if n == 1:                          # decode, the bulk of a busy step: no numpy call
+                input_ids[at] = state.token_ids[start]
+                positions[at] = start
+                slots[at] = table[start // bs] * bs + start % bs
             else:
-                input_ids.extend(state.token_ids[start:end])
                 pos = np.arange(start, end, dtype=np.int64)
-                positions.extend(pos.tolist())
-                slots.extend((np.asarray(table, dtype=np.int64)[pos // bs] * bs
-                              + pos % bs).tolist())
+                input_ids[at:at + n] = state.token_ids[start:end]
+                positions[at:at + n] = pos
+                slots[at:at + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
+            at += n
             q_lens.append(n)
             seq_lens.append(end)
             tables.append(table)
@@ -176,9 +178,7 @@ class ModelRunner:
         block_table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
         for i, t in enumerate(tables):
             block_table[i, :len(t)] = t
-        return _StepInputs(np.asarray(input_ids, dtype=np.int64),
-                           np.asarray(positions, dtype=np.int64),
-                           np.asarray(slots, dtype=np.int64), np.asarray(q_lens, dtype=np.int32),
+        return _StepInputs(input_ids, positions, slots, np.asarray(q_lens, dtype=np.int32),
                            np.asarray(seq_lens, dtype=np.int32), block_table, sampled_rows,
                            sampled_ids)
 
