@@ -18,15 +18,12 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import datetime
-import json
 import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
-
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -35,7 +32,7 @@ if ROOT not in sys.path:
 import tritonclient.grpc as grpcclient  # noqa: E402
 
 from scripts.bench_common import git_commit, write_results  # noqa: E402
-from scripts.bench_loop_lag import make_repo  # noqa: E402
+from scripts.bench_loop_lag import grpc_inputs, make_repo  # noqa: E402
 from scripts.server_probe import cpu_name  # noqa: E402
 from tests.tritonserver import start_server  # noqa: E402
 
@@ -51,25 +48,13 @@ def greedy(max_tokens: int) -> dict:
     return {"max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
 
 
-def bls_inputs(prompt: str, params: dict) -> list[grpcclient.InferInput]:
-    arrays = {"text_input": np.array([prompt.encode()], dtype=np.object_),
-              "sampling_parameters": np.array([json.dumps(params).encode()], dtype=np.object_),
-              "exclude_input_in_output": np.array([True])}
-    out = []
-    for name, arr in arrays.items():
-        t = grpcclient.InferInput(name, list(arr.shape), "BOOL" if arr.dtype == np.bool_
-                                  else "BYTES")
-        t.set_data_from_numpy(arr)
-        out.append(t)
-    return out
-
-
 def time_concurrent(grpc_url: str, n: int, params: dict) -> float:
     """Seconds for `n` llm_bls requests sent at once to all be answered. Channels, inputs and
     threads are made before the clock starts: what is timed is the server, not the client's
     set-up. Raises if any request fails."""
     clients = [grpcclient.InferenceServerClient(grpc_url) for _ in range(n)]
-    inputs = [bls_inputs(p, params) for p in prompts(n)]
+    inputs = [grpc_inputs(p, params, stream=False, exclude_input_in_output=True)
+              for p in prompts(n)]
     try:
         with concurrent.futures.ThreadPoolExecutor(n) as pool:
             list(pool.map(lambda c: c.is_server_live(), clients))      # connect

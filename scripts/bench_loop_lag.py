@@ -97,9 +97,10 @@ def short_prompt(slot: int, index: int) -> str:
     return f"Slot {slot}, request {index}: a short note on {_TOPICS[(slot + index) % 12]}."
 
 
-def grpc_inputs(prompt: str, params: dict, **flags) -> list[grpcclient.InferInput]:
+def grpc_inputs(prompt: str, params: dict, stream: bool = True,
+                **flags) -> list[grpcclient.InferInput]:
     arrays = {"text_input": np.array([prompt.encode()], dtype=np.object_),
-              "stream": np.array([True]),
+              "stream": np.array([stream]),
               "sampling_parameters": np.array([json.dumps(params).encode()], dtype=np.object_)}
     arrays.update({k: np.array([v]) for k, v in flags.items()})
     out = []
