@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 import urllib.request
-from functools import partial
 
 import numpy as np
 import pytest
