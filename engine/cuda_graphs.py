@@ -66,6 +66,11 @@ class DecodeGraphs:
             return
         self._pool = torch.cuda.graph_pool_handle()
         stream = torch.cuda.Stream(self.device)
+        # The persistent buffers and the KV cache were filled by kernels queued on the current
+        # stream; the side stream must not read them before those ran. Without this wait the
+        # warm-up read a block table still holding whatever the caching allocator's block held
+        # (a previous engine's data): "index out of bounds" in the embedding/KV gathers.
+        stream.wait_stream(torch.cuda.current_stream(self.device))
         for batch in reversed(self.sizes):
             with torch.cuda.stream(stream):
                 for _ in range(2):                 # warm up: autotuning, lazy init
@@ -75,6 +80,7 @@ class DecodeGraphs:
             with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                 logits = self._forward(batch)
             self.graphs[batch] = (graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s", self.sizes)
 
