@@ -126,3 +126,109 @@ def paged_attention_ref(
         o = o.view(num_kv_heads, group, q_len, head_dim).permute(2, 0, 1, 3)
         out[q_start:q_end] = o.reshape(q_len, num_heads, head_dim).to(q.dtype)
     return out
+
+
+def cascade_attention_ref(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    cu_group_seqs: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Causal attention of a batch whose sequences share prefixes in groups. Returns [T, Hq, D].
+
+    Extra inputs beside `paged_attention_ref`'s:
+      prefix_lens    [B] int   tokens of b's shared prefix (0: none), a multiple of block_size
+      cu_group_seqs  [G + 1]   group g = sequences cu_group_seqs[g]:cu_group_seqs[g + 1]
+                               (non-decreasing from 0; trailing empty groups allowed); sequences
+                               past cu_group_seqs[-1] belong to no group
+    Contract, checked here (ValueError): the members of a group have one prefix_len P and the
+    same first P / block_size block ids; P <= the position of b's first query row (the prefix
+    precedes every query of the group); a sequence in no group has P = 0.
+
+    The grouping changes how keys are read, not the math. For sequence b (q_len rows, L =
+    seq_lens[b], P = prefix_lens[b]) its keys are [prefix + own]: positions 0..P-1 from block
+    table entries 0..P/bs-1, positions P..L-1 from the entries after them. Query row i sits at
+    p = L - q_len + i and
+
+        out[p, h] = sum_j softmax_j(scale * q[p, h] . k[j, h // G]) v[j, h // G]   over j <= p
+
+    one plain softmax over all of its visible keys (every prefix key is visible). Computed in
+    float64 on CPU and float32 elsewhere, returned in q's dtype; rows past cu_seqlens_q[-1] are 0.
+    """
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of dim "
+            f"{cache_head_dim}: the head dims must match and Hq must be a multiple of Hkv"
+        )
+    group = num_heads // num_kv_heads
+    math_dtype = torch.float64 if q.device.type == "cpu" else torch.float32
+    cu_q, kv_lens, prefixes = cu_seqlens_q.tolist(), seq_lens.tolist(), prefix_lens.tolist()
+    cu_groups = cu_group_seqs.tolist()
+    num_seqs = len(kv_lens)
+    if len(cu_q) != num_seqs + 1 or cu_q[-1] > num_tokens or len(prefixes) != num_seqs:
+        raise ValueError(
+            f"with {num_seqs} sequences, cu_seqlens_q must have {num_seqs + 1} entries ending at or "
+            f"before T = {num_tokens} and prefix_lens {num_seqs}; got {len(cu_q)} and {len(prefixes)}"
+        )
+    if not cu_groups or cu_groups[0] != 0 or cu_groups[-1] > num_seqs or any(
+            a > b for a, b in zip(cu_groups, cu_groups[1:])):
+        raise ValueError(f"cu_group_seqs must rise from 0 to at most {num_seqs}, got {cu_groups}")
+
+    # The group contract: what lets a kernel read a group's prefix once for all its members.
+    group_of = [None] * num_seqs
+    for g in range(len(cu_groups) - 1):
+        for b in range(cu_groups[g], cu_groups[g + 1]):
+            group_of[b] = g
+    for b in range(num_seqs):
+        prefix_len, first_q_pos = prefixes[b], kv_lens[b] - (cu_q[b + 1] - cu_q[b])
+        if prefix_len < 0 or prefix_len % block_size or prefix_len > first_q_pos:
+            raise ValueError(
+                f"sequence {b}: prefix_len {prefix_len} must be a multiple of block_size {block_size} "
+                f"in 0..{first_q_pos} (its first query position)")
+        if group_of[b] is None:
+            if prefix_len:
+                raise ValueError(f"sequence {b} is in no group but has prefix_len {prefix_len}")
+            continue
+        first = cu_groups[group_of[b]]
+        n = prefix_len // block_size
+        if prefix_len != prefixes[first] or not torch.equal(block_table[b, :n], block_table[first, :n]):
+            raise ValueError(f"sequence {b} does not share group {group_of[b]}'s prefix "
+                             f"(length {prefixes[first]}, blocks of sequence {first})")
+
+    out = torch.zeros_like(q)
+    for b, kv_len in enumerate(kv_lens):
+        q_start, q_end = cu_q[b], cu_q[b + 1]
+        q_len = q_end - q_start
+        if q_len == 0:
+            continue
+        if q_len > kv_len:
+            raise ValueError(f"sequence {b}: q_len {q_len} must be in 1..seq_len ({kv_len})")
+        # keys: [prefix + own], each gathered from b's own block table entries.
+        num_prefix_blocks = prefixes[b] // block_size
+        parts_k, parts_v = [], []
+        for first_block, num_keys in ((0, prefixes[b]), (num_prefix_blocks, kv_len - prefixes[b])):
+            blocks = block_table[b, first_block:first_block + -(-num_keys // block_size)].long()
+            parts_k.append(k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_keys])
+            parts_v.append(v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:num_keys])
+        k = torch.cat(parts_k).to(math_dtype)  # [kv_len, Hkv, D]
+        v = torch.cat(parts_v).to(math_dtype)
+        for h in range(num_heads):
+            qh = q[q_start:q_end, h].to(math_dtype)            # [q_len, D]
+            scores = qh @ k[:, h // group].T * scale           # [q_len, kv_len]
+            q_pos = torch.arange(kv_len - q_len, kv_len, device=q.device)[:, None]
+            k_pos = torch.arange(kv_len, device=q.device)[None, :]
+            scores = scores.masked_fill(k_pos > q_pos, float("-inf"))
+            out[q_start:q_end, h] = (torch.softmax(scores, dim=-1) @ v[:, h // group]).to(q.dtype)
+    return out
