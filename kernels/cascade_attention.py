@@ -1,0 +1,582 @@
+"""Cascade attention in Triton: a batch of many shared-prefix groups, each prefix read once per group.
+
+Same math as `attention_ref.cascade_attention_ref` (re-exported here) and as plain paged attention:
+every query row attends, in one softmax, to its sequence's [shared prefix + own] keys, causally
+within the own part. What changes is how the keys are read. Layouts:
+
+  q                [T, Hq, D]      new tokens of the B sequences back to back; any strides
+  k_cache, v_cache [num_blocks, block_size, Hkv, D]   any strides (this project's paged cache)
+  block_table      [B, max_blocks] int32, unit stride along blocks: each sequence's whole
+                                   context in position order, prefix blocks first
+  cu_seqlens_q     [B + 1] int32   sequence b owns q rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
+  seq_lens         [B] int32       context length of b including its new tokens
+  prefix_lens      [B] int32       P_b: tokens of b's group prefix; 0: b reads everything alone
+  cu_group_seqs    [max_groups + 1] int32   group g = sequences cu_group_seqs[g]:cu_group_seqs[g + 1]
+  out              [T, Hq, D]      q's dtype; rows past cu_seqlens_q[-1] are written as zeros
+
+Contract the caller keeps (checked by the reference, not here: that would read the device):
+a group's members are consecutive sequences with one P, a multiple of block_size, whose first
+P / block_size block table entries are the same blocks, and P <= the first query position of every
+member (the prefix precedes all its rows; a request still writing the prefix is not a member).
+Groups may be padded to a fixed capacity with empty groups (entries equal to the last one).
+Lone requests have P = 0 and need no group: put them past cu_group_seqs[-1] (or in any group whose
+P is 0). For them the kernel is exactly plain paged attention, all keys in the own pass.
+
+Math. With scores s_j = scale * log2(e) * q . k_j (fp32) and, over a key set J,
+m_J = max_j s_j, l_J = sum_j 2^(s_j - m_J), acc_J = sum_j 2^(s_j - m_J) v_j, the softmax over
+J1 u J2 merges exactly: m = max(m1, m2), acc = 2^(m1-m) acc1 + 2^(m2-m) acc2 (same for l),
+out = acc / l. J1 is the prefix (cut into S splits, each its own (m, l, acc)), J2 the own keys.
+
+Pass 1, `_prefix_kernel`, grid (prefix tiles of the largest group, max_groups, Hkv * S). The
+group's query rows (rows cu_seqlens_q[first member]:cu_seqlens_q[last member + 1], decode and
+prefill rows alike, all see the whole prefix) times the G = Hq / Hkv query heads of one kv head
+form the M side of one tl.dot: BLOCK_Q = BLOCK_M rows x G_PAD heads (row r = token r // G_PAD,
+head r % G_PAD). Each program walks one split of the prefix through the first member's block
+table and stores fp32 (m, l, acc) per (split, token row, head) to a workspace. So a prefix K/V
+tile is read once per (group, kv head, split) when the group's rows fit one tile (BLOCK_M =
+128 / G_PAD rows in bf16/fp16), and once per tile beyond that: cdiv(rows, BLOCK_M) times, not once
+per member. No masks save the prefix's last partial key step.
+
+Pass 2, `_own_kernel`, grid (query tiles of the longest q, B + 1, Hkv), like paged attention:
+a program takes BLOCK_M positions of one sequence x the G heads of one kv head, attends to keys
+[P_b, seq_len) through b's block table with the causal mask, then, when P_b > 0, folds in the S
+prefix partials of its rows and writes out. The extra "sequence" B zeroes the padding rows.
+
+CUDA graphs. The launcher reads no device value: grids come from tensor shapes (B, T,
+max_groups from the buffers' sizes) and host ints (max_seqlen_q, max_group_rows, S); programs
+beyond a group's or sequence's rows exit at once. The workspace is a torch.empty per call, from
+the graph's private pool under capture: S * T * Hq * (D + 2) * 4 bytes. Sliding windows are not
+supported (a window may not reach the prefix): such models use the plain kernel.
+
+The cost rule `CascadeCostRule` (pure Python) says per step which groups are worth it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import NamedTuple, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.attention_ref import cascade_attention_ref
+
+__all__ = ["cascade_attention", "cascade_attention_ref", "choose_num_prefix_splits",
+           "CascadeCostRule", "PrefixGroup"]
+
+_LOG2E = 1.4426950408889634
+_HEAD_DIMS = (16, 32, 64, 128, 256)
+_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_H200_NUM_SMS = 132
+_MAX_GRID_YZ = 65535
+
+# Builtins only (see kernels/paged_attention.py): triton's own @triton.jit helpers (tl.max, tl.sum)
+# were decorated before TRITON_INTERPRET was set in the CPU tests; tl.reduce with these combine
+# functions runs under the interpreter and compiles to what tl.max / tl.sum give.
+_MAX = tl.standard._elementwise_max
+_SUM = tl.standard._sum_combine
+
+
+@triton.jit
+def _attend(
+    acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_start, k_stop, qk_scale,
+    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Online-softmax update of (acc, m_i, l_i) over keys [k_start, k_stop), BLOCK_N a step.
+    MASKED=False: every step is whole and every key visible to every row (no mask math);
+    MASKED=True: keys >= k_stop are dropped and, with CAUSAL, keys after a row's position."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    for start in range(k_start, k_stop, BLOCK_N):
+        k_pos = start + offs_n
+        k_in = k_pos < k_stop
+        if MASKED:
+            block_id = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_in, other=0).to(tl.int64)
+        else:
+            block_id = tl.load(table_row + k_pos // PAGE_SIZE).to(tl.int64)
+        slot = k_pos % PAGE_SIZE
+        # k: [D, BLOCK_N], v: [BLOCK_N, D], gathered key by key through the block table.
+        k_ptrs = k_base + block_id[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None] * stride_kd
+        v_ptrs = v_base + block_id[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :] * stride_vd
+        if MASKED:
+            k = tl.load(k_ptrs, mask=k_in[None, :], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_Q, BLOCK_N]
+        if MASKED:
+            visible = k_in[None, :]
+            if CAUSAL:
+                visible = visible & (k_pos[None, :] <= q_pos[:, None])
+            s = tl.where(visible, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+            # A row that has seen no visible key yet keeps m = -inf: subtract 0, not inf - inf.
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+            m_sub = m_new
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, None])
+        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _prefix_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,              # [S, T, Hq] x2, [S, T, Hq, D] fp32
+    block_table_ptr, cu_seqlens_q_ptr, prefix_lens_ptr, cu_group_seqs_ptr,
+    qk_scale, num_tokens, num_heads,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_bt,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pid_m = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1).to(tl.int64)
+    pid_hs = tl.program_id(2).to(tl.int64)
+    kv_head = pid_hs // NUM_SPLITS
+    split = pid_hs % NUM_SPLITS
+
+    seq_lo = tl.load(cu_group_seqs_ptr + grp).to(tl.int64)
+    seq_hi = tl.load(cu_group_seqs_ptr + grp + 1).to(tl.int64)
+    if seq_hi <= seq_lo:                    # an empty (capacity padding) group
+        return
+    prefix_len = tl.load(prefix_lens_ptr + seq_lo).to(tl.int64)
+    tile_lo = tl.load(cu_seqlens_q_ptr + seq_lo).to(tl.int64) + pid_m * BLOCK_M
+    rows_hi = tl.load(cu_seqlens_q_ptr + seq_hi).to(tl.int64)
+    if prefix_len == 0:
+        return
+    if tile_lo >= rows_hi:                  # past the group's last query row
+        return
+
+    rows = tl.arange(0, BLOCK_Q)
+    t = tile_lo + rows // G_PAD             # token row of each tile row
+    row_g = rows % G_PAD                    # query head inside the kv head's group
+    head = kv_head * GROUP + row_g
+    row_valid = (row_g < GROUP) & (t < rows_hi)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+
+    # This split's keys [k_lo, k_hi): whole BLOCK_N steps, the prefix's ragged end masked.
+    per_split = ((prefix_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+    k_lo = split * per_split
+    k_hi = tl.maximum(tl.minimum(k_lo + per_split, prefix_len), k_lo)      # may be empty
+    k_full_hi = k_lo + (k_hi - k_lo) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_Q], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=tl.float32)
+    table_row = block_table_ptr + seq_lo * stride_bt       # the first member's: the shared blocks
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, t, table_row, k_base, v_base, k_lo, k_full_hi, qk_scale,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION)
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, t, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION)
+
+    # An empty split stores m = -inf, l = 0, acc = 0: it weighs nothing in the merge.
+    part = (split * num_tokens + t) * num_heads + head
+    tl.store(part_m_ptr + part, m_i, mask=row_valid)
+    tl.store(part_l_ptr + part, l_i, mask=row_valid)
+    tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+
+
+@triton.jit
+def _own_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
+    part_m_ptr, part_l_ptr, part_acc_ptr,
+    block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr, prefix_lens_ptr,
+    qk_scale, num_seqs, num_tokens, num_heads, num_m_tiles,
+    stride_qt, stride_qh, stride_qd,
+    stride_kb, stride_ks, stride_kh, stride_kd,
+    stride_vb, stride_vs, stride_vh, stride_vd,
+    stride_ot, stride_oh, stride_od,
+    stride_bt,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # Longest-running tiles (last positions of a prompt see the most keys) start first.
+    pid_m = num_m_tiles - 1 - tl.program_id(0).to(tl.int64)
+    seq = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(2).to(tl.int64)
+
+    rows = tl.arange(0, BLOCK_Q)
+    row_pos = rows // G_PAD
+    row_g = rows % G_PAD
+    head = kv_head * GROUP + row_g
+    offs_d = tl.arange(0, HEAD_DIM)
+
+    if seq == num_seqs:
+        # Padding rows past cu_seqlens_q[-1] come back zero, as in the reference.
+        zeros = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=out_ptr.dtype.element_ty)
+        tail_start = tl.load(cu_seqlens_q_ptr + num_seqs).to(tl.int64)
+        for t0 in range(tail_start + pid_m * BLOCK_M, num_tokens, num_m_tiles * BLOCK_M):
+            t = t0 + row_pos
+            mask = (row_g < GROUP) & (t < num_tokens)
+            ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+            tl.store(ptrs, zeros, mask=mask[:, None])
+        return
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int64) - q_start
+    if pid_m * BLOCK_M >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    prefix_len = tl.load(prefix_lens_ptr + seq).to(tl.int64)
+
+    first_pos = seq_len - q_len + pid_m * BLOCK_M   # position of the tile's first query
+    row_in_seq = pid_m * BLOCK_M + row_pos
+    row_valid = (row_g < GROUP) & (row_in_seq < q_len)
+    q_pos = first_pos + row_pos
+    t = q_start + row_in_seq
+    q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+
+    # Own keys [prefix_len, k_hi); [prefix_len, k_full_hi) is visible to every row (no mask),
+    # whole BLOCK_N steps from prefix_len (a multiple of the page size, not of BLOCK_N).
+    k_hi = tl.minimum(first_pos + BLOCK_M, seq_len)
+    k_full_hi = prefix_len + tl.maximum(first_pos + 1 - prefix_len, 0) // BLOCK_N * BLOCK_N
+
+    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
+    l_i = tl.full([BLOCK_Q], 0.0, dtype=tl.float32)
+    acc = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=tl.float32)
+    table_row = block_table_ptr + seq * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kh
+    v_base = v_cache_ptr + kv_head * stride_vh
+    acc, m_i, l_i = _attend(
+        acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, prefix_len, k_full_hi, qk_scale,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True, DOT_PRECISION)
+    acc, m_i, l_i = _attend(     # the causal diagonal and the sequence's last partial block
+        acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale,
+        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, True, DOT_PRECISION)
+
+    if prefix_len > 0:
+        # Fold in the prefix pass's partials. Valid rows saw their own key, so m_i is finite.
+        for s in range(NUM_SPLITS):
+            part = (s * num_tokens + t) * num_heads + head
+            m_s = tl.load(part_m_ptr + part, mask=row_valid, other=float("-inf"))
+            l_s = tl.load(part_l_ptr + part, mask=row_valid, other=0.0)
+            acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                            mask=row_valid[:, None], other=0.0)
+            m_new = tl.maximum(m_i, m_s)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            beta = tl.exp2(m_s - m_sub)
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            l_i = l_i * alpha + l_s * beta
+            m_i = m_new
+
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+# triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
+# interpreted kernel runs on CPU tensors, a compiled one on CUDA tensors only.
+_INTERPRETED = not isinstance(_own_kernel, triton.runtime.JITFunction)
+
+
+@dataclass(frozen=True)
+class _TileConfig:
+    block_q: int        # target rows per tile (query positions x padded group)
+    block_n: int        # keys per step
+    num_warps: int
+    num_stages: int
+
+
+def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
+    """As kernels/paged_attention.py's tiles (H200 sweep there): 16-row decode tiles bound by
+    K/V reads; 128 x 128 prefill tiles on 8 warps; small exact-fp32 tiles (a test path)."""
+    if dtype == torch.float32:
+        return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
+    if max_seqlen_q == 1:
+        return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
+    if head_dim == 256:
+        return _TileConfig(64, 32, 8, 2)
+    return _TileConfig(128, 128, 8, 3)
+
+
+def _prefix_config(max_group_rows: int, g_pad: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
+    """As many of the largest group's rows x heads as fit one tile, up to 128: each K/V step then
+    serves the whole group. Every row sees every key, so the tile is a dense GEMM-shaped loop.
+    Not tuned on a GPU yet: scripts/gpu_check_cascade.py --sweep times the alternatives."""
+    if dtype == torch.float32:
+        return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
+    rows = min(max(triton.next_power_of_2(max_group_rows * g_pad), 16), 128)
+    if head_dim == 256:
+        return _TileConfig(min(rows, 64), 32, 4 if rows <= 32 else 8, 2)
+    if rows <= 64:
+        return _TileConfig(rows, 64, 4, 3)
+    return _TileConfig(rows, 64, 8, 3)
+
+
+def choose_num_prefix_splits(num_groups: int, num_tiles_per_group: int, num_kv_heads: int,
+                             max_prefix_len: int, num_sms: int = _H200_NUM_SMS,
+                             min_keys_per_split: int = 256, max_splits: int = 16) -> int:
+    """Splits of each prefix: enough prefix programs for about two per SM, none shorter than
+    min_keys_per_split keys (each split costs a partial write and read per query row)."""
+    programs = max(num_groups * num_tiles_per_group * num_kv_heads, 1)
+    want = triton.cdiv(2 * num_sms, programs)
+    cap = max(max_prefix_len // min_keys_per_split, 1)
+    return max(1, min(want, cap, max_splits))
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _H200_NUM_SMS
+
+
+def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
+                  cu_group_seqs, out):
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of "
+            f"dim {cache_head_dim}: the head dims must match and Hq must be a multiple of Hkv")
+    if head_dim not in _HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {_HEAD_DIMS}, got {head_dim}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16 (16, 32, 64, ...), got {block_size}")
+    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
+        raise ValueError(f"q and the caches must share one dtype of {_DTYPES}, got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    ints = (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens),
+            ("prefix_lens", prefix_lens), ("cu_group_seqs", cu_group_seqs))
+    for name, t in ints:
+        if t.dtype != torch.int32:
+            raise ValueError(f"{name} must be int32, got {t.dtype}")
+    num_seqs = seq_lens.shape[0]
+    if seq_lens.dim() != 1 or num_seqs >= _MAX_GRID_YZ:
+        raise ValueError(f"seq_lens must be [B] with B <= {_MAX_GRID_YZ - 1} (a CUDA grid dimension), "
+                         f"got {tuple(seq_lens.shape)}")
+    if (block_table.dim() != 2 or block_table.shape[0] != num_seqs or cu_seqlens_q.shape != (num_seqs + 1,)
+            or prefix_lens.shape != (num_seqs,)):
+        raise ValueError(
+            f"with {num_seqs} sequences, block_table must be [{num_seqs}, max_blocks], cu_seqlens_q "
+            f"[{num_seqs + 1}] and prefix_lens [{num_seqs}], got {tuple(block_table.shape)}, "
+            f"{tuple(cu_seqlens_q.shape)} and {tuple(prefix_lens.shape)}")
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have unit stride along blocks, got strides {block_table.stride()}")
+    if cu_group_seqs.dim() != 1 or not 1 <= cu_group_seqs.shape[0] <= _MAX_GRID_YZ:
+        raise ValueError(f"cu_group_seqs must be [max_groups + 1] with 0 <= max_groups <= "
+                         f"{_MAX_GRID_YZ - 1}, got {tuple(cu_group_seqs.shape)}")
+    device = q.device
+    if device.type != "cuda" and not (_INTERPRETED and device.type == "cpu"):
+        raise ValueError(f"q is on {device}: cascade_attention needs CUDA tensors (CPU only with "
+                         "TRITON_INTERPRET=1 set before kernels.cascade_attention is imported)")
+    tensors = (k_cache, v_cache) + tuple(t for _, t in ints) + ((out,) if out is not None else ())
+    if any(t.device != device for t in tensors):
+        raise ValueError("all tensors must be on q's device")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+
+
+def cascade_attention(
+    q: torch.Tensor,             # [T, Hq, D], any strides
+    k_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,   # [B, max_blocks] int32
+    cu_seqlens_q: torch.Tensor,  # [B + 1] int32
+    seq_lens: torch.Tensor,      # [B] int32
+    prefix_lens: torch.Tensor,   # [B] int32
+    cu_group_seqs: torch.Tensor,  # [max_groups + 1] int32
+    scale: float,
+    *,
+    max_seqlen_q: int,
+    max_group_rows: int,
+    max_prefix_len: int,
+    num_prefix_splits: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal paged attention with shared prefixes read once per group, as `cascade_attention_ref`.
+    Returns [T, Hq, D].
+
+    Host ints, none checked on the device (that would sync): max_seqlen_q >= every q_len;
+    max_group_rows >= the query rows of every group with a prefix (it sizes the prefix grid);
+    max_prefix_len >= every prefix_len (it only sizes the default split count). For a CUDA graph
+    pass all three and num_prefix_splits at their capture-time capacities.
+    num_prefix_splits=None: `choose_num_prefix_splits` for max_groups groups. out: optional
+    [T, Hq, D] buffer (any strides) to write into.
+    """
+    _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
+                  cu_group_seqs, out)
+    for name, value in (("max_seqlen_q", max_seqlen_q), ("max_group_rows", max_group_rows)):
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if max_prefix_len < 0:
+        raise ValueError(f"max_prefix_len must be >= 0, got {max_prefix_len}")
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
+    prefix_cfg = _prefix_config(max_group_rows, g_pad, head_dim, q.dtype)
+    own_cfg = _own_config(max_seqlen_q, head_dim, q.dtype)
+    num_groups = cu_group_seqs.shape[0] - 1
+    num_tiles = triton.cdiv(max_group_rows, max(prefix_cfg.block_q // g_pad, 1))
+    if num_prefix_splits is None:
+        num_prefix_splits = choose_num_prefix_splits(num_groups, num_tiles, num_kv_heads,
+                                                     max_prefix_len, _num_sms(q.device))
+    if num_prefix_splits < 1 or num_kv_heads * num_prefix_splits > _MAX_GRID_YZ:
+        raise ValueError(f"num_prefix_splits must be in 1..{_MAX_GRID_YZ // num_kv_heads} or None, "
+                         f"got {num_prefix_splits}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    if num_tokens == 0:
+        return out
+    # fp32 partials of every (split, row, head); torch.empty is graph-safe (private pool).
+    part_m = torch.empty(num_prefix_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    part_l = torch.empty_like(part_m)
+    part_acc = torch.empty(num_prefix_splits, num_tokens, num_heads, head_dim,
+                           dtype=torch.float32, device=q.device)
+    args = (q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
+            prefix_lens.contiguous(), cu_group_seqs.contiguous(), out, part_m, part_l, part_acc, scale)
+    if num_groups > 0:
+        _launch_prefix(*args, max_group_rows, num_prefix_splits, prefix_cfg)
+    _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg)
+    return out
+
+
+def _launch_prefix(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
+                   cu_group_seqs, out, part_m, part_l, part_acc, scale,
+                   max_group_rows, num_splits, cfg: _TileConfig) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    block_m = max(cfg.block_q // g_pad, 1)
+    grid = (triton.cdiv(max_group_rows, block_m), cu_group_seqs.shape[0] - 1, num_kv_heads * num_splits)
+    _prefix_kernel[grid](
+        q, k_cache, v_cache, part_m, part_l, part_acc,
+        block_table, cu_seqlens_q, prefix_lens, cu_group_seqs,
+        scale * _LOG2E, num_tokens, num_heads,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
+        GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
+        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
+                cu_group_seqs, out, part_m, part_l, part_acc, scale,
+                max_seqlen_q, num_splits, cfg: _TileConfig) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    num_seqs = seq_lens.shape[0]
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    block_m = max(cfg.block_q // g_pad, 1)
+    num_m_tiles = triton.cdiv(max_seqlen_q, block_m)
+    _own_kernel[(num_m_tiles, num_seqs + 1, num_kv_heads)](
+        q, k_cache, v_cache, out, part_m, part_l, part_acc,
+        block_table, cu_seqlens_q, seq_lens, prefix_lens,
+        scale * _LOG2E, num_seqs, num_tokens, num_heads, num_m_tiles,
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_table.stride(0),
+        GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
+        BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost rule: plain Python on host ints, for the engine to call once per step.
+
+class PrefixGroup(NamedTuple):
+    num_members: int        # sequences sharing the prefix this step
+    prefix_len: int         # tokens, whole blocks, before every member's first query
+    num_query_rows: int     # the members' query rows this step (decode: one each)
+
+
+@dataclass(frozen=True)
+class CascadeCostRule:
+    """Whether reading a group's prefix once (cascade) beats reading it once per member (plain).
+
+    Everything is HBM bytes of one attention layer in one step (every layer has the same ratio):
+
+      kv_bytes_per_token = 2 * num_kv_heads * head_dim * kv_dtype_bytes         (K and V)
+      plain reads the prefix once per member (the least it does; a long prefill chunk re-reads
+      it per 128-row tile, which only makes cascade look better than counted here)
+      cascade reads it once per prefix tile: tiles = cdiv(num_query_rows, rows_per_prefix_tile)
+      cascade adds partials: each query row writes, and the own pass reads back, num_prefix_splits
+      x num_q_heads x (head_dim + 2) fp32 values
+
+      saved(group) = (num_members - tiles) * prefix_len * kv_bytes_per_token
+                     - 2 * num_prefix_splits * num_query_rows * num_q_heads * (head_dim + 2) * 4
+
+    A group keeps its prefix when prefix_len >= min_prefix_len and saved > 0: below a couple of key
+    steps a prefix program has too little to read to hide its q load and partial store. The step
+    runs the cascade kernel when the kept groups save >= min_saved_bytes in all; otherwise the plain
+    kernel, which spares the prefix pass' launch, its wave tail and the merge. min_saved_bytes is
+    that fixed cost in bytes: ~2 us of a second launch under a CUDA graph at ~4 TB/s is 8 MiB.
+    rows_per_prefix_tile: query rows one prefix program holds (128 rows / padded heads per kv head;
+    32 for Llama-3.1-8B in bf16). The defaults are first estimates; scripts/gpu_check_cascade.py
+    measures the crossover (cascade vs plain over group sizes and prefix lengths) to set them.
+    """
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    kv_dtype_bytes: int = 2
+    min_prefix_len: int = 256
+    min_saved_bytes: int = 8 << 20
+    rows_per_prefix_tile: int = 32
+    num_prefix_splits: int = 1
+
+    def __post_init__(self):
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "kv_dtype_bytes",
+                     "rows_per_prefix_tile", "num_prefix_splits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_q_heads % self.num_kv_heads:
+            raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
+                             f"({self.num_kv_heads})")
+        if self.min_prefix_len < 0 or self.min_saved_bytes < 0:
+            raise ValueError(f"min_prefix_len and min_saved_bytes must be >= 0, got "
+                             f"{self.min_prefix_len}, {self.min_saved_bytes}")
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
+
+    def saved_bytes(self, group: PrefixGroup) -> int:
+        """HBM bytes one layer saves by running `group` through cascade (negative: costs)."""
+        tiles = -(-group.num_query_rows // self.rows_per_prefix_tile)
+        reads_saved = (group.num_members - tiles) * group.prefix_len * self.kv_bytes_per_token
+        partials = 2 * self.num_prefix_splits * group.num_query_rows * self.num_q_heads * (self.head_dim + 2) * 4
+        return reads_saved - partials
+
+    def plan(self, groups: Sequence[PrefixGroup]) -> list[bool]:
+        """Per group: keep its prefix (True) or run its members alone with prefix_len 0 (False).
+        All False: run the plain paged-attention kernel this step."""
+        keep = [g.prefix_len >= self.min_prefix_len and g.num_members >= 2 and self.saved_bytes(g) > 0
+                for g in groups]
+        total = sum(self.saved_bytes(g) for g, k in zip(groups, keep) if k)
+        return keep if total >= self.min_saved_bytes else [False] * len(groups)
+
+    def use_cascade(self, groups: Sequence[PrefixGroup]) -> bool:
+        return any(self.plan(groups))

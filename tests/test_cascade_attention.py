@@ -1,0 +1,328 @@
+"""The Triton cascade attention against its eager reference and the plain paged-attention kernel.
+
+Without CUDA the kernels run in Triton's interpreter (set up by tests/kernel_support.py); if that
+does not take, every test fails rather than skipping. With CUDA the same tests run on the GPU,
+bf16 included, plus the CUDA-graph check. Also the cost rule (plain Python).
+"""
+import pytest
+import torch
+
+from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
+
+ca = load_kernels("kernels.cascade_attention")
+pa = load_kernels("kernels.paged_attention")
+cascade_attention, cascade_attention_ref = ca.cascade_attention, ca.cascade_attention_ref
+CascadeCostRule, PrefixGroup = ca.CascadeCostRule, ca.PrefixGroup
+
+
+@pytest.fixture(autouse=True)
+def kernels_can_run_here():
+    require_runnable(ca)
+    require_runnable(pa)
+
+
+# The interpreter turns scalar arrays into loop bounds through a numpy call it deprecates.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+
+TOLS = {torch.float32: (1e-4, 1.3e-6), torch.float16: (1e-2, 1e-3), torch.bfloat16: (1.5e-2, 1e-2)}
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
+BS = 16
+
+# (prefix_len, [(q_len, own_len), ...]): own_len = seq_len - prefix_len, q rows at its end.
+# Decode rows over 5 and 123 own tokens, a prefill chunk of 7 over 20 own, a whole own prompt
+# (9 of 9), a group of one, groups of 1..4 members with prefixes of 1..4 blocks.
+MIXED_GROUPS = [
+    (32, [(1, 5), (1, 123), (7, 20), (1, 1)]),
+    (48, [(9, 9), (1, 17)]),
+    (16, [(5, 5)]),
+    (64, [(1, 2), (1, 40), (3, 3)]),
+]
+MIXED_LONE = [(1, 40), (11, 11), (0, 7)]   # (q_len, seq_len); the last has no rows this step
+
+
+def make_batch(groups, lone, hq, hkv, d, dtype, seed, pad_rows=3, empty_groups=0, lone_first=False):
+    """Random q and K/V over scattered cache blocks; each group's prefix blocks appear once in the
+    cache and at the head of every member's block table. Lone requests come after the grouped
+    sequences (past cu_group_seqs[-1]), or with lone_first before them as one prefix-0 group.
+    empty_groups: capacity padding at the end of cu_group_seqs, as a CUDA graph would carry."""
+    g = torch.Generator().manual_seed(seed)
+    cdiv = lambda a, b: -(-a // b)  # noqa: E731
+    seqs = []                       # (q_len, seq_len, prefix_len, prefix block ids or None)
+    num_blocks = sum(cdiv(p, BS) for p, _ in groups) + 5
+    num_blocks += sum(cdiv(own, BS) for _, members in groups for _, own in members)
+    num_blocks += sum(cdiv(n, BS) for _, n in lone)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    take = lambda n: [perm.pop() for _ in range(n)]  # noqa: E731
+    lone_seqs = [(q_len, n, 0, []) for q_len, n in lone]
+    group_seqs = []
+    for prefix_len, members in groups:
+        prefix_blocks = take(prefix_len // BS)
+        group_seqs.append([(q_len, prefix_len + own, prefix_len, prefix_blocks) for q_len, own in members])
+    sizes = [len(m) for m in group_seqs]
+    if lone_first:
+        group_seqs.insert(0, lone_seqs)
+        sizes.insert(0, len(lone_seqs))
+        lone_seqs = []
+    seqs = [s for members in group_seqs for s in members] + lone_seqs
+    max_blocks = max(cdiv(n, BS) for _, n, _, _ in seqs) + 1
+    table = torch.full((len(seqs), max_blocks), num_blocks + 1000, dtype=torch.int32)  # junk past the end
+    for b, (_, n, prefix_len, prefix_blocks) in enumerate(seqs):
+        ids = prefix_blocks + take(cdiv(n, BS) - len(prefix_blocks))
+        table[b, :len(ids)] = torch.tensor(ids, dtype=torch.int32)
+    k_cache = torch.randn(num_blocks, BS, hkv, d, generator=g)
+    v_cache = torch.randn(num_blocks, BS, hkv, d, generator=g)
+    q_lens = [s[0] for s in seqs]
+    cu = torch.zeros(len(seqs) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+    cu_groups = [0]
+    for n in sizes:
+        cu_groups.append(cu_groups[-1] + n)
+    cu_groups += [cu_groups[-1]] * empty_groups
+    q = torch.randn(int(cu[-1]) + pad_rows, hq, d, generator=g)
+    to = lambda t: t.to(DEVICE, dtype if t.is_floating_point() else t.dtype)  # noqa: E731
+    i32 = lambda xs: to(torch.tensor(xs, dtype=torch.int32))  # noqa: E731
+    args = (to(q), to(k_cache), to(v_cache), to(table), to(cu), i32([s[1] for s in seqs]),
+            i32([s[2] for s in seqs]), i32(cu_groups))
+    rows_per_group = [sum(s[0] for s in members) for members in group_seqs]
+    limits = dict(max_seqlen_q=max(max(q_lens), 1), max_group_rows=max(rows_per_group + [1]),
+                  max_prefix_len=max([p for p, _ in groups] + [0]))
+    return args, limits
+
+
+def run(args, limits, num_prefix_splits=None, out=None, **overrides):
+    q = args[0]
+    return cascade_attention(*args, q.shape[-1] ** -0.5, **(limits | overrides),
+                             num_prefix_splits=num_prefix_splits, out=out)
+
+
+def check(args, limits, num_prefix_splits=None, **overrides):
+    """Run the kernel into a NaN-poisoned buffer and compare every element with the reference."""
+    q = args[0]
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    got = run(args, limits, num_prefix_splits, out=out, **overrides)
+    assert got is out
+    assert not got.isnan().any(), "some output element was never written"
+    ref = cascade_attention_ref(*args, q.shape[-1] ** -0.5)
+    atol, rtol = TOLS[q.dtype]
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    return got
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (4, 4, 16)])      # GQA 4:1, MHA
+def test_mixed_groups_match_reference(dtype, hq, hkv, d):
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, hq, hkv, d, dtype, seed=hq + d)
+    check(args, limits)
+
+
+@pytest.mark.parametrize("num_prefix_splits", [1, 2, 5])
+def test_prefix_splits(num_prefix_splits):
+    # 5 splits of a 1-4 block prefix: most splits of most groups hold no key at all.
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 16, torch.float32, seed=num_prefix_splits)
+    check(args, limits, num_prefix_splits)
+
+
+def test_group_rows_span_several_prefix_tiles():
+    # fp32 prefix tiles hold 16 rows = 4 positions x 4 heads: 15 rows of one group take 4 tiles,
+    # with a prefix longer than one key step (ragged end) and split in 3.
+    assert ca._prefix_config(15, 4, 32, torch.float32).block_q == 16
+    groups = [(160, [(1, 3), (9, 30), (1, 1), (1, 77), (1, 8), (1, 2), (1, 50)]), (96, [(1, 4), (2, 9)])]
+    args, limits = make_batch(groups, [], 8, 2, 32, torch.float32, seed=7)
+    assert limits["max_group_rows"] == 15
+    check(args, limits, num_prefix_splits=3)
+
+
+def test_fp16_prefix_tile_of_many_rows():
+    # fp16 tiles pack up to 128 rows: 20 decode members x 4 heads = 80 rows -> one 128-row tile.
+    groups = [(48, [(1, 1 + i % 7) for i in range(20)]), (16, [(1, 3)] * 3)]
+    args, limits = make_batch(groups, [(1, 9)], 8, 2, 16, torch.float16, seed=12)
+    assert ca._prefix_config(limits["max_group_rows"], 4, 16, torch.float16).block_q == 128
+    check(args, limits)
+
+
+def test_lone_requests_as_a_prefix_zero_group_and_capacity_padding():
+    # Lone requests grouped together with prefix 0 before the real groups; 4 empty groups and
+    # generous max sizes, as a CUDA graph captured for a larger step would have.
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 16, torch.float16, seed=21,
+                              empty_groups=4, lone_first=True)
+    check(args, limits, max_seqlen_q=16, max_group_rows=20, max_prefix_len=512)
+
+
+def test_only_lone_requests_and_only_padding():
+    args, limits = make_batch([], MIXED_LONE, 4, 2, 16, torch.float32, seed=4)
+    check(args, limits)
+    args, limits = make_batch([], [(0, 5), (0, 9)], 4, 2, 16, torch.float32, seed=5, pad_rows=4)
+    got = check(args, limits)
+    assert torch.equal(got, torch.zeros_like(got))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_plain_paged_attention_kernel(dtype):
+    """Same batch, same block tables: the plain kernel reads the prefix once per member."""
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, dtype, seed=33)
+    got = check(args, limits, num_prefix_splits=2)
+    q, k_cache, v_cache, table, cu, lens = args[:6]
+    plain = pa.paged_attention(q, k_cache, v_cache, table, cu, lens, q.shape[-1] ** -0.5,
+                               max_seqlen_q=limits["max_seqlen_q"], max_seqlen_k=int(lens.max()))
+    atol, rtol = TOLS[dtype]
+    torch.testing.assert_close(got, plain, atol=atol, rtol=rtol)
+
+
+def test_a_wrong_prefix_block_changes_its_whole_group_and_nothing_else():
+    groups = [(32, [(1, 3), (1, 9)]), (32, [(1, 5)])]
+    args, limits = make_batch(groups, [(1, 20)], 4, 2, 16, torch.float32, seed=3)
+    before = run(args, limits)
+    table, v_cache = args[3], args[2]
+    v_cache[int(table[0, 1])] += 1.0         # the group's second prefix block
+    after = run(args, limits)
+    for row in (0, 1):
+        assert not torch.allclose(before[row], after[row])
+    assert torch.equal(before[2:], after[2:])
+    torch.testing.assert_close(after, cascade_attention_ref(*args, 0.25), atol=1e-4, rtol=1.3e-6)
+
+
+def test_strided_q_and_out():
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 4, 2, 32, torch.float16, seed=8)
+    q = args[0]
+    fused = torch.randn(q.shape[0], q.shape[1] + 4, q.shape[2], device=q.device).to(q.dtype)
+    fused[:, :q.shape[1]] = q
+    args = (fused[:, :q.shape[1]],) + args[1:]
+    assert not args[0].is_contiguous()
+    wide = torch.full((q.shape[0], q.shape[1] + 3, q.shape[2]), float("nan"), dtype=q.dtype, device=q.device)
+    got = run(args, limits, out=wide[:, :q.shape[1]])
+    torch.testing.assert_close(got, cascade_attention_ref(*args, 32 ** -0.5), atol=1e-2, rtol=1e-3)
+    assert wide[:, q.shape[1]:].isnan().all()
+
+
+def test_reference_is_plain_attention_and_checks_the_group_contract():
+    args, _ = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 16, torch.float32, seed=2)
+    q, k_cache, v_cache, table, cu, lens, prefix_lens, cu_groups = args
+    plain = pa.paged_attention_ref(q, k_cache, v_cache, table, cu, lens, 0.3)
+    torch.testing.assert_close(cascade_attention_ref(*args, 0.3), plain, atol=1e-5, rtol=1e-5)
+
+    def bad(match, **change):
+        fields = dict(table=table, prefix_lens=prefix_lens, cu_groups=cu_groups) | change
+        with pytest.raises(ValueError, match=match):
+            cascade_attention_ref(q, k_cache, v_cache, fields["table"], cu, lens, fields["prefix_lens"],
+                                  fields["cu_groups"], 0.3)
+
+    def edited(t, index, value):
+        t = t.clone()
+        t[index] = value
+        return t
+
+    bad("multiple of block_size", prefix_lens=edited(prefix_lens, 0, 24))
+    bad("does not share", table=edited(table, (1, 0), int(table[0, 0]) + 1))
+    bad("does not share", prefix_lens=edited(prefix_lens, 1, 16))
+    bad("in no group", prefix_lens=edited(prefix_lens, len(lens) - 3, 16))
+    bad("its first query position", prefix_lens=edited(prefix_lens, 4, 64))  # (9, 9): queries at 48..
+    bad("must rise", cu_groups=cu_groups.flip(0))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(prefix_lens=lambda a: a.long()), "prefix_lens must be int32"),
+    (dict(cu_group_seqs=lambda a: a[None]), "cu_group_seqs must be"),
+    (dict(prefix_lens=lambda a: a[:-1]), "prefix_lens"),
+    (dict(q=lambda a: a.half()), "share one dtype"),
+    (dict(block_table=lambda a: a.t().contiguous().t()), "unit stride along blocks"),
+])
+def test_rejects_bad_inputs(change, match):
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 4, 2, 16, torch.float32, seed=0)
+    names = ["q", "k_cache", "v_cache", "block_table", "cu_seqlens_q", "seq_lens", "prefix_lens", "cu_group_seqs"]
+    args = [change[n](a) if n in change else a for n, a in zip(names, args)]
+    with pytest.raises(ValueError, match=match):
+        run(args, limits)
+
+
+def test_rejects_bad_sizes():
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 4, 2, 16, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="max_group_rows must be >= 1"):
+        run(args, limits, max_group_rows=0)
+    with pytest.raises(ValueError, match="num_prefix_splits"):
+        run(args, limits, num_prefix_splits=0)
+
+
+def test_choose_num_prefix_splits():
+    # 16 groups of 16 decode rows, Llama-8B: 128 prefix programs -> 3 splits of a 2000 prefix.
+    assert ca.choose_num_prefix_splits(16, 1, 8, 2000) == 3
+    assert ca.choose_num_prefix_splits(64, 1, 8, 2000) == 1     # 512 programs fill 132 SMs
+    assert ca.choose_num_prefix_splits(1, 1, 8, 300) == 1       # too short to split
+    assert ca.choose_num_prefix_splits(1, 1, 1, 10 ** 6) == 16  # capped
+
+
+# ---- the cost rule ------------------------------------------------------------------------
+
+LLAMA_8B = CascadeCostRule(num_q_heads=32, num_kv_heads=8, head_dim=128, kv_dtype_bytes=2)
+
+
+def test_cost_rule_counts_bytes():
+    assert LLAMA_8B.kv_bytes_per_token == 2 * 8 * 128 * 2
+    # 16 decode members of a 2000-token prefix: 15 of 16 prefix reads saved, minus partials.
+    partials = 2 * 1 * 16 * 32 * 130 * 4
+    assert LLAMA_8B.saved_bytes(PrefixGroup(16, 2000, 16)) == 15 * 2000 * 4096 - partials
+    # 64 members: 64 rows take 2 tiles of 32 rows, so the prefix is read twice.
+    assert LLAMA_8B.saved_bytes(PrefixGroup(64, 2000, 64)) == 62 * 2000 * 4096 - 4 * partials
+
+
+def test_cost_rule_plan():
+    big, small = PrefixGroup(16, 2000, 16), PrefixGroup(2, 256, 2)
+    assert LLAMA_8B.plan([big] * 16) == [True] * 16
+    assert LLAMA_8B.use_cascade([big])
+    # One pair sharing 256 tokens saves 1 MiB a layer: under the 8 MiB fixed cost, plain kernel.
+    assert LLAMA_8B.plan([small]) == [False]
+    assert not LLAMA_8B.use_cascade([small])
+    # ...but it rides along with a group that pays for the launch.
+    assert LLAMA_8B.plan([big, small]) == [True, True]
+    # Too short a prefix, a group of one, and a group whose rows cost more than its saving.
+    assert LLAMA_8B.plan([big, PrefixGroup(16, 128, 16)]) == [True, False]
+    assert LLAMA_8B.plan([big, PrefixGroup(1, 4000, 1)]) == [True, False]
+    prefill_heavy = PrefixGroup(2, 256, 2000)          # 2 members with 1000-token chunks
+    assert LLAMA_8B.saved_bytes(prefill_heavy) < 0
+    assert LLAMA_8B.plan([big, prefill_heavy]) == [True, False]
+    assert LLAMA_8B.plan([]) == []
+
+
+def test_cost_rule_parameters():
+    eager = CascadeCostRule(32, 8, 128, min_prefix_len=0, min_saved_bytes=0)
+    # One prefix read saved (16 or 32 tokens x 4 KiB) against two rows' partials (2 x 33,280 B).
+    assert eager.plan([PrefixGroup(2, 16, 2)]) == [False]
+    assert eager.plan([PrefixGroup(2, 32, 2)]) == [True]
+    fp32 = CascadeCostRule(32, 8, 128, kv_dtype_bytes=4)
+    assert fp32.saved_bytes(PrefixGroup(4, 512, 4)) > LLAMA_8B.saved_bytes(PrefixGroup(4, 512, 4))
+    split = CascadeCostRule(32, 8, 128, num_prefix_splits=4)
+    assert split.saved_bytes(PrefixGroup(4, 512, 4)) < LLAMA_8B.saved_bytes(PrefixGroup(4, 512, 4))
+    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
+        CascadeCostRule(30, 8, 128)
+    with pytest.raises(ValueError, match="head_dim must be >= 1"):
+        CascadeCostRule(32, 8, 0)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and sync checks need a GPU")
+def test_cuda_graph_replay_follows_new_groups():
+    """Captured once at fixed capacities; new lengths, prefixes and groups written in place."""
+    groups = [(64, [(1, 10), (1, 30), (1, 3)]), (32, [(1, 5), (1, 6)])]
+    args, _ = make_batch(groups, [(1, 50)], 8, 2, 64, torch.bfloat16, seed=8, empty_groups=2)
+    q, k_cache, v_cache, table, cu, lens, prefix_lens, cu_groups = args
+    limits = dict(max_seqlen_q=2, max_group_rows=8, max_prefix_len=128)
+    call = lambda: cascade_attention(*args, 0.125, **limits, num_prefix_splits=2)  # noqa: E731
+    torch.cuda.set_sync_debug_mode("error")     # any host read of a device value raises
+    try:
+        call()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    # Next step: every sequence one token longer; the second group dissolves into lone requests.
+    lens.add_(1)
+    prefix_lens[3:5] = 0
+    cu_groups.copy_(torch.tensor([0, 3, 3, 3, 3], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    ref = cascade_attention_ref(*args, 0.125)
+    torch.testing.assert_close(out, ref, atol=1.5e-2, rtol=1e-2)
