@@ -32,13 +32,52 @@ HBM_BYTES_PER_S = 4.8e12
 BF16_DENSE_FLOPS = 989.4e12
 
 
-def preset_dir(name: str) -> str:
-    """A model folder holding only the preset's config.json (for dummy weights)."""
-    d = os.path.join(tempfile.gettempdir(), f"preset-{name}")
+def preset_dir(name: str, tokenizer: bool = False) -> str:
+    """A model folder holding the preset's config.json (for dummy weights) and, with
+    `tokenizer`, a tokenizer covering the preset's whole vocabulary (`bench_tokenizer`)."""
+    d = os.path.join(tempfile.gettempdir(), f"preset-{name}" + ("-tok" if tokenizer else ""))
     os.makedirs(d, exist_ok=True)
     with open(os.path.join(d, "config.json"), "w") as f:
-        json.dump(PRESETS[name], f)
+        # transformers_version: without it transformers 5 takes a local folder for an old
+        # Mistral one and warns that its tokenizer's regex may be wrong.
+        json.dump({**PRESETS[name], "transformers_version": "5.0.0"}, f)
+    if tokenizer and not os.path.exists(os.path.join(d, "tokenizer.json")):
+        bench_tokenizer(d, PRESETS[name]["vocab_size"])
     return d
+
+
+def bench_tokenizer(out_dir: str, vocab_size: int) -> None:
+    """A byte-level BPE tokenizer for a model with random weights: the tiny model's (trained on
+    the shipped corpus, so prompts tokenize like text) with its vocabulary padded to
+    `vocab_size` by made-up words. A random model samples ids across its whole vocabulary;
+    each of them then decodes to text (" kavo", " brel", ...), so detokenization costs what it
+    costs with a real tokenizer. The padding words are never produced by encoding."""
+    from scripts.make_tiny_model import train_tokenizer
+    train_tokenizer(out_dir)
+    path = os.path.join(out_dir, "tokenizer.json")
+    with open(path) as f:
+        spec = json.load(f)
+    vocab = spec["model"]["vocab"]
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    used = set(vocab)
+    n = 0
+    for token_id in range(len(vocab), vocab_size):
+        while True:
+            k, word = n, ""
+            n += 1
+            while True:                 # bijective base 26: a, b, ..., z, aa, ab, ...
+                k, r = divmod(k, 26)
+                word = letters[r] + word
+                if k == 0:
+                    break
+                k -= 1
+            word = "\u0120" + word     # byte-level "Ġ": a leading space
+            if word not in used:
+                break
+        vocab[word] = token_id
+        used.add(word)
+    with open(path, "w") as f:
+        json.dump(spec, f, ensure_ascii=False)
 
 
 def param_count(cfg: dict) -> int:

@@ -1,0 +1,436 @@
+"""What a client of tritonserver gets, beside what the engine gives directly, on the same
+prompts and settings.
+
+    python scripts/bench_serving.py                      # GPU: Llama-3.1-8B shape, dummy weights
+    python scripts/bench_serving.py --gpus 2             # one llm instance per GPU
+    python scripts/bench_serving.py --concurrency 32     # CPU: the tiny model
+
+Three paths, each after a warm-up round that is reported on its own (the first traffic an
+engine sees):
+
+  direct    the AsyncEngine in a process of its own per GPU (the core in its own process, as
+            in the server), driven by a closed loop of `c` concurrent requests;
+  llm       tritonserver with this repository (llm KIND_GPU, one instance per GPU; on CPU the
+            repository's KIND_CPU), gRPC streaming, driven by perf_analyzer --streaming;
+  llm_bls   the same server, the non-streaming model, driven by perf_analyzer.
+
+Every run sends `waves * c` requests (at least MIN_REQUESTS) of `--prompt-tokens` prompt tokens
+(distinct prompts cut from the shipped corpus) and exactly `--output-tokens` output tokens
+(greedy, ignore_eos), `c` at a time. Output tok/s = requests * output tokens / (last answer -
+first send). Per request: TTFT = first response - send; ITL = (last response - first
+response) / (output tokens - 1), as genai-perf counts it (a response may carry several tokens).
+llm_bls has one response per request, so its TTFT and ITL are the server's own histograms
+(llm_time_to_first_token_seconds, llm_inter_token_latency_seconds; quantiles interpolated
+within their buckets). Also recorded: the server's responses and tokens per response, the
+serving loop's lag, and Triton's queue time.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from scripts.bench_common import PRESETS, git_commit, hardware, preset_dir, write_results  # noqa: E402
+
+MIN_REQUESTS = 8
+SERVER_START_S = 900.0
+TINY_MODEL = os.path.join(ROOT, "models", "tiny-llama")
+
+
+# ---------------------------------------------------------------------------- workload
+def make_prompts(model_dir: str, num: int, num_tokens: int) -> list[str]:
+    """`num` distinct prompts of about `num_tokens` tokens: a numbered line, then corpus text
+    from a different offset each."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    with open(os.path.join(ROOT, "data", "tiny_corpus.txt")) as f:
+        corpus = " ".join(f.read().split())
+    words = corpus.split(" ")
+    prompts = []
+    for i in range(num):
+        start = (i * 37) % max(len(words) - 1, 1)
+        text = f"Request {i}: " + " ".join(words[start:] + words[:start])
+        ids = tok.encode(text, add_special_tokens=False)[:max(num_tokens - 1, 1)]
+        prompts.append(tok.decode(ids))
+    return prompts
+
+
+def engine_settings(args, on_gpu: bool) -> dict[str, str]:
+    """Over the repository's llm parameters (the CPU defaults): these, then --set."""
+    settings = {"max_num_seqs": str(max(max(args.concurrency), 16)),
+                "max_model_len": str(args.prompt_tokens + args.output_tokens + 64)}
+    if on_gpu:      # "" keeps the engine's default: KV sized from memory, torch's threads
+        settings.update(dtype="bfloat16", num_kv_blocks="", cpu_threads="",
+                        max_num_batched_tokens="2048")
+    if args.preset:
+        settings["load_format"] = "dummy"
+    for item in args.set:
+        key, _, value = item.partition("=")
+        settings[key] = value
+    return settings
+
+
+def num_requests(args, c: int) -> int:
+    return max(args.waves * c, MIN_REQUESTS)
+
+
+def summarize(starts, firsts, lasts, ends, output_tokens: int) -> dict:
+    """Client-side figures of one run (times in seconds, one entry per request)."""
+    starts, firsts, lasts, ends = (np.asarray(a, dtype=np.float64)
+                                   for a in (starts, firsts, lasts, ends))
+    span = float(ends.max() - starts.min())
+    ttft = (firsts - starts) * 1e3
+    itl = (lasts - firsts) * 1e3 / max(output_tokens - 1, 1)
+
+    def pct(a, q):
+        return round(float(np.percentile(a, q)), 3)
+    return {"requests": int(len(starts)), "seconds": round(span, 3),
+            "output_tok_s": round(len(starts) * output_tokens / span, 1),
+            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
+            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)}
+
+
+# ---------------------------------------------------------------------------- direct
+async def _closed_loop(engine, prompts: list[str], params, c: int, total: int, tag: str):
+    """`c` workers send `total` requests back to back; per request (start, first, last, end)."""
+    from engine import SamplingParams  # noqa: F401  (params is one)
+    times: list[tuple[float, float, float, float]] = []
+    counter = iter(range(total))
+
+    async def worker():
+        for i in counter:
+            start = time.time()
+            first = last = None
+            async for out in engine.generate(prompts[i % len(prompts)], params, f"{tag}-{i}"):
+                if out.outputs[0].token_ids:
+                    last = time.time()
+                    first = first or last
+            times.append((start, first, last, time.time()))
+    await asyncio.gather(*(worker() for _ in range(c)))
+    return times
+
+
+def direct_worker(spec: dict) -> None:
+    """One GPU's (or the CPU's) AsyncEngine. Reads commands on stdin ("run C N TAG" or "quit"),
+    answers each with a JSON line of per-request times; says "ready" once the engine is up."""
+    from engine import AsyncEngine, SamplingParams
+    from engine.config import EngineConfig
+    config = EngineConfig.from_strings(spec["settings"])
+    engine = AsyncEngine(config)
+    params = SamplingParams(max_tokens=spec["output_tokens"], temperature=0.0, ignore_eos=True)
+    prompts = spec["prompts"]
+    print("ready", flush=True)
+    loop = asyncio.new_event_loop()
+    try:
+        for line in sys.stdin:
+            cmd = line.split()
+            if not cmd or cmd[0] == "quit":
+                break
+            c, n, tag = int(cmd[1]), int(cmd[2]), cmd[3]
+            times = loop.run_until_complete(_closed_loop(engine, prompts, params, c, n, tag))
+            print(json.dumps(times), flush=True)
+    finally:
+        engine.shutdown()
+        loop.close()
+
+
+class DirectEngines:
+    """One direct_worker process per GPU; `run(c, n)` spreads c and n over them at once."""
+
+    def __init__(self, args, settings: dict, prompts: list[str], gpus: int) -> None:
+        self.procs = []
+        spec = {"settings": settings, "prompts": prompts, "output_tokens": args.output_tokens}
+        spec_path = tempfile.mkstemp(prefix="bench-serving-", suffix=".json")[1]
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        for gpu in range(max(gpus, 1)):
+            env = dict(os.environ)
+            if gpus:
+                env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+            self.procs.append(subprocess.Popen(
+                [sys.executable, os.path.abspath(__file__), "--direct-worker", spec_path],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT))
+        for p in self.procs:
+            line = p.stdout.readline()
+            if line.strip() != "ready":
+                raise RuntimeError(f"direct engine did not start (said {line!r})")
+
+    def run(self, c: int, n: int, tag: str) -> list:
+        k = len(self.procs)
+        for i, p in enumerate(self.procs):
+            ci = c // k + (i < c % k)
+            ni = n // k + (i < n % k)
+            p.stdin.write(f"run {max(ci, 1)} {max(ni, 1)} {tag}\n")
+            p.stdin.flush()
+        times = []
+        for p in self.procs:
+            times += json.loads(p.stdout.readline())
+        return times
+
+    def close(self) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.write("quit\n")
+                p.stdin.flush()
+            except OSError:
+                pass
+        for p in self.procs:
+            p.wait(timeout=120)
+
+
+def run_direct(args, settings, prompts, gpus) -> list[dict]:
+    rows = []
+    engines = DirectEngines(args, settings, prompts, gpus)
+    try:
+        c_max = max(args.concurrency)
+        t = engines.run(c_max, num_requests(args, c_max), "warm")
+        rows.append({"path": "direct", "round": "first", "concurrency": c_max,
+                     **summarize(*zip(*t), args.output_tokens)})
+        print(rows[-1], flush=True)
+        for c in args.concurrency:
+            t = engines.run(c, num_requests(args, c), f"c{c}")
+            rows.append({"path": "direct", "round": "steady", "concurrency": c,
+                         **summarize(*zip(*t), args.output_tokens)})
+            print(rows[-1], flush=True)
+    finally:
+        engines.close()
+    return rows
+
+
+# ---------------------------------------------------------------------------- served
+def perf_analyzer_path() -> str:
+    for cand in (os.path.join(os.path.dirname(sys.executable), "perf_analyzer"),
+                 shutil.which("perf_analyzer")):
+        if cand and os.access(cand, os.X_OK):
+            return cand
+    raise FileNotFoundError("perf_analyzer not found (make venv; on the GPU machine "
+                            "bash .gpu-kit/install.sh)")
+
+
+def write_input_data(path: str, prompts: list[str], output_tokens: int, stream: bool) -> None:
+    params = json.dumps({"max_tokens": output_tokens, "temperature": 0, "ignore_eos": True})
+    entries = [{"text_input": [p], "sampling_parameters": [params]} for p in prompts]
+    if stream:
+        for e in entries:
+            e["stream"] = [True]
+    with open(path, "w") as f:
+        json.dump({"data": entries}, f)
+
+
+def run_perf_analyzer(server, model: str, c: int, n: int, data: str, work: str,
+                      output_tokens: int) -> dict:
+    export = os.path.join(work, f"export-{model}-{c}.json")
+    cmd = [perf_analyzer_path(), "-m", model, "-i", "grpc", "-u", server.grpc_url,
+           "--input-data", data, "--concurrency-range", str(c), "--request-count", str(n),
+           "--max-threads", str(min(max(c, 4), 16)), "--profile-export-file", export]
+    if model == "llm":
+        cmd.append("--streaming")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    if proc.returncode != 0:
+        raise RuntimeError(f"perf_analyzer failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                           f"{proc.stderr[-3000:]}")
+    with open(export) as f:
+        exp = json.load(f)
+    os.remove(export)
+    reqs = [r for e in exp["experiments"] for r in e["requests"] if r["response_timestamps"]]
+    starts = [r["timestamp"] / 1e9 for r in reqs]
+    firsts = [r["response_timestamps"][0] / 1e9 for r in reqs]
+    lasts = [r["response_timestamps"][-1] / 1e9 for r in reqs]
+    out = summarize(starts, firsts, lasts, lasts, output_tokens)
+    out["responses_per_request"] = round(
+        sum(len(r["response_timestamps"]) for r in reqs) / max(len(reqs), 1), 2)
+    return out
+
+
+def server_side(before: dict, after: dict) -> dict:
+    from scripts.server_probe import hist_delta
+    out = {}
+    for name, key in (("llm_time_to_first_token_seconds", "server_ttft"),
+                      ("llm_inter_token_latency_seconds", "server_itl"),
+                      ("llm_event_loop_lag_seconds", "loop_lag")):
+        h = hist_delta(before, after, name)
+        out[key] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in h.items()
+                    if k in ("count", "p50_ms", "p99_ms", "mean_ms")}
+
+    def delta(prefix):
+        return sum(v for k, v in after.items() if k.startswith(prefix + "{")) - sum(
+            v for k, v in before.items() if k.startswith(prefix + "{"))
+    responses, tokens = delta("llm_responses_total"), delta("llm_response_tokens_total")
+    if responses:
+        out["server_tokens_per_response"] = round(tokens / responses, 2)
+    return out
+
+
+def triton_queue_us(metrics_url: str) -> dict[str, float]:
+    """Triton's own cumulative queue time and request count per model."""
+    import urllib.request
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        for name in ("nv_inference_queue_duration_us", "nv_inference_request_success"):
+            if line.startswith(name + "{"):
+                model = line.split('model="', 1)[1].split('"', 1)[0]
+                out[f"{name}:{model}"] = out.get(f"{name}:{model}", 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: int
+                    ) -> dict[str, str]:
+    """The repository copy the server runs (llm KIND_GPU with GPUs); returns llm's parameters,
+    which the direct engine takes too."""
+    from scripts.bench_loop_lag import make_repo
+    params = make_repo(repo, model_dir, settings)
+    if gpus:
+        cfg_path = os.path.join(repo, "llm", "config.pbtxt")
+        with open(cfg_path) as f:
+            cfg = f.read().replace("kind: KIND_CPU", "kind: KIND_GPU")
+        with open(cfg_path, "w") as f:
+            f.write(cfg)
+    return params
+
+
+def run_served(args, repo, prompts, gpus, work) -> list[dict]:
+    from scripts.server_probe import scrape
+    from tests.tritonserver import start_server
+    data = {}
+    for model in args.models:
+        data[model] = os.path.join(work, f"input-{model}.json")
+        write_input_data(data[model], prompts, args.output_tokens, stream=model == "llm")
+    env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if gpus:
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
+    rows = []
+    try:
+        with start_server(repo, timeout_s=SERVER_START_S, log_dir=work) as server:
+            c_max = max(args.concurrency)
+            for model in args.models:
+                for c, rnd in [(c_max, "first")] + [(c, "steady") for c in args.concurrency]:
+                    if rnd == "first" and model != args.models[0]:
+                        continue                # one warm-up round per server
+                    m0, q0 = scrape(server.metrics_url), triton_queue_us(server.metrics_url)
+                    r = run_perf_analyzer(server, model, c, num_requests(args, c), data[model],
+                                          work, args.output_tokens)
+                    m1, q1 = scrape(server.metrics_url), triton_queue_us(server.metrics_url)
+                    r.update(server_side(m0, m1))
+                    n = q1.get(f"nv_inference_request_success:{model}", 0) - q0.get(
+                        f"nv_inference_request_success:{model}", 0)
+                    if n:
+                        r["triton_queue_ms"] = round((q1[f"nv_inference_queue_duration_us:{model}"]
+                                                      - q0[f"nv_inference_queue_duration_us:{model}"])
+                                                     / n / 1e3, 3)
+                    if model == "llm_bls":      # one response: the server's TTFT / ITL
+                        for k in ("ttft", "itl"):
+                            h = r.get(f"server_{k}", {})
+                            r[f"{k}_p50_ms"], r[f"{k}_p99_ms"] = h.get("p50_ms"), h.get("p99_ms")
+                    rows.append({"path": model, "round": rnd, "concurrency": c, **r})
+                    print(rows[-1], flush=True)
+    finally:
+        if env_before is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = env_before
+    return rows
+
+
+# ---------------------------------------------------------------------------- report
+def table(rows: list[dict]) -> list[str]:
+    direct = {r["concurrency"]: r["output_tok_s"] for r in rows
+              if r["path"] == "direct" and r["round"] == "steady"}
+    out = ["| path | round | concurrency | output tok/s | vs direct | TTFT p50 / p99 ms | "
+           "ITL p50 / p99 ms | responses / request |",
+           "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+
+    def f(v):
+        return "-" if v is None else f"{v:.2f}"
+    for r in rows:
+        ratio = (f"{100 * r['output_tok_s'] / direct[r['concurrency']]:.1f}%"
+                 if r["concurrency"] in direct and r["round"] == "steady" else "-")
+        out.append(f"| {r['path']} | {r['round']} | {r['concurrency']} | {r['output_tok_s']:.0f} | "
+                   f"{ratio} | {f(r.get('ttft_p50_ms'))} / {f(r.get('ttft_p99_ms'))} | "
+                   f"{f(r.get('itl_p50_ms'))} / {f(r.get('itl_p99_ms'))} | "
+                   f"{r.get('responses_per_request', '-')} |")
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--direct-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="a real architecture with dummy weights (default on GPU: llama-3.1-8b)")
+    ap.add_argument("--model", help="a local model folder (default on CPU: the tiny model)")
+    ap.add_argument("--gpus", type=int, default=None,
+                    help="GPUs to use, one llm instance each (default: 1 with CUDA, 0 without)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=None,
+                    help="default: 1 64 256 on GPU, 32 on CPU")
+    ap.add_argument("--prompt-tokens", type=int, default=215)
+    ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--waves", type=int, default=4, help="requests per run = waves x concurrency")
+    ap.add_argument("--models", nargs="+", default=["llm", "llm_bls"],
+                    choices=["llm", "llm_bls"])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine setting for both paths (e.g. max_num_seqs=512)")
+    ap.add_argument("--skip-direct", action="store_true")
+    ap.add_argument("--skip-served", action="store_true")
+    ap.add_argument("--out", default=None, help="results prefix (.json and .md)")
+    args = ap.parse_args(argv)
+    if args.direct_worker:
+        with open(args.direct_worker) as f:
+            direct_worker(json.load(f))
+        return {}
+
+    import torch
+    on_gpu = torch.cuda.is_available()
+    gpus = args.gpus if args.gpus is not None else (1 if on_gpu else 0)
+    if gpus and not on_gpu:
+        raise SystemExit("--gpus needs CUDA")
+    if args.model is None and args.preset is None and on_gpu:
+        args.preset = "llama-3.1-8b"
+    if args.preset:
+        model_dir = preset_dir(args.preset, tokenizer=True)
+    else:
+        model_dir = os.path.abspath(args.model or TINY_MODEL)
+        if not os.path.isdir(model_dir):
+            from scripts.make_tiny_model import make_tiny_model
+            make_tiny_model(model_dir)
+    args.concurrency = args.concurrency or ([1, 64, 256] if on_gpu else [32])
+    work = tempfile.mkdtemp(prefix="bench-serving-")
+    repo = os.path.join(work, "repo")
+    settings = make_repository(repo, model_dir, engine_settings(args, on_gpu), gpus)
+    prompts = make_prompts(model_dir, max(num_requests(args, c) for c in args.concurrency),
+                           args.prompt_tokens)
+    rows: list[dict] = []
+    if not args.skip_direct:
+        rows += run_direct(args, settings, prompts, gpus)
+    if not args.skip_served:
+        rows += run_served(args, repo, prompts, gpus, work)
+    name = args.preset or os.path.basename(model_dir)
+    meta = {"title": f"Served vs direct: {name}, {gpus or 'no'} GPU(s), "
+                     f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens",
+            "hardware": hardware(), "commit": git_commit(),
+            "command": " ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
+            "settings": {k: v for k, v in settings.items() if k != "model"},
+            "gpus": gpus, "targets": "c=256: llm >= 90% of direct, llm_bls >= 85%, served TTFT "
+                                     "p50 <= 1.2x direct; c=1: ms/token within 3%"}
+    if args.out:
+        write_results(args.out, meta, rows, table(rows))
+    else:
+        print("\n".join(table(rows)))
+    shutil.rmtree(work, ignore_errors=True)
+    return {"meta": meta, "results": rows}
+
+
+if __name__ == "__main__":
+    main()
