@@ -20,7 +20,9 @@ P / block_size block table entries are the same blocks, and P <= the first query
 member (the prefix precedes all its rows; a request still writing the prefix is not a member).
 Groups may be padded to a fixed capacity with empty groups (entries equal to the last one).
 Lone requests have P = 0 and need no group: put them past cu_group_seqs[-1] (or in any group whose
-P is 0). For them the kernel is exactly plain paged attention, all keys in the own pass.
+P is 0). For them the kernel is exactly plain paged attention, all keys in the own pass, one
+program per kv head (no split-KV): a long lone decode may instead be a group of one whose prefix
+is its full cached blocks, so that its context is cut over the prefix splits.
 
 Math. With scores s_j = scale * log2(e) * q . k_j (fp32) and, over a key set J,
 m_J = max_j s_j, l_J = sum_j 2^(s_j - m_J), acc_J = sum_j 2^(s_j - m_J) v_j, the softmax over

@@ -122,6 +122,12 @@ def test_prefix_splits(num_prefix_splits):
     check(args, limits, num_prefix_splits)
 
 
+def test_a_long_lone_decode_as_a_group_of_one_is_split():
+    # Its 10 full cached blocks as the "prefix", cut in 4 splits; the last 5 tokens in the own pass.
+    args, limits = make_batch([(160, [(1, 5)])], [(1, 9)], 8, 2, 32, torch.float16, seed=14)
+    check(args, limits, num_prefix_splits=4)
+
+
 def test_group_rows_span_several_prefix_tiles():
     # fp32 prefix tiles hold 16 rows = 4 positions x 4 heads: 15 rows of one group take 4 tiles,
     # with a prefix longer than one key step (ragged end) and split in 3.
