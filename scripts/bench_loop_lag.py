@@ -34,8 +34,6 @@ import json
 import os
 import platform
 import queue
-import re
-import shutil
 import sys
 import tempfile
 import threading
@@ -51,6 +49,7 @@ import tritonclient.grpc as grpcclient  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from scripts.bench_common import git_commit, write_results  # noqa: E402
+from scripts.tritonserver_env import copy_repository as make_repo  # noqa: E402
 from scripts.server_probe import (GaugePoller, cpu_delta, cpu_name, cpu_seconds,  # noqa: E402
                                   hist_delta, scrape)
 from tests.tritonserver import start_server  # noqa: E402
@@ -70,8 +69,6 @@ ITL_HIST = "llm_inter_token_latency_seconds"
 # Each mode's llm settings over the repository's.
 MODES = {"process": {}, "thread": {"tokenizer_process": "false"},
          "inline": {"tokenize_inline_max_chars": str(INLINE_MAX_CHARS)}}
-_PARAM = re.compile(r'^parameters \{ key: "([^"]+)" value: \{ string_value: "([^"]*)" \} \}$\n?',
-                    re.M)
 _LEDGER = ("Ledger {n}: on day {d} the harbour office at Port {p} logged {q} crates of salt, "
            "{r} barrels of oil and {s} sacks of grain; the clerk noted a {t}-minute delay "
            "because crane #{c} was under repair, and ship {v} left at {h}:{m:02d}.\n")
@@ -110,22 +107,6 @@ def grpc_inputs(prompt: str, params: dict, stream: bool = True,
         t.set_data_from_numpy(arr)
         out.append(t)
     return out
-
-
-def make_repo(dst: str, model_dir: str, extra: dict[str, str]) -> dict[str, str]:
-    """A copy of model_repository whose llm keeps its parameters, with `model` made absolute
-    and `extra` set; returns the llm's parameters."""
-    shutil.copytree(os.path.join(ROOT, "model_repository"), dst)
-    cfg_path = os.path.join(dst, "llm", "config.pbtxt")
-    with open(cfg_path) as f:
-        cfg = f.read()
-    params = {**dict(_PARAM.findall(cfg)), "model": os.path.abspath(model_dir), **extra}
-    cfg = _PARAM.sub("", cfg) + "".join(
-        f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
-        for k, v in params.items())
-    with open(cfg_path, "w") as f:
-        f.write(cfg)
-    return params
 
 
 # ---------------------------------------------------------------------------- clients

@@ -105,7 +105,6 @@ def summarize(starts, firsts, lasts, ends, output_tokens: int) -> dict:
 # ---------------------------------------------------------------------------- direct
 async def _closed_loop(engine, prompts: list[str], params, c: int, total: int, tag: str):
     """`c` workers send `total` requests back to back; per request (start, first, last, end)."""
-    from engine import SamplingParams  # noqa: F401  (params is one)
     times: list[tuple[float, float, float, float]] = []
     counter = iter(range(total))
 
@@ -291,8 +290,8 @@ def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: i
                     ) -> dict[str, str]:
     """The repository copy the server runs (llm KIND_GPU with GPUs); returns llm's parameters,
     which the direct engine takes too."""
-    from scripts.bench_loop_lag import make_repo
-    params = make_repo(repo, model_dir, settings)
+    from scripts.tritonserver_env import copy_repository
+    params = copy_repository(repo, model_dir, settings)
     if gpus:
         cfg_path = os.path.join(repo, "llm", "config.pbtxt")
         with open(cfg_path) as f:

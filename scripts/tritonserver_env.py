@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import os
+import re
 import shlex
 import shutil
 import site
@@ -120,6 +121,26 @@ def server_command(model_repository: str, http_port: int, grpc_port: int, metric
             # readiness false (the only way to in this Triton version).
             "--model-control-mode=explicit", "--load-model=*",
             "--log-info=true"] + list(extra or [])
+
+
+_PARAM = re.compile(r'^parameters \{ key: "([^"]+)" value: \{ string_value: "([^"]*)" \} \}$\n?',
+                    re.M)
+
+
+def copy_repository(dst: str, model_dir: str, llm_params: dict[str, str]) -> dict[str, str]:
+    """A copy of this project's model_repository whose llm keeps its parameters, with `model`
+    made absolute and `llm_params` set over them; returns the llm's parameters."""
+    shutil.copytree(os.path.join(ROOT, "model_repository"), dst)
+    cfg_path = os.path.join(dst, "llm", "config.pbtxt")
+    with open(cfg_path) as f:
+        cfg = f.read()
+    params = {**dict(_PARAM.findall(cfg)), "model": os.path.abspath(model_dir), **llm_params}
+    cfg = _PARAM.sub("", cfg) + "".join(
+        f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
+        for k, v in params.items())
+    with open(cfg_path, "w") as f:
+        f.write(cfg)
+    return params
 
 
 def main() -> None:

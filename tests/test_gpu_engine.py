@@ -96,24 +96,26 @@ def test_async_engine_core_process_on_the_gpu_it_is_given(tiny_models):
 
 def test_engines_created_one_after_another_capture_cleanly():
     """Issue 10: the second of two 8B engines made one after the other in a process crashed
-    with a device-side assert in DecodeGraphs.capture (the warm-up ran on a side stream before
-    the current stream had filled the new input buffers, so it read what the caching allocator's
-    blocks held from the first engine). 20 engines in a row, each made while the one before it
-    is still alive and then dropped, as `llm = LLM(...)` in a loop does; every one captures its
-    graphs and gives the same greedy tokens."""
+    with a device-side assert in DecodeGraphs.capture: the warm-up ran on a side stream before
+    the current stream had filled the new input buffers (queued behind the KV cache's zero fill,
+    ~100 GB with the cache sized from memory), so it read what those bytes held from the first
+    engine. 10 times two engines in a row, each with the default settings (KV cache sized from
+    memory, 256 sequences) and handed back before the next: every one captures its graphs and
+    gives the same greedy tokens."""
     import gc
 
     from scripts.bench_common import preset_dir
     prompts = [[128000] + list(range(1000, 1000 + n)) for n in (5, 37, 300)]
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
-    llm, first = None, None
+    first = None
     for i in range(20):
         llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16",
-                  device="cuda", skip_tokenizer_init=True, max_num_seqs=64,
-                  num_kv_blocks=4096, max_model_len=4096)
+                  device="cuda", skip_tokenizer_init=True)
         assert llm.core.runner.decode_graphs.graphs, "CUDA graphs were not captured"
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         torch.cuda.synchronize()
         first = first or got
         assert got == first, f"engine {i} differs from engine 0"
+        llm.core.shutdown()
+        del llm
         gc.collect()
