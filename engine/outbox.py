@@ -1,0 +1,116 @@
+"""Responses out at the rate the server takes them: per-stream coalescing over a few senders.
+
+A stream is one client request's way back (its response sender). The engine's reader thread
+`put`s each step's output into the stream; it never waits. A stream with something pending
+sits once in a FIFO of ready streams; sender threads take the oldest, merge everything pending
+into one response, and send it (a round trip to tritonserver, during which the sender holds
+no GIL). Whatever arrived for that stream meanwhile sends it to the back of the FIFO again.
+
+So when a sender is free, a step's output goes out at once, as before; when every sender is
+busy, a stream's steps pile up while the others are served and leave as one response carrying
+them all. No timer: latency is unchanged where there is headroom, and throughput holds where
+there is not (the response rate is what the server can take, however many tokens that is).
+
+A stream's `lock` is held while its response is sent: whoever asks the server about the
+request (e.g. `is_cancelled()`) takes it too and checks `done` first, because once the final
+response is out the server frees the request.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# send_items(items) -> True once the stream's final response is out
+SendItems = Callable[[list], bool]
+
+
+class Stream:
+    __slots__ = ("send_items", "on_failed", "coalesce", "pending", "queued", "done", "lock",
+                 "context")
+
+    def __init__(self, send_items: SendItems, on_failed: Callable[[BaseException], None],
+                 coalesce: bool, context: Any) -> None:
+        self.send_items = send_items
+        self.on_failed = on_failed
+        self.coalesce = coalesce      # False: one response per item (e.g. distinct results)
+        self.pending: list = []
+        self.queued = False           # in the ready FIFO, or being sent
+        self.done = False             # the final response is out (or sending failed)
+        self.lock = threading.Lock()
+        self.context = context        # the owner's per-request state
+
+
+class Outbox:
+    def __init__(self, num_senders: int, name: str = "outbox") -> None:
+        if num_senders < 1:
+            raise ValueError(f"num_senders must be >= 1, got {num_senders}")
+        self._cond = threading.Condition()
+        self._ready: deque[Stream] = deque()
+        self._closing = False
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
+                         for i in range(num_senders)]
+        for t in self._threads:
+            t.start()
+
+    def stream(self, send_items: SendItems, on_failed: Callable[[BaseException], None],
+               coalesce: bool = True, context: Any = None) -> Stream:
+        return Stream(send_items, on_failed, coalesce, context)
+
+    def put(self, stream: Stream, item) -> None:
+        """Any thread; never blocks on a send."""
+        with self._cond:
+            if stream.done:
+                return
+            stream.pending.append(item)
+            if not stream.queued:
+                stream.queued = True
+                self._ready.append(stream)
+                self._cond.notify()
+
+    def close(self, timeout_s: float = 5.0) -> None:
+        """Sends what is pending, then stops the senders."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        for t in self._threads:
+            t.join(timeout_s)
+
+    @property
+    def num_ready(self) -> int:
+        return len(self._ready)
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._ready and not self._closing:
+                    self._cond.wait()
+                if not self._ready:
+                    return
+                s = self._ready.popleft()
+                if s.coalesce:
+                    items, s.pending = s.pending, []
+                else:
+                    items = [s.pending.pop(0)]
+            try:
+                with s.lock:
+                    if not s.done and s.send_items(items):
+                        s.done = True
+            except BaseException as e:  # noqa: BLE001 - the client is gone or the server refused
+                s.done = True
+                try:
+                    s.on_failed(e)
+                except Exception:  # noqa: BLE001 - a sender thread must survive its callbacks
+                    logger.exception("outbox: on_failed")
+            with self._cond:
+                if s.pending and not s.done:
+                    self._ready.append(s)      # to the back: the others go first
+                    self._cond.notify()
+                else:
+                    s.queued = False
+                    if s.done:
+                        s.pending = []

@@ -1,0 +1,175 @@
+import random
+import threading
+
+import pytest
+
+from engine.outbox import Outbox
+
+WAIT_S = 10.0
+
+
+class Recorder:
+    """send_items for a stream: records each response's items; item "END" makes it final;
+    an optional gate holds the first send until released."""
+
+    def __init__(self, gate: threading.Event | None = None):
+        self.responses: list[list] = []
+        self.gate = gate
+        self.entered = threading.Event()
+        self.sent = threading.Condition()
+
+    def __call__(self, items):
+        self.entered.set()
+        if self.gate is not None:
+            assert self.gate.wait(WAIT_S)
+            self.gate = None
+        with self.sent:
+            self.responses.append(list(items))
+            self.sent.notify_all()
+        return items[-1] == "END"
+
+    def wait_for(self, num_items):
+        with self.sent:
+            assert self.sent.wait_for(lambda: sum(map(len, self.responses)) >= num_items,
+                                      WAIT_S), self.responses
+
+
+def _never_fails(e):
+    raise AssertionError(f"unexpected send failure {e!r}")
+
+
+def test_a_free_sender_sends_each_item_at_once():
+    box = Outbox(2)
+    rec = Recorder()
+    s = box.stream(rec, _never_fails)
+    for i in range(5):
+        box.put(s, i)
+        rec.wait_for(i + 1)          # each goes out before the next arrives
+    box.put(s, "END")
+    rec.wait_for(6)
+    box.close()
+    assert rec.responses == [[0], [1], [2], [3], [4], ["END"]]
+    assert s.done
+
+
+def test_a_busy_sender_coalesces_and_serves_streams_in_turn():
+    box = Outbox(1)
+    order = []
+    gate = threading.Event()
+    a = Recorder(gate)
+    b, c = Recorder(), Recorder()
+    streams = {}
+    for name, rec in (("a", a), ("b", b), ("c", c)):
+        def send(items, rec=rec, name=name):
+            order.append(name)
+            return rec(items)
+        streams[name] = box.stream(send, _never_fails)
+    box.put(streams["a"], "a0")
+    assert a.entered.wait(WAIT_S)    # the only sender is now held inside a's first send
+    for i in range(1, 6):
+        box.put(streams["a"], f"a{i}")
+    box.put(streams["b"], "b0")
+    box.put(streams["c"], "c0")
+    box.put(streams["a"], "END")
+    gate.set()
+    a.wait_for(7)
+    b.wait_for(1)
+    c.wait_for(1)
+    box.close()
+    assert a.responses == [["a0"], ["a1", "a2", "a3", "a4", "a5", "END"]]
+    assert order == ["a", "b", "c", "a"]     # a went to the back of the queue
+
+
+def test_nothing_is_sent_after_the_final_response():
+    box = Outbox(1)
+    rec = Recorder()
+    s = box.stream(rec, _never_fails)
+    box.put(s, "END")
+    rec.wait_for(1)
+    box.put(s, "late")
+    box.close()
+    assert rec.responses == [["END"]] and s.done and not s.pending
+
+
+def test_a_failed_send_ends_that_stream_only():
+    box = Outbox(1)
+    failures = []
+    failed = threading.Event()
+
+    def broken(items):
+        raise RuntimeError("client gone")
+    bad = box.stream(broken, lambda e: (failures.append(e), failed.set()))
+    rec = Recorder()
+    good = box.stream(rec, _never_fails)
+    box.put(bad, 1)
+    assert failed.wait(WAIT_S)
+    box.put(bad, 2)
+    box.put(good, "END")
+    rec.wait_for(1)
+    box.close()
+    assert len(failures) == 1 and str(failures[0]) == "client gone"
+    assert bad.done and rec.responses == [["END"]]
+
+
+def test_without_coalescing_each_item_is_its_own_response():
+    box = Outbox(1)
+    gate = threading.Event()
+    rec = Recorder(gate)
+    s = box.stream(rec, _never_fails, coalesce=False)
+    box.put(s, 0)
+    assert rec.entered.wait(WAIT_S)
+    for i in range(1, 4):
+        box.put(s, i)
+    gate.set()
+    rec.wait_for(4)
+    box.close()
+    assert rec.responses == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_every_stream_arrives_whole_and_in_order_under_many_senders(seed):
+    rng = random.Random(seed)
+    box = Outbox(4)
+    recs = [Recorder() for _ in range(16)]
+    streams = [box.stream(r, _never_fails) for r in recs]
+    lengths = [rng.randint(1, 60) for _ in recs]
+    feeders = []
+
+    def feed(indices):
+        for i in indices:
+            for k in range(lengths[i]):
+                box.put(streams[i], (i, k))
+            box.put(streams[i], "END")
+
+    for part in (range(0, 8), range(8, 16)):
+        feeders.append(threading.Thread(target=feed, args=(part,)))
+        feeders[-1].start()
+    for t in feeders:
+        t.join()
+    for rec, n in zip(recs, lengths):
+        rec.wait_for(n + 1)
+    box.close()
+    for i, rec in enumerate(recs):
+        flat = [x for r in rec.responses for x in r]
+        assert flat == [(i, k) for k in range(lengths[i])] + ["END"]
+        assert rec.responses[-1][-1] == "END"
+
+
+def test_close_sends_what_is_pending():
+    box = Outbox(1)
+    gate = threading.Event()
+    rec = Recorder(gate)
+    s = box.stream(rec, _never_fails)
+    box.put(s, 0)
+    assert rec.entered.wait(WAIT_S)
+    box.put(s, "END")
+    closer = threading.Thread(target=box.close)
+    closer.start()
+    gate.set()
+    closer.join(WAIT_S)
+    assert rec.responses == [[0], ["END"]]
+
+
+def test_needs_a_sender():
+    with pytest.raises(ValueError, match="num_senders"):
+        Outbox(0)
