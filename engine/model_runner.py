@@ -127,6 +127,33 @@ class ModelRunner:
                 -(-max_model_len // self.block_size), max_model_len, self.device,
                 use_graphs=self.device.type == "cuda")
             self.decode_graphs.capture()
+        if self.device.type == "cuda":
+            self._warm_up()
+
+    @torch.inference_mode()
+    def _warm_up(self) -> None:
+        """Runs, once, what the first traffic would otherwise compile or initialize in the
+        middle of serving: an eager step holding prompt chunks and a decode row (the mixed
+        steps of chunked prefill; decode-only steps replay the graphs captured above), and the
+        sampler's greedy and random paths (sort, top-k/p, penalties, seeded rows). It writes no
+        KV (slot -1) and reads block 0, as graph padding does."""
+        q_lens = np.array([17, 1, 40], dtype=np.int32)
+        seq_lens = np.array([17, 6, 40], dtype=np.int32)
+        positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)])
+        x = _StepInputs(np.zeros(len(positions), dtype=np.int64), positions.astype(np.int64),
+                        np.full(len(positions), -1, dtype=np.int64), q_lens, seq_lens,
+                        np.zeros((3, 4), dtype=np.int32), [0, 1, 2], ["a", "b", "c"])
+        logits = self._forward_eager(x)
+        params = [SamplingParams(temperature=0.0),
+                  SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=1,
+                                 repetition_penalty=1.1, presence_penalty=0.1,
+                                 frequency_penalty=0.1),
+                  SamplingParams(temperature=1.0, logprobs=2)]
+        meta = SamplingMetadata.from_params(params, [[1, 2]] * 3, [[3]] * 3,
+                                            self.eos_token_ids, self.device)
+        self.sampler(logits, meta)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ the step
     def _update_states(self, sched: SchedulerOutput) -> None:

@@ -130,7 +130,8 @@ def _attend(
     return acc, m_i, l_i
 
 
-@triton.jit
+# Step-to-step integers are not specialized on (see kernels/paged_attention.py).
+@triton.jit(do_not_specialize=["num_tokens", "stride_bt"])
 def _prefix_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,              # [S, T, Hq] x2, [S, T, Hq, D] fp32
@@ -199,7 +200,7 @@ def _prefix_kernel(
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_m_tiles", "stride_bt"])
 def _own_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,

@@ -116,7 +116,13 @@ def _attend_keys(
     return acc, m_i, l_i
 
 
-@triton.jit
+# Integer arguments that change from step to step are not specialized on (Triton compiles a
+# variant per value class: == 1, divisible by 16, other): otherwise a new mix of batch sizes
+# could compile a kernel in the middle of serving (seconds), long after start-up.
+_VARYING = ["num_seqs", "num_tokens", "num_m_tiles", "stride_bt"]
+
+
+@triton.jit(do_not_specialize=_VARYING)
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,              # [T, Hq, S] x2, [T, Hq, S, D] fp32
@@ -223,7 +229,7 @@ def _paged_attention_kernel(
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_seqs"])
 def _reduce_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cu_seqlens_q_ptr,
     num_seqs, num_heads, stride_ot, stride_oh, stride_od,

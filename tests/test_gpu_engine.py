@@ -119,3 +119,39 @@ def test_engines_created_one_after_another_capture_cleanly():
         llm.core.shutdown()
         del llm
         gc.collect()
+
+
+def _num_compiled(module) -> dict[str, int]:
+    """Compiled variants of each @triton.jit kernel of a module (all devices)."""
+    import triton
+    out = {}
+    for name, fn in vars(module).items():
+        if isinstance(fn, triton.runtime.JITFunction):
+            out[name] = sum(len(entry[0]) for entry in fn.device_caches.values())
+    return out
+
+
+def test_no_kernel_compiles_after_start_up():
+    """Issue 11: the first round after start ran 30-60% slower, and any new mix of batch sizes
+    compiled a kernel variant mid-serving (a 1.5 s TTFT). After start-up (graph capture and
+    the runner's warm-up) a workload of every shape class (lone and batched requests, prompts
+    of 1..1000 tokens, chunked prefill mixed with decode, sampling) compiles nothing."""
+    from kernels import activation, kv_cache, paged_attention, rmsnorm, rotary
+    from scripts.bench_common import preset_dir
+    modules = [activation, kv_cache, paged_attention, rmsnorm, rotary]
+    llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16", device="cuda",
+              skip_tokenizer_init=True, max_num_seqs=32, max_num_batched_tokens=256,
+              num_kv_blocks=2048, max_model_len=2048)
+    try:
+        before = {m.__name__: _num_compiled(m) for m in modules}
+        assert before["kernels.paged_attention"]["_paged_attention_kernel"] > 0
+        for n in (1, 3, 32):
+            prompts = [[128000] + list(range(7, 7 + length)) for length in
+                       ([1, 5, 16, 17, 33, 300, 1000] * 5)[:n]]
+            params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.9,
+                                     top_p=0.95, seed=i, ignore_eos=True) for i in range(n)]
+            llm.generate(prompts, params)
+        after = {m.__name__: _num_compiled(m) for m in modules}
+        assert after == before
+    finally:
+        llm.core.shutdown()
