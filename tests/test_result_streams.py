@@ -23,7 +23,9 @@ def test_only_streams_that_owe_nothing_and_sat_idle_are_taken():
     taken = reg.take_idle(now=t0 + 10.0)
     assert [r.stream_id for r in taken] == [idle]              # busy still owes r1
     reg.release(busy, "r1")
-    assert reg.take_idle(now=t0 + 10.0) == []                  # just used: the clock restarts
+    released = reg._by_id[busy].last_used
+    assert released >= t0
+    assert reg.take_idle(now=released + 1.0) == []             # the clock restarts at release
     (last,) = reg.take_idle(now=reg._by_id[busy].last_used + 5.0)
     assert last.stream_id == busy and len(reg) == 0
     assert reg.acquire("a", "r2") is None
