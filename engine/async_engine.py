@@ -41,10 +41,14 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    __slots__ = ("queue", "index", "finished", "abort_requested")
+    __slots__ = ("queue", "sink", "index", "finished", "abort_requested")
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+    def __init__(self, sink: Callable[[RequestOutput | BaseException], None] | None = None
+                 ) -> None:
+        # generate(): outputs go through the loop into the queue; submit(): straight to sink.
+        self.queue: asyncio.Queue[RequestOutput | BaseException] | None = (
+            asyncio.Queue() if sink is None else None)
+        self.sink = sink
         self.index: int | None = None      # the core's id for it, once sent
         self.finished = False
         self.abort_requested = False       # abort() came before it was sent
@@ -85,30 +89,15 @@ class AsyncEngine:
         """Yields one output per engine step with the new text and token ids; the last has
         `finished=True`. With stream=False, yields only that last one, holding everything
         (and costs no per-step work). Leaving the loop early aborts the request."""
-        self._check_alive()
-        loop = asyncio.get_running_loop()
-        if self._loop is not loop:
-            if self._streams:
-                raise RuntimeError("this AsyncEngine is serving requests on another event loop")
-            self._loop = loop               # e.g. a second asyncio.run() after the first
-        if request_id in self._streams:
-            raise ValueError(f"request_id {request_id!r} is already in use")
-        channel = _Stream()
-        self._streams[request_id] = channel
+        channel = self._open(request_id)
         try:
-            text, ids, packed = await self._tokenize(prompt)
-            self._check_alive()
-            check_request(packed, params, self.info.max_model_len, self.info.vocab_size)
+            text, ids, packed = await self._prepare(prompt, params)
             if channel.abort_requested:
                 channel.finished = True
                 yield RequestOutput(request_id, text, ids,
                                     [CompletionOutput(0, "", [], "abort")], True)
                 return
-            index = next(self._indices) % 2**32   # the wire's u32; wraps after 4G requests
-            self._processor.add_request(index, request_id, text, ids, params, stream)
-            channel.index = index
-            self._ids_by_index[index] = request_id
-            self.core.add(index, packed, params)
+            self._send_to_core(channel, request_id, text, ids, packed, params, stream)
             while True:
                 item = await channel.queue.get()
                 if isinstance(item, BaseException):
@@ -126,8 +115,33 @@ class AsyncEngine:
                     self.core.abort([channel.index])
                     self._processor.drop(channel.index)
 
+    async def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
+                     sink: Callable[[RequestOutput | BaseException], None],
+                     stream: bool = True) -> None:
+        """`generate` without the iterator, for callers that do not want a loop wake-up per
+        step: returns once the request is in the engine; then `sink` gets each step's output
+        on the engine's reader thread, in order, the last with finished=True, or, if the
+        engine fails or shuts down first, that error instead (once). Must not block. Raises
+        ValueError / EngineDeadError (and never calls `sink`) for a request refused first."""
+        channel = self._open(request_id, sink)
+        try:
+            text, ids, packed = await self._prepare(prompt, params)
+        except BaseException:
+            self._streams.pop(request_id, None)
+            raise
+        if channel.abort_requested:
+            self._streams.pop(request_id, None)
+            sink(RequestOutput(request_id, text, ids, [CompletionOutput(0, "", [], "abort")],
+                               True))
+            return
+        self._send_to_core(channel, request_id, text, ids, packed, params, stream)
+
     async def abort(self, request_id: str) -> None:
         """Ends the request: its stream gets a final output with finish_reason "abort"."""
+        self.abort_nowait(request_id)
+
+    def abort_nowait(self, request_id: str) -> None:
+        """`abort`, from any thread."""
         channel = self._streams.get(request_id)
         if channel is None:
             return
@@ -165,6 +179,34 @@ class AsyncEngine:
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     # ------------------------------------------------------------------ event loop
+    def _open(self, request_id: str, sink=None) -> _Stream:
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop:
+            if self._streams:
+                raise RuntimeError("this AsyncEngine is serving requests on another event loop")
+            self._loop = loop               # e.g. a second asyncio.run() after the first
+        if request_id in self._streams:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        channel = _Stream(sink)
+        self._streams[request_id] = channel
+        return channel
+
+    async def _prepare(self, prompt: Prompt, params: SamplingParams
+                       ) -> tuple[str | None, list[int], np.ndarray]:
+        text, ids, packed = await self._tokenize(prompt)
+        self._check_alive()
+        check_request(packed, params, self.info.max_model_len, self.info.vocab_size)
+        return text, ids, packed
+
+    def _send_to_core(self, channel: _Stream, request_id: str, text, ids, packed,
+                      params: SamplingParams, stream: bool) -> None:
+        index = next(self._indices) % 2**32   # the wire's u32; wraps after 4G requests
+        self._processor.add_request(index, request_id, text, ids, params, stream)
+        channel.index = index
+        self._ids_by_index[index] = request_id
+        self.core.add(index, packed, params)
+
     async def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int], np.ndarray]:
         if not isinstance(prompt, str) or self.tokenizer is None:
             _, ids = encode_prompt(self.tokenizer, prompt)    # token ids, or the error
@@ -180,7 +222,7 @@ class AsyncEngine:
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
             channel = self._streams.get(out.request_id)
-            if channel is not None:
+            if channel is not None and channel.queue is not None:
                 channel.queue.put_nowait(out)
 
     def _check_alive(self) -> None:
@@ -190,9 +232,14 @@ class AsyncEngine:
             raise EngineDeadError("the engine was shut down")
 
     def _fail_all(self, exc: BaseException) -> None:
+        for request_id, channel in list(self._streams.items()):
+            if channel.sink is not None and self._streams.pop(request_id, None) is channel:
+                channel.sink(exc)
+
         def fail() -> None:
             for channel in list(self._streams.values()):
-                channel.queue.put_nowait(exc)
+                if channel.queue is not None:
+                    channel.queue.put_nowait(exc)
         if self._loop is not None and not self._loop.is_closed():
             try:
                 self._loop.call_soon_threadsafe(fail)
@@ -204,9 +251,22 @@ class AsyncEngine:
         outputs, to_abort = self._processor.process(core_outputs)
         if to_abort:
             self.core.abort(to_abort)
-        if outputs and self._loop is not None:
+        queued = []
+        for out in outputs:
+            channel = self._streams.get(out.request_id)
+            if channel is None:
+                continue
+            if channel.sink is None:
+                queued.append(out)
+                continue
+            if out.finished:
+                channel.finished = True
+                self._streams.pop(out.request_id, None)
+                self._ids_by_index.pop(channel.index, None)
+            channel.sink(out)
+        if queued and self._loop is not None:
             try:
-                self._loop.call_soon_threadsafe(self._dispatch, outputs)
+                self._loop.call_soon_threadsafe(self._dispatch, queued)
             except RuntimeError:             # the loop is closed: nobody is listening
                 pass
 

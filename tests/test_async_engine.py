@@ -223,6 +223,99 @@ def test_killing_the_core_ends_every_stream_with_an_error_within_a_second(model_
         engine.get_stats()
 
 
+class _Sink:
+    """A submit() sink: records what arrives, on which thread, and when it is over."""
+
+    def __init__(self):
+        self.items = []
+        self.threads = set()
+        self.started = threading.Event()
+        self.done = threading.Event()
+
+    def __call__(self, item):
+        self.items.append(item)
+        self.threads.add(threading.current_thread().name)
+        self.started.set()
+        if isinstance(item, BaseException) or item.finished:
+            self.done.set()
+
+
+def test_submit_hands_each_step_to_the_sink_on_the_reader_thread(model_dir):
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256)
+
+    async def main():
+        expected = await _collect(engine, PROMPTS[0], params, "via-generate")
+        sinks = [_Sink() for _ in range(4)]
+        for i, sink in enumerate(sinks):
+            await engine.submit(PROMPTS[0] if i == 0 else PROMPTS[i], params, f"sub{i}", sink)
+        for sink in sinks:
+            assert await asyncio.to_thread(sink.done.wait, 30)
+        return expected, sinks, await _wait_idle(engine)
+
+    try:
+        expected, sinks, stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    got = sinks[0].items
+    assert [t for o in got for t in o.outputs[0].token_ids] == \
+        [t for o in expected for t in o.outputs[0].token_ids]
+    assert "".join(o.outputs[0].text for o in got) == "".join(o.outputs[0].text for o in expected)
+    assert len(got) > 1 and got[-1].finished and sum(o.finished for o in got) == 1
+    assert all(s.threads == {"core-reader"} for s in sinks)       # not the loop's thread
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and not engine._streams
+
+
+def test_submit_refuses_a_bad_request_and_aborts_from_any_thread(model_dir):
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256,
+                         max_model_len=64)
+
+    async def main():
+        never = _Sink()
+        with pytest.raises(ValueError, match="max_model_len"):
+            await engine.submit("word " * 200, SamplingParams(), "too-long", never)
+        sink = _Sink()
+        await engine.submit("abort me", SamplingParams(max_tokens=60, temperature=0,
+                                                       ignore_eos=True), "ab", sink)
+        assert await asyncio.to_thread(sink.started.wait, 30)
+        await asyncio.to_thread(engine.abort_nowait, "ab")   # from another thread
+        assert await asyncio.to_thread(sink.done.wait, 30)
+        return never, sink, await _wait_idle(engine)
+
+    try:
+        never, sink, stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert never.items == []
+    assert sink.items[-1].outputs[0].finish_reason == "abort"
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_submit_sinks_get_the_error_when_the_core_dies(model_dir):
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256)
+    params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)
+
+    async def main():
+        sinks = [_Sink() for _ in range(3)]
+        for i, sink in enumerate(sinks):
+            await engine.submit(f"dies {i}", params, f"d{i}", sink)
+        for sink in sinks:                     # every one has produced a token
+            assert await asyncio.to_thread(sink.started.wait, 30)
+        os.kill(engine.core.pid, signal.SIGKILL)
+        for sink in sinks:
+            assert await asyncio.to_thread(sink.done.wait, 10)
+        return sinks
+
+    try:
+        sinks = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    for s in sinks:
+        assert isinstance(s.items[-1], EngineDeadError), s.items[-1]
+        assert "killed by signal 9" in str(s.items[-1])
+        assert sum(isinstance(i, BaseException) for i in s.items) == 1
+
+
 def test_core_start_failure_is_raised_with_its_message(model_dir):
     with pytest.raises(RuntimeError, match="cannot hold one sequence"):
         AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=2,
@@ -232,18 +325,24 @@ def test_core_start_failure_is_raised_with_its_message(model_dir):
 @pytest.mark.parametrize("tokenizer_process", [True, False], ids=["process", "thread"])
 def test_loop_keeps_ticking_while_a_1m_character_prompt_is_tokenized(model_dir,
                                                                      tokenizer_process):
-    gaps_ms, tokens_during, error = _tokenize_huge_prompt_beside_streams(
+    gaps_ms, tokens_during, error, tokenize_ms = _tokenize_huge_prompt_beside_streams(
         model_dir, inline=False, tokenizer_process=tokenizer_process)
     assert "max_model_len" in error                     # 1M characters is far too long
-    assert max(gaps_ms) < 50, f"the loop stalled {max(gaps_ms):.0f} ms"
+    # Judged against the tokenization itself, not a fixed bound: on a loaded 2-core machine
+    # the OS alone can keep the loop's thread off a CPU for tens of ms, and the tokenization
+    # (at SCHED_IDLE in its process) then takes longer too. Inline, the loop stalls for the
+    # whole of it (the next test); here no gap comes near that.
+    assert max(gaps_ms) < tokenize_ms / 5, (
+        f"the loop stalled {max(gaps_ms):.0f} ms of a {tokenize_ms:.0f} ms tokenization")
     assert min(tokens_during) >= 3, tokens_during       # and the streams kept going
 
 
 def test_the_tick_test_sees_a_stall_when_tokenizing_inline(model_dir):
     # The same measurement with tokenization forced onto the loop: proves it can fail.
-    gaps_ms, _, error = _tokenize_huge_prompt_beside_streams(model_dir, inline=True)
+    gaps_ms, _, error, tokenize_ms = _tokenize_huge_prompt_beside_streams(model_dir,
+                                                                          inline=True)
     assert "max_model_len" in error
-    assert max(gaps_ms) > 200
+    assert max(gaps_ms) > tokenize_ms / 2
 
 
 def _tokenize_huge_prompt_beside_streams(model_dir, inline, tokenizer_process=True):
@@ -286,7 +385,8 @@ def _tokenize_huge_prompt_beside_streams(model_dir, inline, tokenizer_process=Tr
         end = time.perf_counter()
         done.set()
         await asyncio.gather(tick, *streams)
-        return gaps, [sum(start < t < end for t in s) for s in stamps], error
+        return (gaps, [sum(start < t < end for t in s) for s in stamps], error,
+                1e3 * (end - start))
 
     try:
         assert (engine._batch_tokenizer.process is not None) == tokenizer_process
