@@ -50,21 +50,22 @@ beyond a group's or sequence's rows exit at once. The workspace is a torch.empty
 the graph's private pool under capture: S * T * Hq * (D + 2) * 4 bytes. Sliding windows are not
 supported (a window may not reach the prefix): such models use the plain kernel.
 
-The cost rule `CascadeCostRule` (pure Python) says per step which groups are worth it.
+The cost rule `CascadeCostRule` (kernels/cascade_cost.py, no torch) says per step which groups are
+worth it.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Sequence
 
 import torch
 import triton
 import triton.language as tl
 
 from kernels.attention_ref import cascade_attention_ref
+from kernels.cascade_cost import CascadeCostRule, PrefixGroup
 
 __all__ = ["cascade_attention", "cascade_attention_ref", "choose_num_prefix_splits",
-           "CascadeCostRule", "PrefixGroup"]
+           "prefix_rows_per_tile", "CascadeCostRule", "PrefixGroup"]
 
 _LOG2E = 1.4426950408889634
 _HEAD_DIMS = (16, 32, 64, 128, 256)
@@ -332,6 +333,14 @@ def _prefix_config(max_group_rows: int, g_pad: int, head_dim: int, dtype: torch.
     return _TileConfig(rows, 64, 8, 3)
 
 
+def prefix_rows_per_tile(max_group_rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype) -> int:
+    """Query rows (tokens) one prefix program holds for a launch with this max_group_rows: a group
+    of R rows reads its prefix cdiv(R, this) times (CascadeCostRule.rows_per_prefix_tile)."""
+    g_pad = triton.next_power_of_2(num_q_heads // num_kv_heads)
+    return max(_prefix_config(max_group_rows, g_pad, head_dim, dtype).block_q // g_pad, 1)
+
+
 def choose_num_prefix_splits(num_groups: int, num_tiles_per_group: int, num_kv_heads: int,
                              max_prefix_len: int, num_sms: int = _H200_NUM_SMS,
                              min_keys_per_split: int = 256, max_splits: int = 16) -> int:
@@ -504,82 +513,3 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-
-
-# ---------------------------------------------------------------------------------------------
-# The cost rule: plain Python on host ints, for the engine to call once per step.
-
-class PrefixGroup(NamedTuple):
-    num_members: int        # sequences sharing the prefix this step
-    prefix_len: int         # tokens, whole blocks, before every member's first query
-    num_query_rows: int     # the members' query rows this step (decode: one each)
-
-
-@dataclass(frozen=True)
-class CascadeCostRule:
-    """Whether reading a group's prefix once (cascade) beats reading it once per member (plain).
-
-    Everything is HBM bytes of one attention layer in one step (every layer has the same ratio):
-
-      kv_bytes_per_token = 2 * num_kv_heads * head_dim * kv_dtype_bytes         (K and V)
-      plain reads the prefix once per member (the least it does; a long prefill chunk re-reads
-      it per 128-row tile, which only makes cascade look better than counted here)
-      cascade reads it once per prefix tile: tiles = cdiv(num_query_rows, rows_per_prefix_tile)
-      cascade adds partials: each query row writes, and the own pass reads back, num_prefix_splits
-      x num_q_heads x (head_dim + 2) fp32 values
-
-      saved(group) = (num_members - tiles) * prefix_len * kv_bytes_per_token
-                     - 2 * num_prefix_splits * num_query_rows * num_q_heads * (head_dim + 2) * 4
-
-    A group keeps its prefix when prefix_len >= min_prefix_len and saved > 0: below a couple of key
-    steps a prefix program has too little to read to hide its q load and partial store. The step
-    runs the cascade kernel when the kept groups save >= min_saved_bytes in all; otherwise the plain
-    kernel, which spares the prefix pass' launch, its wave tail and the merge. min_saved_bytes is
-    that fixed cost in bytes: ~2 us of a second launch under a CUDA graph at ~4 TB/s is 8 MiB.
-    rows_per_prefix_tile: query rows one prefix program holds (128 rows / padded heads per kv head;
-    32 for Llama-3.1-8B in bf16). The defaults are first estimates; scripts/gpu_check_cascade.py
-    measures the crossover (cascade vs plain over group sizes and prefix lengths) to set them.
-    """
-
-    num_q_heads: int
-    num_kv_heads: int
-    head_dim: int
-    kv_dtype_bytes: int = 2
-    min_prefix_len: int = 256
-    min_saved_bytes: int = 8 << 20
-    rows_per_prefix_tile: int = 32
-    num_prefix_splits: int = 1
-
-    def __post_init__(self):
-        for name in ("num_q_heads", "num_kv_heads", "head_dim", "kv_dtype_bytes",
-                     "rows_per_prefix_tile", "num_prefix_splits"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.num_q_heads % self.num_kv_heads:
-            raise ValueError(f"num_q_heads ({self.num_q_heads}) must be a multiple of num_kv_heads "
-                             f"({self.num_kv_heads})")
-        if self.min_prefix_len < 0 or self.min_saved_bytes < 0:
-            raise ValueError(f"min_prefix_len and min_saved_bytes must be >= 0, got "
-                             f"{self.min_prefix_len}, {self.min_saved_bytes}")
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.kv_dtype_bytes
-
-    def saved_bytes(self, group: PrefixGroup) -> int:
-        """HBM bytes one layer saves by running `group` through cascade (negative: costs)."""
-        tiles = -(-group.num_query_rows // self.rows_per_prefix_tile)
-        reads_saved = (group.num_members - tiles) * group.prefix_len * self.kv_bytes_per_token
-        partials = 2 * self.num_prefix_splits * group.num_query_rows * self.num_q_heads * (self.head_dim + 2) * 4
-        return reads_saved - partials
-
-    def plan(self, groups: Sequence[PrefixGroup]) -> list[bool]:
-        """Per group: keep its prefix (True) or run its members alone with prefix_len 0 (False).
-        All False: run the plain paged-attention kernel this step."""
-        keep = [g.prefix_len >= self.min_prefix_len and g.num_members >= 2 and self.saved_bytes(g) > 0
-                for g in groups]
-        total = sum(self.saved_bytes(g) for g, k in zip(groups, keep) if k)
-        return keep if total >= self.min_saved_bytes else [False] * len(groups)
-
-    def use_cascade(self, groups: Sequence[PrefixGroup]) -> bool:
-        return any(self.plan(groups))

@@ -2,7 +2,7 @@
 
 Without CUDA the kernels run in Triton's interpreter (set up by tests/kernel_support.py); if that
 does not take, every test fails rather than skipping. With CUDA the same tests run on the GPU,
-bf16 included, plus the CUDA-graph check. Also the cost rule (plain Python).
+bf16 included, plus the CUDA-graph check. The cost rule: tests/test_cascade_cost.py.
 """
 import pytest
 import torch
@@ -12,7 +12,6 @@ from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 ca = load_kernels("kernels.cascade_attention")
 pa = load_kernels("kernels.paged_attention")
 cascade_attention, cascade_attention_ref = ca.cascade_attention, ca.cascade_attention_ref
-CascadeCostRule, PrefixGroup = ca.CascadeCostRule, ca.PrefixGroup
 
 
 @pytest.fixture(autouse=True)
@@ -256,51 +255,12 @@ def test_choose_num_prefix_splits():
     assert ca.choose_num_prefix_splits(1, 1, 1, 10 ** 6) == 16  # capped
 
 
-# ---- the cost rule ------------------------------------------------------------------------
-
-LLAMA_8B = CascadeCostRule(num_q_heads=32, num_kv_heads=8, head_dim=128, kv_dtype_bytes=2)
-
-
-def test_cost_rule_counts_bytes():
-    assert LLAMA_8B.kv_bytes_per_token == 2 * 8 * 128 * 2
-    # 16 decode members of a 2000-token prefix: 15 of 16 prefix reads saved, minus partials.
-    partials = 2 * 1 * 16 * 32 * 130 * 4
-    assert LLAMA_8B.saved_bytes(PrefixGroup(16, 2000, 16)) == 15 * 2000 * 4096 - partials
-    # 64 members: 64 rows take 2 tiles of 32 rows, so the prefix is read twice.
-    assert LLAMA_8B.saved_bytes(PrefixGroup(64, 2000, 64)) == 62 * 2000 * 4096 - 4 * partials
-
-
-def test_cost_rule_plan():
-    big, small = PrefixGroup(16, 2000, 16), PrefixGroup(2, 256, 2)
-    assert LLAMA_8B.plan([big] * 16) == [True] * 16
-    assert LLAMA_8B.use_cascade([big])
-    # One pair sharing 256 tokens saves 1 MiB a layer: under the 8 MiB fixed cost, plain kernel.
-    assert LLAMA_8B.plan([small]) == [False]
-    assert not LLAMA_8B.use_cascade([small])
-    # ...but it rides along with a group that pays for the launch.
-    assert LLAMA_8B.plan([big, small]) == [True, True]
-    # Too short a prefix, a group of one, and a group whose rows cost more than its saving.
-    assert LLAMA_8B.plan([big, PrefixGroup(16, 128, 16)]) == [True, False]
-    assert LLAMA_8B.plan([big, PrefixGroup(1, 4000, 1)]) == [True, False]
-    prefill_heavy = PrefixGroup(2, 256, 2000)          # 2 members with 1000-token chunks
-    assert LLAMA_8B.saved_bytes(prefill_heavy) < 0
-    assert LLAMA_8B.plan([big, prefill_heavy]) == [True, False]
-    assert LLAMA_8B.plan([]) == []
-
-
-def test_cost_rule_parameters():
-    eager = CascadeCostRule(32, 8, 128, min_prefix_len=0, min_saved_bytes=0)
-    # One prefix read saved (16 or 32 tokens x 4 KiB) against two rows' partials (2 x 33,280 B).
-    assert eager.plan([PrefixGroup(2, 16, 2)]) == [False]
-    assert eager.plan([PrefixGroup(2, 32, 2)]) == [True]
-    fp32 = CascadeCostRule(32, 8, 128, kv_dtype_bytes=4)
-    assert fp32.saved_bytes(PrefixGroup(4, 512, 4)) > LLAMA_8B.saved_bytes(PrefixGroup(4, 512, 4))
-    split = CascadeCostRule(32, 8, 128, num_prefix_splits=4)
-    assert split.saved_bytes(PrefixGroup(4, 512, 4)) < LLAMA_8B.saved_bytes(PrefixGroup(4, 512, 4))
-    with pytest.raises(ValueError, match="multiple of num_kv_heads"):
-        CascadeCostRule(30, 8, 128)
-    with pytest.raises(ValueError, match="head_dim must be >= 1"):
-        CascadeCostRule(32, 8, 0)
+def test_prefix_rows_per_tile():
+    # Llama-8B in bf16 (4 query heads per kv head): 16 rows fill a 64-row tile, more a 128-row one.
+    assert ca.prefix_rows_per_tile(16, 32, 8, 128, torch.bfloat16) == 16
+    assert ca.prefix_rows_per_tile(256, 32, 8, 128, torch.bfloat16) == 32
+    assert ca.prefix_rows_per_tile(2, 32, 8, 128, torch.bfloat16) == 4
+    assert ca.prefix_rows_per_tile(100, 32, 8, 128, torch.float32) == 4    # 16-row fp32 tiles
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and sync checks need a GPU")
