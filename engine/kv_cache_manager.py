@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Sequence
 
 from engine.block_pool import BlockPool, KVBlock
 from engine.request import Request
@@ -50,15 +51,19 @@ class KVCacheManager:
         for i in range(len(hashes), num_tokens // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request, prefix_blocks: Sequence[KVBlock] = ()
+                            ) -> tuple[list[KVBlock], int]:
         """The longest cached prefix of the request, in whole blocks; at least one token is
-        always left to compute, since sampling needs the last token's hidden state."""
-        if not self.enable_caching:
-            return [], 0
+        always left to compute, since sampling needs the last token's hidden state.
+        `prefix_blocks`: the request's first blocks, known to hold its prefix (a prefix group's
+        pinned blocks): taken as they are, even with prefix caching off, and the lookup goes on
+        after them."""
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = list(prefix_blocks[:max_hit_blocks])
+        if not self.enable_caching:
+            return hits, len(hits) * self.block_size
         self._update_block_hashes(request, max_hit_blocks * self.block_size)
-        hits: list[KVBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in request.block_hashes[len(hits):max_hit_blocks]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -112,6 +117,17 @@ class KVCacheManager:
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
+
+    def pin_prefix(self, request: Request, num_blocks: int) -> list[KVBlock]:
+        """Takes a reference of its own on the request's first `num_blocks` blocks (a prefix
+        group's prefix): they stay resident, and keep their content, until `unpin`."""
+        blocks = self._blocks[request.request_id][:num_blocks]
+        assert len(blocks) == num_blocks, (request.request_id, num_blocks, len(blocks))
+        self.pool.touch(blocks)
+        return blocks
+
+    def unpin(self, blocks: list[KVBlock]) -> None:
+        self.pool.free(blocks[::-1])
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, None)

@@ -5,6 +5,15 @@ Each step has a token budget (`max_num_batched_tokens`) and a cap on running req
 prompt being prefilled in chunks takes what the budget leaves. When the pool is short, the
 newest running request is preempted (its blocks freed, recomputed later). Waiting requests
 are admitted FCFS while budget, seats and blocks last; a long prompt is split over steps.
+
+Prefix groups (`add_group`, from LLM.generate): requests known to share a prefix of whole blocks.
+The first member is admitted like any request and computes the prefix; the others are held back
+until it has been scheduled through the prefix. Then the group pins the prefix's blocks (its own
+reference: they are never evicted and recomputed, whatever the order of the other traffic) and
+its held members go to a ready queue admitted before any other waiting request, so members run
+together and take the prefix as computed. The pin is dropped when the last member is done. If
+pinned prefixes ever leave no room to admit anything while nothing runs, they are released
+(their groups dissolve into plain requests): slower, never stuck.
 """
 from __future__ import annotations
 
@@ -62,6 +71,7 @@ class ModelRunnerOutput:
     sampled_token_ids: list[int]
     # Per row, when asked: (token ids, logprobs) with the sampled token first, and its rank.
     logprobs: list[tuple[list[int], list[float], int] | None] | None = None
+    num_cascade_rows: int = 0     # query rows this step that read a shared prefix once per group
 
 
 @dataclass(slots=True)
@@ -85,6 +95,19 @@ class SchedulerStats:
     num_cached_prompt_tokens: int = 0          # prompt tokens served by the prefix cache
     num_generated_tokens: int = 0
     num_preemptions: int = 0
+    num_cascade_rows: int = 0                  # query rows that read a shared prefix once per group
+
+
+class _Group:
+    """A prefix group: the leader computes the prefix; the rest wait in `pending` until then."""
+    __slots__ = ("prefix_len", "leader", "pending", "blocks", "num_unfinished")
+
+    def __init__(self, prefix_len: int, leader: Request, pending: deque[Request]) -> None:
+        self.prefix_len = prefix_len
+        self.leader: Request | None = leader     # until the prefix is pinned
+        self.pending = pending
+        self.blocks = None                       # the pinned prefix blocks
+        self.num_unfinished = 1 + len(pending)
 
 
 class Scheduler:
@@ -99,6 +122,11 @@ class Scheduler:
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()   # to tell the runner at the next step
         self.stats = SchedulerStats()
+        # Prefix groups: members whose prefix is pinned go before `waiting`.
+        self._ready: deque[Request] = deque()
+        self._group_of: dict[str, _Group] = {}
+        self._leaders: dict[str, _Group] = {}    # leaders whose prefix is not pinned yet
+        self._num_held = 0                        # members in some group's `pending`
 
     # ------------------------------------------------------------------ requests in and out
     def add_request(self, request: Request) -> None:
@@ -106,6 +134,34 @@ class Scheduler:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def add_group(self, requests: list[Request], prefix_len: int) -> None:
+        """Requests whose first `prefix_len` tokens (whole blocks, short of every member's
+        length) are the same: the prefix is computed once and stays resident until the last
+        member is done. A group of one or with no prefix is just its requests."""
+        if len(requests) < 2 or prefix_len <= 0:
+            for req in requests:
+                self.add_request(req)
+            return
+        leader = requests[0]
+        prefix = leader.all_token_ids[:prefix_len]
+        if prefix_len % self.kv.block_size:
+            raise ValueError(f"prefix_len {prefix_len} must be a multiple of the block size "
+                             f"{self.kv.block_size}")
+        ids = {req.request_id for req in requests}
+        if len(ids) < len(requests) or any(rid in self.requests for rid in ids):
+            raise ValueError("a group's request ids must be new and distinct")
+        for req in requests:
+            if req.num_tokens <= prefix_len or req.all_token_ids[:prefix_len] != prefix:
+                raise ValueError(f"request {req.request_id!r} does not start with the group's "
+                                 f"{prefix_len}-token prefix and a token after it")
+        group = _Group(prefix_len, leader, deque(requests[1:]))
+        for req in requests:
+            self.requests[req.request_id] = req
+            self._group_of[req.request_id] = group
+        self._leaders[leader.request_id] = group
+        self._num_held += len(requests) - 1
+        self.waiting.append(leader)
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         outs = []
@@ -116,7 +172,7 @@ class Scheduler:
             if req.status == RequestStatus.RUNNING:
                 self.running.remove(req)
             else:
-                self.waiting.remove(req)
+                self._remove_waiting(req)
             req.status = RequestStatus.FINISHED_ABORTED
             self._free(req)
             outs.append(EngineCoreOutput(rid, [], "abort"))
@@ -131,12 +187,67 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return len(self.waiting)
+        return len(self.waiting) + len(self._ready) + self._num_held
+
+    def _remove_waiting(self, req: Request) -> None:
+        group = self._group_of.get(req.request_id)
+        if group is not None and req in group.pending:
+            group.pending.remove(req)
+            self._num_held -= 1
+        elif req in self._ready:
+            self._ready.remove(req)
+        else:
+            self.waiting.remove(req)
 
     def _free(self, req: Request) -> None:
         self.kv.free(req)
         del self.requests[req.request_id]
         self._finished_ids.add(req.request_id)
+        group = self._group_of.pop(req.request_id, None)
+        if group is not None:
+            self._leave(group, req)
+
+    def _leave(self, group: _Group, req: Request) -> None:
+        """A member is done (finished or aborted)."""
+        group.num_unfinished -= 1
+        if group.leader is req:                   # aborted before the prefix was scheduled
+            del self._leaders[req.request_id]
+            group.leader = None
+            if group.pending:                     # the next member computes it instead
+                group.leader = group.pending.popleft()
+                self._num_held -= 1
+                self._leaders[group.leader.request_id] = group
+                self.waiting.appendleft(group.leader)
+        if group.num_unfinished == 0 and group.blocks is not None:
+            self.kv.unpin(group.blocks)
+            group.blocks = None
+
+    def _pin_if_computed(self, req: Request) -> None:
+        """Once a leader is scheduled through its group's prefix, the prefix's blocks (written
+        by the end of this step) are the group's and its members may come, this step too: a
+        step writes all its tokens' KV before any attention reads it."""
+        group = self._leaders.get(req.request_id)
+        if group is None or req.num_computed_tokens < group.prefix_len:
+            return
+        del self._leaders[req.request_id]
+        group.leader = None
+        group.blocks = self.kv.pin_prefix(req, group.prefix_len // self.kv.block_size)
+        self._ready.extend(group.pending)
+        self._num_held -= len(group.pending)
+        group.pending.clear()
+
+    def _release_pins(self) -> bool:
+        """Dissolves every pinned group (its members carry on as plain requests); returns
+        whether any block was released."""
+        pinned = {id(g): g for g in self._group_of.values() if g.blocks is not None}
+        for group in pinned.values():
+            self.kv.unpin(group.blocks)
+            group.blocks = None
+        for rid in [rid for rid, g in self._group_of.items() if id(g) in pinned]:
+            del self._group_of[rid]
+        if pinned:
+            logger.debug("released %d pinned prefixes to make room", len(pinned))
+        return bool(pinned)
 
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
@@ -166,18 +277,38 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             self._advance(req, num_new)
+            if self._leaders:
+                self._pin_if_computed(req)
             i += 1
 
         # Admitting new work while evicting running work would just thrash.
-        while (not preempted and self.waiting and budget > 0
-               and len(self.running) < self.max_num_seqs):
-            req = self.waiting[0]
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req)
+        if not preempted:
+            budget = self._admit(budget, num_scheduled, new_reqs)
+            if not num_scheduled and not self.running and self._release_pins():
+                budget = self._admit(budget, num_scheduled, new_reqs)
+
+        self.stats.num_steps += 1
+        finished, self._finished_ids = self._finished_ids, set()
+        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
+                               self.max_num_batched_tokens - budget, finished)
+
+    def _admit(self, budget: int, num_scheduled: dict[str, int],
+               new_reqs: list[NewRequestData]) -> int:
+        """Admits ready group members, then waiting requests, FCFS while budget, seats and
+        blocks last; returns the budget left."""
+        while budget > 0 and len(self.running) < self.max_num_seqs:
+            queue = self._ready or self.waiting
+            if not queue:
+                break
+            req = queue[0]
+            group = self._group_of.get(req.request_id) if self._group_of else None
+            prefix = group.blocks if group is not None and group.blocks is not None else ()
+            computed_blocks, num_cached = self.kv.get_computed_blocks(req, prefix)
             num_new = min(req.num_tokens - num_cached, budget)
             block_ids = self.kv.allocate_slots(req, num_new, computed_blocks)
             if block_ids is None:
                 break
-            self.waiting.popleft()
+            queue.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
             req.num_computed_tokens = num_cached
@@ -191,11 +322,9 @@ class Scheduler:
             num_scheduled[req.request_id] = num_new
             budget -= num_new
             self._advance(req, num_new)
-
-        self.stats.num_steps += 1
-        finished, self._finished_ids = self._finished_ids, set()
-        return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
-                               self.max_num_batched_tokens - budget, finished)
+            if self._leaders:
+                self._pin_if_computed(req)
+        return budget
 
     def _advance(self, req: Request, num_new: int) -> None:
         """The scheduled tokens count as computed from now on: the runner executes this step
@@ -212,13 +341,17 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.stats.num_preemptions += 1
-        self.waiting.appendleft(req)
+        group = self._group_of.get(req.request_id) if self._group_of else None
+        # A member of a pinned group comes back with its group, before other waiting work.
+        (self._ready if group is not None and group.blocks is not None else self.waiting
+         ).appendleft(req)
         self._finished_ids.add(req.request_id)
         logger.debug("preempted %s", req.request_id)
 
     def update_from_output(self, sched: SchedulerOutput,
                            out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
+        self.stats.num_cascade_rows += out.num_cascade_rows
         for row, (rid, token_id) in enumerate(zip(out.request_ids, out.sampled_token_ids)):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:
