@@ -6,14 +6,16 @@ a dict of numpy arrays, call `parse_request`, and turn `make_response` back into
 """
 from __future__ import annotations
 
+import functools
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import MAX_STOP_STRINGS, SamplingParams, load_json_object
 
 _FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
           "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
@@ -22,6 +24,14 @@ _FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters") + _FLAGS
 OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
                 "output_ids", "logprobs")
+
+# Sizes a request may have, checked before anything is parsed: prompts are tokenized and
+# checked against the model's max_model_len later, and this bounds what reaches that point
+# (and what llm_bls forwards). No model served here takes more than 1M tokens; 16 MiB of text
+# is 16 bytes per token of that. gRPC (client and Triton) allows messages up to 2 GiB.
+MAX_TEXT_INPUT_BYTES = 16 << 20
+MAX_INPUT_IDS = 1 << 20
+MAX_SAMPLING_PARAMETERS_BYTES = 1 << 20
 
 # TensorRT-LLM-style scalar inputs (llm_bls): they override the JSON sampling parameters.
 SCALAR_OVERRIDES = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
@@ -49,16 +59,25 @@ def _scalar(arr: np.ndarray, name: str) -> Any:
     return flat[0]
 
 
-def _text(arr: np.ndarray, name: str) -> str:
+def _text(arr: np.ndarray, name: str, max_bytes: int | None = None) -> str:
     v = _scalar(arr, name)
     if isinstance(v, (bytes, np.bytes_)):
+        v = bytes(v)
+        _check_size(name, len(v), max_bytes)
         try:
-            return bytes(v).decode("utf-8")
+            return v.decode("utf-8")
         except UnicodeDecodeError as e:
             raise ValueError(f"{name} is not valid UTF-8: {e}") from None
     if isinstance(v, str):
+        _check_size(name, len(v.encode("utf-8", errors="surrogatepass")), max_bytes)
         return v
     raise ValueError(f"{name} must be a string (TYPE_STRING / BYTES), got {type(v).__name__}")
+
+
+def _check_size(name: str, num_bytes: int, max_bytes: int | None) -> None:
+    if max_bytes is not None and num_bytes > max_bytes:
+        raise ValueError(f"{name} is {num_bytes} bytes long; at most {max_bytes} bytes "
+                         f"({max_bytes >> 20} MiB) are allowed")
 
 
 def _flag(arr: np.ndarray, name: str) -> bool:
@@ -94,33 +113,46 @@ def _coerce_json_values(d: dict) -> dict:
 
 
 def parse_sampling_parameters(text: str) -> dict:
-    try:
-        d = json.loads(text) if text.strip() else {}
-    except json.JSONDecodeError as e:
-        raise ValueError(f"sampling_parameters is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError("sampling_parameters must be a JSON object")
-    return _coerce_json_values(d)
+    return _coerce_json_values(load_json_object(text, "sampling_parameters"))
 
 
+T = TypeVar("T")
+
+
+def _only_value_errors(fn: Callable[..., T]) -> Callable[..., T]:
+    """The server answers a ValueError with a per-request error; whatever else hostile input
+    might raise is turned into one, so that it never escapes as another type."""
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except ValueError:
+            raise
+        except Exception as e:  # noqa: BLE001 - see the docstring
+            raise ValueError(f"the request cannot be read: {type(e).__name__}: {e}") from None
+    return wrapper
+
+
+@_only_value_errors
 def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
     """Validates a request's tensors; raises ValueError naming the offending input."""
-    if "input_ids" in inputs and inputs["input_ids"] is not None:
-        ids = np.asarray(inputs["input_ids"]).reshape(-1)
-        if not np.issubdtype(ids.dtype, np.integer):
-            raise ValueError(f"input_ids must be integers (TYPE_INT32), got {ids.dtype}")
-        prompt: str | list[int] = [int(t) for t in ids]
+    has_ids = inputs.get("input_ids") is not None
+    if has_ids and inputs.get("text_input") is not None:
+        raise ValueError("give text_input or input_ids, not both")
+    if has_ids:
+        prompt: str | list[int] = _input_ids(inputs["input_ids"])
     elif inputs.get("text_input") is not None:
-        prompt = _text(inputs["text_input"], "text_input")
+        prompt = _text(inputs["text_input"], "text_input", MAX_TEXT_INPUT_BYTES)
+        if not prompt:
+            raise ValueError("text_input is empty")
     else:
         raise ValueError("missing input: give text_input (a string) or input_ids")
-    if isinstance(prompt, str) and not prompt:
-        raise ValueError("text_input is empty")
 
     params = {}
     if inputs.get("sampling_parameters") is not None:
         params = parse_sampling_parameters(_text(inputs["sampling_parameters"],
-                                                 "sampling_parameters"))
+                                                 "sampling_parameters",
+                                                 MAX_SAMPLING_PARAMETERS_BYTES))
     try:
         sampling = SamplingParams.from_dict(params)
     except TypeError as e:
@@ -130,22 +162,42 @@ def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
     return GenerateRequest(prompt, sampling, **flags)
 
 
+def _input_ids(arr: np.ndarray) -> list[int]:
+    """Token ids as ints. Their range is the model's vocabulary: checked by the engine."""
+    ids = np.asarray(arr).reshape(-1)
+    if not np.issubdtype(ids.dtype, np.integer):
+        raise ValueError(f"input_ids must be integers (TYPE_INT32), got {ids.dtype}")
+    if ids.size == 0:
+        raise ValueError("input_ids is empty: give at least one token id")
+    if ids.size > MAX_INPUT_IDS:
+        raise ValueError(f"input_ids holds {ids.size} token ids; at most {MAX_INPUT_IDS} are "
+                         f"allowed")
+    return ids.tolist()
+
+
+@_only_value_errors
 def bls_inner_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The llm_bls request turned into an llm request: TensorRT-LLM-style scalar inputs merged
-    into `sampling_parameters` (they win), one response (`stream` false)."""
+    into `sampling_parameters` (they win), one response (`stream` false). Raises ValueError for
+    a request `llm` would refuse, so that it is not forwarded."""
     params = {}
     if inputs.get("sampling_parameters") is not None:
         params = parse_sampling_parameters(_text(inputs["sampling_parameters"],
-                                                 "sampling_parameters"))
+                                                 "sampling_parameters",
+                                                 MAX_SAMPLING_PARAMETERS_BYTES))
     for name, kind in SCALAR_OVERRIDES.items():
         if inputs.get(name) is not None:
             params[name] = kind(_scalar(inputs[name], name))
     if inputs.get("stop_words") is not None:
         words = np.asarray(inputs["stop_words"]).reshape(-1)
+        if words.size > MAX_STOP_STRINGS:
+            raise ValueError(f"stop_words holds {words.size} strings; at most "
+                             f"{MAX_STOP_STRINGS} are allowed")
         params["stop"] = [_text(np.array([w]), "stop_words") for w in words]
     inner = {k: v for k, v in inputs.items() if k in INPUT_NAMES and v is not None}
     inner["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
     inner["stream"] = np.array([False])
+    parse_request(inner)
     return inner
 
 

@@ -35,17 +35,23 @@ FINISH_REASONS = {
 def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
                   vocab_size: int) -> None:
     """Raises ValueError naming what in a request this engine cannot serve. Token ids may be a
-    list or a numpy array (long prompts are checked without a Python loop)."""
+    list or a numpy array (long prompts are checked without a Python loop). Served, given
+    token ids are the `input_ids` input."""
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("the prompt is empty: give at least one token")
     if n > max_model_len:
         raise ValueError(f"the prompt is {n} tokens long, more than max_model_len "
                          f"({max_model_len})")
-    ids = np.asarray(prompt_token_ids, dtype=np.int64)
+    try:
+        ids = np.asarray(prompt_token_ids, dtype=np.int64)
+    except OverflowError:
+        ids = None
+    if ids is None or ids.ndim != 1:
+        raise ValueError(f"prompt token ids (input_ids) must be integers in [0, {vocab_size})")
     bad = ids[(ids < 0) | (ids >= vocab_size)]
     if bad.size:
-        raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got "
+        raise ValueError(f"prompt token ids (input_ids) must be in [0, {vocab_size}), got "
                          f"{bad[:5].tolist()}")
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:

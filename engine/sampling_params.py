@@ -2,12 +2,27 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-# top-k at or below 0 means "no top-k" (vLLM accepts both -1 and 0).
+# top-k at or below 0 means "no top-k" (vLLM accepts both -1 and 0). One at or above the
+# vocabulary size keeps every token too: larger ones are stored as int32's max, which the
+# sampler's tensors and the wire hold.
 _NO_TOP_K = 0
+_MAX_TOP_K = 2**31 - 1
+# Limits on what one request may ask for. They bound the work a client can make the server do
+# for it: top-n alternatives per token, and stop strings, which are searched for in the new text
+# of every step (and the longest is held back from a stream until it cannot be a stop string).
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 1024
+# The sampler works in float32: temperature and repetition_penalty must be float32 numbers
+# there, not inf (beyond FLOAT32_MAX) or 0 / a denormal (a penalty below FLOAT32_MIN_NORMAL),
+# which turn the logits into NaN.
+FLOAT32_MAX = 3.4028234663852886e+38
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
 
 
 @dataclass
@@ -39,38 +54,48 @@ class SamplingParams:
     skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        if self.stop is None:
-            self.stop = []
-        if self.stop_token_ids is None:
-            self.stop_token_ids = []
-        self.stop = list(self.stop)
-        self.stop_token_ids = list(self.stop_token_ids)
-        if self.top_k is None or self.top_k < 0:
+        self.stop = _as_list("stop", self.stop, "a string or a list of strings")
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
+                                       "a list of token ids")
+        if self.top_k is None:
             self.top_k = _NO_TOP_K
+        _check_int("top_k", self.top_k)
+        self.top_k = _NO_TOP_K if self.top_k < 0 else min(self.top_k, _MAX_TOP_K)
         self.validate()
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
+        # max_tokens has no upper bound: a request also ends at the model's max_model_len.
         _check_int("max_tokens", self.max_tokens, lo=1)
-        _check_num("temperature", self.temperature, lo=0.0)
+        _check_num("temperature", self.temperature, lo=0.0, hi=FLOAT32_MAX)
         _check_num("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
         _check_int("top_k", self.top_k, lo=0)
         _check_num("min_p", self.min_p, lo=0.0, hi=1.0)
         if self.seed is not None:
             _check_int("seed", self.seed, lo=-(2**63), hi=2**63 - 1)
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise ValueError("stop must be a string or a list of non-empty strings")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop holds {len(self.stop)} strings; at most {MAX_STOP_STRINGS} "
+                             f"are allowed")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise ValueError(f"stop must be a string or a list of non-empty strings, "
+                                 f"got {_short(s)}")
+            if len(s) > MAX_STOP_STRING_CHARS:
+                raise ValueError(f"stop strings must be 1 to {MAX_STOP_STRING_CHARS} characters "
+                                 f"long, got one of {len(s)}")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids holds {len(self.stop_token_ids)} ids; at most "
+                             f"{MAX_STOP_TOKEN_IDS} are allowed")
         for t in self.stop_token_ids:
             if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-                raise ValueError(f"stop_token_ids must be non-negative integers, got {t!r}")
+                raise ValueError(f"stop_token_ids must be non-negative integers, got {_short(t)}")
         _check_bool("ignore_eos", self.ignore_eos)
         _check_int("min_tokens", self.min_tokens, lo=0)
         if self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
-        _check_num("repetition_penalty", self.repetition_penalty, lo=0.0, lo_open=True)
+        _check_num("repetition_penalty", self.repetition_penalty, lo=FLOAT32_MIN_NORMAL,
+                   hi=FLOAT32_MAX)
         _check_num("presence_penalty", self.presence_penalty, lo=-2.0, hi=2.0)
         _check_num("frequency_penalty", self.frequency_penalty, lo=-2.0, hi=2.0)
         if self.logprobs is not None:
@@ -91,45 +116,86 @@ class SamplingParams:
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
         """Build from a user's dict (e.g. the `sampling_parameters` JSON); unknown keys are errors."""
         if not isinstance(d, dict):
-            raise ValueError(f"sampling parameters must be a JSON object, got {type(d).__name__}")
+            raise ValueError(f"sampling parameters must be a JSON object, got {_json_kind(d)}")
         names = cls.field_names()
-        unknown = sorted(set(d) - set(names))
+        unknown = sorted(str(k) for k in set(d) - set(names))
         if unknown:
+            shown = ", ".join(_short(k) for k in unknown[:5])
+            more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise ValueError(
-                f"unknown sampling parameter(s) {unknown}; valid keys are {names}")
+                f"unknown sampling parameter(s) [{shown}]{more}; valid keys are {names}")
         return cls(**d)
 
     @classmethod
     def from_json(cls, text: str) -> "SamplingParams":
-        try:
-            d = json.loads(text) if text.strip() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"sampling_parameters is not valid JSON: {e}") from None
-        return cls.from_dict(d)
+        return cls.from_dict(load_json_object(text))
+
+
+def load_json_object(text: str, name: str = "sampling_parameters") -> dict:
+    """A user's JSON object; ValueError naming `name` for anything else. Empty text is {}.
+    NaN and Infinity parse here (Python writes them) and are refused per field, by name."""
+    try:
+        d = json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{name} is not valid JSON: {e}") from None
+    except RecursionError:
+        raise ValueError(f"{name} is not valid JSON: nested too deeply") from None
+    except ValueError as e:             # e.g. an integer of more than 4300 digits
+        raise ValueError(f"{name} cannot be read: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{name} must be a JSON object ({{\"key\": value, ...}}), "
+                         f"got {_json_kind(d)}")
+    return d
+
+
+def _json_kind(v: Any) -> str:
+    if v is None:
+        return "null"
+    return {list: "an array", str: "a string", bool: "a boolean", int: "a number",
+            float: "a number"}.get(type(v), type(v).__name__)
+
+
+def _as_list(name: str, v: Any, what: str) -> list:
+    if v is None:
+        return []
+    if name == "stop" and isinstance(v, str):
+        return [v]
+    if not isinstance(v, (list, tuple)):
+        raise ValueError(f"{name} must be {what}, got {_short(v)}")
+    return list(v)
+
+
+def _short(v: Any) -> str:
+    """A user's value for an error message, cut to a readable length."""
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _check_bool(name: str, v: Any) -> None:
     if not isinstance(v, bool):
-        raise ValueError(f"{name} must be true or false, got {v!r}")
+        raise ValueError(f"{name} must be true or false, got {_short(v)}")
 
 
 def _check_int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> None:
     if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{name} must be an integer, got {v!r}")
+        raise ValueError(f"{name} must be an integer, got {_short(v)}")
     _check_range(name, v, lo, hi, False)
 
 
 def _check_num(name: str, v: Any, lo: float | None = None, hi: float | None = None,
                lo_open: bool = False) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v:
-        raise ValueError(f"{name} must be a number, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise ValueError(f"{name} must be a number, got {_short(v)}")
+    if isinstance(v, float) and not math.isfinite(v):      # JSON's NaN, Infinity
+        raise ValueError(f"{name} must be a finite number, got {v!r}")
     _check_range(name, v, lo, hi, lo_open)
 
 
 def _check_range(name: str, v: Any, lo: Any, hi: Any, lo_open: bool) -> None:
-    if lo is not None and (v <= lo if lo_open else v < lo):
-        raise ValueError(f"{name} must be {'>' if lo_open else '>='} {lo}"
-                         f"{'' if hi is None else f' and <= {hi}'}, got {v!r}")
-    if hi is not None and v > hi:
-        raise ValueError(f"{name} must be <= {hi}"
-                         f"{'' if lo is None else f' and >= {lo}'}, got {v!r}")
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        bounds = []
+        if lo is not None:
+            bounds.append(f"{'>' if lo_open else '>='} {lo}")
+        if hi is not None:
+            bounds.append(f"<= {hi}")
+        raise ValueError(f"{name} must be {' and '.join(bounds)}, got {_short(v)}")

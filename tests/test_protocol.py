@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from engine.outputs import CompletionOutput, RequestOutput
-from engine.protocol import bls_inner_inputs, make_response, parse_request
+from engine.protocol import (MAX_INPUT_IDS, MAX_SAMPLING_PARAMETERS_BYTES, MAX_TEXT_INPUT_BYTES,
+                             bls_inner_inputs, make_response, parse_request)
+from engine.sampling_params import MAX_STOP_STRINGS
 
 
 def s(text):
@@ -51,10 +53,77 @@ def test_numbers_as_strings_are_accepted():
     ({"text_input": s("x"), "sampling_parameters": s('{"max_tokens": "1.5"}')}, "max_tokens"),
     ({"text_input": s("x"), "stream": np.array([1], dtype=np.int32)}, "stream"),
     ({"input_ids": np.array([1.5])}, "input_ids"),
+    ({"input_ids": np.array([], dtype=np.int32)}, "input_ids is empty"),
+    ({"input_ids": np.zeros(MAX_INPUT_IDS + 1, dtype=np.int32)}, f"at most {MAX_INPUT_IDS}"),
+    ({"input_ids": np.array([1], dtype=np.int32), "text_input": s("x")},
+     "text_input or input_ids, not both"),
+    ({"text_input": np.array([b"a", b"b"], dtype=np.object_)},
+     "text_input must hold exactly one value, got 2"),
+    ({"text_input": s(b"x" * (MAX_TEXT_INPUT_BYTES + 1))},
+     f"text_input is {MAX_TEXT_INPUT_BYTES + 1} bytes long; at most {MAX_TEXT_INPUT_BYTES}"),
+    ({"text_input": s("x"), "sampling_parameters": s(" " * (MAX_SAMPLING_PARAMETERS_BYTES + 1))},
+     "sampling_parameters is"),
+    ({"text_input": s("x"), "sampling_parameters": s("null")}, "JSON object"),
+    ({"text_input": s("x"), "sampling_parameters": s("[" * 100_000)}, "nested too deeply"),
+    ({"text_input": s("x"), "sampling_parameters": s('{"top_p": NaN}')},
+     "top_p must be a finite number"),
+    ({"text_input": s("x"), "sampling_parameters": s('{"temperature": "inf"}')},
+     "temperature must be a finite number"),
+    ({"text_input": s("x"), "sampling_parameters": s('{"top_k": "abc"}')}, "top_k"),
+    ({"text_input": s("x"), "sampling_parameters": s('{"seed": ' + str(2**64) + "}")}, "seed"),
 ])
 def test_bad_inputs_name_the_problem(inputs, needle):
     with pytest.raises(ValueError, match=needle):
         parse_request(inputs)
+
+
+def test_large_numbers_that_fit_are_kept():
+    req = parse_request({"input_ids": np.array([7], dtype=np.int32), "sampling_parameters": s(
+        '{"max_tokens": 1000000000000, "top_k": 100000000000000000000}')})
+    assert req.prompt == [7] and req.params.max_tokens == 10**12
+
+
+HOSTILE_TENSORS = [
+    np.array([], dtype=np.object_), np.array([b"a", b"b"], dtype=np.object_),
+    np.array([[b"a"]], dtype=np.object_), np.array([None], dtype=np.object_),
+    np.array([1.5]), np.array([np.nan]), np.array([True]), np.array([2**31 - 1], np.int32),
+    np.array([-1], np.int64), np.array([b"\xff"], dtype=np.object_),
+    np.array(["text"], dtype=np.object_), np.array([b"[1]"], dtype=np.object_),
+    np.array([b'{"stop": [1, 2]}'], dtype=np.object_), np.array([3], dtype=np.uint64),
+]
+
+
+@pytest.mark.parametrize("name", ["text_input", "input_ids", "sampling_parameters", "stream",
+                                  "return_logprobs"])
+def test_any_tensor_in_any_input_is_parsed_or_a_value_error(name):
+    """The server answers only ValueErrors with an error response: nothing else may escape."""
+    for arr in HOSTILE_TENSORS:
+        inputs = {"text_input": s("x"), name: arr}
+        if name == "input_ids":
+            del inputs["text_input"]
+        try:
+            parse_request(inputs)
+        except ValueError:
+            pass
+        try:
+            bls_inner_inputs(inputs)
+        except ValueError:
+            pass
+
+
+@pytest.mark.parametrize("inputs,needle", [
+    ({"text_input": s("x"), "temperature": np.array([np.nan], dtype=np.float32)},
+     "temperature must be a finite number"),
+    ({"text_input": s("x"), "max_tokens": np.array([-5], dtype=np.int32)}, "max_tokens"),
+    ({"text_input": s("x"), "stop_words": np.array([b"w"] * (MAX_STOP_STRINGS + 1),
+                                                   dtype=np.object_)},
+     f"stop_words holds {MAX_STOP_STRINGS + 1} strings"),
+    ({"text_input": s(b"x" * (MAX_TEXT_INPUT_BYTES + 1))}, "text_input is"),
+    ({"input_ids": np.array([1], dtype=np.int32), "text_input": s("x")}, "not both"),
+])
+def test_bls_refuses_what_llm_would_refuse_before_forwarding_it(inputs, needle):
+    with pytest.raises(ValueError, match=needle):
+        bls_inner_inputs(inputs)
 
 
 def test_bls_scalars_override_json_and_force_one_response():

@@ -1,6 +1,9 @@
+import math
+
 import pytest
 
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import (FLOAT32_MAX, MAX_LOGPROBS, MAX_STOP_STRING_CHARS,
+                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
 
 
 def test_defaults():
@@ -12,6 +15,10 @@ def test_defaults():
 def test_stop_string_becomes_list_and_top_k_minus_one_is_off():
     p = SamplingParams(stop="###", top_k=-1)
     assert p.stop == ["###"] and p.top_k == 0
+
+
+def test_a_top_k_beyond_int32_keeps_every_token_as_int32_max():
+    assert SamplingParams(top_k=10**30).top_k == SamplingParams(top_k=2**31).top_k == 2**31 - 1
 
 
 @pytest.mark.parametrize("field,value,hint", [
@@ -28,7 +35,7 @@ def test_stop_string_becomes_list_and_top_k_minus_one_is_off():
     ("stop_token_ids", [-1], "non-negative"),
     ("ignore_eos", 1, "true or false"),
     ("min_tokens", -1, ">= 0"),
-    ("repetition_penalty", 0.0, "> 0"),
+    ("repetition_penalty", 0.0, ">= 1.17"),
     ("presence_penalty", 3.0, "<= 2"),
     ("frequency_penalty", -3.0, ">= -2"),
     ("logprobs", 21, "<= 20"),
@@ -59,3 +66,90 @@ def test_from_json_bad_json():
 def test_from_json_ok():
     p = SamplingParams.from_json('{"max_tokens": 4, "temperature": 0, "stop": ["x"]}')
     assert p.max_tokens == 4 and p.greedy and p.stop == ["x"]
+
+
+FLOAT_FIELDS = ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                "frequency_penalty"]
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize("field", FLOAT_FIELDS)
+def test_nan_and_infinity_are_refused_by_name(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be a finite number"):
+        SamplingParams(**{field: value})
+
+
+@pytest.mark.parametrize("field,value,hint", [
+    # Beyond float32 (the sampler's type) these became inf, or 0 to divide by.
+    ("temperature", 1e308, f"<= {FLOAT32_MAX}"),
+    ("temperature", 10**400, f"<= {FLOAT32_MAX}"),
+    ("repetition_penalty", 1e308, f"<= {FLOAT32_MAX}"),
+    ("repetition_penalty", 1e-308, ">= 1.17"),
+    ("seed", 2**64, "<= 9223372036854775807"),
+    ("seed", -(2**63) - 1, ">= -9223372036854775808"),
+    ("logprobs", 10**6, f"<= {MAX_LOGPROBS}"),
+    ("stop", ["x"] * 10_000, f"at most {MAX_STOP_STRINGS}"),
+    ("stop", ["x" * (MAX_STOP_STRING_CHARS + 1)], f"1 to {MAX_STOP_STRING_CHARS} characters"),
+    ("stop", {"a": 1}, "a string or a list of strings"),
+    ("stop", 5, "a string or a list of strings"),
+    ("stop_token_ids", list(range(MAX_STOP_TOKEN_IDS + 1)), f"at most {MAX_STOP_TOKEN_IDS}"),
+    ("stop_token_ids", "12", "a list of token ids"),
+    ("stop_token_ids", [1.5], "non-negative integers"),
+    ("top_k", "abc", "integer"),
+    ("max_tokens", "64", "integer"),
+])
+def test_limits_name_the_field_and_the_range(field, value, hint):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**{field: value})
+    assert str(e.value).startswith(field) and hint in str(e.value), str(e.value)
+    assert len(str(e.value)) < 200                  # a huge value is not echoed back whole
+
+
+def test_values_at_the_limits_are_accepted():
+    p = SamplingParams(temperature=FLOAT32_MAX, repetition_penalty=FLOAT32_MAX, seed=2**63 - 1,
+                       logprobs=MAX_LOGPROBS, stop=["x" * MAX_STOP_STRING_CHARS] * MAX_STOP_STRINGS,
+                       stop_token_ids=list(range(MAX_STOP_TOKEN_IDS)))
+    assert len(p.stop) == MAX_STOP_STRINGS and p.seed == 2**63 - 1
+    # No upper bound on max_tokens: a request also ends at the model's max_model_len.
+    assert SamplingParams(max_tokens=10**12, min_tokens=10**12).max_tokens == 10**12
+
+
+HOSTILE_VALUES = [None, True, -1, 0, 10**30, -(10**30), 1e308, -1e308, math.nan, math.inf, "",
+                  "abc", "1", [], [None], ["a"] * 100, [-1], [10**30], {}, {"a": [1]}, [[1]]]
+
+
+@pytest.mark.parametrize("field", [f for f in SamplingParams.field_names()])
+def test_hostile_values_give_a_value_error_naming_the_field_or_a_valid_object(field):
+    for value in HOSTILE_VALUES:
+        try:
+            p = SamplingParams(**{field: value})
+        except ValueError as e:
+            assert field in str(e), (value, str(e))
+        else:
+            p.validate()                                 # what was accepted is consistent
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("[1, 2]", "JSON object ({\"key\": value, ...}), got an array"),
+    ("null", "got null"),
+    ('"max_tokens"', "got a string"),
+    ("[" * 100_000, "nested too deeply"),
+    ('{"a": ' * 100_000, "nested too deeply"),
+    ('{"max_tokens": ' + "9" * 5000 + "}", "cannot be read"),
+])
+def test_from_json_refuses_what_is_not_an_object(text, needle):
+    with pytest.raises(ValueError) as e:
+        SamplingParams.from_json(text)
+    assert str(e.value).startswith("sampling_parameters") and needle in str(e.value)
+
+
+def test_from_json_nan_is_refused_by_field():
+    with pytest.raises(ValueError, match="^temperature must be a finite number, got nan"):
+        SamplingParams.from_json('{"temperature": NaN}')
+
+
+def test_many_unknown_keys_are_listed_briefly():
+    text = "{" + ", ".join(f'"k{i}": 1' for i in range(10_000)) + "}"
+    with pytest.raises(ValueError) as e:
+        SamplingParams.from_json(text)
+    assert "and 9995 more" in str(e.value) and len(str(e.value)) < 1000
