@@ -57,6 +57,10 @@ class TritonMetrics:
         self.prefix_hit = metric("llm_prefix_cache_hit_ratio",
                                  "Prompt tokens served from the prefix cache / prompt tokens",
                                  MF.GAUGE)
+        # One step runs every scheduled request once: requests served together share steps.
+        self.steps = metric("llm_engine_steps_total", "Engine steps (schedule, run, update)",
+                            MF.COUNTER)
+        self._num_steps = 0                 # the engine's count at the last publication
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -85,3 +89,6 @@ class TritonMetrics:
         self.kv_free.set(stats.num_free_kv_blocks)
         self.kv_usage.set(1.0 - stats.num_free_kv_blocks / max(stats.num_kv_blocks, 1))
         self.prefix_hit.set(stats.num_cached_prompt_tokens / max(stats.num_prompt_tokens, 1))
+        if stats.num_steps > self._num_steps:
+            self.steps.increment(stats.num_steps - self._num_steps)
+            self._num_steps = stats.num_steps
