@@ -94,6 +94,19 @@ def test_async_engine_core_process_on_the_gpu_it_is_given(tiny_models):
     assert got == [o.outputs[0].token_ids for o in expected]
 
 
+def _poison_free_memory() -> None:
+    """Fills the GPU memory the next engine will be given with 0xFF bytes (int64 -1, a NaN in
+    bf16), as a previous engine's data would be: a read of a buffer before its fill then
+    fails loudly (an index out of bounds) instead of finding zeros by luck."""
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    junk = torch.empty(int(free * 0.9), dtype=torch.uint8, device="cuda")
+    junk.fill_(0xFF)
+    torch.cuda.synchronize()
+    del junk
+    torch.cuda.empty_cache()
+
+
 def test_engines_created_one_after_another_capture_cleanly():
     """Issue 10: the second of two 8B engines made one after the other in a process crashed
     with a device-side assert in DecodeGraphs.capture: the warm-up ran on a side stream before
@@ -109,6 +122,7 @@ def test_engines_created_one_after_another_capture_cleanly():
     params = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
     first = None
     for i in range(20):
+        _poison_free_memory()
         llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16",
                   device="cuda", skip_tokenizer_init=True)
         assert llm.core.runner.decode_graphs.graphs, "CUDA graphs were not captured"
