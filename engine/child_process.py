@@ -3,10 +3,20 @@
 Used for the engine core (engine/core_process.py) and the tokenizer process
 (engine/tokenizer_process.py): a fresh interpreter (spawn semantics), the repository importable,
 the child's end of the socket passed as `--fd N`.
+
+Lifetime. The child runs in a session (and process group) of its own, so signals meant for the
+caller's process group never reach it: a terminal's Ctrl-C (SIGINT to the foreground group),
+`kill -TERM -- -PGID`. Its parent stops it (an end of stream or a SHUTDOWN frame on the socket);
+`ignore_stop_signals` makes it ignore SIGINT and SIGTERM sent to it directly too (systemd, for
+one, signals every process of a service at once). If the parent dies, the kernel closes the
+parent's end of the socket and the child, seeing the end of stream, exits by itself (after the
+step or batch it is busy with). Not PR_SET_PDEATHSIG: that fires when the *thread* that
+forked the child ends, and an engine may be started from a short-lived thread.
 """
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -39,10 +49,19 @@ def start(module: str, args: list[str], env: dict[str, str] | None = None
     try:
         process = subprocess.Popen(
             [python_executable(), "-m", module, "--fd", str(child.fileno()), *args],
-            pass_fds=(child.fileno(),), env=env)
+            pass_fds=(child.fileno(),), env=env, start_new_session=True)
     except BaseException:
         ours.close()
         raise
     finally:
         child.close()
     return ours, process
+
+
+def ignore_stop_signals() -> None:
+    """For the child's main(): SIGINT and SIGTERM are its parent's business (see above)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+PEER_GONE = (BrokenPipeError, ConnectionResetError)   # the other end of the socket has closed

@@ -176,7 +176,10 @@ class CoreClient:
     def _recv_loop(self) -> None:
         try:
             while True:
-                data = self._sock.recv(RECV_BYTES)
+                try:
+                    data = self._sock.recv(RECV_BYTES)
+                except ConnectionResetError:    # it died with frames of ours unread
+                    data = b""
                 if not data:
                     self._reader.eof()
                     self._die(self._exit_message())

@@ -4,8 +4,10 @@ Started by `CoreClient` (engine/core_client.py) with one end of a socket pair. I
 EngineCore, says READY (or ERROR and exits), then loops: take the frames that have arrived
 (new requests, aborts, stats requests), run one step, send its outputs as one OUTPUTS frame.
 With nothing to do it sleeps in `select` until a frame arrives. It exits when told to, when
-the front end goes away (end of stream) or on a malformed frame, after saying why in an ERROR
-frame. It never imports the tokenizer: it sees token ids only.
+the front end goes away (end of stream, or a write that finds the socket closed: noticed after
+the step it is busy with), or on a malformed frame, after saying why in an ERROR frame. It
+ignores SIGINT and SIGTERM and has a session of its own: its parent stops it
+(engine/child_process.py). It never imports the tokenizer: it sees token ids only.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import select
 import socket
 import sys
 
-from engine import wire
+from engine import child_process, wire
 from engine.config import EngineConfig
 
 logger = logging.getLogger("engine.core_process")
@@ -92,6 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
     ap.add_argument("--eos-token-ids", default="[]", help="the tokenizer's EOS ids, JSON")
     args = ap.parse_args(argv)
+    child_process.ignore_stop_signals()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"core[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     sock = socket.socket(fileno=args.fd)
@@ -112,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         CoreServer(sock, core).serve()
     except _Exit as e:
         logger.info("engine core exiting: %s", e)
+    except child_process.PEER_GONE:
+        logger.info("engine core exiting: the front end went away")
     except wire.FrameError as e:
         logger.error("engine core got a malformed frame: %s", e)
         _send_error(sock, f"the engine core got a malformed frame: {e}")

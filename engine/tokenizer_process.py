@@ -5,7 +5,9 @@ Started by `TokenizerProcess` (engine/tokenize.py) with one end of a socket pair
 own priority (idle: Linux SCHED_IDLE; low: niceness 10), takes the tokenizer (the Rust `tokenizers` JSON, sent in a LOAD_TOKENIZER frame:
 no transformers import here), says TOKENIZER_READY, then answers each TOKENIZE frame with one
 TOKENS frame. A prompt longer than the limit comes back as its length only. It exits at end
-of stream, or on a malformed frame after an ERROR frame.
+of stream (or when it finds the socket closed: after the batch it is busy with), or on a
+malformed frame after an ERROR frame. It ignores SIGINT and SIGTERM and has a session of its
+own: its parent stops it (engine/child_process.py).
 
 Why a process: the serving process's event loop sends every response. Tokenizing a 300k-
 character prompt there, even on another thread, takes CPU time and the GIL from it; in a
@@ -22,7 +24,7 @@ import os
 import socket
 import sys
 
-from engine import wire
+from engine import child_process, wire
 
 logger = logging.getLogger("engine.tokenizer_process")
 
@@ -85,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fd", type=int, required=True, help="socket to the front end")
     ap.add_argument("--priority", choices=("idle", "low", "normal"), default="normal")
     args = ap.parse_args(argv)
+    child_process.ignore_stop_signals()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"tokenizer[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     set_priority(args.priority)
@@ -92,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         serve(sock)
         return 0
+    except child_process.PEER_GONE:
+        return 0                                # the front end went away mid-batch
     except wire.FrameError as e:
         logger.error("malformed frame: %s", e)
         try:

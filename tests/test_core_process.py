@@ -1,4 +1,7 @@
 """engine/core_process.py: the real core process, fed bad frames through its socket."""
+import os
+import signal
+import socket
 import struct
 import threading
 import time
@@ -8,6 +11,7 @@ import pytest
 from engine import wire
 from engine.config import EngineConfig
 from engine.core_client import CoreClient
+from engine.sampling_params import SamplingParams
 from scripts.make_tiny_model import make_tiny_model
 
 
@@ -61,3 +65,32 @@ def test_a_stalled_partial_frame_does_not_stop_the_core_from_exiting(model_dir):
         assert client.process.returncode == 2          # "ended in the middle of a frame"
     finally:
         client.shutdown()       # a second call only makes sure the process is gone
+
+
+def test_the_core_exits_quietly_when_its_front_end_goes_away_mid_generation(model_dir, capfd):
+    stepping = threading.Event()
+    client = CoreClient(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                     num_kv_blocks=64, cpu_threads=1),
+                        [], lambda outputs: stepping.set(), lambda reason: None)
+    try:
+        for index in range(4):
+            client.add(index, [1, 2, 3, 4, 5], SamplingParams(max_tokens=500, ignore_eos=True))
+        assert stepping.wait(30)
+        client._sock.shutdown(socket.SHUT_RD)      # its next step's outputs find nobody
+        assert client.process.wait(30) == 0
+    finally:
+        client.shutdown()
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_core_killed_with_frames_unread_is_reported_with_its_signal(model_dir):
+    # Its end of the socket then closes with data in it: our read gets ECONNRESET, not EOF.
+    client, died, event = _start(model_dir)
+    try:
+        os.kill(client.pid, signal.SIGSTOP)
+        client._sock.sendall(wire.frame(wire.STATS_REQ))     # in its socket, never read
+        os.kill(client.pid, signal.SIGKILL)
+        assert event.wait(10)
+        assert "killed by signal 9" in died[0], died
+    finally:
+        client.shutdown()

@@ -2,6 +2,7 @@ import asyncio
 import os
 import re
 import signal
+import socket
 import subprocess
 import threading
 import time
@@ -152,6 +153,18 @@ def test_close_ends_the_process(tokenizer):
     bt.close()
     pool.shutdown()
     assert proc.returncode == 0
+
+
+def test_the_process_exits_quietly_when_its_front_end_goes_away_mid_batch(tokenizer, capfd):
+    backend = BatchTokenizer(tokenizer, None, 100)._backend
+    proc = TokenizerProcess(backend, 100, "normal")
+    try:
+        proc._sock.sendall(wire.encode_tokenize(["many words " * 100_000]))
+        proc._sock.shutdown(socket.SHUT_RD)        # its answer will find nobody to read it
+        assert proc.process.wait(30) == 0
+    finally:
+        proc.close()
+    assert "Traceback" not in capfd.readouterr().err
 
 
 def test_the_process_answers_a_malformed_frame_with_an_error_and_exits(tokenizer):
