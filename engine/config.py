@@ -25,6 +25,12 @@ class EngineConfig:
     cpu_kv_cache_gb: float = 2.0          # KV budget on CPU when num_kv_blocks is None
     cpu_threads: int | None = None        # torch intra-op threads on CPU (None: torch's default)
     enable_prefix_caching: bool = True
+    # LLM.generate finds prompts sharing a prefix of whole KV blocks, computes each prefix once
+    # and keeps it resident while its group runs (engine/prefix_groups.py, the scheduler).
+    enable_prefix_groups: bool = True
+    # Rows whose KV blocks start alike read their shared prefix once per step (cascade
+    # attention), where the cost rule says it pays (engine/cascade_plan.py).
+    enable_cascade_attention: bool = True
     load_format: str = "auto"
     seed: int = 0
     skip_tokenizer_init: bool = False     # token ids in and out only (benchmarks, no text)
@@ -109,9 +115,9 @@ class EngineConfig:
         _float_in("cpu_kv_cache_gb", self.cpu_kv_cache_gb, 0.0, 1e6)
         if self.cpu_threads is not None:
             _int_at_least("cpu_threads", self.cpu_threads, 1)
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be true or false, "
-                             f"got {self.enable_prefix_caching!r}")
+        for name in ("enable_prefix_caching", "enable_prefix_groups", "enable_cascade_attention"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")

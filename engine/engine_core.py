@@ -90,6 +90,10 @@ class EngineCore:
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
+    def add_group(self, requests: list[Request], prefix_len: int) -> None:
+        """Requests sharing their first prefix_len tokens (see Scheduler.add_group)."""
+        self.scheduler.add_group(requests, prefix_len)
+
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
         return self.scheduler.abort_requests(request_ids)
 
@@ -117,4 +121,5 @@ class EngineCore:
             num_prompt_tokens=s.num_prompt_tokens,
             num_computed_prompt_tokens=s.num_computed_prompt_tokens,
             num_cached_prompt_tokens=s.num_cached_prompt_tokens,
-            num_generated_tokens=s.num_generated_tokens, num_preemptions=s.num_preemptions)
+            num_generated_tokens=s.num_generated_tokens, num_preemptions=s.num_preemptions,
+            num_cascade_rows=s.num_cascade_rows)

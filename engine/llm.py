@@ -11,6 +11,7 @@ from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineStats
 from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
+from engine.prefix_groups import group_prompts
 from engine.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -76,8 +77,14 @@ class LLM:
             processor.add_request(req.request_id, req.request_id, text, req.prompt_token_ids,
                                   params)
             requests.append(req)
-        for req in requests:
-            self.core.add_request(req)
+        if self.config.enable_prefix_groups and len(requests) > 1:
+            # Prompts sharing a prefix run as groups: the prefix computed once, kept resident.
+            for group in group_prompts([r.prompt_token_ids for r in requests],
+                                       self.config.block_size):
+                self.core.add_group([requests[i] for i in group.members], group.prefix_len)
+        else:
+            for req in requests:
+                self.core.add_request(req)
         finished: dict[str, RequestOutput] = {}
         while processor.has_unfinished():
             outs, to_abort = processor.process(self.core.step())

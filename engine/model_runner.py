@@ -3,6 +3,11 @@
 The runner keeps each request's state (token ids, block table) between steps, so the
 scheduler only sends what changed. Start-up is named steps: load the model, size the KV
 cache, allocate it.
+
+Rows whose block tables start with the same blocks share a prefix: each step the runner may
+regroup its rows so that such groups are consecutive and run cascade attention over them
+(engine/cascade_step.py decides, by the cost rule); the sampled tokens go back in the
+scheduler's row order.
 """
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from engine.cascade_step import CascadeStep, CascadeSteps
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.models.attention import TORCH_BACKEND, AttentionMetadata, triton_backend
@@ -34,6 +40,9 @@ class _StepInputs:
     block_table: np.ndarray     # [B, max_blocks] int32
     sampled_rows: list[int]     # requests that get a new token this step
     sampled_ids: list[str]
+    cascade: CascadeStep | None = None     # shared-prefix groups over the rows (in this order)
+    # Rows regrouped for cascade: sampled row k was the scheduler's sampled_positions[k]-th row.
+    sampled_positions: list[int] | None = None
 
 
 @dataclass
@@ -64,6 +73,8 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
+        self.cascade = CascadeSteps(self.model_config, dtype, self.block_size, device,
+                                    enabled=config.enable_cascade_attention)
 
     # ------------------------------------------------------------------ start-up
     @property
@@ -125,7 +136,8 @@ class ModelRunner:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv_caches, self.config.max_num_seqs,
                 -(-max_model_len // self.block_size), max_model_len, self.device,
-                use_graphs=self.device.type == "cuda")
+                use_graphs=self.device.type == "cuda",
+                cascade_splits=self.cascade.graph_splits(self.config.max_num_seqs))
             self.decode_graphs.capture()
         if self.device.type == "cuda":
             self._warm_up()
@@ -152,6 +164,14 @@ class ModelRunner:
         meta = SamplingMetadata.from_params(params, [[1, 2]] * 3, [[3]] * 3,
                                             self.eos_token_ids, self.device)
         self.sampler(logits, meta)
+        for q_lens, seq_lens, step in self.cascade.warm_up_steps():   # eager cascade variants
+            positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)])
+            n = len(q_lens)
+            self._forward_eager(_StepInputs(
+                np.zeros(len(positions), dtype=np.int64), positions.astype(np.int64),
+                np.full(len(positions), -1, dtype=np.int64), q_lens, seq_lens,
+                np.zeros((n, -(-int(seq_lens.max()) // self.block_size)), dtype=np.int32),
+                list(range(n)), [str(i) for i in range(n)], step))
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
@@ -170,18 +190,35 @@ class ModelRunner:
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> "_StepInputs":
         bs = self.block_size
-        num_tokens = sum(sched.num_scheduled_tokens.values())
+        num_rows = len(sched.num_scheduled_tokens)
+        states = [self.requests[rid] for rid in sched.num_scheduled_tokens]
+        counts = list(sched.num_scheduled_tokens.values())
+        block_table = np.zeros((num_rows, max(len(s.block_ids) for s in states)), dtype=np.int32)
+        for i, state in enumerate(states):
+            block_table[i, :len(state.block_ids)] = state.block_ids
+        cascade = None
+        if self.cascade.enabled and num_rows >= 2:
+            decode_only = all(n == 1 for n in counts) and all(
+                s.num_computed_tokens + 1 == len(s.token_ids) for s in states)
+            graphs = self.decode_graphs
+            capacity = (graphs.cascade_capacity(num_rows) if decode_only and graphs is not None
+                        and graphs.can_run(num_rows) else None)
+            cascade = self.cascade.plan(block_table, states, counts, capacity)
+        order = cascade.order if cascade is not None else range(num_rows)
+        rids = list(sched.num_scheduled_tokens)
+
+        num_tokens = sched.total_num_scheduled_tokens
         input_ids = np.empty(num_tokens, dtype=np.int64)
         positions = np.empty(num_tokens, dtype=np.int64)
         slots = np.empty(num_tokens, dtype=np.int64)
-        q_lens: list[int] = []
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
+        q_lens = np.empty(num_rows, dtype=np.int32)
+        seq_lens = np.empty(num_rows, dtype=np.int32)
         sampled_rows: list[int] = []
         sampled_ids: list[str] = []
+        sampled_positions: list[int] = []
         at = 0
-        for row, (rid, n) in enumerate(sched.num_scheduled_tokens.items()):
-            state = self.requests[rid]
+        for row, i in enumerate(order):
+            state, n = states[i], counts[i]
             start = state.num_computed_tokens
             end = start + n
             table = state.block_ids
@@ -195,19 +232,18 @@ class ModelRunner:
                 positions[at:at + n] = pos
                 slots[at:at + n] = np.asarray(table, dtype=np.int64)[pos // bs] * bs + pos % bs
             at += n
-            q_lens.append(n)
-            seq_lens.append(end)
-            tables.append(table)
+            q_lens[row] = n
+            seq_lens[row] = end
             state.num_computed_tokens = end
             if end == len(state.token_ids):     # last known token: sample the next one
                 sampled_rows.append(row)
-                sampled_ids.append(rid)
-        block_table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int32)
-        for i, t in enumerate(tables):
-            block_table[i, :len(t)] = t
-        return _StepInputs(input_ids, positions, slots, np.asarray(q_lens, dtype=np.int32),
-                           np.asarray(seq_lens, dtype=np.int32), block_table, sampled_rows,
-                           sampled_ids)
+                sampled_ids.append(rids[i])
+                sampled_positions.append(i)
+        if cascade is not None:
+            block_table = block_table[cascade.order]
+        return _StepInputs(input_ids, positions, slots, q_lens, seq_lens, block_table,
+                           sampled_rows, sampled_ids, cascade,
+                           sampled_positions if cascade is not None else None)
 
     def _forward_eager(self, x: "_StepInputs") -> torch.Tensor:
         """Any batch: prompt chunks and decode rows together. Returns the sampled rows' logits."""
@@ -220,6 +256,8 @@ class ModelRunner:
             cu_seqlens_q=torch.from_numpy(cu).to(dev),
             seq_lens=torch.from_numpy(x.seq_lens).to(dev),
             max_seqlen_q=int(x.q_lens.max()), max_seqlen_k=int(x.seq_lens.max()))
+        if x.cascade is not None:
+            x.cascade.fill_metadata(meta, dev)
         hidden = self.model(torch.from_numpy(x.input_ids).to(dev),
                             torch.from_numpy(x.positions).to(dev), self.kv_caches, meta)
         index = torch.from_numpy(cu[1:][x.sampled_rows] - 1).to(dev)
@@ -231,14 +269,16 @@ class ModelRunner:
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         x = self._prepare_inputs(sched)
+        num_cascade_rows = x.cascade.num_cascade_rows if x.cascade is not None else 0
         if not x.sampled_ids:
             self._forward_eager(x)              # prompt chunks only: nothing to sample
-            return ModelRunnerOutput([], [])
+            return ModelRunnerOutput([], [], None, num_cascade_rows)
         batch = len(x.q_lens)
         decode_only = len(x.input_ids) == batch and len(x.sampled_rows) == batch
         if decode_only and self.decode_graphs is not None and self.decode_graphs.can_run(batch):
-            logits = self.decode_graphs.run(x.input_ids, x.positions, x.slot_mapping,
-                                            x.block_table, x.seq_lens)
+            logits = self.decode_graphs.run(
+                x.input_ids, x.positions, x.slot_mapping, x.block_table, x.seq_lens,
+                x.cascade.graph_inputs() if x.cascade is not None else None)
         else:
             logits = self._forward_eager(x)
         states = [self.requests[rid] for rid in x.sampled_ids]
@@ -254,7 +294,12 @@ class ModelRunner:
         tokens = out.sampled_token_ids.tolist()
         for state, tok in zip(states, tokens):
             state.token_ids.append(tok)
-        return ModelRunnerOutput(x.sampled_ids, tokens, self._logprobs(states, out))
+        ids, logprobs = x.sampled_ids, self._logprobs(states, out)
+        if x.sampled_positions is not None:        # back to the scheduler's row order
+            back = sorted(range(len(ids)), key=x.sampled_positions.__getitem__)
+            ids, tokens = [ids[k] for k in back], [tokens[k] for k in back]
+            logprobs = None if logprobs is None else [logprobs[k] for k in back]
+        return ModelRunnerOutput(ids, tokens, logprobs, num_cascade_rows)
 
     @staticmethod
     def _logprobs(states: list[_RunnerRequest], out) -> list | None:

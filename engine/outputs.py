@@ -52,3 +52,6 @@ class EngineStats:
     num_cached_prompt_tokens: int
     num_generated_tokens: int
     num_preemptions: int
+    # Query rows (decode rows and prompt tokens) that read a prefix shared with other running
+    # requests once per group (cascade attention), since start.
+    num_cascade_rows: int = 0

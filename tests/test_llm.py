@@ -93,8 +93,9 @@ def test_prefix_caching_skips_shared_prefix_with_identical_output(tiny_models):
               for _ in range(8)]
 
     def run(caching):
+        # Prefix groups would share the prefix within one call even without the cache.
         llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=256,
-                  enable_prefix_caching=caching)
+                  enable_prefix_caching=caching, enable_prefix_groups=caching)
         llm.generate(first, GREEDY)
         before = llm.get_stats().num_computed_prompt_tokens
         outs = llm.generate(second, GREEDY)

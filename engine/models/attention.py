@@ -14,6 +14,7 @@ from torch import nn
 
 from kernels.attention_ref import paged_attention_ref, write_kv_ref
 from kernels.attention_torch import decode_attention_torch, paged_attention_torch
+from kernels.cascade_torch import cascade_attention_torch
 
 
 @dataclass
@@ -27,6 +28,17 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     num_kv_splits: int | None = None  # decode split-KV count, fixed for a CUDA graph
+    # Shared-prefix groups (engine/cascade_plan.py); None: plain paged attention. A group's members
+    # are consecutive sequences sharing their first prefix_lens blocks (kernels/cascade_attention.py).
+    prefix_lens: torch.Tensor | None = None    # [B] int32, whole blocks; 0: no shared prefix
+    cu_group_seqs: torch.Tensor | None = None  # [max_groups + 1] int32
+    max_group_rows: int = 1                    # host ints, fixed for a CUDA graph
+    max_prefix_len: int = 0
+    num_prefix_splits: int = 1
+
+    @property
+    def is_cascade(self) -> bool:
+        return self.cu_group_seqs is not None
 
 
 @dataclass(frozen=True)
@@ -48,6 +60,10 @@ def _with_metadata(fn):
 
 
 def _torch_attention(q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window):
+    if attn.is_cascade:
+        assert sliding_window is None, "cascade attention has no sliding window"
+        return cascade_attention_torch(q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q,
+                                       attn.seq_lens, attn.prefix_lens, attn.cu_group_seqs, scale)
     if attn.max_seqlen_q == 1:            # a decode-only step: no per-layer sorting of rows
         return decode_attention_torch(q, k_cache, v_cache, attn.block_table, attn.seq_lens,
                                       scale, sliding_window, attn.max_seqlen_k)
@@ -62,10 +78,18 @@ TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, _torch_attention)
 
 def triton_backend() -> AttentionBackend:
     """The GPU kernels (imported on demand; CUDA-graph safe)."""
+    from kernels.cascade_attention import cascade_attention
     from kernels.kv_cache import write_kv
     from kernels.paged_attention import paged_attention
 
     def run(q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window):
+        if attn.is_cascade:
+            assert sliding_window is None, "cascade attention has no sliding window"
+            return cascade_attention(
+                q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q, attn.seq_lens,
+                attn.prefix_lens, attn.cu_group_seqs, scale, max_seqlen_q=attn.max_seqlen_q,
+                max_group_rows=attn.max_group_rows, max_prefix_len=attn.max_prefix_len,
+                num_prefix_splits=attn.num_prefix_splits)
         return paged_attention(q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q,
                                attn.seq_lens, scale, sliding_window,
                                max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k,

@@ -1,0 +1,148 @@
+"""The model runner's side of cascade attention: this model's cost rule, the launch parameters
+(prefix splits, tile sizes) that keep the set of compiled kernel variants small and fixed, and a
+step's plan (engine/cascade_plan.py) turned into attention metadata.
+
+Kernel variants: a step that replays a CUDA graph uses that graph's capacity (engine/cuda_graphs.py:
+groups of up to 16 rows, a split count per batch size). An eager step (prompt chunks beside
+decodes) passes max_group_rows 16 when every group has at most 16 rows and 128 or more
+otherwise (one tile size each), and a split count of 1, 2 or 4. The runner's warm-up compiles
+each of those eager variants at start, so none compiles mid-serving.
+
+On CPU the PyTorch path reads each prefix once per group whatever the tiles; there the cost
+rule's byte counts are only a stand-in (tests replace `rule` to force groups).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from engine.cascade_plan import CascadePlanner
+from engine.cuda_graphs import CASCADE_GROUP_ROWS, graph_batch_sizes
+from kernels.cascade_cost import CascadeCostRule
+
+SPLITS = (1, 2, 4)                  # prefix split counts used, so their variants are compiled
+LARGE_GROUP_ROWS = 128              # max_group_rows of eager steps with a group over 16 rows
+TYPICAL_PREFIX_LEN = 2048           # sizes the graphs' split counts
+
+
+@dataclass
+class CascadeStep:
+    """One step's groups, over the rows in `order`, as the kernel takes them."""
+    order: list[int]
+    prefix_lens: np.ndarray         # [B] int32
+    cu_group_seqs: np.ndarray       # [G + 1] int32
+    max_group_rows: int             # the kernel's launch parameter (>= every group's rows)
+    max_prefix_len: int
+    num_prefix_splits: int
+    num_cascade_rows: int
+
+    def fill_metadata(self, meta, device: torch.device) -> None:
+        meta.prefix_lens = torch.from_numpy(self.prefix_lens).to(device)
+        meta.cu_group_seqs = torch.from_numpy(self.cu_group_seqs).to(device)
+        meta.max_group_rows = self.max_group_rows
+        meta.max_prefix_len = self.max_prefix_len
+        meta.num_prefix_splits = self.num_prefix_splits
+
+    def graph_inputs(self) -> tuple[np.ndarray, np.ndarray]:
+        return self.prefix_lens, self.cu_group_seqs
+
+
+class CascadeSteps:
+    def __init__(self, model_config, dtype: torch.dtype, block_size: int, device: torch.device,
+                 enabled: bool) -> None:
+        # A sliding window may not reach a prefix: such models keep the plain kernel.
+        windowed = model_config.sliding_window is not None and model_config.sliding_window_layers
+        self.enabled = bool(enabled) and not windowed
+        self.on_gpu = device.type == "cuda"
+        self.block_size = block_size
+        self.dtype = dtype
+        self.num_q_heads = model_config.num_attention_heads
+        self.num_kv_heads = model_config.num_key_value_heads
+        self.head_dim = model_config.head_dim
+        self.planner = CascadePlanner(block_size)
+        # The rule for this model; a test may replace it (launch details are filled in per step).
+        self.rule = CascadeCostRule(self.num_q_heads, self.num_kv_heads, self.head_dim,
+                                    kv_dtype_bytes=torch.empty((), dtype=dtype).element_size())
+        self._rules: dict[tuple, CascadeCostRule] = {}
+
+    # ------------------------------------------------------------------ launch parameters
+    def _rows_per_tile(self, max_group_rows: int) -> int:
+        if not self.on_gpu:
+            return 1 << 30                  # the PyTorch path: one read per group
+        from kernels.cascade_attention import prefix_rows_per_tile
+        return prefix_rows_per_tile(max_group_rows, self.num_q_heads, self.num_kv_heads,
+                                    self.head_dim, self.dtype)
+
+    def _splits(self, num_groups: int, num_tiles: int, max_prefix_len: int) -> int:
+        if not self.on_gpu:
+            return 1
+        from kernels.cascade_attention import choose_num_prefix_splits
+        want = choose_num_prefix_splits(num_groups, num_tiles, self.num_kv_heads, max_prefix_len)
+        return min(SPLITS, key=lambda s: (abs(s - want), -s))      # the nearest; ties go up
+
+    def _rule_for(self, max_group_rows: int, splits: int) -> CascadeCostRule:
+        key = (self.rule, max_group_rows, splits)
+        if key not in self._rules:
+            self._rules[key] = dataclasses.replace(
+                self.rule, rows_per_prefix_tile=self._rows_per_tile(max_group_rows),
+                num_prefix_splits=splits)
+        return self._rules[key]
+
+    def graph_splits(self, max_batch: int) -> dict[int, int] | None:
+        """Prefix splits of the cascade graph of each batch size, sized for groups of 16 over a
+        2048-token prefix (RFC-like); None when cascade is off."""
+        if not self.enabled:
+            return None
+        return {b: self._splits(max(1, b // 16), 1, TYPICAL_PREFIX_LEN)
+                for b in graph_batch_sizes(max_batch) if b >= 2}
+
+    # ------------------------------------------------------------------ per step
+    def plan(self, block_table: np.ndarray, states, counts: list[int],
+             capacity: tuple[int, int, int] | None) -> CascadeStep | None:
+        """states: the rows' runner states (num_computed_tokens before this step); capacity:
+        the cascade graph's (max groups, rows per group, splits) for a graph step, else None."""
+        starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
+        q_lens = np.asarray(counts, dtype=np.int32)
+        if capacity is not None:
+            max_groups, rows_cap, splits = capacity
+            plan = self.planner.plan(block_table, starts, q_lens, self._rule_for(rows_cap, splits),
+                                     rows_cap, max_groups)
+            kernel_rows = rows_cap
+        else:
+            plan = self.planner.plan(block_table, starts, q_lens,
+                                     self._rule_for(LARGE_GROUP_ROWS, 1))
+            if plan is None:
+                return None
+            kernel_rows = (CASCADE_GROUP_ROWS if plan.max_group_rows <= CASCADE_GROUP_ROWS
+                           else max(plan.max_group_rows, LARGE_GROUP_ROWS))
+            tiles = -(-plan.max_group_rows // self._rows_per_tile(kernel_rows))
+            splits = self._splits(len(plan.cu_group_seqs) - 1, tiles, plan.max_prefix_len)
+        if plan is None:
+            return None
+        return CascadeStep(plan.order, plan.prefix_lens, plan.cu_group_seqs, kernel_rows,
+                           plan.max_prefix_len, splits, plan.num_cascade_rows)
+
+    def warm_up_steps(self):
+        """(q_lens, seq_lens, CascadeStep) of fake eager steps, one per kernel variant an eager
+        cascade step may launch (GPU only). Their rows read block 0 and write nothing."""
+        if not (self.enabled and self.on_gpu):
+            return
+        prefix = 2 * self.block_size
+        for splits in SPLITS:
+            # Decode rows, a group of 3 (16-row tile) and a lone row; then a 40-token prompt chunk
+            # in a group with two decodes (a 128-row tile, the prefill own-pass tiles).
+            for q_lens, kernel_rows in (([1, 1, 1, 1], CASCADE_GROUP_ROWS),
+                                        ([1, 40, 1], LARGE_GROUP_ROWS)):
+                n = len(q_lens)
+                members = 3
+                seq_lens = np.asarray([prefix + 8 + q for q in q_lens], dtype=np.int32)
+                step = CascadeStep(
+                    list(range(n)),
+                    np.asarray([prefix] * members + [0] * (n - members), dtype=np.int32),
+                    np.asarray([0, members], dtype=np.int32), kernel_rows, prefix, splits,
+                    sum(q_lens[:members]))
+                yield np.asarray(q_lens, dtype=np.int32), seq_lens, step
+

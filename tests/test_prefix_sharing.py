@@ -1,0 +1,147 @@
+"""Prefix groups and cascade attention through the whole engine, on tiny random models in float32
+on CPU: the same greedy tokens with and without them, every prefix computed once, every block
+back in the pool at the end."""
+import random
+
+import pytest
+
+from engine import LLM, SamplingParams
+from kernels.cascade_cost import CascadeCostRule
+from scripts.make_tiny_model import make_tiny_model
+
+ARCHS = ["llama", "qwen2", "mistral"]
+GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {arch: str(make_tiny_model(root / arch, arch=arch, seed=1)) for arch in ARCHS}
+
+
+def shared_prefix_workload(seed=0, vocab=1000, shuffle=True):
+    """Groups of 2, 3, 5 and 6 over prefixes of 40 to 160 tokens (not whole blocks), a pair
+    sharing one group's prefix and more, and lone prompts; own parts of 1 to 40 tokens."""
+    rng = random.Random(seed)
+    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    prompts = []
+    for size, prefix_len in ((2, 40), (3, 100), (5, 64), (6, 160)):
+        prefix = tok(prefix_len)
+        prompts += [prefix + tok(rng.randint(1, 40)) for _ in range(size)]
+    doc = prompts[-1][:160] + tok(48)
+    prompts += [doc + tok(rng.randint(1, 10)) for _ in range(2)]
+    prompts += [tok(rng.randint(1, 120)) for _ in range(4)]
+    if shuffle:
+        rng.shuffle(prompts)
+    return prompts
+
+
+def force_cascade(llm):
+    """Every shared block worth a group: the tiny model's bytes never reach the real thresholds."""
+    runner = llm.core.runner
+    runner.cascade.rule = CascadeCostRule(runner.cascade.num_q_heads, runner.cascade.num_kv_heads,
+                                          runner.cascade.head_dim, kv_dtype_bytes=4,
+                                          min_prefix_len=0, min_saved_bytes=0, per_group_bytes=0)
+    return llm
+
+
+def generate(model, prompts, groups, cascade, caching=True, **settings):
+    llm = LLM(model, dtype="float32", device="cpu", enable_prefix_caching=caching,
+              enable_prefix_groups=groups, enable_cascade_attention=cascade, **settings)
+    if cascade:
+        force_cascade(llm)
+    outs = llm.generate(prompts, GREEDY)
+    stats = llm.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks, "blocks left held after generate"
+    return [o.outputs[0].token_ids for o in outs], stats
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_same_tokens_with_groups_and_cascade_chunked_and_preempted(tiny_models, arch):
+    prompts = shared_prefix_workload(seed=ARCHS.index(arch))
+    # 40 blocks of 16 for 24 prompts of up to 260 tokens; 64-token steps: prompts go in chunks
+    # and requests are preempted (and pinned prefixes released) along the way.
+    settings = dict(block_size=16, max_num_batched_tokens=64, num_kv_blocks=40,
+                    max_model_len=320, max_num_seqs=12)
+    plain, plain_stats = generate(tiny_models[arch], prompts, groups=False, cascade=False,
+                                  caching=False, **settings)
+    grouped, stats = generate(tiny_models[arch], prompts, groups=True, cascade=True, **settings)
+    assert stats.num_preemptions > 0 and plain_stats.num_preemptions > 0
+    assert stats.num_steps > stats.num_computed_prompt_tokens // 64      # prompts in chunks
+    assert stats.num_cascade_rows > 0
+    assert grouped == plain
+
+
+def test_cascade_alone_finds_shared_blocks_and_keeps_the_tokens(tiny_models):
+    """Without groups (as served traffic) prefix caching gives equal prefixes the same blocks;
+    the runner groups rows by them."""
+    prompts = shared_prefix_workload(seed=7)
+    plain, _ = generate(tiny_models["llama"], prompts, groups=False, cascade=False,
+                        num_kv_blocks=256)
+    cascaded, stats = generate(tiny_models["llama"], prompts, groups=False, cascade=True,
+                               num_kv_blocks=256)
+    assert stats.num_cascade_rows > 0
+    assert cascaded == plain
+
+
+def test_decode_graph_path_with_cascade_equals_eager(tiny_models):
+    """On CPU the CUDA-graph path runs its padded buffers eagerly: cascade decode steps through
+    them (capacity padding, empty groups, padding rows) give what the eager path gives."""
+    prompts = shared_prefix_workload(seed=3)
+    eager, _ = generate(tiny_models["qwen2"], prompts, groups=True, cascade=True,
+                        num_kv_blocks=256, enforce_eager=True)
+    llm = force_cascade(LLM(tiny_models["qwen2"], dtype="float32", device="cpu",
+                            num_kv_blocks=256, max_num_seqs=20))
+    graphed = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert llm.core.runner.decode_graphs.num_cascade_runs > 0
+    assert graphed == eager
+
+
+def test_shuffled_order_computes_each_prefix_once(tiny_models):
+    """Prefix caching alone, in shuffled order with a small pool, evicts prefixes between the
+    members of a group and computes them again; groups compute each one once."""
+    rng = random.Random(11)
+    prefixes = [[rng.randrange(3, 1000) for _ in range(96)] for _ in range(4)]
+    prompts = [p + [rng.randrange(3, 1000) for _ in range(rng.randint(4, 20))]
+               for p in prefixes for _ in range(6)]
+    rng.shuffle(prompts)
+    settings = dict(num_kv_blocks=20, max_num_seqs=2, max_model_len=160)
+    _, apc = generate(tiny_models["llama"], prompts, groups=False, cascade=False, **settings)
+    tokens, grouped = generate(tiny_models["llama"], prompts, groups=True, cascade=False,
+                               **settings)
+    minimum = 4 * 96 + sum(len(p) - 96 for p in prompts)
+    assert grouped.num_computed_prompt_tokens == minimum
+    assert apc.num_computed_prompt_tokens > minimum + 96, "the pool was meant to evict prefixes"
+
+
+def test_sliding_window_models_keep_the_plain_kernel(tmp_path):
+    model = str(make_tiny_model(tmp_path / "m", arch="mistral", seed=2, sliding_window=32))
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64)
+    assert not llm.core.runner.cascade.enabled
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_triton_kernels_interpreted_same_tokens(tiny_models):
+    """The engine with the Triton kernels (TRITON_INTERPRET=1 on CPU): cascade vs the plain
+    paged-attention kernel, a small shared-prefix workload with groups and lone rows."""
+    from engine.models.attention import triton_backend
+    from tests.kernel_support import require_runnable
+    import kernels.cascade_attention as ca
+    require_runnable(ca)
+    rng = random.Random(5)
+    prefix = [rng.randrange(3, 1000) for _ in range(40)]
+    prompts = [prefix + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 9))]
+               for _ in range(3)] + [[rng.randrange(3, 1000) for _ in range(12)]]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    results = []
+    for cascade in (False, True):
+        llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64,
+                  enable_cascade_attention=cascade, enforce_eager=True)
+        backend = triton_backend()
+        for layer in llm.core.runner.model.layers:
+            layer.self_attn.attn.backend = backend
+        if cascade:
+            force_cascade(llm)
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+        assert (llm.get_stats().num_cascade_rows > 0) == cascade
+    assert results[0] == results[1]
