@@ -3,16 +3,24 @@
 The Triton `llm` model is a thin adapter over this: it passes each request's tensors, a `send`
 callback (wrapping the request's response sender) and an `is_cancelled` callback, and returns
 at once. No Triton imports here, so this is tested without a server too.
+
+Every request is a task on the loop and ends with exactly one final send, however it ends:
+answered, refused, failed, or cut short by `stop_serving` (the server is going away) or
+`shutdown` (their error then names why). `shutdown` leaves nothing running: once it returns,
+no thread of ours sends, updates a metric or calls `on_dead` (in Triton's stub such a call
+while the stub exits can leave a lock in shared memory held by a dead process, and the
+server aborts: README, Stopping).
 """
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Protocol
 
 import numpy as np
@@ -31,6 +39,8 @@ CANCEL_POLL_S = 0.1
 LAG_PROBE_S = 0.01
 GIL_SWITCH_INTERVAL_S = 0.0005
 STATS_POLL_S = 0.5
+STOP_WAIT_S = 10.0          # shutdown: for the loop to end the requests and its own tasks
+ON_DEAD_WAIT_S = 5.0        # shutdown: for an on_dead call under way to return
 
 
 class Metrics(Protocol):
@@ -53,12 +63,27 @@ class _NoMetrics:
     def on_stats(self, stats: EngineStats) -> None: pass
 
 
+class _Reply:
+    """A request's `send` that knows whether the final response went out, so that a request
+    ended from outside (cancelled, or stopped before it began) still gets one."""
+    __slots__ = ("send", "final_sent")
+
+    def __init__(self, send: SendFn) -> None:
+        self.send = send
+        self.final_sent = False
+
+    def __call__(self, tensors, error, final) -> None:
+        if final:
+            self.final_sent = True          # first: a send that raises is not sent again
+        self.send(tensors, error, final)
+
+
 class ServingEngine:
     def __init__(self, config: EngineConfig, metrics: Metrics | None = None,
                  on_dead: Callable[[str], None] | None = None) -> None:
         """Builds the engine (raises if it cannot start) and starts the loop thread.
         `on_dead(reason)` runs once if the engine core process dies, after every in-flight
-        request has been answered with an error."""
+        request has been answered with an error; never once `shutdown` has begun."""
         self.metrics = metrics or _NoMetrics()
         # The loop, tokenizer and core-reader threads share one GIL; by default a thread that
         # wants it waits up to 5 ms, so each step's hand-offs would cost milliseconds.
@@ -70,14 +95,24 @@ class ServingEngine:
         self._client_ids: dict[str, str] = {}     # caller's request id -> engine request id
         self._ids = itertools.count()
         self.max_loop_lag_s = 0.0           # since the last stats publication
+        self._tasks: set[asyncio.Task] = set()      # one per request being served
+        self._loop_tasks: list[asyncio.Task] = []   # _poll, _watch_lag
+        self._stop_reason: str | None = None        # set: requests end with it, new are refused
+        self._dead_lock = threading.Lock()          # held while on_dead runs
+        self._closing = False
         self._thread = threading.Thread(target=self._run_loop, name="serving-loop", daemon=True)
         self._thread.start()
 
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
-        self.loop.create_task(self._poll())
-        self.loop.create_task(self._watch_lag())
-        self.loop.run_forever()
+        self._loop_tasks = [self.loop.create_task(self._poll()),
+                            self.loop.create_task(self._watch_lag())]
+        try:
+            self.loop.run_forever()
+        finally:
+            # One more pass: requests handed over while the loop was stopping are refused.
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
 
     # ------------------------------------------------------------------ any thread
     def submit(self, inputs: dict[str, np.ndarray], send: SendFn,
@@ -90,11 +125,20 @@ class ServingEngine:
             target = np.asarray(inputs["abort_request_id"]).reshape(-1)[0]
             if isinstance(target, bytes):
                 target = target.decode("utf-8", errors="replace")
-            asyncio.run_coroutine_threadsafe(self._abort_client(str(target), send), self.loop)
+            self._hand_over(send, lambda reply: self._abort_client(str(target), reply))
             return
         rid = f"{request_id or 'req'}-{next(self._ids)}"
-        asyncio.run_coroutine_threadsafe(
-            self._serve(rid, inputs, send, is_cancelled, request_id), self.loop)
+        self._hand_over(send, lambda reply: self._serve(rid, inputs, reply, is_cancelled,
+                                                        request_id))
+
+    def stop_serving(self, reason: str) -> None:
+        """Ends every request in flight now, each with `reason` as its error, and refuses new
+        ones with it. For a server that is going away: Triton unloads a decoupled model only
+        once its streams have ended, and it does not tell the model that it is stopping."""
+        try:
+            self.loop.call_soon_threadsafe(self._end_requests, reason)
+        except RuntimeError:                # the loop is closed: nothing is in flight
+            pass
 
     def stats(self) -> EngineStats:
         """Blocking; not from the loop thread."""
@@ -105,33 +149,75 @@ class ServingEngine:
         return self.engine.is_alive
 
     def shutdown(self) -> None:
-        """In-flight requests end with an error; the loop thread is joined."""
-        if not self._thread.is_alive():
-            return
+        """Requests still in flight end with an error; on_dead will not run (one under way is
+        waited for); the loop's tasks are cancelled and awaited; the engine's processes stop;
+        the loop is closed and its thread joined. Safe to call more than once."""
+        acquired = self._dead_lock.acquire(timeout=ON_DEAD_WAIT_S)
+        self._closing = True
+        if acquired:
+            self._dead_lock.release()
+        else:
+            logger.warning("on_dead has not returned after %.0f s", ON_DEAD_WAIT_S)
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(STOP_WAIT_S)
+            except Exception:  # noqa: BLE001 - best effort: we are going away
+                logger.exception("ending the requests in flight")
         self.engine.shutdown()
-        fut = asyncio.run_coroutine_threadsafe(self._drain(), self.loop)
-        try:
-            fut.result(timeout=10)
-        except Exception:  # noqa: BLE001 - best effort: we are going away
-            logger.exception("draining in-flight requests")
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(timeout=STOP_WAIT_S)
 
     # ------------------------------------------------------------------ the loop
     def _engine_died(self, reason: str) -> None:
         """Runs on a thread of its own once the core is gone. Streams have been failed by the
-        engine; wait (briefly) until their error responses are out, then tell the owner."""
+        engine; wait (briefly) until their error responses are out, then tell the owner,
+        unless we are shutting down (the core's end is then ours)."""
         deadline = time.monotonic() + 1.0
         while self._inflight and time.monotonic() < deadline:
             time.sleep(0.01)
-        if self._on_dead is not None:
-            self._on_dead(reason)
+        with self._dead_lock:
+            if self._on_dead is not None and not self._closing:
+                self._on_dead(reason)
 
-    async def _drain(self) -> None:
-        for _ in range(100):
-            if not self._inflight:
-                return
-            await asyncio.sleep(0.05)
+    def _hand_over(self, send: SendFn, serve: Callable[[SendFn], Awaitable[None]]) -> None:
+        reply = _Reply(send)
+        try:
+            self.loop.call_soon_threadsafe(self._start, reply, serve)
+        except RuntimeError:                # the loop is closed: we have been shut down
+            reply(None, self._stop_reason or "the engine was shut down", True)
+
+    def _start(self, reply: _Reply, serve: Callable[[SendFn], Awaitable[None]]) -> None:
+        if self._stop_reason is not None:
+            reply(None, self._stop_reason, True)
+            return
+        task = self.loop.create_task(serve(reply))
+        self._tasks.add(task)
+        task.add_done_callback(functools.partial(self._finished, reply))
+
+    def _finished(self, reply: _Reply, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("a request ended with %r", task.exception())
+        if not reply.final_sent:            # cancelled, or failed before its answer
+            try:
+                reply(None, self._stop_reason or "internal error: the request was dropped",
+                      True)
+            except Exception:  # noqa: BLE001 - the sender is broken: nothing more to do
+                logger.exception("sending a request's final response")
+
+    def _end_requests(self, reason: str) -> None:
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        for task in list(self._tasks):
+            task.cancel()
+
+    async def _close(self) -> None:
+        self._end_requests("the engine was shut down")
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for task in self._loop_tasks:
+            task.cancel()
+        await asyncio.gather(*self._loop_tasks, return_exceptions=True)
 
     async def _watch_lag(self) -> None:
         """Every response goes out through this loop: how late it wakes is latency for every

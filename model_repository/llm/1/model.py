@@ -1,6 +1,7 @@
 """Triton adapter for the engine: decoupled, streaming. All logic is in engine/serving.py."""
 import json
 import os
+import signal
 
 import triton_python_backend_utils as pb_utils
 
@@ -8,6 +9,7 @@ from engine.config import EngineConfig, settings_from_triton
 from engine.metrics import TritonMetrics
 from engine.protocol import INPUT_NAMES
 from engine.serving import ServingEngine
+from engine.signal_watch import SignalWatch
 
 
 class TritonPythonModel:
@@ -25,6 +27,10 @@ class TritonPythonModel:
         self.model_name = args["model_name"]
         self.serving = ServingEngine(config, TritonMetrics(pb_utils, labels),
                                      on_dead=self._engine_died)
+        # The stub ignores SIGINT and SIGTERM; one reaches it only as a signal to the server's
+        # whole process group (Ctrl-C): the server is stopping, and it unloads this model only
+        # once every stream has ended. So end them (engine/signal_watch.py).
+        self.signal_watch = SignalWatch((signal.SIGINT, signal.SIGTERM), self._server_stopping)
         self.logger.log_info(f"llm: engine ready on {device} with {config.model}")
 
     def execute(self, requests):
@@ -52,7 +58,15 @@ class TritonPythonModel:
                 f"with an error. Run tritonserver with --model-control-mode=explicit "
                 f"--load-model=* for readiness to follow the engine")
 
+    def _server_stopping(self, signum):
+        self.logger.log_info(f"llm: {signal.Signals(signum).name}: the server is stopping; "
+                             f"requests in flight end now")
+        self.serving.stop_serving("the server is shutting down")
+
     def finalize(self):
+        # Every thread of ours that calls pb_utils has ended when this returns: a call under
+        # way as the stub exits can leave the server a lock held by a dead process (README).
+        self.signal_watch.close()
         self.serving.shutdown()
         self.logger.log_info("llm: engine stopped")
 
