@@ -688,16 +688,9 @@ def test_unload_lets_in_flight_streams_finish_then_finalizes(model_dir, tmp_path
 
 
 def _core_pids(server):
-    """The engine core processes of this server (in its process group, by command line)."""
-    pids = []
-    for pid in server.group_pids():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"engine.core_process" in f.read():
-                    pids.append(pid)
-        except OSError:
-            pass
-    return pids
+    """The engine core processes of this server (started by its stubs, by command line)."""
+    return [pid for pid, cmdline in server.descendant_pids().items()
+            if "engine.core_process" in cmdline]
 
 
 def test_killing_the_core_process_ends_streams_and_makes_llm_not_ready(model_dir, tmp_path):

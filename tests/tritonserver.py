@@ -11,16 +11,21 @@
         with start_server(repo, log_dir=tmp_path_factory.mktemp("server")) as s:
             yield s
 
-The server runs in a session of its own, so `stop()` can SIGKILL the whole process group after
-the SIGTERM grace period. Killing the server alone can orphan its `triton_python_backend_stub`
-processes (one per model instance): a stub exits once its server is gone, but not while the
-dead server is unreaped, nor when the stub itself is stuck. Servers still running when the
-interpreter exits are stopped too.
+The server runs in a session of its own; `stop()` sends SIGTERM to its whole process group, as
+a terminal's Ctrl-C or a service manager would (the `llm` model ends its streams when its stub
+sees the signal: README, Stopping), and SIGKILLs the group after the grace period. Killing the
+server alone can orphan its `triton_python_backend_stub` processes (one per model instance): a
+stub exits once its server is gone, but not while the dead server is unreaped, nor when the
+stub itself is stuck. The engine's own processes (core, tokenizer) run in sessions of their
+own, outside the group: they exit when their stub is gone, and `stop()` waits for that (and
+kills any still there after 10 s). Servers still running when the interpreter exits are
+stopped too.
 """
 from __future__ import annotations
 
 import atexit
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -87,15 +92,30 @@ class TritonServer:
         except FileNotFoundError:
             return ""
 
+    def wait(self, timeout_s: float) -> int | None:
+        """Waits up to `timeout_s` for the server to exit, without reaping it (see
+        `returncode`); returns its exit status, or None if it still runs."""
+        server = Processes({self.pid: "tritonserver"})
+        server.wait_gone(timeout_s)
+        server.close()
+        return self.returncode()
+
     def group_pids(self) -> list[int]:
         """Live (not zombie) processes of the server's process group: the server and its stubs."""
         return _live_pids_in_group(self.pid)
 
+    def descendant_pids(self) -> dict[int, str]:
+        """Live processes started by the server or by its descendants, {pid: command line}:
+        the stubs and the engine processes they start (which are in sessions of their own)."""
+        return _live_descendants(self.pid)
+
     def stop(self, timeout_s: float = 30.0) -> None:
-        """SIGTERM the server, wait up to `timeout_s`, then SIGKILL whatever is left of its
-        process group, and wait until none of it is alive. Safe to call more than once."""
+        """SIGTERM the server's process group, wait up to `timeout_s` for the server, then
+        SIGKILL whatever is left of the group; wait until none of it, nor any process the
+        server started, is alive. Safe to call more than once."""
+        descendants = Processes(self.descendant_pids() if self.returncode() is None else {})
         if self.returncode() is None:
-            os.kill(self.pid, signal.SIGTERM)  # not Popen.send_signal: that may reap it
+            os.killpg(self.pid, signal.SIGTERM)  # not Popen.send_signal: that may reap it
             deadline = time.monotonic() + timeout_s
             while self.returncode() is None and time.monotonic() < deadline:
                 time.sleep(_POLL_INTERVAL_S)
@@ -108,10 +128,19 @@ class TritonServer:
         deadline = time.monotonic() + 10.0
         while self.group_pids() and time.monotonic() < deadline:
             time.sleep(_POLL_INTERVAL_S)
+        outlived = descendants.wait_gone(10.0)  # the engine's: they exit once their stub has
+        if outlived:
+            descendants.kill()
+            descendants.wait_gone(10.0)
+        left = {**{pid: cmd for pid, (_, cmd) in descendants.fds.items()},
+                **{pid: "" for pid in self.group_pids()}}
+        descendants.close()
         _live_servers.discard(self)
-        left = self.group_pids()
         if left:
             raise RuntimeError(f"tritonserver {self.pid}: processes {left} survived SIGKILL")
+        if outlived:
+            raise RuntimeError(f"tritonserver {self.pid}: processes {outlived} outlived the "
+                               f"server by 10 s (killed)")
 
 
 def start_server(model_repository: str | os.PathLike, extra_args: Sequence[str] = (),
@@ -182,8 +211,9 @@ def _free_ports(count: int) -> list[int]:
             s.close()
 
 
-def _live_pids_in_group(pgid: int) -> list[int]:
-    pids = []
+def _proc_stats() -> dict[int, tuple[str, int, int]]:
+    """{pid: (state, ppid, pgrp)} of every process."""
+    stats = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -193,10 +223,72 @@ def _live_pids_in_group(pgid: int) -> list[int]:
         except OSError:  # exited meanwhile
             continue
         # Fields after the parenthesised command name: state, ppid, pgrp, ...
-        state, _ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
-        if int(pgrp) == pgid and state != "Z":
-            pids.append(int(entry))
-    return pids
+        state, ppid, pgrp = stat[stat.rindex(")") + 2:].split()[:3]
+        stats[int(entry)] = (state, int(ppid), int(pgrp))
+    return stats
+
+
+def _live_pids_in_group(pgid: int) -> list[int]:
+    return [pid for pid, (state, _, pgrp) in _proc_stats().items()
+            if pgrp == pgid and state != "Z"]
+
+
+def _live_descendants(root: int) -> dict[int, str]:
+    stats = _proc_stats()
+    children: dict[int, list[int]] = {}
+    for pid, (_, ppid, _) in stats.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        todo.extend(children.get(pid, []))
+        if stats[pid][0] == "Z":
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                found[pid] = f.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        except OSError:  # exited meanwhile
+            continue
+    return found
+
+
+class Processes:
+    """Processes, ours or not, held by pidfd: waiting on them needs no polling and reaps
+    nothing, and a pid that another process takes after one exits is never mistaken for it."""
+
+    def __init__(self, pids: dict[int, str]) -> None:
+        self.fds: dict[int, tuple[int, str]] = {}
+        for pid, cmdline in pids.items():
+            try:
+                self.fds[pid] = (os.pidfd_open(pid), cmdline)
+            except ProcessLookupError:  # gone already
+                pass
+
+    def wait_gone(self, timeout_s: float) -> dict[int, str]:
+        """Waits until all have exited or `timeout_s` has passed; returns those still alive."""
+        deadline = time.monotonic() + timeout_s
+        while self.fds:
+            ready, _, _ = select.select([fd for fd, _ in self.fds.values()], [], [],
+                                        max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            for pid, (fd, _) in list(self.fds.items()):
+                if fd in ready:
+                    os.close(fd)
+                    del self.fds[pid]
+        return {pid: cmdline for pid, (_, cmdline) in self.fds.items()}
+
+    def kill(self) -> None:
+        for fd, _ in self.fds.values():
+            try:
+                signal.pidfd_send_signal(fd, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    def close(self) -> None:
+        for fd, _ in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
 
 
 @atexit.register
