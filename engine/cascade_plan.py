@@ -7,13 +7,16 @@ nothing sent from the scheduler. `CascadePlanner.plan`:
 
 1. A row may join a group over the blocks wholly before its first query position (a row still
    writing part of a prefix cannot read it as shared); rows with fewer than the rule's
-   min_prefix_len of those stay alone.
+   min_prefix_len of those stay alone, and so do prompt chunks longer than a prefix tile (the
+   prefix pass would read the prefix once per tile of their rows: no better than plain).
 2. Sort those rows by their leading block ids (numpy, memcmp order) and take the common run of
    each neighbouring pair: the LCP-interval tree over block tables. `choose_groups` picks groups
    by the cost rule's net bytes, so a subset sharing a longer prefix is its own group where
    that saves more, the rest grouped over the shorter one (engine/prefix_groups.py).
 3. Split groups over `max_group_rows` query rows (a CUDA graph's capacity), let the cost rule
    keep the groups worth it and say whether the step pays at all, keep at most `max_groups`.
+4. In a cascade step a lone decode row over a long context (`split_lone_from` tokens) becomes a
+   group of one over its own cached blocks: the own pass has no split-KV, the prefix pass does.
 
 The plan puts each kept group's members next to each other, first, and every other row after
 them in its old order, as kernels/cascade_attention.py needs. No torch here.
@@ -35,7 +38,7 @@ class CascadePlan:
     cu_group_seqs: np.ndarray   # [num_groups + 1] int32 over the new order
     max_group_rows: int         # query rows of the largest group
     max_prefix_len: int
-    num_cascade_rows: int       # query rows that read a shared prefix
+    num_cascade_rows: int       # query rows that read a shared prefix (groups of two or more)
 
 
 class CascadePlanner:
@@ -44,15 +47,17 @@ class CascadePlanner:
 
     def plan(self, block_table: np.ndarray, starts: np.ndarray, q_lens: np.ndarray,
              rule: CascadeCostRule, max_group_rows: int | None = None,
-             max_groups: int | None = None) -> CascadePlan | None:
+             max_groups: int | None = None, split_lone_from: int | None = None
+             ) -> CascadePlan | None:
         """block_table [B, W] int32 (entries past a row's blocks are ignored), starts [B] the
         tokens each row had computed before this step, q_lens [B] its new tokens. None: run the
         plain kernel."""
         bs = self.block_size
         min_blocks = max(1, -(-rule.min_prefix_len // bs))
+        q_lens = np.asarray(q_lens)
         # Blocks wholly before the first query (and in the table).
         caps = np.minimum(np.asarray(starts) // bs, block_table.shape[1])
-        cand = np.flatnonzero(caps >= min_blocks)
+        cand = np.flatnonzero((caps >= min_blocks) & (q_lens <= rule.rows_per_prefix_tile))
         if cand.size < 2 or np.unique(block_table[cand, 0]).size == cand.size:
             return None
         width = int(caps[cand].max())
@@ -67,7 +72,7 @@ class CascadePlanner:
         differ = sub[1:] != sub[:-1]
         lcp = np.where(differ.any(1), differ.argmax(1), width)
         lcp = np.where(lcp >= min_blocks, lcp * bs, 0)
-        q_sorted = np.asarray(q_lens)[cand[order]].tolist()
+        q_sorted = q_lens[cand[order]].tolist()
         chosen = choose_groups([0] + lcp.tolist(), lambda count, rows, p: rule.net_bytes(
             PrefixGroup(count, p, rows)), sizes=q_sorted)
         groups = []                                      # (members, prefix_len, query rows)
@@ -81,7 +86,14 @@ class CascadePlanner:
         if max_groups is not None and len(keep) > max_groups:
             keep.sort(key=lambda g: -rule.net_bytes(PrefixGroup(len(g[0]), g[1], g[2])))
             keep = sorted(keep[:max_groups], key=lambda g: g[0][0])
-        return _build(keep, len(q_lens))
+        num_cascade_rows = sum(r for _, _, r in keep)
+        if split_lone_from is not None:
+            grouped = {r for members, _, _ in keep for r in members}
+            long_lone = [r for r in np.flatnonzero((q_lens == 1) & (caps * bs >= split_lone_from))
+                         .tolist() if r not in grouped]
+            room = len(long_lone) if max_groups is None else max_groups - len(keep)
+            keep += [([r], int(caps[r]) * bs, 1) for r in long_lone[:max(room, 0)]]
+        return _build(keep, len(q_lens), num_cascade_rows)
 
 
 def _split(members: list[int], q_lens: list[int], prefix: int,
@@ -104,7 +116,8 @@ def _split(members: list[int], q_lens: list[int], prefix: int,
     return [g for g in out if len(g[0]) >= 2]
 
 
-def _build(groups: list[tuple[list[int], int, int]], num_rows: int) -> CascadePlan:
+def _build(groups: list[tuple[list[int], int, int]], num_rows: int,
+           num_cascade_rows: int) -> CascadePlan:
     order: list[int] = []
     prefix_lens: list[int] = []
     cu = [0]
@@ -120,4 +133,4 @@ def _build(groups: list[tuple[list[int], int, int]], num_rows: int) -> CascadePl
         cu_group_seqs=np.asarray(cu, dtype=np.int32),
         max_group_rows=max(r for _, _, r in groups),
         max_prefix_len=max(p for _, p, _ in groups),
-        num_cascade_rows=sum(r for _, _, r in groups))
+        num_cascade_rows=num_cascade_rows)

@@ -26,6 +26,10 @@ from kernels.cascade_cost import CascadeCostRule
 SPLITS = (1, 2, 4)                  # prefix split counts used, so their variants are compiled
 LARGE_GROUP_ROWS = 128              # max_group_rows of eager steps with a group over 16 rows
 TYPICAL_PREFIX_LEN = 2048           # sizes the graphs' split counts
+# In a cascade step, a lone decode row over this many cached tokens is split through the prefix
+# pass (a group of one): the own pass has one program per kv head for it, no split-KV. At ~36
+# GB/s per SM, 2048 tokens of Llama-8B K/V per head take ~14 us, a sixth of a 256-row own pass.
+SPLIT_LONE_FROM = 2048
 
 
 @dataclass
@@ -67,6 +71,7 @@ class CascadeSteps:
         self.rule = CascadeCostRule(self.num_q_heads, self.num_kv_heads, self.head_dim,
                                     kv_dtype_bytes=torch.empty((), dtype=dtype).element_size())
         self._rules: dict[tuple, CascadeCostRule] = {}
+        self.num_eager_steps = 0            # eager steps planned with groups (tests, GPU checks)
 
     # ------------------------------------------------------------------ launch parameters
     def _rows_per_tile(self, max_group_rows: int) -> int:
@@ -109,17 +114,19 @@ class CascadeSteps:
         if capacity is not None:
             max_groups, rows_cap, splits = capacity
             plan = self.planner.plan(block_table, starts, q_lens, self._rule_for(rows_cap, splits),
-                                     rows_cap, max_groups)
+                                     rows_cap, max_groups, SPLIT_LONE_FROM)
             kernel_rows = rows_cap
         else:
             plan = self.planner.plan(block_table, starts, q_lens,
-                                     self._rule_for(LARGE_GROUP_ROWS, 1))
+                                     self._rule_for(LARGE_GROUP_ROWS, 1),
+                                     split_lone_from=SPLIT_LONE_FROM)
             if plan is None:
                 return None
             kernel_rows = (CASCADE_GROUP_ROWS if plan.max_group_rows <= CASCADE_GROUP_ROWS
                            else max(plan.max_group_rows, LARGE_GROUP_ROWS))
             tiles = -(-plan.max_group_rows // self._rows_per_tile(kernel_rows))
             splits = self._splits(len(plan.cu_group_seqs) - 1, tiles, plan.max_prefix_len)
+            self.num_eager_steps += 1
         if plan is None:
             return None
         return CascadeStep(plan.order, plan.prefix_lens, plan.cu_group_seqs, kernel_rows,

@@ -20,22 +20,25 @@ def step(tables, starts, q_lens=None):
     return bt, np.asarray(starts, dtype=np.int64), q
 
 
-def check_plan(plan, bt, starts, q_lens):
+def check_plan(plan, bt, starts, q_lens, singles=False):
     """The kernel's contract: members consecutive, one prefix of whole shared blocks, at or
-    before every member's first query; everything else prefix 0; a permutation of the rows."""
+    before every member's first query; everything else prefix 0; a permutation of the rows.
+    singles: groups of one (a long lone decode split over its own blocks) allowed."""
     assert sorted(plan.order) == list(range(len(q_lens)))
     cu = plan.cu_group_seqs.tolist()
     assert cu[0] == 0 and all(a < b for a, b in zip(cu, cu[1:]))
+    shared_rows = 0
     for g in range(len(cu) - 1):
         rows = plan.order[cu[g]:cu[g + 1]]
         p = int(plan.prefix_lens[cu[g]])
-        assert len(rows) >= 2 and p > 0 and p % BS == 0
+        assert (len(rows) >= 2 or singles) and p > 0 and p % BS == 0
+        shared_rows += sum(int(q_lens[r]) for r in rows) if len(rows) >= 2 else 0
         assert (plan.prefix_lens[cu[g]:cu[g + 1]] == p).all()
         for r in rows:
             assert p <= starts[r]
             assert (bt[r, :p // BS] == bt[rows[0], :p // BS]).all()
     assert (plan.prefix_lens[cu[-1]:] == 0).all()
-    assert plan.num_cascade_rows == sum(int(q_lens[r]) for r in plan.order[:cu[-1]])
+    assert plan.num_cascade_rows == shared_rows
 
 
 def test_rows_sharing_leading_blocks_form_groups_in_any_order():
@@ -80,6 +83,31 @@ def test_prefill_rows_count_their_queries():
     plan = CascadePlanner(BS).plan(bt, st, q, EAGER)
     check_plan(plan, bt, st, q)
     assert plan.max_group_rows == 28 and plan.num_cascade_rows == 28
+
+
+def test_chunks_longer_than_a_prefix_tile_stay_alone():
+    tables = [[1, 2, 3, 4, 5, 6]] * 4
+    bt, st, q = step(tables, [64] * 4, q_lens=[1, 33, 1, 8])
+    rule = CascadeCostRule(4, 2, 32, min_prefix_len=0, min_saved_bytes=0, per_group_bytes=0,
+                           rows_per_prefix_tile=32)
+    plan = CascadePlanner(BS).plan(bt, st, q, rule)
+    check_plan(plan, bt, st, q)
+    assert sorted(plan.order[:3]) == [0, 2, 3] and plan.order[3] == 1
+
+
+def test_long_lone_decodes_split_as_groups_of_one():
+    tables = [[1, 2, 3, 4, 5]] * 2 + [list(range(10, 80)), list(range(80, 84)), list(range(90, 160))]
+    bt, st, q = step(tables, [70, 70, 1100, 60, 500], q_lens=[1, 1, 1, 1, 4])
+    planner = CascadePlanner(BS)
+    plan = planner.plan(bt, st, q, EAGER, split_lone_from=1024)
+    check_plan(plan, bt, st, q, singles=True)
+    assert np.diff(plan.cu_group_seqs).tolist() == [2, 1]
+    assert plan.order[2] == 2 and plan.prefix_lens[2] == 1088 and plan.num_cascade_rows == 2
+    # No room left in the capacity, or nothing shared: no groups of one.
+    plan = planner.plan(bt, st, q, EAGER, split_lone_from=1024, max_groups=1)
+    assert np.diff(plan.cu_group_seqs).tolist() == [2]
+    bt, st, q = step(tables[2:], [1100, 60, 500], q_lens=[1, 1, 4])
+    assert planner.plan(bt, st, q, EAGER, split_lone_from=1024) is None
 
 
 def test_nothing_shared_or_nothing_worth_it_is_the_plain_kernel():
@@ -139,6 +167,7 @@ def test_random_tables_keep_the_contract(seed):
         starts.append(int(rng.integers(0, len(tables[-1]) * BS)))
         q_lens.append(int(rng.choice([1, 1, 1, 5, 30])))
     bt, st, q = step(tables, starts, q_lens)
-    plan = CascadePlanner(BS).plan(bt, st, q, EAGER, max_group_rows=int(rng.choice([8, 64])))
+    plan = CascadePlanner(BS).plan(bt, st, q, EAGER, max_group_rows=int(rng.choice([8, 64])),
+                                   split_lone_from=int(rng.choice([64, 10 ** 6])))
     if plan is not None:
-        check_plan(plan, bt, st, q)
+        check_plan(plan, bt, st, q, singles=True)
