@@ -169,3 +169,102 @@ def test_no_kernel_compiles_after_start_up():
         assert after == before
     finally:
         llm.core.shutdown()
+
+
+# ---- shared-prefix groups and cascade attention (issue 12) --------------------------------
+
+def _cascade_vs_plain(model, prompts, params, dtype, **settings):
+    """The same engine with prefix groups + cascade (every shared block worth it) and with
+    neither (nor prefix caching): their outputs, and the cascade engine."""
+    from tests.test_prefix_sharing import force_cascade
+    plain = LLM(model, dtype=dtype, device="cuda", enable_prefix_caching=False,
+                enable_prefix_groups=False, enable_cascade_attention=False, **settings)
+    want = plain.generate(prompts, params)
+    plain.core.shutdown()
+    llm = force_cascade(LLM(model, dtype=dtype, device="cuda", **settings))
+    got = llm.generate(prompts, params)
+    stats = llm.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    return want, got, llm
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cascade_engine_equals_plain_engine_fp32(tiny_models, arch):
+    """Triton kernels on the GPU in fp32: groups, cascade graphs (decode) and eager cascade
+    steps (prompt chunks beside decodes), preemption: token for token what the plain engine
+    gives."""
+    from tests.test_prefix_sharing import shared_prefix_workload
+    prompts = shared_prefix_workload(seed=ARCHS.index(arch))
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want, got, llm = _cascade_vs_plain(tiny_models[arch], prompts, params, "float32",
+                                       block_size=16, max_num_batched_tokens=64,
+                                       num_kv_blocks=40, max_model_len=320, max_num_seqs=12)
+    runner, stats = llm.core.runner, llm.get_stats()
+    assert sorted(runner.decode_graphs.cascade_graphs) == [b for b in runner.decode_graphs.sizes
+                                                           if b >= 2]
+    assert runner.decode_graphs.num_cascade_runs > 0, "no decode step replayed a cascade graph"
+    assert runner.cascade.num_eager_steps > 0, "no eager step ran cascade"
+    assert stats.num_cascade_rows > 0 and stats.num_preemptions > 0
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids, f"prompt {i} differs"
+    llm.core.shutdown()
+
+
+def test_cascade_engine_near_plain_engine_bf16(tiny_models):
+    """bf16: the two paths round differently (prefix and own parts merged in fp32 vs one
+    softmax), so greedy tokens may part where the top two logits are about equal. Most
+    sequences must match whole, and every parting must be at a near-tie of the plain run."""
+    from tests.test_prefix_sharing import shared_prefix_workload
+    prompts = shared_prefix_workload(seed=4) + shared_prefix_workload(seed=5)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
+    want, got, llm = _cascade_vs_plain(tiny_models["llama"], prompts, params, "bfloat16",
+                                       num_kv_blocks=512, max_num_seqs=64)
+    assert llm.get_stats().num_cascade_rows > 0
+    same = 0
+    for g, w in zip(got, want):
+        a, b = g.outputs[0].token_ids, w.outputs[0].token_ids
+        if a == b:
+            same += 1
+            continue
+        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+        top = sorted((lp.logprob for lp in w.outputs[0].logprobs[k].values()), reverse=True)
+        assert top[0] - top[1] < 0.25, f"parted at token {k} with a top-2 gap of {top[0] - top[1]}"
+    assert same >= 0.75 * len(prompts), f"only {same} of {len(prompts)} sequences match"
+    llm.core.shutdown()
+
+
+def test_cascade_8b_rule_graphs_and_nothing_compiles_after_start_up():
+    """Llama-3.1-8B shapes in bf16 with the real cost rule: 4 groups of 8 over 1024-token
+    prefixes plus lone requests. The rule picks cascade for decode steps (graphs) and for
+    mixed steps (eager), every group's prefix is computed once, and no kernel variant compiles
+    after start-up (graph capture and the runner's warm-up)."""
+    import random
+
+    from kernels import activation, cascade_attention, kv_cache, paged_attention, rmsnorm, rotary
+    from scripts.bench_common import preset_dir
+    modules = [activation, cascade_attention, kv_cache, paged_attention, rmsnorm, rotary]
+    llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16", device="cuda",
+              skip_tokenizer_init=True, max_num_seqs=48, max_num_batched_tokens=512,
+              num_kv_blocks=4096, max_model_len=2048)
+    try:
+        runner = llm.core.runner
+        assert runner.decode_graphs.cascade_graphs
+        before = {m.__name__: _num_compiled(m) for m in modules}
+        assert before["kernels.cascade_attention"]["_prefix_kernel"] > 0
+        rng = random.Random(0)
+        prompts = []
+        for _ in range(4):
+            prefix = [rng.randrange(1000, 100_000) for _ in range(1024)]
+            prompts += [prefix + [rng.randrange(1000, 100_000) for _ in range(rng.randint(20, 90))]
+                        for _ in range(8)]
+        prompts += [[rng.randrange(1000, 100_000) for _ in range(n)] for n in (5, 300, 1500)]
+        rng.shuffle(prompts)
+        llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True))
+        stats = llm.get_stats()
+        assert runner.decode_graphs.num_cascade_runs > 0 and runner.cascade.num_eager_steps > 0
+        assert stats.num_cascade_rows > 0
+        assert stats.num_computed_prompt_tokens == sum(map(len, prompts)) - 4 * 7 * 1024
+        after = {m.__name__: _num_compiled(m) for m in modules}
+        assert after == before
+    finally:
+        llm.core.shutdown()

@@ -1,0 +1,261 @@
+"""Shared-prefix throughput (issue 12, the BatchLLM RFC workload): requests in groups that share a
+long prefix (a system prompt, a document, few-shot examples), each with its own part and output.
+
+Modes, each its own engine (same settings otherwise):
+  off     prefix caching off: every prompt computed whole, every prefix read per request
+  apc     automatic prefix caching alone (no prefix groups, no cascade attention)
+  groups  prefix groups (each prefix computed once, pinned while its group runs) + cascade
+          attention (a group's prefix read once per step) + prefix caching
+Orders: grouped (a group's requests next to each other) or shuffled (random.Random(0)).
+
+Workloads: `rfc` (6400 requests in groups of 16, 2000 shared + 200 own tokens, 100 out) and the
+sweep `g{degree}-p{prefix}` over sharing degrees 4/16/64 and prefixes 500/2000/8000 (200 own, 100
+out). Each run reports requests/s and output tok/s beside the job's compute-and-bytes floor:
+prefill FLOPs with each prefix computed once at the bf16 peak, plus decode steps at full batch
+reading the weights once and each group's prefix once (own and output tokens per request) at the
+HBM peak. Random token ids, dummy weights, greedy, ignore_eos.
+
+One GPU call must stay under 10 minutes: pick workloads, modes and orders with flags, write each
+part to its own file, and merge them (`--merge a.json b.json --out benchmarks/h200/shared_prefix`).
+`--quick`: a tiny model on CPU, a few requests (a smoke test of this script).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from scripts.bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS,  # noqa: E402
+                                  git_commit, hardware, kv_bytes_per_token, param_count,
+                                  preset_dir, write_results)
+
+MODES = {"off": dict(enable_prefix_caching=False, enable_prefix_groups=False,
+                     enable_cascade_attention=False),
+         "apc": dict(enable_prefix_caching=True, enable_prefix_groups=False,
+                     enable_cascade_attention=False),
+         "groups": dict(enable_prefix_caching=True, enable_prefix_groups=True,
+                        enable_cascade_attention=True)}
+ORDERS = ("grouped", "shuffled")
+SWEEP_DEGREES = (4, 16, 64)
+SWEEP_PREFIXES = (500, 2000, 8000)
+
+
+def parse_workload(name: str, num_requests: int | None, own: int, out: int) -> dict:
+    if name == "rfc":
+        return dict(name="rfc", degree=16, prefix=2000, own=200, out=100,
+                    num_requests=num_requests or 6400)
+    try:
+        degree, prefix = name.split("-")
+        degree, prefix = int(degree.removeprefix("g")), int(prefix.removeprefix("p"))
+    except ValueError:
+        raise SystemExit(f"workload {name!r}: expected 'rfc', 'sweep' or 'g<degree>-p<prefix>'")
+    # Sweep sizes: long prefixes get fewer requests so each run stays near a minute.
+    n = num_requests or (512 if prefix > 4000 else 1024)
+    n = max(degree, n // degree * degree)
+    return dict(name=name, degree=degree, prefix=prefix, own=own, out=out, num_requests=n)
+
+
+def make_prompts(w: dict, order: str, vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lo = min(1000, vocab // 4)                     # clear of the special tokens
+    tok = lambda n: [rng.randrange(lo, vocab) for _ in range(n)]  # noqa: E731
+    prompts = []
+    for _ in range(w["num_requests"] // w["degree"]):
+        prefix = tok(w["prefix"])
+        prompts += [prefix + tok(w["own"]) for _ in range(w["degree"])]
+    if order == "shuffled":
+        random.Random(0).shuffle(prompts)
+    return prompts
+
+
+def floor_s(cfg: dict, w: dict, batch: int, elem: int) -> float:
+    """The job's compute-and-bytes floor (module docstring)."""
+    p = param_count(cfg)
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    attn = 4 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * d   # FLOPs per (query, key)
+    n, prefix, own, out = w["num_requests"], w["prefix"], w["own"], w["out"]
+    groups = n / w["degree"]
+    prefill_flops = (2 * p * (groups * prefix + n * own)
+                     + attn * (groups * prefix ** 2 / 2 + n * own * (prefix + own / 2)))
+    decode_flops = n * out * (2 * p + attn * (prefix + own + out / 2))
+    steps = -(-n // batch) * out
+    decode_bytes = (steps * p * elem
+                    + kv_bytes_per_token(cfg, elem) * out * (groups * prefix + n * (own + out / 2)))
+    return prefill_flops / BF16_DENSE_FLOPS + max(decode_bytes / HBM_BYTES_PER_S,
+                                                  decode_flops / BF16_DENSE_FLOPS)
+
+
+def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: str, cfg: dict,
+             elem: int, deadline: float) -> list[dict]:
+    from engine import LLM, SamplingParams
+    max_len = max(w["prefix"] + w["own"] + w["out"] for w in workloads)
+    settings = dict(load_format="dummy") if not args.quick else dict(device="cpu")
+    if args.gpu_memory_utilization is not None:
+        settings["gpu_memory_utilization"] = args.gpu_memory_utilization
+    if args.num_kv_blocks is not None:
+        settings["num_kv_blocks"] = args.num_kv_blocks
+    t0 = time.perf_counter()
+    llm = LLM(model, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=-(-max_len // 16) * 16, **MODES[mode], **settings)
+    start_s = time.perf_counter() - t0
+    if args.force_cascade and mode == "groups":
+        from tests.test_prefix_sharing import force_cascade
+        force_cascade(llm)
+    print(f"[{mode}] engine ready in {start_s:.1f} s", flush=True)
+    warm = make_prompts(dict(degree=4, prefix=64, own=16, num_requests=8), "grouped",
+                        cfg["vocab_size"], seed=99)
+    llm.generate(warm, SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    rows = []
+    for w in workloads:
+        for order in orders:
+            if time.perf_counter() > deadline:
+                print(f"[{mode}] time limit: skipping {w['name']} {order}", flush=True)
+                continue
+            prompts = make_prompts(w, order, cfg["vocab_size"])
+            llm.core.kv.pool.reset_prefix_cache()   # no hits from an earlier run
+            before = llm.get_stats()
+            params = SamplingParams(max_tokens=w["out"], temperature=0.0, ignore_eos=True)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            elapsed = time.perf_counter() - t0
+            after = llm.get_stats()
+            assert all(len(o.outputs[0].token_ids) == w["out"] for o in outs)
+            n = w["num_requests"]
+            floor = floor_s(cfg, w, args.max_num_seqs, elem)
+            row = dict(workload=w["name"], degree=w["degree"], prefix_len=w["prefix"],
+                       own_len=w["own"], output_len=w["out"], num_requests=n, order=order,
+                       mode=mode, elapsed_s=elapsed, requests_per_s=n / elapsed,
+                       output_tok_per_s=n * w["out"] / elapsed,
+                       computed_prompt_tokens=after.num_computed_prompt_tokens
+                       - before.num_computed_prompt_tokens,
+                       cascade_rows=after.num_cascade_rows - before.num_cascade_rows,
+                       preemptions=after.num_preemptions - before.num_preemptions,
+                       steps=after.num_steps - before.num_steps, floor_s=floor,
+                       floor_requests_per_s=n / floor, fraction_of_floor=floor / elapsed,
+                       engine_start_s=start_s)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    llm.core.shutdown()
+    return rows
+
+
+def table(rows: list[dict]) -> list[str]:
+    by_key: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        by_key.setdefault((r["workload"], r["degree"], r["prefix_len"], r["num_requests"],
+                           r["order"]), {})[r["mode"]] = r
+    out = ["| workload | requests | order | off req/s | apc req/s | groups req/s | "
+           "groups out tok/s | groups vs off | groups vs apc | floor req/s | groups % of floor | "
+           "prompt tokens computed (off / apc / groups) | cascade rows |",
+           "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+
+    def get(m, mode, key, fmt):
+        return fmt.format(m[mode][key]) if mode in m else "-"
+
+    def ratio(m, a, b):
+        return f"{m[a]['requests_per_s'] / m[b]['requests_per_s']:.2f}x" if a in m and b in m else "-"
+    for (name, degree, prefix, n, order), m in sorted(
+            by_key.items(), key=lambda kv: (kv[0][0] != "rfc", kv[0][1], kv[0][2], kv[0][4])):
+        any_row = next(iter(m.values()))
+        label = name if name == "rfc" else f"{degree} x {prefix}"
+        out.append(
+            f"| {label} | {n} | {order} | {get(m, 'off', 'requests_per_s', '{:.2f}')} | "
+            f"{get(m, 'apc', 'requests_per_s', '{:.2f}')} | "
+            f"{get(m, 'groups', 'requests_per_s', '{:.2f}')} | "
+            f"{get(m, 'groups', 'output_tok_per_s', '{:.0f}')} | {ratio(m, 'groups', 'off')} | "
+            f"{ratio(m, 'groups', 'apc')} | {any_row['floor_requests_per_s']:.1f} | "
+            f"{get(m, 'groups', 'fraction_of_floor', '{:.1%}')} | "
+            f"{' / '.join(get(m, k, 'computed_prompt_tokens', '{:,}') for k in MODES)} | "
+            f"{get(m, 'groups', 'cascade_rows', '{:,}')} |")
+    return out
+
+
+def write(out: str, meta: dict, rows: list[dict]) -> None:
+    meta = dict(meta, title="Shared-prefix throughput (BatchLLM RFC workload and sweep)",
+                targets="RFC workload: groups >= 3x off, >= 2x apc shuffled, >= 1.5x apc grouped")
+    write_results(out, meta, rows, table(rows))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--workloads", nargs="+", default=["rfc"],
+                    help="rfc, sweep, or g<degree>-p<prefix> (e.g. g16-p2000)")
+    ap.add_argument("--sweep-degrees", type=int, nargs="+", default=list(SWEEP_DEGREES))
+    ap.add_argument("--sweep-prefixes", type=int, nargs="+", default=list(SWEEP_PREFIXES))
+    ap.add_argument("--modes", nargs="+", default=list(MODES), choices=list(MODES))
+    ap.add_argument("--orders", nargs="+", default=list(ORDERS), choices=list(ORDERS))
+    ap.add_argument("--num-requests", type=int, default=None,
+                    help="requests per workload (default: 6400 for rfc, 1024 or 512 in the sweep)")
+    ap.add_argument("--own-len", type=int, default=200)
+    ap.add_argument("--output-len", type=int, default=100)
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=None)
+    ap.add_argument("--num-kv-blocks", type=int, default=None)
+    ap.add_argument("--time-limit-s", type=float, default=540,
+                    help="start no run after this many seconds (a GPU call has 600)")
+    ap.add_argument("--force-cascade", action="store_true",
+                    help="groups mode: every shared block worth a group (ignore the cost rule)")
+    ap.add_argument("--quick", action="store_true",
+                    help="tiny model on CPU, a few requests: a smoke test")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="merge result files into --out instead of running")
+    ap.add_argument("--out", default="benchmarks/shared_prefix")
+    args = ap.parse_args(argv)
+    command = " ".join(["python", "scripts/bench_shared_prefix.py"] + (argv or sys.argv[1:]))
+
+    if args.merge:
+        rows, metas = [], []
+        for path in args.merge:
+            with open(path) as f:
+                data = json.load(f)
+            metas.append(data["meta"])
+            rows += data["results"]
+        # Later files replace earlier rows of the same (workload, size, order, mode).
+        keyed = {(r["workload"], r["num_requests"], r["order"], r["mode"]): r for r in rows}
+        write(args.out, dict(metas[-1], command=command,
+                             parts=[m["command"] for m in metas]), list(keyed.values()))
+        return
+
+    deadline = time.perf_counter() + args.time_limit_s
+    if args.quick:
+        from scripts.make_tiny_model import make_tiny_model
+        model = str(make_tiny_model(os.path.join(tempfile.mkdtemp(), "tiny"), arch="llama", seed=1))
+        with open(os.path.join(model, "config.json")) as f:
+            cfg = json.load(f)
+        args.dtype, args.max_num_seqs, args.max_num_batched_tokens = "float32", 8, 64
+        args.force_cascade = True
+        workloads = [dict(name="g4-p64", degree=4, prefix=64, own=16, out=4, num_requests=12)]
+    else:
+        model, cfg = preset_dir(args.preset), PRESETS[args.preset]
+        names = []
+        for name in args.workloads:
+            names += ([f"g{d}-p{p}" for p in args.sweep_prefixes for d in args.sweep_degrees]
+                      if name == "sweep" else [name])
+        workloads = [parse_workload(n, args.num_requests, args.own_len, args.output_len)
+                     for n in names]
+    import torch
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    rows = []
+    for mode in args.modes:
+        rows += run_mode(mode, workloads, args.orders, args, model, cfg, elem, deadline)
+    meta = {"hardware": hardware(), "commit": git_commit(), "command": command,
+            "settings": {"preset": "tiny-llama" if args.quick else args.preset,
+                         "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                         "max_num_batched_tokens": args.max_num_batched_tokens}}
+    write(args.out, meta, rows)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""scripts/bench_shared_prefix.py at a tiny size (--quick: tiny model on CPU), and its floor."""
+import json
+
+from scripts.bench_common import PRESETS
+from scripts.bench_shared_prefix import floor_s, main, make_prompts, parse_workload
+
+
+def test_quick_run_writes_every_mode_and_order(tmp_path):
+    out = tmp_path / "shared_prefix"
+    main(["--quick", "--out", str(out)])
+    data = json.loads((tmp_path / "shared_prefix.json").read_text())
+    rows = {(r["mode"], r["order"]): r for r in data["results"]}
+    assert set(rows) == {(m, o) for m in ("off", "apc", "groups") for o in ("grouped", "shuffled")}
+    for (mode, order), r in rows.items():
+        assert r["requests_per_s"] > 0 and r["num_requests"] == 12
+        # 3 groups of 4 over a 64-token prefix, 16 own tokens each.
+        full = 12 * 80
+        if mode == "off":
+            assert r["computed_prompt_tokens"] == full and r["cascade_rows"] == 0
+        if mode == "groups":
+            assert r["computed_prompt_tokens"] == full - 9 * 64 and r["cascade_rows"] > 0
+    md = (tmp_path / "shared_prefix.md").read_text()
+    assert "| g4-p64 |" not in md and "| 4 x 64 | 12 | shuffled |" in md
+    # Parts merge into one table; a later part replaces the same run.
+    part = tmp_path / "part.json"
+    part.write_text(json.dumps({"meta": data["meta"], "results": [dict(
+        rows[("off", "grouped")], requests_per_s=1.0)]}))
+    main(["--merge", str(tmp_path / "shared_prefix.json"), str(part), "--out", str(out)])
+    merged = json.loads((tmp_path / "shared_prefix.json").read_text())["results"]
+    assert len(merged) == 6
+    assert [r["requests_per_s"] for r in merged if (r["mode"], r["order"]) == ("off", "grouped")] == [1.0]
+
+
+def test_workloads_and_prompts():
+    rfc = parse_workload("rfc", None, 200, 100)
+    assert (rfc["num_requests"], rfc["degree"], rfc["prefix"]) == (6400, 16, 2000)
+    assert parse_workload("g64-p8000", None, 200, 100)["num_requests"] == 512
+    assert parse_workload("g64-p500", 100, 200, 100)["num_requests"] == 64
+    w = dict(degree=4, prefix=32, own=8, num_requests=12)
+    grouped, shuffled = make_prompts(w, "grouped", 5000), make_prompts(w, "shuffled", 5000)
+    assert sorted(map(tuple, grouped)) == sorted(map(tuple, shuffled)) and grouped != shuffled
+    assert all(p[:32] == grouped[4 * (i // 4)][:32] for i, p in enumerate(grouped))
+
+
+def test_floor_counts_each_prefix_once():
+    cfg = PRESETS["llama-3.1-8b"]
+    rfc = parse_workload("rfc", None, 200, 100)
+    t = floor_s(cfg, rfc, 256, 2)
+    # Prefill alone: (400 x 2000 + 6400 x 200) tokens x 2 x 8.03e9 FLOPs at 989 TFLOP/s ~ 34 s;
+    # decode: 2500 steps of 16 GB of weights, 6.8 GB/step of KV ... ~ 10 s.
+    assert 35 < t < 60, t
+    more_sharing = dict(rfc, degree=64)
+    assert floor_s(cfg, more_sharing, 256, 2) < t
