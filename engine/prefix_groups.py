@@ -4,10 +4,11 @@ Offline (`LLM.generate`, all prompts known up front, as in BatchLLM): `group_pro
 prompts, so that prompts sharing a prefix sit next to each other, and takes the longest common
 prefix (LCP) of each neighbouring pair. Those LCPs are the LCP-interval tree of the set: a node is a
 run of sorted prompts that all share its prefix, its children are sub-runs sharing longer ones.
-`choose_groups` then picks disjoint nodes: a node is a group with its own (longest shared)
+`choose_groups` then picks groups bottom-up: a node is a group with its own (longest shared)
 prefix, or gives way to its children with their longer prefixes where those save more ("enlarge
-the prefix where that pays"). A group of n over a prefix of L tokens saves (n - 1) * L token
-computations, and as many prefix reads per decode step.
+the prefix where that pays"), the prompts they leave over grouped at the node's prefix. A group
+of n over a prefix of L tokens saves (n - 1) * L token computations, and as many prefix reads per
+decode step.
 
 Online, the model runner builds the same tree over the block tables of one step's requests
 (engine/cascade_plan.py): prefix caching already gave requests with equal prefixes the same
@@ -18,6 +19,7 @@ prompt token's hidden state is sampled from). No torch here.
 """
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -33,30 +35,50 @@ class PromptGroup:
 
 
 class _Node:
-    __slots__ = ("prefix", "lo", "hi", "children", "best", "take")
+    __slots__ = ("prefix", "lo", "hi", "children", "best", "whole", "leftover", "covered",
+                 "covered_size")
 
     def __init__(self, prefix: int, lo: int, children: list) -> None:
         self.prefix, self.lo, self.hi, self.children = prefix, lo, lo, children
-        self.best, self.take = 0.0, False
+        self.best, self.whole, self.leftover = 0.0, False, False
+        self.covered = self.covered_size = 0       # items (and their sizes) in chosen groups
 
 
-def choose_groups(lcp: Sequence[int], value: Callable[[int, int, int], float]
-                  ) -> list[tuple[int, int, int]]:
-    """Disjoint groups over items in sorted order, where lcp[i] (i >= 1) is what items i - 1 and i
-    share (lcp[0] is ignored; 0 = nothing worth sharing). Returns (lo, hi, prefix) for runs
-    [lo, hi) of the LCP-interval tree, chosen bottom-up to maximize the sum of
-    value(lo, hi, prefix): a node is taken when its value is positive and at least what its
-    children's best choices add up to (ties go to the larger group). O(len(lcp))."""
+def choose_groups(lcp: Sequence[int], value: Callable[[int, int, int], float],
+                  sizes: Sequence[int] | None = None) -> list[tuple[list[int], int]]:
+    """Disjoint groups over items in sorted order, where lcp[i] (i >= 1) is what items i - 1 and
+    i share (lcp[0] is ignored; 0 = nothing worth sharing). Returns (item indices, prefix) pairs
+    that maximize the sum of value(num_items, sum of their sizes, prefix) (sizes default to 1).
+
+    Bottom-up over the LCP-interval tree: a node is one group of all its items at its prefix,
+    or its children's best choices plus, if worth it, one more group of the items those leave
+    over, at the node's prefix (a system prompt shared by all, documents by some: groups per
+    document and one for the rest). Ties go to the larger group. O(len(lcp)) nodes."""
     n = len(lcp)
     if n < 2:
         return []
+    cum = [0, *itertools.accumulate(sizes)] if sizes is not None else list(range(n + 1))
 
     def close(node: _Node, hi: int) -> None:
         node.hi = hi
+        count, size = hi - node.lo, cum[hi] - cum[node.lo]
         kids = sum(c.best for c in node.children)
-        own = value(node.lo, hi, node.prefix) if node.prefix > 0 else 0.0
-        node.take = own > 0 and own >= kids
-        node.best = own if node.take else kids
+        covered = sum(c.covered for c in node.children)
+        covered_size = sum(c.covered_size for c in node.children)
+        if node.prefix <= 0:
+            node.best, node.covered, node.covered_size = kids, covered, covered_size
+            return
+        whole = value(count, size, node.prefix)
+        left = count - covered
+        rest = value(left, size - covered_size, node.prefix) if left >= 2 else 0.0
+        node.leftover = rest > 0
+        split = kids + max(rest, 0.0)
+        node.whole = whole > 0 and whole >= split
+        node.best = whole if node.whole else split
+        if node.whole or node.leftover:
+            node.covered, node.covered_size = count, size
+        else:
+            node.covered, node.covered_size = covered, covered_size
 
     # Bottom-up traversal of the LCP intervals (Abouelhoda, Kurtz, Ohlebusch 2004).
     stack = [_Node(0, 0, [])]
@@ -75,14 +97,31 @@ def choose_groups(lcp: Sequence[int], value: Callable[[int, int, int], float]
             stack.append(_Node(cur, lo, [last] if last is not None else []))
     root = stack[0]
     close(root, n)
-    chosen, todo = [], [root]
+    return _collect(root)
+
+
+def _collect(root: _Node) -> list[tuple[list[int], int]]:
+    """The chosen groups, top-down without recursion (trees can be deep)."""
+    chosen: list[tuple[list[int], int]] = []
+    todo = [root]
     while todo:
         node = todo.pop()
-        if node.take:
-            chosen.append((node.lo, node.hi, node.prefix))
-        else:
-            todo.extend(node.children)
-    return sorted(chosen)
+        if node.whole:
+            chosen.append((list(range(node.lo, node.hi)), node.prefix))
+            continue
+        if node.leftover:
+            taken = set()
+            inner = list(node.children)
+            while inner:                         # what the children's chosen groups hold
+                child = inner.pop()
+                if child.whole or child.leftover:
+                    taken.update(range(child.lo, child.hi))
+                else:
+                    inner.extend(child.children)
+            chosen.append(([i for i in range(node.lo, node.hi) if i not in taken],
+                           node.prefix))
+        todo.extend(node.children)
+    return sorted(chosen, key=lambda g: g[0][0])
 
 
 def shareable_len(num_tokens: int, block_size: int) -> int:
@@ -111,8 +150,9 @@ def group_prompts(prompts: Sequence[Sequence[int]], block_size: int,
         differ = np.flatnonzero(a[:m] != b[:m])
         shared = (int(differ[0]) if differ.size else m) // block_size * block_size
         lcp[k] = shared if shared >= min_len else 0
-    chosen = choose_groups(lcp, lambda lo, hi, prefix: (hi - lo - 1) * prefix)
-    groups = [PromptGroup(prefix, tuple(sorted(order[lo:hi]))) for lo, hi, prefix in chosen]
+    chosen = choose_groups(lcp, lambda count, _, prefix: (count - 1) * prefix)
+    groups = [PromptGroup(prefix, tuple(sorted(order[k] for k in items)))
+              for items, prefix in chosen]
     grouped = {i for g in groups for i in g.members}
     groups += [PromptGroup(0, (i,)) for i in range(n) if i not in grouped]
     return sorted(groups, key=lambda g: g.members[0])
