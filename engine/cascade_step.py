@@ -8,8 +8,10 @@ decodes) passes max_group_rows 16 when every group has at most 16 rows and 128 o
 otherwise (one tile size each), and a split count of 1, 2 or 4. The runner's warm-up compiles
 each of those eager variants at start, so none compiles mid-serving.
 
-On CPU the PyTorch path reads each prefix once per group whatever the tiles; there the cost
-rule's byte counts are only a stand-in (tests replace `rule` to force groups).
+On CPU (the PyTorch path: tests, the bundled tiny model) the rule's H200 byte counts mean
+nothing, and a tiny model never reaches them: there every prefix of a block or more shared by
+two rows or more is a group, so served CPU traffic shows cascade rows too. Tests may replace
+`rule`.
 """
 from __future__ import annotations
 
@@ -70,6 +72,9 @@ class CascadeSteps:
         # The rule for this model; a test may replace it (launch details are filled in per step).
         self.rule = CascadeCostRule(self.num_q_heads, self.num_kv_heads, self.head_dim,
                                     kv_dtype_bytes=torch.empty((), dtype=dtype).element_size())
+        if not self.on_gpu:
+            self.rule = dataclasses.replace(self.rule, min_prefix_len=block_size,
+                                            min_saved_bytes=0, per_group_bytes=0)
         self._rules: dict[tuple, CascadeCostRule] = {}
         self.num_eager_steps = 0            # eager steps planned with groups (tests, GPU checks)
 

@@ -145,3 +145,47 @@ def test_triton_kernels_interpreted_same_tokens(tiny_models):
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert (llm.get_stats().num_cascade_rows > 0) == cascade
     assert results[0] == results[1]
+
+
+def test_cpu_default_settings_group_shared_prefixes(tiny_models):
+    """On CPU the H200-fitted rule is replaced by 'any shared block': with default settings,
+    shared prefixes run through cascade and the tokens do not change."""
+    prompts = shared_prefix_workload(seed=9)
+    plain, _ = generate(tiny_models["llama"], prompts, groups=False, cascade=False,
+                        num_kv_blocks=256)
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=256)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
+    assert llm.get_stats().num_cascade_rows > 0
+    assert got == plain
+
+
+def test_served_path_counts_cascade_rows_across_the_process_boundary(tiny_models):
+    """AsyncEngine (the core in its own process, no prefix groups: requests arrive one by one):
+    concurrent requests sharing a prefix are grouped by their blocks, the count reaches the
+    front end's stats, and the tokens are the plain engine's."""
+    import asyncio
+
+    from engine import AsyncEngine
+    rng = random.Random(12)
+    prefix = [rng.randrange(3, 1000) for _ in range(80)]
+    prompts = [prefix + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 12))]
+               for _ in range(6)]
+    plain, _ = generate(tiny_models["llama"], prompts, groups=False, cascade=False,
+                        num_kv_blocks=128)
+    engine = AsyncEngine(model=tiny_models["llama"], dtype="float32", device="cpu",
+                         num_kv_blocks=128)
+
+    async def one(i, p):
+        return [t async for o in engine.generate(p, GREEDY, f"s{i}") for t in o.outputs[0].token_ids]
+
+    async def main():
+        first = await one(0, prompts[0])          # its blocks are cached for the others
+        rest = await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts[1:], 1)))
+        return [first] + rest, await engine.stats()
+
+    try:
+        got, stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert stats.num_cascade_rows > 0
+    assert got == plain
