@@ -1,94 +1,206 @@
-"""Serving metrics through Triton's custom-metrics API (shown on the server's /metrics).
+"""Serving metrics: counted in the serving process, published to Triton's /metrics twice a second.
+
+Every call into Triton's custom-metrics API (`pb_utils`) is a round trip to tritonserver,
+handled on the one thread of the server that also passes on cancellation checks and logs for
+this model instance. Nothing on a request's path may make one: the serving code records into
+`ServingMetrics` (plain Python, any thread), and `TritonMetrics.publish` sends what changed
+since its last call. Histograms go out in Prometheus' histogram layout, as three counter
+families `NAME_bucket{le=...}`, `NAME_sum` and `NAME_count` (Triton's own histogram takes one
+observation per call), so `histogram_quantile` works on them as on any histogram.
 
 The Triton `pb_utils` module is passed in, not imported, so engine/ stays free of server code.
 """
 from __future__ import annotations
 
+import bisect
+import threading
+
 from engine.outputs import EngineStats
 
-_LATENCY_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0]
-_LAG_BUCKETS = [0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0]
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                   10.0, 30.0)
+LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+FINISH_REASONS = ("stop", "length", "abort")
 
 
-class TritonMetrics:
-    def __init__(self, pb_utils, labels: dict[str, str]) -> None:
-        MF = pb_utils.MetricFamily
-        # A family must outlive its metrics, so we hold on to every one.
-        self._families = []
+class Histogram:
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = buckets
+        self.counts = [0] * (len(buckets) + 1)      # per bucket, the last one +Inf
+        self.sum = 0.0
+        self.count = 0
+        self._lock = threading.Lock()
 
-        def family(name, description, kind):
-            self._families.append(MF(name=name, description=description, kind=kind))
-            return self._families[-1]
+    def observe(self, value: float, count: int = 1) -> None:
+        """`count` observations of `value` (e.g. each token of a response, the response's
+        gap shared out among them)."""
+        i = bisect.bisect_left(self.buckets, value)
+        with self._lock:
+            self.counts[i] += count
+            self.sum += value * count
+            self.count += count
 
-        def histogram(name, description):
-            return family(name, description, MF.HISTOGRAM).Metric(
-                labels=labels, buckets=_LATENCY_BUCKETS)
+    def snapshot(self) -> tuple[list[int], float, int]:
+        """Cumulative bucket counts (le order, +Inf last), sum, count."""
+        with self._lock:
+            counts, total, n = list(self.counts), self.sum, self.count
+        cumulative, running = [], 0
+        for c in counts:
+            running += c
+            cumulative.append(running)
+        return cumulative, total, n
 
-        def metric(name, description, kind):
-            return family(name, description, kind).Metric(labels=labels)
 
-        self.ttft = histogram("llm_time_to_first_token_seconds",
-                              "Time from arrival to the first generated token")
-        self.itl = histogram("llm_inter_token_latency_seconds",
-                             "Time between generated tokens of a request")
-        self.prompt_tokens = metric("llm_prompt_tokens_total", "Prompt tokens of finished "
-                                    "requests", MF.COUNTER)
-        self.generation_tokens = metric("llm_generation_tokens_total", "Generated tokens",
-                                        MF.COUNTER)
-        finished = family("llm_requests_finished_total", "Finished requests by reason",
-                          MF.COUNTER)
-        self.finished = {r: finished.Metric(labels={**labels, "reason": r})
-                         for r in ("stop", "length", "abort")}
-        self.running = metric("llm_num_requests_running", "Requests in the running batch",
-                              MF.GAUGE)
-        self.waiting = metric("llm_num_requests_waiting", "Requests waiting to be scheduled",
-                              MF.GAUGE)
-        self.kv_total = metric("llm_kv_blocks_total", "KV-cache blocks in the pool", MF.GAUGE)
-        self.kv_free = metric("llm_kv_blocks_free", "KV-cache blocks free (cached or empty)",
-                              MF.GAUGE)
-        self.kv_usage = metric("llm_kv_cache_usage_ratio", "Fraction of KV blocks in use",
-                               MF.GAUGE)
-        self.loop_lag = family("llm_event_loop_lag_seconds",
-                               "How late the serving event loop wakes from a 10 ms sleep",
-                               MF.HISTOGRAM).Metric(labels=labels, buckets=_LAG_BUCKETS)
-        self.loop_lag_max = metric("llm_event_loop_lag_max_seconds",
-                                   "Largest event-loop lag over the last half second", MF.GAUGE)
-        self.prefix_hit = metric("llm_prefix_cache_hit_ratio",
-                                 "Prompt tokens served from the prefix cache / prompt tokens",
-                                 MF.GAUGE)
-        # One step runs every scheduled request once: requests served together share steps.
-        self.steps = metric("llm_engine_steps_total", "Engine steps (schedule, run, update)",
-                            MF.COUNTER)
-        self._num_steps = 0                 # the engine's count at the last publication
+class ServingMetrics:
+    """What the serving code records. Counters only grow; gauges hold the last value."""
+
+    def __init__(self) -> None:
+        self.ttft = Histogram(LATENCY_BUCKETS)
+        self.itl = Histogram(LATENCY_BUCKETS)
+        self.send = Histogram(LATENCY_BUCKETS)
+        self.loop_lag = Histogram(LAG_BUCKETS)
+        self._lock = threading.Lock()
+        self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "responses": 0,
+                         "response_tokens": 0, **{f"finished_{r}": 0 for r in FINISH_REASONS}}
+        self.loop_lag_max = 0.0
+        self.stats: EngineStats | None = None
+
+    def _add(self, key: str, value: int) -> None:
+        with self._lock:
+            self.counters[key] += value
 
     def on_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
 
-    def on_inter_token(self, seconds: float) -> None:
-        self.itl.observe(seconds)
+    def on_inter_token(self, seconds: float, count: int = 1) -> None:
+        self.itl.observe(seconds, count)
+
+    def on_response(self, num_tokens: int, send_seconds: float) -> None:
+        with self._lock:
+            self.counters["responses"] += 1
+            self.counters["response_tokens"] += num_tokens
+        self.send.observe(send_seconds)
 
     def on_tokens(self, num_prompt: int, num_generated: int) -> None:
-        self.prompt_tokens.increment(num_prompt)
-        self.generation_tokens.increment(num_generated)
+        with self._lock:
+            self.counters["prompt_tokens"] += num_prompt
+            self.counters["generation_tokens"] += num_generated
 
-    def on_finish(self, reason: str) -> None:
-        if reason in self.finished:
-            self.finished[reason].increment(1)
+    def on_finish(self, reason: str | None) -> None:
+        if reason in FINISH_REASONS:
+            self._add(f"finished_{reason}", 1)
 
     def on_loop_lag(self, seconds: float) -> None:
         self.loop_lag.observe(seconds)
 
     def on_loop_lag_max(self, seconds: float) -> None:
-        self.loop_lag_max.set(seconds)
+        self.loop_lag_max = seconds
 
     def on_stats(self, stats: EngineStats) -> None:
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_total.set(stats.num_kv_blocks)
-        self.kv_free.set(stats.num_free_kv_blocks)
-        self.kv_usage.set(1.0 - stats.num_free_kv_blocks / max(stats.num_kv_blocks, 1))
-        self.prefix_hit.set(stats.num_cached_prompt_tokens / max(stats.num_prompt_tokens, 1))
-        if stats.num_steps > self._num_steps:
-            self.steps.increment(stats.num_steps - self._num_steps)
-            self._num_steps = stats.num_steps
+        self.stats = stats
+
+    def snapshot_counters(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self.counters)
+
+
+class TritonMetrics:
+    """Publishes a ServingMetrics to Triton's /metrics (call `publish` from one thread)."""
+
+    def __init__(self, pb_utils, labels: dict[str, str]) -> None:
+        MF = pb_utils.MetricFamily
+        self._families = []                 # a family must outlive its metrics
+
+        def family(name, description, kind):
+            self._families.append(MF(name=name, description=description, kind=kind))
+            return self._families[-1]
+
+        def counter(name, description, extra=None):
+            return family(name, description, MF.COUNTER).Metric(labels={**labels, **(extra or {})})
+
+        def gauge(name, description):
+            return family(name, description, MF.GAUGE).Metric(labels=labels)
+
+        def histogram(name, description, buckets):
+            bucket = family(f"{name}_bucket", f"{description} (cumulative count per bucket)",
+                            MF.COUNTER)
+            les = [_le(b) for b in buckets] + ["+Inf"]
+            return ([bucket.Metric(labels={**labels, "le": le}) for le in les],
+                    counter(f"{name}_sum", f"{description} (sum)"),
+                    counter(f"{name}_count", f"{description} (count)"))
+
+        self._hist = {
+            "ttft": histogram("llm_time_to_first_token_seconds",
+                              "Time from arrival to the first generated token", LATENCY_BUCKETS),
+            "itl": histogram("llm_inter_token_latency_seconds",
+                             "Time between generated tokens of a request, as sent",
+                             LATENCY_BUCKETS),
+            "send": histogram("llm_response_send_seconds",
+                              "Time to hand one response to tritonserver", LATENCY_BUCKETS),
+            "loop_lag": histogram("llm_event_loop_lag_seconds",
+                                  "How late the serving event loop wakes from a 10 ms sleep",
+                                  LAG_BUCKETS),
+        }
+        finished = family("llm_requests_finished_total", "Finished requests by reason",
+                          MF.COUNTER)
+        self._counters = {
+            "prompt_tokens": counter("llm_prompt_tokens_total",
+                                     "Prompt tokens of finished requests"),
+            "generation_tokens": counter("llm_generation_tokens_total", "Generated tokens"),
+            "responses": counter("llm_responses_total", "Responses sent (one may carry several "
+                                 "tokens: a stream's tokens that piled up while it waited)"),
+            "response_tokens": counter("llm_response_tokens_total",
+                                       "Generated tokens carried by the responses sent"),
+            **{f"finished_{r}": finished.Metric(labels={**labels, "reason": r})
+               for r in FINISH_REASONS},
+        }
+        self._steps = counter("llm_engine_steps_total", "Engine steps (schedule, run, update)")
+        self._cascade_rows = counter("llm_cascade_rows_total",
+                                     "Query rows whose shared prefix was read once per group "
+                                     "(cascade attention)")
+        self._gauges = {
+            "running": gauge("llm_num_requests_running", "Requests in the running batch"),
+            "waiting": gauge("llm_num_requests_waiting", "Requests waiting to be scheduled"),
+            "kv_total": gauge("llm_kv_blocks_total", "KV-cache blocks in the pool"),
+            "kv_free": gauge("llm_kv_blocks_free", "KV-cache blocks free (cached or empty)"),
+            "kv_usage": gauge("llm_kv_cache_usage_ratio", "Fraction of KV blocks in use"),
+            "prefix_hit": gauge("llm_prefix_cache_hit_ratio",
+                                "Prompt tokens served from the prefix cache / prompt tokens"),
+            "loop_lag_max": gauge("llm_event_loop_lag_max_seconds",
+                                  "Largest event-loop lag over the last half second"),
+        }
+        self._sent: dict[str, float] = {}   # what each counter showed at the last publish
+
+    def publish(self, m: ServingMetrics) -> None:
+        for key, value in m.snapshot_counters().items():
+            self._increment(key, self._counters[key], value)
+        for key, (buckets, sum_metric, count_metric) in self._hist.items():
+            cumulative, total, n = getattr(m, key).snapshot()
+            for i, (metric, value) in enumerate(zip(buckets, cumulative)):
+                self._increment(f"{key}:{i}", metric, value)
+            self._increment(f"{key}:sum", sum_metric, total)
+            self._increment(f"{key}:count", count_metric, n)
+        self._gauges["loop_lag_max"].set(m.loop_lag_max)
+        stats = m.stats
+        if stats is not None:
+            g = self._gauges
+            g["running"].set(stats.num_running)
+            g["waiting"].set(stats.num_waiting)
+            g["kv_total"].set(stats.num_kv_blocks)
+            g["kv_free"].set(stats.num_free_kv_blocks)
+            g["kv_usage"].set(1.0 - stats.num_free_kv_blocks / max(stats.num_kv_blocks, 1))
+            g["prefix_hit"].set(stats.num_cached_prompt_tokens / max(stats.num_prompt_tokens, 1))
+            # After the gauges: a scrape that shows the step count moved shows gauges from
+            # the same publication or a later one (tests/test_serving.py relies on it).
+            self._increment("cascade_rows", self._cascade_rows, stats.num_cascade_rows)
+            self._increment("steps", self._steps, stats.num_steps)
+
+    def _increment(self, key: str, metric, value: float) -> None:
+        delta = value - self._sent.get(key, 0)
+        if delta > 0:
+            metric.increment(delta)
+            self._sent[key] = value
+
+
+def _le(bound: float) -> str:
+    return repr(float(bound))

@@ -1,144 +1,155 @@
-"""Serves requests given as numpy tensors on an AsyncEngine, on an event loop of its own.
+"""Serves requests given as numpy tensors on an AsyncEngine: what the Triton `llm` model calls.
 
-The Triton `llm` model is a thin adapter over this: it passes each request's tensors, a `send`
-callback (wrapping the request's response sender) and an `is_cancelled` callback, and returns
-at once. No Triton imports here, so this is tested without a server too.
+The model passes each request's tensors, a `send(tensors, error, final)` callback (its response
+sender) and an `is_cancelled` callback, and returns at once. No Triton imports here, so this is
+tested without a server too.
 
-Every request is a task on the loop and ends with exactly one final send, however it ends:
-answered, refused, failed, or cut short by `stop_serving` (the server is going away) or
-`shutdown` (their error then names why). `shutdown` leaves nothing running: once it returns,
-no thread of ours sends, updates a metric or calls `on_dead` (in Triton's stub such a call
-while the stub exits can leave a lock in shared memory held by a dead process, and the
-server aborts: README, Stopping).
+Where the work happens, so that a response costs what the server takes and nothing more:
+- the event loop (a thread of its own) admits requests: parses them, has them tokenized and
+  hands them to the engine; it never sends;
+- the engine's reader thread turns each step into text and puts it into the request's stream
+  in the outbox (engine/outbox.py): it never waits either;
+- the outbox's sender threads send: when one is free a step goes out at once, when all are
+  busy a stream's steps pile up and leave as one response (text, ids and logprobs of them all);
+- a housekeeping thread asks the server which requests were cancelled (a bounded number per
+  round: each question is a round trip), ends idle llm_bls result streams and publishes the
+  metrics (counted locally, engine/metrics.py) twice a second.
+
+llm_bls's requests come back on result streams (engine/bls_client.py, engine/result_streams.py):
+`bls_open` opens one, `bls_owner` + `bls_request_id` submits a request whose result goes back
+on one of them, and `abort_request_id` aborts a request by the caller's id.
+
+Every request ends with exactly one final send, however it ends: answered, refused, failed, or
+cut short by `stop_serving` (the server is going away) or `shutdown` (their error then names
+why). `shutdown` leaves nothing running: once it returns, no thread of ours sends, asks the
+server anything, publishes a metric or calls `on_dead` (in Triton's stub such a call while the
+stub exits can leave a lock in shared memory held by a dead process, and the server aborts:
+README, Stopping).
 """
 from __future__ import annotations
 
 import asyncio
-import functools
 import itertools
 import logging
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.bls_client import NO_RESULT_STREAM
 from engine.config import EngineConfig
-from engine.outputs import EngineStats
+from engine.metrics import ServingMetrics
+from engine.outbox import Outbox, Stream
+from engine.outputs import EngineStats, RequestOutput
 from engine.protocol import GenerateRequest, make_response, parse_request
+from engine.result_streams import ResultStreams
 
 logger = logging.getLogger(__name__)
 
 # send(tensors or None, error message or None, final)
 SendFn = Callable[[dict[str, np.ndarray] | None, str | None, bool], None]
 
-CANCEL_POLL_S = 0.1
+NUM_SENDERS = 4
+HOUSEKEEPING_S = 0.1
+CANCEL_CHECKS_PER_ROUND = 64    # is_cancelled() is a server round trip: bounded per round
 LAG_PROBE_S = 0.01
 GIL_SWITCH_INTERVAL_S = 0.0005
 STATS_POLL_S = 0.5
-STOP_WAIT_S = 10.0          # shutdown: for the loop to end the requests and its own tasks
+STOP_WAIT_S = 10.0          # shutdown: for the answers to go out and the threads to end
 ON_DEAD_WAIT_S = 5.0        # shutdown: for an on_dead call under way to return
 
 
-class Metrics(Protocol):
-    def on_loop_lag(self, seconds: float) -> None: ...
-    def on_loop_lag_max(self, seconds: float) -> None: ...
-    def on_first_token(self, seconds: float) -> None: ...
-    def on_inter_token(self, seconds: float) -> None: ...
-    def on_tokens(self, num_prompt: int, num_generated: int) -> None: ...
-    def on_finish(self, reason: str) -> None: ...
-    def on_stats(self, stats: EngineStats) -> None: ...
+@dataclass
+class _Failure:
+    message: str
 
 
-class _NoMetrics:
-    def on_loop_lag(self, seconds: float) -> None: pass
-    def on_loop_lag_max(self, seconds: float) -> None: pass
-    def on_first_token(self, seconds: float) -> None: pass
-    def on_inter_token(self, seconds: float) -> None: pass
-    def on_tokens(self, num_prompt: int, num_generated: int) -> None: pass
-    def on_finish(self, reason: str) -> None: pass
-    def on_stats(self, stats: EngineStats) -> None: pass
+_END = object()           # ends a result stream
+_EMPTY = object()         # an empty final answer (to an abort request)
 
 
-class _Reply:
-    """A request's `send` that knows whether the final response went out, so that a request
-    ended from outside (cancelled, or stopped before it began) still gets one."""
-    __slots__ = ("send", "final_sent")
-
-    def __init__(self, send: SendFn) -> None:
-        self.send = send
-        self.final_sent = False
-
-    def __call__(self, tensors, error, final) -> None:
-        if final:
-            self.final_sent = True          # first: a send that raises is not sent again
-        self.send(tensors, error, final)
+@dataclass
+class _Request:
+    rid: str
+    req: GenerateRequest | None = None
+    is_cancelled: Callable[[], bool] = lambda: False
+    client_id: str | None = None
+    start: float = field(default_factory=time.monotonic)
+    last_sent: float | None = None      # when its last response with tokens went out
+    num_out: int = 0
+    cancelled: bool = False
+    stream: Stream | None = None        # its way back (for llm_bls: its result stream)
+    result_stream: str | None = None    # llm_bls: the result stream's id
 
 
 class ServingEngine:
-    def __init__(self, config: EngineConfig, metrics: Metrics | None = None,
-                 on_dead: Callable[[str], None] | None = None) -> None:
-        """Builds the engine (raises if it cannot start) and starts the loop thread.
-        `on_dead(reason)` runs once if the engine core process dies, after every in-flight
-        request has been answered with an error; never once `shutdown` has begun."""
-        self.metrics = metrics or _NoMetrics()
-        # The loop, tokenizer and core-reader threads share one GIL; by default a thread that
-        # wants it waits up to 5 ms, so each step's hand-offs would cost milliseconds.
+    def __init__(self, config: EngineConfig, publisher=None,
+                 on_dead: Callable[[str], None] | None = None,
+                 num_senders: int = NUM_SENDERS) -> None:
+        """Builds the engine (raises if it cannot start) and starts the threads. `publisher`
+        (e.g. engine.metrics.TritonMetrics) gets the metrics twice a second. `on_dead(reason)`
+        runs once if the engine core process dies, after every request has its error."""
+        # The loop, reader, sender and tokenizer threads share one GIL; by default a thread
+        # that wants it waits up to 5 ms, so each hand-off would cost milliseconds.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        self.metrics = ServingMetrics()
+        self._publisher = publisher
         self._on_dead = on_dead
-        self.engine = AsyncEngine(config, on_dead=self._engine_died)
-        self.loop = asyncio.new_event_loop()
-        self._inflight: dict[str, Callable[[], bool]] = {}
+        self._lock = threading.Lock()
+        self._inflight: dict[str, _Request] = {}
         self._client_ids: dict[str, str] = {}     # caller's request id -> engine request id
+        self._idle = threading.Event()
+        self._idle.set()
         self._ids = itertools.count()
-        self.max_loop_lag_s = 0.0           # since the last stats publication
-        self._tasks: set[asyncio.Task] = set()      # one per request being served
-        self._loop_tasks: list[asyncio.Task] = []   # _poll, _watch_lag
         self._stop_reason: str | None = None        # set: requests end with it, new are refused
+        self._stopping = threading.Event()          # the housekeeper's signal to finish
         self._dead_lock = threading.Lock()          # held while on_dead runs
         self._closing = False
+        self._max_lag = 0.0
+        self.results = ResultStreams()
+        self.engine = AsyncEngine(config, on_dead=self._engine_died)
+        self.outbox = Outbox(num_senders, "llm-send")
+        self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="serving-loop", daemon=True)
         self._thread.start()
-
-    def _run_loop(self) -> None:
-        asyncio.set_event_loop(self.loop)
-        self._loop_tasks = [self.loop.create_task(self._poll()),
-                            self.loop.create_task(self._watch_lag())]
-        try:
-            self.loop.run_forever()
-        finally:
-            # One more pass: requests handed over while the loop was stopping are refused.
-            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
-            self.loop.close()
+        self._housekeeper = threading.Thread(target=self._housekeep, name="serving-house",
+                                             daemon=True)
+        self._housekeeper.start()
 
     # ------------------------------------------------------------------ any thread
     def submit(self, inputs: dict[str, np.ndarray], send: SendFn,
                is_cancelled: Callable[[], bool] = lambda: False,
                request_id: str | None = None) -> None:
-        """Starts serving one request; every outcome, errors included, ends with a final send.
-        A request whose only input is `abort_request_id` aborts the in-flight request the caller
-        started with that id (how llm_bls passes on a cancellation) and gets an empty answer."""
-        if inputs.get("abort_request_id") is not None:
-            target = np.asarray(inputs["abort_request_id"]).reshape(-1)[0]
-            if isinstance(target, bytes):
-                target = target.decode("utf-8", errors="replace")
-            self._hand_over(send, lambda reply: self._abort_client(str(target), reply))
+        """Starts serving one request; every outcome, errors included, ends with a final send
+        (for a request submitted for llm_bls: an answer at once, its result on its stream)."""
+        if self._stop_reason is not None:
+            send(None, self._stop_reason, True)
             return
         rid = f"{request_id or 'req'}-{next(self._ids)}"
-        self._hand_over(send, lambda reply: self._serve(rid, inputs, reply, is_cancelled,
-                                                        request_id))
+        try:
+            asyncio.run_coroutine_threadsafe(
+                self._serve(rid, inputs, send, is_cancelled, request_id), self.loop)
+        except RuntimeError:                # the loop is closed: we have been shut down
+            send(None, self._stop_reason or "the engine was shut down", True)
 
     def stop_serving(self, reason: str) -> None:
-        """Ends every request in flight now, each with `reason` as its error, and refuses new
-        ones with it. For a server that is going away: Triton unloads a decoupled model only
-        once its streams have ended, and it does not tell the model that it is stopping."""
-        try:
-            self.loop.call_soon_threadsafe(self._end_requests, reason)
-        except RuntimeError:                # the loop is closed: nothing is in flight
-            pass
+        """Ends every request in flight now, each with `reason` as its error, ends the llm_bls
+        result streams, and refuses new requests with it. For a server that is going away:
+        Triton unloads a decoupled model only once its streams have ended, and it does not tell
+        the model that it is stopping. Any thread."""
+        if self._stop_reason is None:
+            self._stop_reason = reason
+        with self._lock:
+            requests = list(self._inflight.values())
+        for r in requests:
+            self.engine.abort_nowait(r.rid)
+            self._fail(r, self._stop_reason)
+        for rs in self.results.take_all():
+            self.outbox.put(rs.sink, _END)
 
     def stats(self) -> EngineStats:
         """Blocking; not from the loop thread."""
@@ -150,169 +161,319 @@ class ServingEngine:
 
     def shutdown(self) -> None:
         """Requests still in flight end with an error; on_dead will not run (one under way is
-        waited for); the loop's tasks are cancelled and awaited; the engine's processes stop;
-        the loop is closed and its thread joined. Safe to call more than once."""
+        waited for); the engine's processes stop; the answers go out; the senders, the
+        housekeeper and the loop (its tasks cancelled and awaited) end. Safe to call twice."""
         acquired = self._dead_lock.acquire(timeout=ON_DEAD_WAIT_S)
         self._closing = True
         if acquired:
             self._dead_lock.release()
         else:
             logger.warning("on_dead has not returned after %.0f s", ON_DEAD_WAIT_S)
+        if self._stopping.is_set():
+            return
+        self.stop_serving("the engine was shut down")
+        self.engine.shutdown()
+        self._idle.wait(STOP_WAIT_S)
+        self._stopping.set()
+        self._housekeeper.join(STOP_WAIT_S)
+        self.outbox.close(STOP_WAIT_S)
         if self._thread.is_alive():
             try:
-                asyncio.run_coroutine_threadsafe(self._close(), self.loop).result(STOP_WAIT_S)
+                asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self.loop).result(
+                    STOP_WAIT_S)
             except Exception:  # noqa: BLE001 - best effort: we are going away
-                logger.exception("ending the requests in flight")
-        self.engine.shutdown()
-        if self._thread.is_alive():
+                logger.exception("cancelling the loop's tasks")
             self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=STOP_WAIT_S)
+            self._thread.join(STOP_WAIT_S)
 
     # ------------------------------------------------------------------ the loop
-    def _engine_died(self, reason: str) -> None:
-        """Runs on a thread of its own once the core is gone. Streams have been failed by the
-        engine; wait (briefly) until their error responses are out, then tell the owner,
-        unless we are shutting down (the core's end is then ours)."""
-        deadline = time.monotonic() + 1.0
-        while self._inflight and time.monotonic() < deadline:
-            time.sleep(0.01)
-        with self._dead_lock:
-            if self._on_dead is not None and not self._closing:
-                self._on_dead(reason)
-
-    def _hand_over(self, send: SendFn, serve: Callable[[SendFn], Awaitable[None]]) -> None:
-        reply = _Reply(send)
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.create_task(self._watch_lag())
         try:
-            self.loop.call_soon_threadsafe(self._start, reply, serve)
-        except RuntimeError:                # the loop is closed: we have been shut down
-            reply(None, self._stop_reason or "the engine was shut down", True)
+            self.loop.run_forever()
+        finally:
+            self.loop.run_until_complete(self.loop.shutdown_asyncgens())
+            self.loop.close()
 
-    def _start(self, reply: _Reply, serve: Callable[[SendFn], Awaitable[None]]) -> None:
-        if self._stop_reason is not None:
-            reply(None, self._stop_reason, True)
-            return
-        task = self.loop.create_task(serve(reply))
-        self._tasks.add(task)
-        task.add_done_callback(functools.partial(self._finished, reply))
-
-    def _finished(self, reply: _Reply, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            logger.error("a request ended with %r", task.exception())
-        if not reply.final_sent:            # cancelled, or failed before its answer
-            try:
-                reply(None, self._stop_reason or "internal error: the request was dropped",
-                      True)
-            except Exception:  # noqa: BLE001 - the sender is broken: nothing more to do
-                logger.exception("sending a request's final response")
-
-    def _end_requests(self, reason: str) -> None:
-        if self._stop_reason is None:
-            self._stop_reason = reason
-        for task in list(self._tasks):
-            task.cancel()
-
-    async def _close(self) -> None:
-        self._end_requests("the engine was shut down")
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        for task in self._loop_tasks:
-            task.cancel()
-        await asyncio.gather(*self._loop_tasks, return_exceptions=True)
+    async def _cancel_tasks(self) -> None:
+        tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _watch_lag(self) -> None:
-        """Every response goes out through this loop: how late it wakes is latency for every
-        client. Published as a histogram and as the recent maximum."""
+        """How late the loop wakes is how late a request is admitted."""
         while True:
             start = time.perf_counter()
             await asyncio.sleep(LAG_PROBE_S)
             lag = max(0.0, time.perf_counter() - start - LAG_PROBE_S)
-            self.max_loop_lag_s = max(self.max_loop_lag_s, lag)
             self.metrics.on_loop_lag(lag)
-
-    async def _poll(self) -> None:
-        """Aborts cancelled requests that produce no output (e.g. still queued) and publishes
-        engine gauges."""
-        last_stats = 0.0
-        while True:
-            await asyncio.sleep(CANCEL_POLL_S)
-            for rid, is_cancelled in list(self._inflight.items()):
-                try:
-                    if is_cancelled():
-                        await self.engine.abort(rid)
-                except Exception:  # noqa: BLE001 - a broken callback must not stop the poller
-                    logger.exception("cancellation check for %s", rid)
-            now = time.monotonic()
-            if now - last_stats >= STATS_POLL_S and self.engine.is_alive:
-                last_stats = now
-                self.metrics.on_loop_lag_max(self.max_loop_lag_s)
-                self.max_loop_lag_s = 0.0
-                try:
-                    self.metrics.on_stats(await self.engine.stats())
-                except Exception:  # noqa: BLE001 - the engine died meanwhile: nothing to show
-                    pass
-
-    async def _abort_client(self, client_id: str, send: SendFn) -> None:
-        rid = self._client_ids.get(client_id)
-        if rid is not None:
-            await self.engine.abort(rid)
-        send({}, None, True)
+            self._max_lag = max(self._max_lag, lag)
 
     async def _serve(self, rid: str, inputs: dict[str, np.ndarray], send: SendFn,
                      is_cancelled: Callable[[], bool], client_id: str | None) -> None:
-        try:
-            req = parse_request(inputs)
-        except ValueError as e:
-            send(None, str(e), True)
+        r = _Request(rid, is_cancelled=is_cancelled, client_id=client_id)
+        answer = self.outbox.stream(lambda items: self._send_answer(r, send, items),
+                                    lambda e: self._send_failed(r, e), context=r)
+        r.stream = answer
+        if self._stop_reason is not None:
+            self.outbox.put(answer, _Failure(self._stop_reason))
             return
-        self._inflight[rid] = is_cancelled
-        if client_id:
-            self._client_ids[client_id] = rid
+        if inputs.get("abort_request_id") is not None:
+            self._abort_client(_text(inputs["abort_request_id"]))
+            self.outbox.put(answer, _EMPTY)
+            return
+        if inputs.get("bls_open") is not None:
+            self._open_result_stream(_text(inputs["bls_open"]), send)
+            return
+        owner = inputs.get("bls_owner")
         try:
-            await self._generate(rid, req, send, is_cancelled)
-        except (ValueError, EngineDeadError) as e:  # rejected (e.g. prompt too long), or dead
-            send(None, str(e), True)
+            r.req = parse_request(inputs)
+        except ValueError as e:
+            self.outbox.put(answer, _Failure(str(e)))
+            return
+        if owner is not None:
+            if not self._accept_for_bls(r, _text(owner), inputs.get("bls_request_id")):
+                return
+        self._track(r)
+        try:
+            await self.engine.submit(r.req.prompt, r.req.params, rid,
+                                     lambda out: self._on_output(r, out), stream=r.req.stream)
+        except (ValueError, EngineDeadError) as e:  # e.g. prompt too long, or the engine died
+            self._fail(r, str(e))
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
             logger.exception("request %s failed", rid)
-            send(None, f"internal error: {e}", True)
-        finally:
-            self._inflight.pop(rid, None)
-            if client_id and self._client_ids.get(client_id) == rid:
-                del self._client_ids[client_id]
+            self._fail(r, f"internal error: {e}")
 
-    async def _generate(self, rid: str, req: GenerateRequest, send: SendFn,
-                        is_cancelled: Callable[[], bool]) -> None:
-        start = last = time.monotonic()
-        num_out = 0
-        async for out in self.engine.generate(req.prompt, req.params, rid, stream=req.stream):
+    def _on_output(self, r: _Request, out) -> None:
+        """The engine's reader thread: one step of the request (or the engine's failure)."""
+        if isinstance(out, BaseException):
+            self._fail(r, str(out))
+        elif r.result_stream is None:
+            self.outbox.put(r.stream, out)
+        else:
+            self.outbox.put(r.stream, (r, out))
+
+    # ------------------------------------------------------------------ llm_bls
+    def _open_result_stream(self, owner: str, send: SendFn) -> None:
+        holder: dict[str, str] = {}
+        sink = self.outbox.stream(lambda items: self._send_results(holder["id"], send, items),
+                                  lambda e: self._result_stream_failed(holder["id"], e),
+                                  coalesce=False)
+        holder["id"] = self.results.open(owner, sink)
+        self.outbox.put(sink, ("opened", holder["id"]))
+
+    def _accept_for_bls(self, r: _Request, owner: str, request_id) -> bool:
+        if request_id is None:
+            self.outbox.put(r.stream, _Failure("bls_owner needs bls_request_id"))
+            return False
+        r.client_id = _text(request_id)
+        rs = self.results.acquire(owner, r.client_id)
+        if rs is None:
+            self.outbox.put(r.stream, _Failure(f"{NO_RESULT_STREAM} of {owner} here"))
+            return False
+        r.req.stream = False
+        self.outbox.put(r.stream, ("accepted", rs.stream_id))
+        r.stream, r.result_stream = rs.sink, rs.stream_id
+        return True
+
+    def _send_results(self, stream_id: str, send: SendFn, items: list) -> bool:
+        (item,) = items
+        if item is _END:
+            send({}, None, True)
+            return True
+        if item[0] == "opened":
+            send({"bls_stream_id": _strings([stream_id])}, None, False)
+            return False
+        r, out = item
+        tensors = {"bls_request_id": _strings([r.client_id])}
+        num_tokens = 0
+        if isinstance(out, _Failure):
+            tensors["bls_error"] = _strings([out.message])
+        else:
             comp = out.outputs[0]
-            now = time.monotonic()
-            if req.stream and comp.token_ids:
-                if num_out == 0:
-                    self.metrics.on_first_token(now - start)
-                else:
-                    self.metrics.on_inter_token((now - last) / len(comp.token_ids))
-                last = now
-            num_out += len(comp.token_ids)
-            cancelled = not out.finished and is_cancelled()
-            if out.finished or cancelled:
-                if not req.stream:
-                    self._observe_latencies(out, start, num_out)
-                self.metrics.on_tokens(len(out.prompt_token_ids), num_out)
-                self.metrics.on_finish("abort" if cancelled else comp.finish_reason)
-            if cancelled:
-                send(None, "request cancelled", True)
-                return                       # leaving the generator aborts it in the engine
-            # Streaming: each step's new part; not streaming: the one output, with everything.
-            if comp.token_ids or comp.text or out.finished:
-                send(make_response(req, out, comp.text, comp.token_ids, comp.logprobs, num_out),
-                     None, out.finished)
+            num_tokens = len(comp.token_ids)
+            tensors.update(make_response(r.req, out, comp.text, comp.token_ids, comp.logprobs,
+                                         num_tokens))
+            self._count_finished(r, out, num_tokens)
+        try:
+            self._timed_send(send, tensors, False, num_tokens)
+        finally:
+            self.results.release(stream_id, r.client_id)
+            self._forget(r)
+        return False
 
-    def _observe_latencies(self, out, start: float, num_out: int) -> None:
-        """A request that was not streamed has no per-step outputs: its time to first token
-        and its mean inter-token latency come from the timestamps the engine kept."""
-        first, last = out.metrics.get("first_token_time"), out.metrics.get("last_token_time")
-        if first is None:
-            return
-        self.metrics.on_first_token(first - start)
-        if num_out > 1:
-            self.metrics.on_inter_token((last - first) / (num_out - 1))
+    def _result_stream_failed(self, stream_id: str, e: BaseException) -> None:
+        """Its llm_bls is gone: the requests it was owed are aborted."""
+        logger.info("llm_bls result stream %s ended: %s", stream_id, e)
+        rs = self.results.remove(stream_id)
+        for client_id in (rs.requests if rs else ()):
+            self._abort_client(client_id)
+
+    # ------------------------------------------------------------------ sender threads
+    def _send_answer(self, r: _Request, send: SendFn, items: list) -> bool:
+        """One response for everything pending on a client's stream; True once final."""
+        first = items[0]
+        if first is _EMPTY:
+            send({}, None, True)
+            return True
+        if isinstance(first, tuple) and first[0] == "accepted":     # llm_bls submission
+            send({"bls_stream_id": _strings([first[1]])}, None, True)
+            return True
+        failure = next((i for i in items if isinstance(i, _Failure)), None)
+        if failure is not None:
+            send(None, failure.message, True)
+            self._forget(r)
+            return True
+        last: RequestOutput = items[-1]
+        comps = [o.outputs[0] for o in items]
+        token_ids = [t for c in comps for t in c.token_ids]
+        text = "".join(c.text for c in comps)
+        if last.finished and r.cancelled:
+            self._count_finished(r, last, len(token_ids), reason="abort")
+            send(None, "request cancelled", True)
+            self._forget(r)
+            return True
+        if not (token_ids or text or last.finished):
+            return False                     # nothing to say yet (a stop string held back)
+        logprobs = None
+        if any(c.logprobs is not None for c in comps):
+            logprobs = [lp for c in comps for lp in (c.logprobs or [])]
+        now = time.monotonic()
+        if token_ids and r.req.stream:
+            if r.last_sent is None:
+                self.metrics.on_first_token(now - r.start)
+            else:
+                self.metrics.on_inter_token((now - r.last_sent) / len(token_ids),
+                                            len(token_ids))
+            r.last_sent = now
+        if last.finished:
+            self._count_finished(r, last, r.num_out + len(token_ids))
+        r.num_out += len(token_ids)
+        self._timed_send(send, make_response(r.req, last, text, token_ids, logprobs, r.num_out),
+                         last.finished, len(token_ids))
+        if last.finished:
+            self._forget(r)
+        return last.finished
+
+    def _timed_send(self, send: SendFn, tensors, final: bool, num_tokens: int) -> None:
+        t0 = time.perf_counter()
+        send(tensors, None, final)
+        self.metrics.on_response(num_tokens, time.perf_counter() - t0)
+
+    def _send_failed(self, r: _Request, e: BaseException) -> None:
+        """The response could not be sent (the client is gone): stop generating for it."""
+        logger.info("request %s: sending failed (%s); aborting it", r.rid, e)
+        self.engine.abort_nowait(r.rid)
+        if r.req is not None and r.rid in self._inflight:
+            self.metrics.on_finish("abort")
+        self._forget(r)
+
+    def _count_finished(self, r: _Request, out: RequestOutput, num_out: int,
+                        reason: str | None = None) -> None:
+        self.metrics.on_tokens(len(out.prompt_token_ids), num_out)
+        self.metrics.on_finish(reason or out.outputs[0].finish_reason)
+        if not r.req.stream:
+            first, last = out.metrics.get("first_token_time"), out.metrics.get("last_token_time")
+            if first is not None:
+                self.metrics.on_first_token(first - r.start)
+                if num_out > 1:
+                    self.metrics.on_inter_token((last - first) / (num_out - 1), num_out - 1)
+
+    # ------------------------------------------------------------------ bookkeeping
+    def _track(self, r: _Request) -> None:
+        with self._lock:
+            self._inflight[r.rid] = r
+            if r.client_id:
+                self._client_ids[r.client_id] = r.rid
+            self._idle.clear()
+
+    def _forget(self, r: _Request) -> None:
+        with self._lock:
+            if self._inflight.pop(r.rid, None) is None:
+                return
+            if r.client_id and self._client_ids.get(r.client_id) == r.rid:
+                del self._client_ids[r.client_id]
+            if not self._inflight:
+                self._idle.set()
+
+    def _fail(self, r: _Request, message: str) -> None:
+        if r.result_stream is None:
+            self.outbox.put(r.stream, _Failure(message))
+        else:
+            self.outbox.put(r.stream, (r, _Failure(message)))
+
+    def _abort_client(self, client_id: str) -> None:
+        rid = self._client_ids.get(client_id)
+        if rid is not None:
+            self.engine.abort_nowait(rid)
+
+    # ------------------------------------------------------------------ housekeeping thread
+    def _housekeep(self) -> None:
+        cursor = 0
+        last_stats = 0.0
+        while not self._stopping.wait(HOUSEKEEPING_S):
+            try:
+                cursor = self._check_cancellations(cursor)
+                for rs in self.results.take_idle():
+                    self.outbox.put(rs.sink, _END)
+                now = time.monotonic()
+                if now - last_stats >= STATS_POLL_S:
+                    last_stats = now
+                    self._publish()
+            except Exception:  # noqa: BLE001 - housekeeping must go on
+                logger.exception("serving housekeeping")
+        self._publish()
+
+    def _check_cancellations(self, cursor: int) -> int:
+        """Asks about up to CANCEL_CHECKS_PER_ROUND client requests, in turn."""
+        with self._lock:
+            clients = [r for r in self._inflight.values() if r.result_stream is None]
+        if not clients:
+            return 0
+        cursor %= len(clients)
+        batch = (clients[cursor:] + clients[:cursor])[:CANCEL_CHECKS_PER_ROUND]
+        for r in batch:
+            with r.stream.lock:              # never after its final response is out
+                if r.stream.done or r.cancelled:
+                    continue
+                try:
+                    r.cancelled = bool(r.is_cancelled())
+                except Exception:  # noqa: BLE001 - a broken check must not stop the others
+                    logger.exception("cancellation check for %s", r.rid)
+            if r.cancelled:
+                self.engine.abort_nowait(r.rid)
+        return cursor + len(batch)
+
+    def _publish(self) -> None:
+        self.metrics.on_loop_lag_max(self._max_lag)
+        self._max_lag = 0.0
+        if self.engine.is_alive:
+            try:
+                self.metrics.on_stats(self.engine.get_stats())
+            except EngineDeadError:
+                pass
+        if self._publisher is not None:
+            self._publisher.publish(self.metrics)
+
+    # ------------------------------------------------------------------ engine death
+    def _engine_died(self, reason: str) -> None:
+        """On a thread of its own once the core is gone: every request's stream has its error
+        (the engine failed them); let those go out, end the result streams, then tell the
+        owner, unless we are shutting down (the core's end is then ours)."""
+        self._idle.wait(1.0)
+        for rs in self.results.take_all():
+            self.outbox.put(rs.sink, _END)
+        with self._dead_lock:
+            if self._on_dead is not None and not self._closing:
+                self._on_dead(reason)
+
+
+def _text(arr) -> str:
+    v = np.asarray(arr).reshape(-1)[0]
+    return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
+
+
+def _strings(values: list[str]) -> np.ndarray:
+    return np.array([v.encode("utf-8") for v in values], dtype=np.object_)

@@ -7,7 +7,7 @@ import triton_python_backend_utils as pb_utils
 
 from engine.config import EngineConfig, settings_from_triton
 from engine.metrics import TritonMetrics
-from engine.protocol import INPUT_NAMES
+from engine.protocol import CONTROL_INPUT_NAMES, INPUT_NAMES
 from engine.serving import ServingEngine
 from engine.signal_watch import SignalWatch
 
@@ -25,7 +25,7 @@ class TritonPythonModel:
         config = EngineConfig.from_strings(settings_from_triton(model_config, repository, device))
         labels = {"model": args["model_name"], "version": args["model_version"]}
         self.model_name = args["model_name"]
-        self.serving = ServingEngine(config, TritonMetrics(pb_utils, labels),
+        self.serving = ServingEngine(config, publisher=TritonMetrics(pb_utils, labels),
                                      on_dead=self._engine_died)
         # The stub ignores SIGINT and SIGTERM; one reaches it only as a signal to the server's
         # whole process group (Ctrl-C): the server is stopping, and it unloads this model only
@@ -36,7 +36,7 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             inputs = {}
-            for name in INPUT_NAMES + ("abort_request_id",):
+            for name in INPUT_NAMES + CONTROL_INPUT_NAMES:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
                 if tensor is not None:
                     inputs[name] = tensor.as_numpy()
