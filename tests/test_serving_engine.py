@@ -1,0 +1,133 @@
+"""engine/serving.py's ServingEngine without a server: what reaches `send`. Through a real
+tritonserver: tests/test_serving.py."""
+import json
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from engine import LLM, SamplingParams
+from engine.config import EngineConfig
+from engine.serving import ServingEngine
+from scripts.make_tiny_model import make_tiny_model
+
+SETTINGS = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "num_kv_blocks": 128,
+            "max_model_len": 256, "cpu_threads": 1}
+WAIT_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "llama", arch="llama", seed=5))
+
+
+def _str(v):
+    return np.array([v.encode()], dtype=np.object_)
+
+
+def _inputs(prompt, max_tokens):
+    return {"text_input": _str(prompt), "stream": np.array([True]),
+            "return_output_ids": np.array([True]), "return_num_output_tokens": np.array([True]),
+            "sampling_parameters": _str(json.dumps({"max_tokens": max_tokens, "temperature": 0,
+                                                     "ignore_eos": True}))}
+
+
+class Recorder:
+    """A `send` that records responses; with `hold`, its first call waits until released."""
+
+    def __init__(self, hold=False):
+        self.responses = []
+        self.release = threading.Event()
+        self.entered = threading.Event()
+        self.final = threading.Event()
+        self.hold = hold
+
+    def __call__(self, tensors, error, final):
+        self.entered.set()
+        if self.hold:
+            self.hold = False
+            assert self.release.wait(WAIT_S)
+        self.responses.append((tensors, error, final))
+        if final:
+            self.final.set()
+
+
+def _wait_generated(serving, at_least):
+    deadline = time.monotonic() + WAIT_S
+    while serving.stats().num_generated_tokens < at_least:
+        assert time.monotonic() < deadline, "the engine did not get that far"
+        time.sleep(0.02)
+
+
+def test_a_stream_whose_sender_was_busy_gets_its_steps_in_one_response(model_dir):
+    """One sender, held inside the stream's first response: the steps made meanwhile leave as
+    one response carrying all their tokens; the concatenation is the direct engine's output."""
+    max_tokens = 40
+    direct = LLM(model_dir, dtype="float32", device="cpu", **SETTINGS).generate(
+        "Coalesce me", SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS), num_senders=1)
+    try:
+        rec = Recorder(hold=True)
+        serving.submit(_inputs("Coalesce me", max_tokens), rec)
+        assert rec.entered.wait(WAIT_S)             # the only sender is held in response 1
+        _wait_generated(serving, 10)                # meanwhile the engine went on
+        rec.release.set()
+        assert rec.final.wait(WAIT_S)
+    finally:
+        serving.shutdown()
+    tensors = [t for t, e, f in rec.responses]
+    assert all(e is None for _, e, _ in rec.responses)
+    ids_per_response = [len(t["output_ids"]) for t in tensors]
+    assert ids_per_response[0] == 1 and ids_per_response[1] >= 9, ids_per_response
+    assert sum(ids_per_response) == max_tokens
+    assert [i for t in tensors for i in t["output_ids"].tolist()] == direct.outputs[0].token_ids
+    assert "".join(t["text_output"][0].decode() for t in tensors) == direct.outputs[0].text
+    # num_output_tokens counts what the client has so far, response by response.
+    assert [int(t["num_output_tokens"][0]) for t in tensors] == list(np.cumsum(ids_per_response))
+    assert [f for _, _, f in rec.responses] == [False] * (len(tensors) - 1) + [True]
+
+
+def test_stop_serving_ends_every_request_with_the_reason_and_refuses_new_ones(model_dir):
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        recs = [Recorder() for _ in range(3)]
+        for i, rec in enumerate(recs):
+            serving.submit(_inputs(f"long {i}", 200), rec)
+        for rec in recs:
+            assert rec.entered.wait(WAIT_S)
+        serving.stop_serving("the server is shutting down")
+        for rec in recs:
+            assert rec.final.wait(WAIT_S)
+            assert rec.responses[-1] == (None, "the server is shutting down", True)
+        late = Recorder()
+        serving.submit(_inputs("late", 4), late)
+        assert late.responses == [(None, "the server is shutting down", True)]
+        _wait_idle(serving)
+    finally:
+        serving.shutdown()
+
+
+def _wait_idle(serving):
+    deadline = time.monotonic() + WAIT_S
+    while True:
+        s = serving.stats()
+        if s.num_running == s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks:
+            return
+        assert time.monotonic() < deadline, s
+        time.sleep(0.02)
+
+
+def test_shutdown_answers_what_is_in_flight_and_leaves_no_thread(model_dir):
+    before = {t.ident for t in threading.enumerate()}
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    rec = Recorder()
+    serving.submit(_inputs("in flight", 200), rec)
+    assert rec.entered.wait(WAIT_S)
+    serving.shutdown()
+    assert rec.final.is_set() and rec.responses[-1][1] == "the engine was shut down"
+    left = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
+    assert left == [], left
