@@ -3,7 +3,9 @@
 step's plan (engine/cascade_plan.py) turned into attention metadata.
 
 Kernel variants: a step that replays a CUDA graph uses that graph's capacity (engine/cuda_graphs.py:
-groups of up to 16 rows, a split count per batch size). An eager step (prompt chunks beside
+groups of up to 16 rows; split counts 1 and 4 from 32 rows up, where a step may hold many
+groups (one program per group and kv head fills the GPU) or few (a 2000-token prefix is best cut
+in 3-5, benchmarks/h200/cascade_attention.txt); 4 below). An eager step (prompt chunks beside
 decodes) passes max_group_rows 16 when every group has at most 16 rows and 128 or more
 otherwise (one tile size each), and a split count of 1, 2 or 4. The runner's warm-up compiles
 each of those eager variants at start, so none compiles mid-serving.
@@ -26,8 +28,8 @@ from engine.cuda_graphs import CASCADE_GROUP_ROWS, graph_batch_sizes
 from kernels.cascade_cost import CascadeCostRule
 
 SPLITS = (1, 2, 4)                  # prefix split counts used, so their variants are compiled
+GRAPH_SPLITS = (1, 4)               # cascade graphs per batch size from 32 rows (4 below)
 LARGE_GROUP_ROWS = 128              # max_group_rows of eager steps with a group over 16 rows
-TYPICAL_PREFIX_LEN = 2048           # sizes the graphs' split counts
 # In a cascade step, a lone decode row over this many cached tokens is split through the prefix
 # pass (a group of one): the own pass has one program per kv head for it, no split-KV. At ~36
 # GB/s per SM, 2048 tokens of Llama-8B K/V per head take ~14 us, a sixth of a 256-row own pass.
@@ -52,8 +54,8 @@ class CascadeStep:
         meta.max_prefix_len = self.max_prefix_len
         meta.num_prefix_splits = self.num_prefix_splits
 
-    def graph_inputs(self) -> tuple[np.ndarray, np.ndarray]:
-        return self.prefix_lens, self.cu_group_seqs
+    def graph_inputs(self) -> tuple[np.ndarray, np.ndarray, int]:
+        return self.prefix_lens, self.cu_group_seqs, self.num_prefix_splits
 
 
 class CascadeSteps:
@@ -86,12 +88,13 @@ class CascadeSteps:
         return prefix_rows_per_tile(max_group_rows, self.num_q_heads, self.num_kv_heads,
                                     self.head_dim, self.dtype)
 
-    def _splits(self, num_groups: int, num_tiles: int, max_prefix_len: int) -> int:
+    def _splits(self, num_groups: int, num_tiles: int, max_prefix_len: int,
+                options: tuple[int, ...] = SPLITS) -> int:
         if not self.on_gpu:
-            return 1
+            return options[0]
         from kernels.cascade_attention import choose_num_prefix_splits
         want = choose_num_prefix_splits(num_groups, num_tiles, self.num_kv_heads, max_prefix_len)
-        return min(SPLITS, key=lambda s: (abs(s - want), -s))      # the nearest; ties go up
+        return min(options, key=lambda s: (abs(s - want), -s))     # the nearest; ties go up
 
     def _rule_for(self, max_group_rows: int, splits: int) -> CascadeCostRule:
         key = (self.rule, max_group_rows, splits)
@@ -101,12 +104,14 @@ class CascadeSteps:
                 num_prefix_splits=splits)
         return self._rules[key]
 
-    def graph_splits(self, max_batch: int) -> dict[int, int] | None:
-        """Prefix splits of the cascade graph of each batch size, sized for groups of 16 over a
-        2048-token prefix (RFC-like); None when cascade is off."""
+    def graph_splits(self, max_batch: int) -> dict[int, tuple[int, ...]] | None:
+        """The prefix split counts to capture cascade graphs for, per batch size; None when
+        cascade is off. On CPU (no graphs, the padded path runs eagerly) one, unused."""
         if not self.enabled:
             return None
-        return {b: self._splits(max(1, b // 16), 1, TYPICAL_PREFIX_LEN)
+        if not self.on_gpu:
+            return {b: (1,) for b in graph_batch_sizes(max_batch) if b >= 2}
+        return {b: GRAPH_SPLITS if b >= 32 else (GRAPH_SPLITS[-1],)
                 for b in graph_batch_sizes(max_batch) if b >= 2}
 
     # ------------------------------------------------------------------ per step
@@ -117,10 +122,16 @@ class CascadeSteps:
         starts = np.fromiter((s.num_computed_tokens for s in states), np.int64, len(states))
         q_lens = np.asarray(counts, dtype=np.int32)
         if capacity is not None:
-            max_groups, rows_cap, splits = capacity
-            plan = self.planner.plan(block_table, starts, q_lens, self._rule_for(rows_cap, splits),
-                                     rows_cap, max_groups, SPLIT_LONE_FROM)
+            max_groups, rows_cap, options = capacity
+            # Planned at the most splits (the most partials), launched at the count that suits
+            # the groups found.
+            plan = self.planner.plan(block_table, starts, q_lens,
+                                     self._rule_for(rows_cap, max(options)), rows_cap,
+                                     max_groups, SPLIT_LONE_FROM)
+            if plan is None:
+                return None
             kernel_rows = rows_cap
+            splits = self._splits(len(plan.cu_group_seqs) - 1, 1, plan.max_prefix_len, options)
         else:
             plan = self.planner.plan(block_table, starts, q_lens,
                                      self._rule_for(LARGE_GROUP_ROWS, 1),

@@ -9,13 +9,14 @@ to one position of block 0, so they cost little and touch nothing.
 Without CUDA (or with `enforce_eager`) the same buffers and padding run eagerly: that is how the
 padding logic is tested on CPU.
 
-Cascade attention (shared-prefix groups, engine/cascade_plan.py) has a second graph per batch size
+Cascade attention (shared-prefix groups, engine/cascade_plan.py) has more graphs per batch size
 (2 and up), captured over fixed capacities: up to size // 2 groups (a group has two members or
 more) of up to CASCADE_GROUP_ROWS rows each (one 64-row prefix tile in bf16 GQA-4: the tile size
-measured for groups of 16; larger groups are split), and a fixed prefix split count per size.
-Unused group slots repeat the last boundary (empty groups), padding rows have prefix 0. The
-runner plans each decode step within the capacity of the size it will replay and picks the
-cascade or the plain graph by the cost rule.
+measured for groups of 16; larger groups are split), one graph per prefix split count the
+runner may pick for that size (few groups want their prefixes cut in more programs than many
+do). Unused group slots repeat the last boundary (empty groups), padding rows have prefix 0.
+The runner plans each decode step within the capacity of the size it will replay and picks the
+plain graph or a cascade one by the cost rule.
 """
 from __future__ import annotations
 
@@ -44,8 +45,9 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int,
                  max_seqlen_k: int, device: torch.device, use_graphs: bool,
-                 cascade_splits: dict[int, int] | None = None) -> None:
-        """cascade_splits: prefix splits per batch size for the cascade graphs; None: none."""
+                 cascade_splits: dict[int, tuple[int, ...]] | None = None) -> None:
+        """cascade_splits: per batch size, the prefix split counts to capture cascade graphs
+        for; None: no cascade graphs."""
         self.model = model
         self.kv_caches = kv_caches
         self.max_batch = max_batch
@@ -67,36 +69,36 @@ class DecodeGraphs:
         self.prefix_lens = torch.zeros(max_batch, dtype=i32, device=device)
         self.cu_group_seqs = torch.zeros(cascade_max_groups(max_batch) + 1, dtype=i32,
                                          device=device)
-        self.cascade_graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.cascade_graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_cascade_runs = 0
 
-    def _metadata(self, batch: int, max_seqlen_k: int, cascade: bool) -> AttentionMetadata:
+    def _metadata(self, batch: int, max_seqlen_k: int, splits: int | None) -> AttentionMetadata:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch], block_table=self.block_table[:batch],
             cu_seqlens_q=self.cu_seqlens_q[:batch + 1], seq_lens=self.seq_lens[:batch],
             max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
-        if cascade:
+        if splits is not None:
             meta.prefix_lens = self.prefix_lens[:batch]
             meta.cu_group_seqs = self.cu_group_seqs[:cascade_max_groups(batch) + 1]
             meta.max_group_rows = min(CASCADE_GROUP_ROWS, batch)
             meta.max_prefix_len = self.max_seqlen_k
-            meta.num_prefix_splits = self.cascade_splits[batch]
+            meta.num_prefix_splits = splits
         return meta
 
     def _forward(self, batch: int, max_seqlen_k: int | None = None,
-                 cascade: bool = False) -> torch.Tensor:
+                 splits: int | None = None) -> torch.Tensor:
         """A graph must hold for any length, so it is captured for max_model_len; an eager run
-        can use the step's own longest sequence."""
-        meta = self._metadata(batch, max_seqlen_k or self.max_seqlen_k, cascade)
+        can use the step's own longest sequence. splits: cascade with that many prefix splits."""
+        meta = self._metadata(batch, max_seqlen_k or self.max_seqlen_k, splits)
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
         return self.model.compute_logits(hidden)
 
     def padded_size(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
 
-    def cascade_capacity(self, batch: int) -> tuple[int, int, int] | None:
-        """(max groups, max rows per group, prefix splits) of the cascade graph a decode step of
-        `batch` rows replays; None: no cascade graph for it."""
+    def cascade_capacity(self, batch: int) -> tuple[int, int, tuple[int, ...]] | None:
+        """(max groups, max rows per group, prefix split counts) of the cascade graphs a decode
+        step of `batch` rows may replay; None: no cascade graph for it."""
         size = self.padded_size(batch)
         if size not in self.cascade_splits:
             return None
@@ -114,18 +116,20 @@ class DecodeGraphs:
         # warm-up read a block table still holding whatever the caching allocator's block held
         # (a previous engine's data): "index out of bounds" in the embedding/KV gathers.
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        for cascade, graphs in ((False, self.graphs), (True, self.cascade_graphs)):
-            for batch in reversed(self.sizes):
-                if cascade and batch not in self.cascade_splits:
-                    continue
-                with torch.cuda.stream(stream):
-                    for _ in range(2):                 # warm up: autotuning, lazy init
-                        self._forward(batch, cascade=cascade)
-                torch.cuda.synchronize(self.device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                    logits = self._forward(batch, cascade=cascade)
-                graphs[batch] = (graph, logits)
+        todo = [(b, None) for b in reversed(self.sizes)]
+        todo += [(b, s) for b in reversed(self.sizes) for s in self.cascade_splits.get(b, ())]
+        for batch, splits in todo:
+            with torch.cuda.stream(stream):
+                for _ in range(2):                 # warm up: autotuning, lazy init
+                    self._forward(batch, splits=splits)
+            torch.cuda.synchronize(self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                logits = self._forward(batch, splits=splits)
+            if splits is None:
+                self.graphs[batch] = (graph, logits)
+            else:
+                self.cascade_graphs[batch, splits] = (graph, logits)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
         logger.info("captured decode CUDA graphs for batch sizes %s, cascade for %s", self.sizes,
@@ -137,9 +141,10 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
             block_table: np.ndarray, seq_lens: np.ndarray,
-            cascade: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
+            cascade: tuple[np.ndarray, np.ndarray, int] | None = None) -> torch.Tensor:
         """One decode row per request (batch B); returns logits [B, V]. cascade: the rows'
-        prefix_lens [B] and cu_group_seqs [G + 1], within `cascade_capacity(B)`."""
+        prefix_lens [B], cu_group_seqs [G + 1] and the prefix splits, within
+        `cascade_capacity(B)`."""
         batch = len(input_ids)
         size = self.padded_size(batch)
         width = block_table.shape[1]
@@ -152,9 +157,9 @@ class DecodeGraphs:
             self.slot_mapping[batch:size].fill_(-1)
             self.seq_lens[batch:size].fill_(1)
             self.block_table[batch:size, 0].fill_(0)
-        graphs = self.graphs
+        graph_key, graphs, splits = size, self.graphs, None
         if cascade is not None:
-            prefix_lens, cu_groups = cascade
+            prefix_lens, cu_groups, splits = cascade
             capacity = cascade_max_groups(size)
             assert len(cu_groups) - 1 <= capacity, (len(cu_groups), capacity)
             cu = np.full(capacity + 1, cu_groups[-1], dtype=np.int32)   # empty groups after
@@ -162,10 +167,10 @@ class DecodeGraphs:
             self.cu_group_seqs[:capacity + 1].copy_(torch.from_numpy(cu), non_blocking=True)
             self.prefix_lens[:batch].copy_(torch.from_numpy(prefix_lens), non_blocking=True)
             self.prefix_lens[batch:size].fill_(0)
-            graphs = self.cascade_graphs
+            graph_key, graphs = (size, splits), self.cascade_graphs
             self.num_cascade_runs += 1
-        if size in graphs:
-            graph, logits = graphs[size]
+        if graph_key in graphs:
+            graph, logits = graphs[graph_key]
             graph.replay()
             return logits[:batch]
-        return self._forward(size, int(seq_lens.max()), cascade is not None)[:batch]
+        return self._forward(size, int(seq_lens.max()), splits)[:batch]

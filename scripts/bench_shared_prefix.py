@@ -94,7 +94,8 @@ def floor_s(cfg: dict, w: dict, batch: int, elem: int) -> float:
 
 
 def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: str, cfg: dict,
-             elem: int, deadline: float) -> list[dict]:
+             elem: int, deadline: float, done) -> list[dict]:
+    """Runs every workload and order on one engine; `done(row)` after each run."""
     from engine import LLM, SamplingParams
     max_len = max(w["prefix"] + w["own"] + w["out"] for w in workloads)
     settings = dict(load_format="dummy") if not args.quick else dict(device="cpu")
@@ -144,6 +145,7 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
                        engine_start_s=start_s)
             rows.append(row)
             print(json.dumps(row), flush=True)
+            done(row)
     llm.core.shutdown()
     return rows
 
@@ -203,8 +205,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)
     ap.add_argument("--num-kv-blocks", type=int, default=None)
-    ap.add_argument("--time-limit-s", type=float, default=540,
-                    help="start no run after this many seconds (a GPU call has 600)")
+    ap.add_argument("--time-limit-s", type=float, default=420,
+                    help="start no run after this many seconds (a GPU call has 600; results "
+                         "are written after every run)")
     ap.add_argument("--force-cascade", action="store_true",
                     help="groups mode: every shared block worth a group (ignore the cost rule)")
     ap.add_argument("--quick", action="store_true",
@@ -247,14 +250,20 @@ def main(argv: list[str] | None = None) -> None:
                      for n in names]
     import torch
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    rows = []
-    for mode in args.modes:
-        rows += run_mode(mode, workloads, args.orders, args, model, cfg, elem, deadline)
     meta = {"hardware": hardware(), "commit": git_commit(), "command": command,
             "settings": {"preset": "tiny-llama" if args.quick else args.preset,
                          "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
                          "max_num_batched_tokens": args.max_num_batched_tokens}}
-    write(args.out, meta, rows)
+    rows: list[dict] = []
+
+    def done(row: dict) -> None:        # written as it goes: a call cut off keeps its runs
+        rows.append(row)
+        write(args.out, meta, rows)
+    for mode in args.modes:
+        if time.perf_counter() > deadline:
+            print(f"time limit: skipping mode {mode}", flush=True)
+            continue
+        run_mode(mode, workloads, args.orders, args, model, cfg, elem, deadline, done)
 
 
 if __name__ == "__main__":
