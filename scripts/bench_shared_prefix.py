@@ -152,10 +152,10 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
 
 def table(rows: list[dict]) -> list[str]:
     by_key: dict[tuple, dict[str, dict]] = {}
-    for r in rows:
-        by_key.setdefault((r["workload"], r["degree"], r["prefix_len"], r["num_requests"],
-                           r["order"]), {})[r["mode"]] = r
-    out = ["| workload | requests | order | off req/s | apc req/s | groups req/s | "
+    for r in rows:     # modes may run at different sizes (off is slow): rates compare per request
+        by_key.setdefault((r["workload"], r["degree"], r["prefix_len"], r["order"]),
+                          {})[r["mode"]] = r
+    out = ["| workload | requests (off / apc / groups) | order | off req/s | apc req/s | groups req/s | "
            "groups out tok/s | groups vs off | groups vs apc | floor req/s | groups % of floor | "
            "prompt tokens computed (off / apc / groups) | cascade rows |",
            "| --- | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
@@ -165,10 +165,11 @@ def table(rows: list[dict]) -> list[str]:
 
     def ratio(m, a, b):
         return f"{m[a]['requests_per_s'] / m[b]['requests_per_s']:.2f}x" if a in m and b in m else "-"
-    for (name, degree, prefix, n, order), m in sorted(
-            by_key.items(), key=lambda kv: (kv[0][0] != "rfc", kv[0][1], kv[0][2], kv[0][4])):
-        any_row = next(iter(m.values()))
+    for (name, degree, prefix, order), m in sorted(
+            by_key.items(), key=lambda kv: (kv[0][0] != "rfc", kv[0][1], kv[0][2], kv[0][3])):
+        any_row = m.get("groups", next(iter(m.values())))
         label = name if name == "rfc" else f"{degree} x {prefix}"
+        n = " / ".join(str(m[k]["num_requests"]) if k in m else "-" for k in MODES)
         out.append(
             f"| {label} | {n} | {order} | {get(m, 'off', 'requests_per_s', '{:.2f}')} | "
             f"{get(m, 'apc', 'requests_per_s', '{:.2f}')} | "
@@ -225,8 +226,8 @@ def main(argv: list[str] | None = None) -> None:
                 data = json.load(f)
             metas.append(data["meta"])
             rows += data["results"]
-        # Later files replace earlier rows of the same (workload, size, order, mode).
-        keyed = {(r["workload"], r["num_requests"], r["order"], r["mode"]): r for r in rows}
+        # Later files replace earlier rows of the same (workload, order, mode).
+        keyed = {(r["workload"], r["order"], r["mode"]): r for r in rows}
         write(args.out, dict(metas[-1], command=command,
                              parts=[m["command"] for m in metas]), list(keyed.values()))
         return

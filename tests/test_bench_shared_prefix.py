@@ -20,7 +20,7 @@ def test_quick_run_writes_every_mode_and_order(tmp_path):
         if mode == "groups":
             assert r["computed_prompt_tokens"] == full - 9 * 64 and r["cascade_rows"] > 0
     md = (tmp_path / "shared_prefix.md").read_text()
-    assert "| g4-p64 |" not in md and "| 4 x 64 | 12 | shuffled |" in md
+    assert "| g4-p64 |" not in md and "| 4 x 64 | 12 / 12 / 12 | shuffled |" in md
     # Parts merge into one table; a later part replaces the same run.
     part = tmp_path / "part.json"
     part.write_text(json.dumps({"meta": data["meta"], "results": [dict(
