@@ -98,6 +98,8 @@ def summarize(starts, firsts, lasts, ends, output_tokens: int) -> dict:
         return round(float(np.percentile(a, q)), 3)
     return {"requests": int(len(starts)), "seconds": round(span, 3),
             "output_tok_s": round(len(starts) * output_tokens / span, 1),
+            # requests in flight on average: below the concurrency, the client left gaps
+            "mean_in_flight": round(float((ends - starts).sum()) / span, 1),
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
             "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)}
 
@@ -312,6 +314,7 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
     if gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
     rows = []
+    server = None
     try:
         with start_server(repo, timeout_s=SERVER_START_S, log_dir=work) as server:
             c_max = max(args.concurrency)
@@ -337,6 +340,9 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
                     rows.append({"path": model, "round": rnd, "concurrency": c, **r})
                     print(rows[-1], flush=True)
     finally:
+        if server is not None and args.out:        # the server's log, beside the results
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            shutil.copy(server.log_path, args.out + ".server.log")
         if env_before is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
