@@ -235,7 +235,9 @@ def run_perf_analyzer(server, model: str, c: int, n: int, data: str, work: str,
     export = os.path.join(work, f"export-{model}-{c}.json")
     cmd = [perf_analyzer_path(), "-m", model, "-i", "grpc", "-u", server.grpc_url,
            "--input-data", data, "--concurrency-range", str(c), "--request-count", str(n),
-           "--max-threads", str(min(max(c, 4), 16)), "--profile-export-file", export]
+           # A thread per request in flight: with fewer, perf_analyzer's threads, busy with
+           # many streamed responses each, kept only about half of 64 requests in flight.
+           "--max-threads", str(max(c, 4)), "--profile-export-file", export]
     if model == "llm":
         cmd.append("--streaming")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
@@ -316,7 +318,9 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
     rows = []
     server = None
     try:
-        with start_server(repo, timeout_s=SERVER_START_S, log_dir=work) as server:
+        # The log goes beside the results from the start: it is there even if this is killed.
+        log_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else work
+        with start_server(repo, timeout_s=SERVER_START_S, log_dir=log_dir) as server:
             c_max = max(args.concurrency)
             for model in args.models:
                 for c, rnd in [(c_max, "first")] + [(c, "steady") for c in args.concurrency]:
@@ -340,9 +344,8 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
                     rows.append({"path": model, "round": rnd, "concurrency": c, **r})
                     print(rows[-1], flush=True)
     finally:
-        if server is not None and args.out:        # the server's log, beside the results
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            shutil.copy(server.log_path, args.out + ".server.log")
+        if server is not None and args.out:        # under a name that says what it is
+            os.replace(server.log_path, args.out + ".server.log")
         if env_before is None:
             os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         else:
