@@ -28,7 +28,7 @@ import threading
 import time
 import uuid
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -43,6 +43,7 @@ MAX_SUBMIT_TRIES = 24
 CANCEL_POLL_S = 0.1
 CANCEL_CHECKS_PER_POLL = 64     # is_cancelled() is a round trip: bounded work per round
 SUBMIT_THREADS = 8
+OPEN_TIMEOUT_S = 60.0
 
 
 @dataclass
@@ -58,9 +59,11 @@ class SubmitError(Exception):
 
 
 class Transport(Protocol):
-    def open(self, owner: str) -> tuple[str, Iterator[Result]]:
-        """Opens a result stream; returns once `llm` has answered it, with the id `llm` gave
-        it and its results (iterating blocks for the next; it stops when `llm` ends it)."""
+    def open(self, owner: str) -> Iterator[str | Result]:
+        """A result stream, opened when first iterated: the first item is the id `llm` gave
+        it, then its results (each next() blocks for one); it stops when `llm` ends it. It is
+        iterated on one thread from start to end (Triton's BLS iterators want the thread and
+        the request object that made them)."""
 
     def submit(self, owner: str, request_id: str, inputs: dict[str, np.ndarray]) -> str:
         """Sends one request; returns, once `llm` accepted it, the id of the result stream its
@@ -164,16 +167,25 @@ class BlsClient:
             self._finish(request_id, None, f"internal error: {e}")
 
     def _open_stream(self) -> None:
-        stream_id, results = self.transport.open(self.owner)
-        with self._lock:
-            self._streams.add(stream_id)
-        t = threading.Thread(target=self._read, args=(stream_id, results), name="bls-results",
-                             daemon=True)
+        """Opens a result stream on a reader thread of its own; returns once it is open."""
+        opened: Future = Future()
+        t = threading.Thread(target=self._read, args=(self.transport.open(self.owner), opened),
+                             name="bls-results", daemon=True)
         self._readers.append(t)
         t.start()
+        opened.result(OPEN_TIMEOUT_S)
 
     # ------------------------------------------------------------------ reader threads
-    def _read(self, stream_id: str, results: Iterator[Result]) -> None:
+    def _read(self, results: Iterator[str | Result], opened: Future) -> None:
+        try:
+            stream_id = next(results)
+        except BaseException as e:  # noqa: BLE001 - the submitter hears of it
+            opened.set_exception(e)
+            self._readers.remove(threading.current_thread())
+            return
+        with self._lock:
+            self._streams.add(stream_id)
+        opened.set_result(stream_id)
         reason = f"llm ended result stream {stream_id}"
         try:
             for r in results:

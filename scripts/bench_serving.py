@@ -320,7 +320,8 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
     try:
         # The log goes beside the results from the start: it is there even if this is killed.
         log_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else work
-        with start_server(repo, timeout_s=SERVER_START_S, log_dir=log_dir) as server:
+        with start_server(repo, extra_args=args.server_arg, timeout_s=SERVER_START_S,
+                          log_dir=log_dir) as server:
             c_max = max(args.concurrency)
             for model in args.models:
                 for c, rnd in [(c_max, "first")] + [(c, "steady") for c in args.concurrency]:
@@ -390,6 +391,8 @@ def main(argv: list[str] | None = None) -> dict:
                     choices=["llm", "llm_bls"])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine setting for both paths (e.g. max_num_seqs=512)")
+    ap.add_argument("--server-arg", action="append", default=[],
+                    help="an extra tritonserver flag (e.g. --server-arg=--log-verbose=1)")
     ap.add_argument("--skip-direct", action="store_true")
     ap.add_argument("--skip-served", action="store_true")
     ap.add_argument("--out", default=None, help="results prefix (.json and .md)")

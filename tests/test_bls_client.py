@@ -40,9 +40,10 @@ class FakeLLM:
             self.streams_by_id[sid] = q
 
         def results():
+            yield sid
             while (item := q.get()) is not _END:
                 yield item
-        return sid, results()
+        return results()
 
     def submit(self, owner, request_id, inputs):
         with self.lock:

@@ -62,19 +62,28 @@ class _Client:
 
 
 class _Transport:
-    """engine.bls_client.Transport over BLS calls to `llm`."""
+    """engine.bls_client.Transport over BLS calls to `llm`. Each call's request object lives as
+    long as its responses are read, and on the thread that reads them."""
 
     def open(self, owner):
-        responses = iter(_call({"bls_open": _str(owner)}))
+        responses = _exec({"bls_open": _str(owner)})
         first = next(responses)
         if first.has_error():
             raise SubmitError(first.error().message())
-        stream_id = _out_text(first, "bls_stream_id")
-        return stream_id, self._results(responses)
+        yield _out_text(first, "bls_stream_id")
+        for r in responses:
+            if r.has_error():
+                raise RuntimeError(r.error().message())
+            request_id = _out_text(r, "bls_request_id")
+            if request_id is None:
+                continue                    # the empty final response: the stream ended
+            # Copies: nothing of ours may point into the response's shared memory later.
+            outputs = {t.name(): np.array(t.as_numpy(), copy=True) for t in r.output_tensors()}
+            yield Result(request_id, outputs, _out_text(r, "bls_error"))
 
     def submit(self, owner, request_id, inputs):
         stream_id = None
-        for r in _call({**inputs, "bls_owner": _str(owner), "bls_request_id": _str(request_id)}):
+        for r in _exec({**inputs, "bls_owner": _str(owner), "bls_request_id": _str(request_id)}):
             if r.has_error():
                 raise SubmitError(r.error().message())
             stream_id = _out_text(r, "bls_stream_id") or stream_id
@@ -83,26 +92,16 @@ class _Transport:
         return stream_id
 
     def abort(self, request_id):
-        for _ in _call({"abort_request_id": _str(request_id)}):
+        for _ in _exec({"abort_request_id": _str(request_id)}):
             pass
 
-    @staticmethod
-    def _results(responses):
-        for r in responses:
-            if r.has_error():
-                raise RuntimeError(r.error().message())
-            request_id = _out_text(r, "bls_request_id")
-            if request_id is None:
-                continue                    # the empty final response: the stream ended
-            outputs = {t.name(): t.as_numpy() for t in r.output_tensors()}
-            yield Result(request_id, outputs, _out_text(r, "bls_error"))
 
-
-def _call(inputs):
+def _exec(inputs):
+    """The responses of one BLS call to llm; the request object lives while they are read."""
     request = pb_utils.InferenceRequest(
         model_name="llm", requested_output_names=_RESULT_OUTPUTS,
         inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
-    return request.exec(decoupled=True)
+    yield from request.exec(decoupled=True)
 
 
 def _str(value):
