@@ -24,10 +24,8 @@ _FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters") + _FLAGS
 OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
                 "output_ids", "logprobs")
-# Inputs llm_bls sends llm (engine/bls_client.py): abort a request by the caller's id, open a
-# result stream, submit a request whose result goes back on one; and the outputs they answer.
-CONTROL_INPUT_NAMES = ("abort_request_id", "bls_open", "bls_owner", "bls_request_id")
-CONTROL_OUTPUT_NAMES = ("bls_request_id", "bls_error", "bls_stream_id")
+# llm_bls's input to llm: abort the request the caller started with this id.
+CONTROL_INPUT_NAMES = ("abort_request_id",)
 
 # Sizes a request may have, checked before anything is parsed: prompts are tokenized and
 # checked against the model's max_model_len later, and this bounds what reaches that point

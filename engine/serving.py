@@ -12,12 +12,11 @@ Where the work happens, so that a response costs what the server takes and nothi
 - the outbox's sender threads send: when one is free a step goes out at once, when all are
   busy a stream's steps pile up and leave as one response (text, ids and logprobs of them all);
 - a housekeeping thread asks the server which requests were cancelled (a bounded number per
-  round: each question is a round trip), ends idle llm_bls result streams and publishes the
-  metrics (counted locally, engine/metrics.py) twice a second.
+  round: each question is a round trip) and publishes the metrics (counted locally,
+  engine/metrics.py) twice a second.
 
-llm_bls's requests come back on result streams (engine/bls_client.py, engine/result_streams.py):
-`bls_open` opens one, `bls_owner` + `bls_request_id` submits a request whose result goes back
-on one of them, and `abort_request_id` aborts a request by the caller's id.
+A request whose only input is `abort_request_id` aborts the request the caller started with
+that id (how llm_bls passes on a cancellation) and gets an empty answer.
 
 Every request ends with exactly one final send, however it ends: answered, refused, failed, or
 cut short by `stop_serving` (the server is going away) or `shutdown` (their error then names
@@ -40,13 +39,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.bls_client import NO_RESULT_STREAM
 from engine.config import EngineConfig
 from engine.metrics import ServingMetrics
 from engine.outbox import Outbox, Stream
 from engine.outputs import EngineStats, RequestOutput
 from engine.protocol import GenerateRequest, make_response, parse_request
-from engine.result_streams import ResultStreams
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +65,6 @@ class _Failure:
     message: str
 
 
-_END = object()           # ends a result stream
 _EMPTY = object()         # an empty final answer (to an abort request)
 
 
@@ -82,8 +78,7 @@ class _Request:
     last_sent: float | None = None      # when its last response with tokens went out
     num_out: int = 0
     cancelled: bool = False
-    stream: Stream | None = None        # its way back (for llm_bls: its result stream)
-    result_stream: str | None = None    # llm_bls: the result stream's id
+    stream: Stream | None = None        # its way back
 
 
 class ServingEngine:
@@ -110,7 +105,6 @@ class ServingEngine:
         self._dead_lock = threading.Lock()          # held while on_dead runs
         self._closing = False
         self._max_lag = 0.0
-        self.results = ResultStreams()
         self.engine = AsyncEngine(config, on_dead=self._engine_died)
         self.outbox = Outbox(num_senders, "llm-send")
         self.loop = asyncio.new_event_loop()
@@ -124,8 +118,7 @@ class ServingEngine:
     def submit(self, inputs: dict[str, np.ndarray], send: SendFn,
                is_cancelled: Callable[[], bool] = lambda: False,
                request_id: str | None = None) -> None:
-        """Starts serving one request; every outcome, errors included, ends with a final send
-        (for a request submitted for llm_bls: an answer at once, its result on its stream)."""
+        """Starts serving one request; every outcome, errors included, ends with a final send."""
         if self._stop_reason is not None:
             send(None, self._stop_reason, True)
             return
@@ -137,8 +130,8 @@ class ServingEngine:
             send(None, self._stop_reason or "the engine was shut down", True)
 
     def stop_serving(self, reason: str) -> None:
-        """Ends every request in flight now, each with `reason` as its error, ends the llm_bls
-        result streams, and refuses new requests with it. For a server that is going away:
+        """Ends every request in flight now, each with `reason` as its error, and refuses new
+        requests with it. For a server that is going away:
         Triton unloads a decoupled model only once its streams have ended, and it does not tell
         the model that it is stopping. Any thread."""
         if self._stop_reason is None:
@@ -147,9 +140,7 @@ class ServingEngine:
             requests = list(self._inflight.values())
         for r in requests:
             self.engine.abort_nowait(r.rid)
-            self._fail(r, self._stop_reason)
-        for rs in self.results.take_all():
-            self.outbox.put(rs.sink, _END)
+            self.outbox.put(r.stream, _Failure(self._stop_reason))
 
     def stats(self) -> EngineStats:
         """Blocking; not from the loop thread."""
@@ -224,92 +215,24 @@ class ServingEngine:
             self._abort_client(_text(inputs["abort_request_id"]))
             self.outbox.put(answer, _EMPTY)
             return
-        if inputs.get("bls_open") is not None:
-            self._open_result_stream(_text(inputs["bls_open"]), send)
-            return
-        owner = inputs.get("bls_owner")
         try:
             r.req = parse_request(inputs)
         except ValueError as e:
             self.outbox.put(answer, _Failure(str(e)))
             return
-        if owner is not None:
-            if not self._accept_for_bls(r, _text(owner), inputs.get("bls_request_id")):
-                return
         self._track(r)
         try:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
                                      lambda out: self._on_output(r, out), stream=r.req.stream)
         except (ValueError, EngineDeadError) as e:  # e.g. prompt too long, or the engine died
-            self._fail(r, str(e))
+            self.outbox.put(r.stream, _Failure(str(e)))
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
             logger.exception("request %s failed", rid)
-            self._fail(r, f"internal error: {e}")
+            self.outbox.put(r.stream, _Failure(f"internal error: {e}"))
 
     def _on_output(self, r: _Request, out) -> None:
         """The engine's reader thread: one step of the request (or the engine's failure)."""
-        if isinstance(out, BaseException):
-            self._fail(r, str(out))
-        elif r.result_stream is None:
-            self.outbox.put(r.stream, out)
-        else:
-            self.outbox.put(r.stream, (r, out))
-
-    # ------------------------------------------------------------------ llm_bls
-    def _open_result_stream(self, owner: str, send: SendFn) -> None:
-        holder: dict[str, str] = {}
-        sink = self.outbox.stream(lambda items: self._send_results(holder["id"], send, items),
-                                  lambda e: self._result_stream_failed(holder["id"], e),
-                                  coalesce=False)
-        holder["id"] = self.results.open(owner, sink)
-        self.outbox.put(sink, ("opened", holder["id"]))
-
-    def _accept_for_bls(self, r: _Request, owner: str, request_id) -> bool:
-        if request_id is None:
-            self.outbox.put(r.stream, _Failure("bls_owner needs bls_request_id"))
-            return False
-        r.client_id = _text(request_id)
-        rs = self.results.acquire(owner, r.client_id)
-        if rs is None:
-            self.outbox.put(r.stream, _Failure(f"{NO_RESULT_STREAM} of {owner} here"))
-            return False
-        r.req.stream = False
-        self.outbox.put(r.stream, ("accepted", rs.stream_id))
-        r.stream, r.result_stream = rs.sink, rs.stream_id
-        return True
-
-    def _send_results(self, stream_id: str, send: SendFn, items: list) -> bool:
-        (item,) = items
-        if item is _END:
-            send({}, None, True)
-            return True
-        if item[0] == "opened":
-            send({"bls_stream_id": _strings([stream_id])}, None, False)
-            return False
-        r, out = item
-        tensors = {"bls_request_id": _strings([r.client_id])}
-        num_tokens = 0
-        if isinstance(out, _Failure):
-            tensors["bls_error"] = _strings([out.message])
-        else:
-            comp = out.outputs[0]
-            num_tokens = len(comp.token_ids)
-            tensors.update(make_response(r.req, out, comp.text, comp.token_ids, comp.logprobs,
-                                         num_tokens))
-            self._count_finished(r, out, num_tokens)
-        try:
-            self._timed_send(send, tensors, False, num_tokens)
-        finally:
-            self.results.release(stream_id, r.client_id)
-            self._forget(r)
-        return False
-
-    def _result_stream_failed(self, stream_id: str, e: BaseException) -> None:
-        """Its llm_bls is gone: the requests it was owed are aborted."""
-        logger.info("llm_bls result stream %s ended: %s", stream_id, e)
-        rs = self.results.remove(stream_id)
-        for client_id in (rs.requests if rs else ()):
-            self._abort_client(client_id)
+        self.outbox.put(r.stream, _Failure(str(out)) if isinstance(out, BaseException) else out)
 
     # ------------------------------------------------------------------ sender threads
     def _send_answer(self, r: _Request, send: SendFn, items: list) -> bool:
@@ -317,9 +240,6 @@ class ServingEngine:
         first = items[0]
         if first is _EMPTY:
             send({}, None, True)
-            return True
-        if isinstance(first, tuple) and first[0] == "accepted":     # llm_bls submission
-            send({"bls_stream_id": _strings([first[1]])}, None, True)
             return True
         failure = next((i for i in items if isinstance(i, _Failure)), None)
         if failure is not None:
@@ -398,12 +318,6 @@ class ServingEngine:
             if not self._inflight:
                 self._idle.set()
 
-    def _fail(self, r: _Request, message: str) -> None:
-        if r.result_stream is None:
-            self.outbox.put(r.stream, _Failure(message))
-        else:
-            self.outbox.put(r.stream, (r, _Failure(message)))
-
     def _abort_client(self, client_id: str) -> None:
         rid = self._client_ids.get(client_id)
         if rid is not None:
@@ -416,8 +330,6 @@ class ServingEngine:
         while not self._stopping.wait(HOUSEKEEPING_S):
             try:
                 cursor = self._check_cancellations(cursor)
-                for rs in self.results.take_idle():
-                    self.outbox.put(rs.sink, _END)
                 now = time.monotonic()
                 if now - last_stats >= STATS_POLL_S:
                     last_stats = now
@@ -429,7 +341,7 @@ class ServingEngine:
     def _check_cancellations(self, cursor: int) -> int:
         """Asks about up to CANCEL_CHECKS_PER_ROUND client requests, in turn."""
         with self._lock:
-            clients = [r for r in self._inflight.values() if r.result_stream is None]
+            clients = list(self._inflight.values())
         if not clients:
             return 0
         cursor %= len(clients)
@@ -460,11 +372,9 @@ class ServingEngine:
     # ------------------------------------------------------------------ engine death
     def _engine_died(self, reason: str) -> None:
         """On a thread of its own once the core is gone: every request's stream has its error
-        (the engine failed them); let those go out, end the result streams, then tell the
-        owner, unless we are shutting down (the core's end is then ours)."""
+        (the engine failed them); let those go out, then tell the owner, unless we are
+        shutting down (the core's end is then ours)."""
         self._idle.wait(1.0)
-        for rs in self.results.take_all():
-            self.outbox.put(rs.sink, _END)
         with self._dead_lock:
             if self._on_dead is not None and not self._closing:
                 self._on_dead(reason)
@@ -474,6 +384,3 @@ def _text(arr) -> str:
     v = np.asarray(arr).reshape(-1)[0]
     return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
 
-
-def _strings(values: list[str]) -> np.ndarray:
-    return np.array([v.encode("utf-8") for v in values], dtype=np.object_)

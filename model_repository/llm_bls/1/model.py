@@ -1,29 +1,48 @@
 """Triton adapter: one non-streaming response per request, over the `llm` model by BLS.
 
-execute() only parses each request and hands it to engine/bls_client.py, which sends it to
-`llm` and answers it when its result comes back on a result stream: many requests at once on
-one instance, none holding a thread or a server thread while it is generated. This file is the
-Triton side of it: the BLS calls (`_Transport`) and the answer to the client (`_Client`).
+execute() only hands each request to a worker thread and returns None; the worker waits on
+`llm` and sends the single response with the FINAL flag. So many requests run at once on one
+instance and a long one never holds up a short one. A watcher passes cancellations on.
 """
+import json
+import threading
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from engine.bls_client import BlsClient, Result, SubmitError
-from engine.protocol import (CONTROL_OUTPUT_NAMES, INPUT_NAMES, OUTPUT_NAMES,
-                             SCALAR_OVERRIDES, bls_inner_inputs)
+from engine.protocol import INPUT_NAMES, OUTPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs
 
 _OUTER_INPUTS = INPUT_NAMES + tuple(SCALAR_OVERRIDES) + ("stop_words",)
-_RESULT_OUTPUTS = list(OUTPUT_NAMES + CONTROL_OUTPUT_NAMES)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+_CANCEL_POLL_S = 0.1
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.client = BlsClient(_Transport())
+        params = json.loads(args["model_config"]).get("parameters", {})
+        workers = int(params.get("max_concurrency", {}).get("string_value", "512"))
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="llm_bls")
+        self.inflight = {}                      # inner request id -> outer request
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.watcher = threading.Thread(target=self._watch_cancellations, daemon=True)
+        self.watcher.start()
 
     def execute(self, requests):
         for request in requests:
-            sender = request.get_response_sender()
+            self.pool.submit(self._serve, request, request.get_response_sender())
+        return None
+
+    def finalize(self):
+        self.stopping.set()
+        self.watcher.join()
+        self.pool.shutdown(wait=True)
+
+    def _serve(self, request, sender):
+        inner_id = f"bls-{uuid.uuid4().hex}"
+        try:
             inputs = {}
             for name in _OUTER_INPUTS:
                 tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -33,87 +52,58 @@ class TritonPythonModel:
                 inner = bls_inner_inputs(inputs)
             except ValueError as e:
                 sender.send(_error(str(e)), flags=_FINAL)
-                continue
-            self.client.submit(_Client(request, sender), inner)
-        return None
+                return
+            with self.lock:
+                self.inflight[inner_id] = request
+            call = pb_utils.InferenceRequest(
+                model_name="llm", requested_output_names=list(OUTPUT_NAMES),
+                inputs=[pb_utils.Tensor(k, v) for k, v in inner.items()], request_id=inner_id)
+            outputs, error = None, None
+            for response in call.exec(decoupled=True):
+                if response.has_error():
+                    error = response.error().message()
+                elif response.output_tensors():
+                    outputs = [pb_utils.Tensor(t.name(), t.as_numpy())
+                               for t in response.output_tensors()]
+            cancelled = request.is_cancelled()
+            # Once the FINAL response is sent Triton frees the request: the watcher must not
+            # see it any more, so it leaves `inflight` first.
+            self._forget(inner_id)
+            if cancelled:
+                sender.send(_error("request cancelled", pb_utils.TritonError.CANCELLED),
+                            flags=_FINAL)
+            elif error is not None or outputs is None:
+                sender.send(_error(error or "llm returned no output"), flags=_FINAL)
+            else:
+                sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL)
+        except Exception as e:  # noqa: BLE001 - the client must always get its final response
+            self._forget(inner_id)
+            pb_utils.Logger.log_error(f"llm_bls: {e!r}")
+            sender.send(_error(f"internal error: {e}"), flags=_FINAL)
 
-    def finalize(self):
-        self.client.close()
+    def _forget(self, inner_id):
+        with self.lock:
+            self.inflight.pop(inner_id, None)
 
+    def _watch_cancellations(self):
+        aborted = set()
+        while not self.stopping.wait(_CANCEL_POLL_S):
+            # is_cancelled() under the lock: a request out of `inflight` may be freed already.
+            with self.lock:
+                aborted &= set(self.inflight)
+                cancelled = [inner_id for inner_id, request in self.inflight.items()
+                             if inner_id not in aborted and request.is_cancelled()]
+            for inner_id in cancelled:
+                aborted.add(inner_id)
+                self._abort_inner(inner_id)
 
-class _Client:
-    """The caller's request: asked if it was cancelled, answered once."""
-
-    def __init__(self, request, sender):
-        self.request, self.sender = request, sender
-
-    def is_cancelled(self):
-        return self.request.is_cancelled()
-
-    def respond(self, outputs, error, cancelled):
-        if cancelled:
-            response = _error("request cancelled", pb_utils.TritonError.CANCELLED)
-        elif error is not None:
-            response = _error(error)
-        else:
-            response = pb_utils.InferenceResponse(output_tensors=[
-                pb_utils.Tensor(k, v) for k, v in outputs.items() if k in OUTPUT_NAMES])
-        self.sender.send(response, flags=_FINAL)
-
-
-class _Transport:
-    """engine.bls_client.Transport over BLS calls to `llm`. Each call's request object lives as
-    long as its responses are read, and on the thread that reads them."""
-
-    def open(self, owner):
-        responses = _exec({"bls_open": _str(owner)})
-        first = next(responses)
-        if first.has_error():
-            raise SubmitError(first.error().message())
-        yield _out_text(first, "bls_stream_id")
-        for r in responses:
-            if r.has_error():
-                raise RuntimeError(r.error().message())
-            request_id = _out_text(r, "bls_request_id")
-            if request_id is None:
-                continue                    # the empty final response: the stream ended
-            # Copies: nothing of ours may point into the response's shared memory later.
-            outputs = {t.name(): np.array(t.as_numpy(), copy=True) for t in r.output_tensors()}
-            yield Result(request_id, outputs, _out_text(r, "bls_error"))
-
-    def submit(self, owner, request_id, inputs):
-        stream_id = None
-        for r in _exec({**inputs, "bls_owner": _str(owner), "bls_request_id": _str(request_id)}):
-            if r.has_error():
-                raise SubmitError(r.error().message())
-            stream_id = _out_text(r, "bls_stream_id") or stream_id
-        if stream_id is None:
-            raise SubmitError("llm accepted the request without naming its result stream")
-        return stream_id
-
-    def abort(self, request_id):
-        for _ in _exec({"abort_request_id": _str(request_id)}):
+    def _abort_inner(self, inner_id):
+        call = pb_utils.InferenceRequest(
+            model_name="llm", requested_output_names=["text_output"],
+            inputs=[pb_utils.Tensor("abort_request_id",
+                                    np.array([inner_id.encode()], dtype=np.object_))])
+        for _ in call.exec(decoupled=True):
             pass
-
-
-def _exec(inputs):
-    """The responses of one BLS call to llm; the request object lives while they are read."""
-    request = pb_utils.InferenceRequest(
-        model_name="llm", requested_output_names=_RESULT_OUTPUTS,
-        inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()])
-    yield from request.exec(decoupled=True)
-
-
-def _str(value):
-    return np.array([value.encode("utf-8")], dtype=np.object_)
-
-
-def _out_text(response, name):
-    tensor = pb_utils.get_output_tensor_by_name(response, name)
-    if tensor is None:
-        return None
-    v = tensor.as_numpy().reshape(-1)[0]
-    return v.decode("utf-8", errors="replace") if isinstance(v, bytes) else str(v)
 
 
 def _error(message, code=None):
