@@ -1,0 +1,25 @@
+"""scripts/bench_serving.py end to end on CPU with the tiny model: a short run that shows it
+works (direct engine, tritonserver, perf_analyzer, both models, two clients), not a timing."""
+import json
+
+from scripts import bench_serving
+from scripts.make_tiny_model import make_tiny_model
+
+
+def test_a_short_run_reports_every_path(tmp_path):
+    model = make_tiny_model(tmp_path / "m", arch="llama", seed=2)
+    out = tmp_path / "serving"
+    bench_serving.main(["--model", str(model), "--concurrency", "2", "--output-tokens", "6",
+                        "--prompt-tokens", "20", "--waves", "1", "--clients", "2",
+                        "--out", str(out)])
+    rows = json.loads((tmp_path / "serving.json").read_text())["results"]
+    seen = {(r["path"], r["round"]) for r in rows}
+    assert seen == {("direct", "first"), ("direct", "steady"), ("llm", "first"),
+                    ("llm", "steady"), ("llm_bls", "steady")}
+    for r in rows:
+        assert r["requests"] == bench_serving.MIN_REQUESTS and r["output_tok_s"] > 0, r
+        assert r["ttft_p50_ms"] is not None and r["itl_p50_ms"] is not None, r
+    streamed = next(r for r in rows if r["path"] == "llm" and r["round"] == "steady")
+    assert streamed["clients"] == 2 and streamed["responses_per_request"] >= 1
+    assert "| llm_bls | steady | 2 |" in (tmp_path / "serving.md").read_text()
+    assert (tmp_path / "serving.server.log").exists()
