@@ -46,27 +46,31 @@ def cascade_attention_torch(
     group = num_heads // num_kv_heads
     cu, lens = cu_seqlens_q.tolist(), seq_lens.tolist()
     prefixes, cu_groups = prefix_lens.tolist(), cu_group_seqs.tolist()
+    dev = q.device                  # the engine runs this on CPU; its tests run it anywhere
     qf = q.float().view(num_tokens, num_kv_heads, group, head_dim)          # [T, Hkv, G, D]
-    m = torch.full((num_tokens, num_kv_heads, group), float("-inf"))
-    l = torch.zeros(num_tokens, num_kv_heads, group)                        # noqa: E741
-    acc = torch.zeros(num_tokens, num_kv_heads, group, head_dim)
+    m = torch.full((num_tokens, num_kv_heads, group), float("-inf"), device=dev)
+    l = torch.zeros(num_tokens, num_kv_heads, group, device=dev)            # noqa: E741
+    acc = torch.zeros(num_tokens, num_kv_heads, group, head_dim, device=dev)
 
     # Own keys. Decode rows (one query, at seq_len - 1, sees all of [P, L)) in one batch.
     decode = [b for b in range(len(lens)) if cu[b + 1] - cu[b] == 1]
     if decode:
-        rows = torch.tensor([cu[b] for b in decode])
-        first = torch.tensor([prefixes[b] // block_size for b in decode])
-        num_own = torch.tensor([lens[b] - prefixes[b] for b in decode])
-        count = torch.tensor([-(-lens[b] // block_size) - prefixes[b] // block_size for b in decode])
+        rows = torch.tensor([cu[b] for b in decode], device=dev)
+        first = torch.tensor([prefixes[b] // block_size for b in decode], device=dev)
+        num_own = torch.tensor([lens[b] - prefixes[b] for b in decode], device=dev)
+        count = torch.tensor([-(-lens[b] // block_size) - prefixes[b] // block_size
+                              for b in decode], device=dev)
         width = int(count.max())
+        steps = torch.arange(width, device=dev)
         # Entries past a sequence's own blocks are not read as block ids: repeat its first one.
-        idx = first[:, None] + torch.arange(width)[None]
-        idx = torch.where(torch.arange(width)[None] < count[:, None], idx, first[:, None])
-        blocks = block_table[torch.tensor(decode)[:, None], idx].long()      # [N, width]
+        idx = first[:, None] + steps[None]
+        idx = torch.where(steps[None] < count[:, None], idx, first[:, None])
+        blocks = block_table[torch.tensor(decode, device=dev)[:, None], idx].long()  # [N, width]
         shape = (len(decode), width * block_size, num_kv_heads, head_dim)
         k = k_cache[blocks].reshape(shape).float().transpose(1, 2)          # [N, Hkv, K, D]
         v = v_cache[blocks].reshape(shape).float().transpose(1, 2)
-        visible = (torch.arange(width * block_size)[None] < num_own[:, None])[:, None, None, :]
+        visible = (torch.arange(width * block_size, device=dev)[None]
+                   < num_own[:, None])[:, None, None, :]
         m[rows], l[rows], acc[rows] = _partials(qf[rows], k, v, scale, visible)
     for b in range(len(lens)):
         q_len = cu[b + 1] - cu[b]
@@ -76,8 +80,8 @@ def cascade_attention_torch(
         blocks = block_table[b, p // block_size:-(-n // block_size)].long()
         k = _gather(k_cache, blocks, n - p).float().permute(1, 0, 2)[None]     # [1, Hkv, K, D]
         v = _gather(v_cache, blocks, n - p).float().permute(1, 0, 2)[None]
-        q_pos = torch.arange(n - q_len, n)
-        visible = (torch.arange(p, n)[None, :] <= q_pos[:, None])[:, None, None, :]
+        q_pos = torch.arange(n - q_len, n, device=dev)
+        visible = (torch.arange(p, n, device=dev)[None, :] <= q_pos[:, None])[:, None, None, :]
         r0, r1 = cu[b], cu[b + 1]
         m[r0:r1], l[r0:r1], acc[r0:r1] = _partials(qf[r0:r1], k, v, scale, visible)
 
