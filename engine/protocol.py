@@ -24,8 +24,10 @@ _FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters") + _FLAGS
 OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
                 "output_ids", "logprobs")
-# llm_bls's input to llm: abort the request the caller started with this id.
+# llm_bls's input to llm: abort the request the caller started with this id. Only ids of the
+# requests llm_bls starts (BLS_REQUEST_ID_PREFIX...) are honoured: another client could guess.
 CONTROL_INPUT_NAMES = ("abort_request_id",)
+BLS_REQUEST_ID_PREFIX = "bls-"
 
 # Sizes a request may have, checked before anything is parsed: prompts are tokenized and
 # checked against the model's max_model_len later, and this bounds what reaches that point

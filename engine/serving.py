@@ -43,7 +43,8 @@ from engine.config import EngineConfig
 from engine.metrics import ServingMetrics
 from engine.outbox import Outbox, Stream
 from engine.outputs import EngineStats, RequestOutput
-from engine.protocol import GenerateRequest, make_response, parse_request
+from engine.protocol import (BLS_REQUEST_ID_PREFIX, GenerateRequest, make_response,
+                             parse_request)
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +57,7 @@ CANCEL_CHECKS_PER_ROUND = 64    # is_cancelled() is a server round trip: bounded
 LAG_PROBE_S = 0.01
 GIL_SWITCH_INTERVAL_S = 0.0005
 STATS_POLL_S = 0.5
+PENDING_ABORT_S = 10.0      # an abort that came before its request is kept this long
 STOP_WAIT_S = 10.0          # shutdown: for the answers to go out and the threads to end
 ON_DEAD_WAIT_S = 5.0        # shutdown: for an on_dead call under way to return
 
@@ -97,6 +99,7 @@ class ServingEngine:
         self._lock = threading.Lock()
         self._inflight: dict[str, _Request] = {}
         self._client_ids: dict[str, str] = {}     # caller's request id -> engine request id
+        self._early_aborts: dict[str, float] = {}  # caller's ids aborted before they arrived
         self._idle = threading.Event()
         self._idle.set()
         self._ids = itertools.count()
@@ -212,7 +215,13 @@ class ServingEngine:
             self.outbox.put(answer, _Failure(self._stop_reason))
             return
         if inputs.get("abort_request_id") is not None:
-            self._abort_client(_text(inputs["abort_request_id"]))
+            target = _text(inputs["abort_request_id"])
+            if not target.startswith(BLS_REQUEST_ID_PREFIX):
+                self.outbox.put(answer, _Failure(
+                    f"abort_request_id: only the requests llm_bls starts (ids "
+                    f"'{BLS_REQUEST_ID_PREFIX}...') can be aborted this way, got {target!r}"))
+                return
+            self._abort_client(target)
             self.outbox.put(answer, _EMPTY)
             return
         try:
@@ -220,7 +229,9 @@ class ServingEngine:
         except ValueError as e:
             self.outbox.put(answer, _Failure(str(e)))
             return
-        self._track(r)
+        if not self._track(r):
+            self.outbox.put(answer, _Failure("request cancelled"))
+            return
         try:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
                                      lambda out: self._on_output(r, out), stream=r.req.stream)
@@ -302,12 +313,16 @@ class ServingEngine:
                     self.metrics.on_inter_token((last - first) / (num_out - 1), num_out - 1)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _track(self, r: _Request) -> None:
+    def _track(self, r: _Request) -> bool:
+        """Registers the request; False if its caller aborted it before it arrived."""
         with self._lock:
+            if r.client_id and self._early_aborts.pop(r.client_id, None) is not None:
+                return False
             self._inflight[r.rid] = r
             if r.client_id:
                 self._client_ids[r.client_id] = r.rid
             self._idle.clear()
+            return True
 
     def _forget(self, r: _Request) -> None:
         with self._lock:
@@ -319,9 +334,17 @@ class ServingEngine:
                 self._idle.set()
 
     def _abort_client(self, client_id: str) -> None:
-        rid = self._client_ids.get(client_id)
-        if rid is not None:
-            self.engine.abort_nowait(rid)
+        """Aborts the caller's request; one that has not arrived yet (llm_bls can cancel within
+        the moment before) is refused when it does."""
+        with self._lock:
+            rid = self._client_ids.get(client_id)
+            if rid is None:
+                now = time.monotonic()
+                self._early_aborts = {k: t for k, t in self._early_aborts.items()
+                                      if now - t < PENDING_ABORT_S}
+                self._early_aborts[client_id] = now
+                return
+        self.engine.abort_nowait(rid)
 
     # ------------------------------------------------------------------ housekeeping thread
     def _housekeep(self) -> None:

@@ -131,3 +131,35 @@ def test_shutdown_answers_what_is_in_flight_and_leaves_no_thread(model_dir):
     assert rec.final.is_set() and rec.responses[-1][1] == "the engine was shut down"
     left = [t for t in threading.enumerate() if t.ident not in before and t.is_alive()]
     assert left == [], left
+
+
+def test_abort_request_id_aborts_only_llm_bls_requests_even_before_they_arrive(model_dir):
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        refused = Recorder()
+        serving.submit({"abort_request_id": _str("someone-elses-id")}, refused)
+        assert refused.final.wait(WAIT_S)
+        assert "abort_request_id" in refused.responses[0][1] and "bls-" in refused.responses[0][1]
+
+        # llm_bls cancels in the moment before its inner request has arrived.
+        early, ack = Recorder(), Recorder()
+        serving.submit({"abort_request_id": _str("bls-early")}, ack)
+        assert ack.final.wait(WAIT_S) and ack.responses == [({}, None, True)]
+        steps = serving.stats().num_steps
+        serving.submit(_inputs("too late", 200), early, request_id="bls-early")
+        assert early.final.wait(WAIT_S)
+        assert early.responses == [(None, "request cancelled", True)]
+        assert serving.stats().num_steps == steps            # it never reached the engine
+
+        # ...and one under way is aborted: its last response says so.
+        running, ack2 = Recorder(), Recorder()
+        serving.submit(_inputs("running", 200) | {"return_finish_reason": np.array([True])},
+                       running, request_id="bls-running")
+        assert running.entered.wait(WAIT_S)
+        serving.submit({"abort_request_id": _str("bls-running")}, ack2)
+        assert running.final.wait(WAIT_S)
+        assert running.responses[-1][0]["finish_reason"][0] == b"abort"
+        _wait_idle(serving)
+    finally:
+        serving.shutdown()

@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from engine.protocol import INPUT_NAMES, OUTPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs
+from engine.protocol import (BLS_REQUEST_ID_PREFIX, INPUT_NAMES, OUTPUT_NAMES,
+                             SCALAR_OVERRIDES, bls_inner_inputs)
 
 _OUTER_INPUTS = INPUT_NAMES + tuple(SCALAR_OVERRIDES) + ("stop_words",)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -41,7 +42,7 @@ class TritonPythonModel:
         self.pool.shutdown(wait=True)
 
     def _serve(self, request, sender):
-        inner_id = f"bls-{uuid.uuid4().hex}"
+        inner_id = f"{BLS_REQUEST_ID_PREFIX}{uuid.uuid4().hex}"
         try:
             inputs = {}
             for name in _OUTER_INPUTS:
