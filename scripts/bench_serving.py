@@ -96,7 +96,14 @@ def summarize(starts, firsts, lasts, ends, output_tokens: int) -> dict:
 
     def pct(a, q):
         return round(float(np.percentile(a, q)), 3)
+    t0 = float(starts.min())
     return {"requests": int(len(starts)), "seconds": round(span, 3),
+            # each request's (send, first response, last response) in ms from the first send:
+            # where the time between a request and its context's next one goes
+            "timeline_ms": [[round(1e3 * (a - t0), 1), round(1e3 * (b - t0), 1),
+                             round(1e3 * (c - t0), 1)]
+                            for a, b, c in zip(starts.tolist(), firsts.tolist(),
+                                               lasts.tolist())],
             "output_tok_s": round(len(starts) * output_tokens / span, 1),
             # requests in flight on average: below the concurrency, the client left gaps
             "mean_in_flight": round(float((ends - starts).sum()) / span, 1),
@@ -199,12 +206,12 @@ def run_direct(args, settings, prompts, gpus) -> list[dict]:
         t = engines.run(c_max, num_requests(args, c_max), "warm")
         rows.append({"path": "direct", "round": "first", "concurrency": c_max,
                      **summarize(*zip(*t), args.output_tokens)})
-        print(rows[-1], flush=True)
+        print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
         for c in args.concurrency:
             t = engines.run(c, num_requests(args, c), f"c{c}")
             rows.append({"path": "direct", "round": "steady", "concurrency": c,
                          **summarize(*zip(*t), args.output_tokens)})
-            print(rows[-1], flush=True)
+            print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
     finally:
         engines.close()
     return rows
@@ -356,7 +363,7 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
                             h = r.get(f"server_{k}", {})
                             r[f"{k}_p50_ms"], r[f"{k}_p99_ms"] = h.get("p50_ms"), h.get("p99_ms")
                     rows.append({"path": model, "round": rnd, "concurrency": c, **r})
-                    print(rows[-1], flush=True)
+                    print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
     finally:
         if server is not None and args.out:        # under a name that says what it is
             os.replace(server.log_path, args.out + ".server.log")

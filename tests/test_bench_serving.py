@@ -19,6 +19,8 @@ def test_a_short_run_reports_every_path(tmp_path):
     for r in rows:
         assert r["requests"] == bench_serving.MIN_REQUESTS and r["output_tok_s"] > 0, r
         assert r["ttft_p50_ms"] is not None and r["itl_p50_ms"] is not None, r
+        assert len(r["timeline_ms"]) == r["requests"]
+        assert all(send <= first <= last for send, first, last in r["timeline_ms"])
     streamed = next(r for r in rows if r["path"] == "llm" and r["round"] == "steady")
     assert streamed["clients"] == 2 and streamed["responses_per_request"] >= 1
     assert "| llm_bls | steady | 2 |" in (tmp_path / "serving.md").read_text()
