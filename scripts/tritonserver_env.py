@@ -127,14 +127,17 @@ _PARAM = re.compile(r'^parameters \{ key: "([^"]+)" value: \{ string_value: "([^
                     re.M)
 
 
-def copy_repository(dst: str, model_dir: str, llm_params: dict[str, str]) -> dict[str, str]:
-    """A copy of this project's model_repository whose llm keeps its parameters, with `model`
-    made absolute and `llm_params` set over them; returns the llm's parameters."""
-    shutil.copytree(os.path.join(ROOT, "model_repository"), dst)
+def copy_repository(dst: str | os.PathLike, model_dir: str | os.PathLike,
+                    llm_params: dict, keep_params: bool = True) -> dict[str, str]:
+    """A copy of this project's model_repository whose llm has `model` (made absolute) and
+    `llm_params` set over its own parameters (or, keep_params=False, instead of them);
+    returns the llm's parameters."""
+    shutil.copytree(os.path.join(ROOT, "model_repository"), dst, dirs_exist_ok=True)
     cfg_path = os.path.join(dst, "llm", "config.pbtxt")
     with open(cfg_path) as f:
         cfg = f.read()
-    params = {**dict(_PARAM.findall(cfg)), "model": os.path.abspath(model_dir), **llm_params}
+    params = {**(dict(_PARAM.findall(cfg)) if keep_params else {}),
+              "model": os.path.abspath(model_dir), **{k: str(v) for k, v in llm_params.items()}}
     cfg = _PARAM.sub("", cfg) + "".join(
         f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
         for k, v in params.items())

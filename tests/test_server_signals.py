@@ -9,8 +9,6 @@ import functools
 import gc
 import json
 import os
-import re
-import shutil
 import signal
 import threading
 
@@ -21,6 +19,7 @@ import tritonclient.grpc as grpcclient
 from engine.config import EngineConfig
 from engine.serving import ServingEngine
 from scripts.make_tiny_model import make_tiny_model
+from scripts.tritonserver_env import copy_repository
 from tests.tritonserver import Processes, start_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,15 +40,9 @@ def model_dir(tmp_path_factory):
                                max_position_embeddings=MAX_MODEL_LEN))
 
 
-def _repo_with(tmp_path, **params):
-    repo = tmp_path / "repo"
-    shutil.copytree(os.path.join(ROOT, "model_repository"), repo)
-    cfg_path = repo / "llm" / "config.pbtxt"
-    cfg = re.sub(r"^parameters .*$\n?", "", cfg_path.read_text(), flags=re.M)
-    cfg += "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
-                   for k, v in params.items())
-    cfg_path.write_text(cfg)
-    return repo
+def _repo_with(tmp_path, model, **params):
+    copy_repository(tmp_path / "repo", model, params, keep_params=False)
+    return tmp_path / "repo"
 
 
 def _inputs(prompt):

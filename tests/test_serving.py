@@ -28,6 +28,7 @@ from engine.sampling_params import (FLOAT32_MAX, MAX_LOGPROBS, MAX_STOP_STRING_C
                                     MAX_STOP_STRINGS)
 from engine.serving import ServingEngine
 from scripts.make_tiny_model import make_tiny_model
+from scripts.tritonserver_env import copy_repository
 from tests.tritonserver import start_server
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -47,13 +48,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(model_dir, tmp_path_factory):
     repo = tmp_path_factory.mktemp("repo")
-    shutil.copytree(os.path.join(ROOT, "model_repository"), repo, dirs_exist_ok=True)
-    cfg_path = repo / "llm" / "config.pbtxt"
-    cfg = re.sub(r"^parameters .*$\n?", "", cfg_path.read_text(), flags=re.M)
-    params = {"model": model_dir, "dtype": "float32", **SETTINGS}
-    cfg += "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
-                   for k, v in params.items())
-    cfg_path.write_text(cfg)
+    copy_repository(repo, model_dir, {"dtype": "float32", **SETTINGS}, keep_params=False)
     with start_server(repo, log_dir=tmp_path_factory.mktemp("log")) as s:
         yield s
 
@@ -653,15 +648,9 @@ def test_client_script_streams(server):
 
 
 # ---------------------------------------------------------------------------- lifecycle
-def _repo_with(tmp_path, **params):
-    repo = tmp_path / "repo"
-    shutil.copytree(os.path.join(ROOT, "model_repository"), repo)
-    cfg_path = repo / "llm" / "config.pbtxt"
-    cfg = re.sub(r"^parameters .*$\n?", "", cfg_path.read_text(), flags=re.M)
-    cfg += "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n'
-                   for k, v in params.items())
-    cfg_path.write_text(cfg)
-    return repo
+def _repo_with(tmp_path, model, **params):
+    copy_repository(tmp_path / "repo", model, params, keep_params=False)
+    return tmp_path / "repo"
 
 
 def test_startup_failure_is_raised_from_initialize(tmp_path):
