@@ -22,7 +22,6 @@ from scripts.make_tiny_model import make_tiny_model
 from scripts.tritonserver_env import copy_repository
 from tests.tritonserver import Processes, start_server
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NUM_STREAMS = 16
 # 16 streams of 8,000 tokens each take minutes here: none can end by itself during a test.
 MAX_MODEL_LEN = 8192
