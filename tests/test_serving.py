@@ -301,6 +301,28 @@ def test_16_concurrent_bls_are_batched_not_queued(server):
     assert num_tokens <= num_steps < 2 * num_tokens, num_steps
 
 
+def test_requests_sharing_a_prefix_are_grouped_and_answer_as_without(server, model_dir):
+    """Served traffic gets shared-prefix groups where they arise: requests whose block tables
+    start with the same cached blocks are grouped in the engine's steps (cascade attention;
+    llm_cascade_rows_total moves), and each answer is the one the engine gives without groups
+    or cascade."""
+    shared = ("The harbour office keeps a ledger of every ship, its cargo and its crew, and "
+              "each entry names the day it came in and the day it left. ") * 3
+    prompts = [shared + f"Question {i}: which ship carried {w}?" for i, w in
+               enumerate(["salt", "grain", "oil", "timber", "wool", "iron", "wine", "tea"])]
+    plain = LLM(model_dir, dtype="float32", device="cpu", enable_prefix_groups=False,
+                enable_cascade_attention=False, **SETTINGS)
+    expected = [o.outputs[0].text for o in plain.generate(prompts, SamplingParams(**greedy(64)))]
+    assert text_of(stream_request(server, shared, greedy(1)))      # the prefix is now cached
+    before = metric(server, "llm_cascade_rows_total")
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        streams = [pool.submit(stream_request, server, p, greedy(64)) for p in prompts]
+        texts = [text_of(f.result()) for f in streams]
+    assert texts == expected
+    wait_for(lambda: metric(server, "llm_cascade_rows_total") > before,
+             "the engine to count cascade rows")
+
+
 # ---------------------------------------------------------------------------- cancel
 def _wait_aborted_early(server, baseline):
     """Waits until an abort is published, then checks that the aborted request (the only one
