@@ -86,7 +86,7 @@ def num_requests(args, c: int) -> int:
     return max(args.waves * c, MIN_REQUESTS)
 
 
-def summarize(starts, firsts, lasts, ends, output_tokens: int) -> dict:
+def summarize(starts, firsts, lasts, ends, output_tokens: int, concurrency: int = 0) -> dict:
     """Client-side figures of one run (times in seconds, one entry per request)."""
     starts, firsts, lasts, ends = (np.asarray(a, dtype=np.float64)
                                    for a in (starts, firsts, lasts, ends))
@@ -108,7 +108,20 @@ def summarize(starts, firsts, lasts, ends, output_tokens: int) -> dict:
             # requests in flight on average: below the concurrency, the client left gaps
             "mean_in_flight": round(float((ends - starts).sum()) / span, 1),
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99)}
+            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
+            **reissue_gaps(starts, ends, concurrency)}
+
+
+def reissue_gaps(starts, ends, c: int) -> dict:
+    """In a closed loop of c, the k-th request to end frees the slot of the (c+k)-th to be
+    sent: the time between the two is what the client (or the server's answer path) adds
+    between requests. Matched in order of time, so per slot only on average."""
+    if c <= 0 or len(starts) <= c:
+        return {}
+    gaps = (np.sort(starts)[c:] - np.sort(ends)[:len(starts) - c]) * 1e3
+    return {"reissue_gap_p50_ms": round(float(np.percentile(gaps, 50)), 3),
+            "reissue_gap_p90_ms": round(float(np.percentile(gaps, 90)), 3),
+            "reissue_gap_max_ms": round(float(gaps.max()), 3)}
 
 
 # ---------------------------------------------------------------------------- direct
@@ -205,12 +218,12 @@ def run_direct(args, settings, prompts, gpus) -> list[dict]:
         c_max = max(args.concurrency)
         t = engines.run(c_max, num_requests(args, c_max), "warm")
         rows.append({"path": "direct", "round": "first", "concurrency": c_max,
-                     **summarize(*zip(*t), args.output_tokens)})
+                     **summarize(*zip(*t), args.output_tokens, c_max)})
         print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
         for c in args.concurrency:
             t = engines.run(c, num_requests(args, c), f"c{c}")
             rows.append({"path": "direct", "round": "steady", "concurrency": c,
-                         **summarize(*zip(*t), args.output_tokens)})
+                         **summarize(*zip(*t), args.output_tokens, c)})
             print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
     finally:
         engines.close()
@@ -270,10 +283,111 @@ def run_perf_analyzer(server, model: str, c: int, n: int, data: str, work: str,
     starts = [r["timestamp"] / 1e9 for r in reqs]
     firsts = [r["response_timestamps"][0] / 1e9 for r in reqs]
     lasts = [r["response_timestamps"][-1] / 1e9 for r in reqs]
-    out = summarize(starts, firsts, lasts, lasts, output_tokens)
+    out = summarize(starts, firsts, lasts, lasts, output_tokens, c)
     out["responses_per_request"] = round(
         sum(len(r["response_timestamps"]) for r in reqs) / max(len(reqs), 1), 2)
     out["clients"] = clients
+    return out
+
+
+def py_client_worker(spec: dict) -> None:
+    """A closed loop of Python gRPC clients (tritonclient.grpc.aio), one stream per context: a
+    second client beside perf_analyzer, to tell the client's gaps from the server's. Reads
+    "go" on stdin once connected; prints a JSON list of per-request (send, first, last)."""
+    import tritonclient.grpc.aio as grpcclient
+    import tritonclient.grpc as grpcsync
+    model, stream_mode = spec["model"], spec["model"] == "llm"
+    params = json.dumps({"max_tokens": spec["output_tokens"], "temperature": 0,
+                         "ignore_eos": True})
+
+    def make_inputs(prompt: str) -> list:
+        arrays = {"text_input": np.array([prompt.encode()], dtype=np.object_),
+                  "sampling_parameters": np.array([params.encode()], dtype=np.object_),
+                  "return_finish_reason": np.array([True])}
+        if stream_mode:
+            arrays["stream"] = np.array([True])
+        out = []
+        for name, a in arrays.items():
+            t = grpcsync.InferInput(name, list(a.shape), "BYTES" if a.dtype == object else "BOOL")
+            t.set_data_from_numpy(a)
+            out.append(t)
+        return out
+
+    counter = iter(range(spec["first"], spec["first"] + spec["n"]))
+    times: list = []
+
+    async def context(client) -> None:
+        if not stream_mode:
+            for i in counter:
+                start = time.time()
+                await client.infer(model, make_inputs(spec["prompts"][i % len(spec["prompts"])]))
+                now = time.time()
+                times.append((start, now, now))
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def requests():
+            while (item := await queue.get()) is not None:
+                yield item
+        responses = client.stream_infer(requests())
+        for i in counter:
+            start, first, last = time.time(), None, None
+            await queue.put({"model_name": model, "request_id": f"py-{i}",
+                             "inputs": make_inputs(spec["prompts"][i % len(spec["prompts"])])})
+            while True:
+                result, error = await responses.__anext__()
+                if error is not None:
+                    raise RuntimeError(str(error))
+                last = time.time()
+                first = first or last
+                if result.as_numpy("finish_reason") is not None:
+                    break
+            times.append((start, first, last))
+        await queue.put(None)
+
+    async def main() -> None:
+        clients = [grpcclient.InferenceServerClient(spec["url"]) for _ in range(spec["c"])]
+        for cl in clients:
+            await cl.is_server_ready()
+        print("ready", flush=True)
+        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+        await asyncio.gather(*(context(cl) for cl in clients))
+        for cl in clients:
+            await cl.close()
+    asyncio.run(main())
+    print(json.dumps(times), flush=True)
+
+
+def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output_tokens: int,
+                  procs: int) -> dict:
+    """`procs` processes of py_client_worker share c and n."""
+    procs = max(1, min(procs, c))
+    workers, first = [], 0
+    for k in range(procs):
+        ck, nk = c // procs + (k < c % procs), n // procs + (k < n % procs)
+        spec_path = tempfile.mkstemp(prefix="bench-pyclient-", suffix=".json")[1]
+        with open(spec_path, "w") as f:
+            json.dump({"url": server.grpc_url, "model": model, "c": ck, "n": nk, "first": first,
+                       "prompts": prompts, "output_tokens": output_tokens}, f)
+        first += nk
+        workers.append(subprocess.Popen(
+            [sys.executable, os.path.abspath(__file__), "--py-client-worker", spec_path],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
+    for w in workers:
+        if w.stdout.readline().strip() != "ready":
+            raise RuntimeError("python client did not start")
+    for w in workers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    times = []
+    for w in workers:
+        out, _ = w.communicate(timeout=3600)
+        if w.returncode != 0:
+            raise RuntimeError(f"python client failed ({w.returncode})")
+        times += json.loads(out.strip().splitlines()[-1])
+    starts, firsts, lasts = zip(*times)
+    out = summarize(starts, firsts, lasts, lasts, output_tokens, c)
+    out["clients"] = procs
     return out
 
 
@@ -294,6 +408,22 @@ def server_side(before: dict, after: dict) -> dict:
     if responses:
         out["server_tokens_per_response"] = round(tokens / responses, 2)
     return out
+
+
+def scrape_published(metrics_url: str, before: dict, requests: int,
+                     timeout_s: float = 30.0) -> dict:
+    """The server's metrics once they include a run's `requests` finished requests (the model
+    publishes them twice a second, so a scrape right after the last answer can miss some)."""
+    from scripts.server_probe import scrape
+
+    def finished(m):
+        return sum(v for k, v in m.items() if k.startswith("llm_requests_finished_total{"))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = scrape(metrics_url)
+        if finished(after) - finished(before) >= requests or time.monotonic() > deadline:
+            return after
+        time.sleep(0.1)     # polling the published state, not standing in for it
 
 
 def triton_queue_us(metrics_url: str) -> dict[str, float]:
@@ -344,13 +474,21 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
                           log_dir=log_dir) as server:
             c_max = max(args.concurrency)
             for model in args.models:
-                for c, rnd in [(c_max, "first")] + [(c, "steady") for c in args.concurrency]:
+                runs = [(c_max, "first", args.drivers[0])] + [
+                    (c, "steady", d) for c in args.concurrency for d in args.drivers]
+                for c, rnd, driver in runs:
                     if rnd == "first" and model != args.models[0]:
                         continue                # one warm-up round per server
                     m0, q0 = scrape(server.metrics_url), triton_queue_us(server.metrics_url)
-                    r = run_perf_analyzer(server, model, c, num_requests(args, c), data[model],
-                                          work, args.output_tokens, args.clients)
-                    m1, q1 = scrape(server.metrics_url), triton_queue_us(server.metrics_url)
+                    if driver == "python":
+                        r = run_py_client(server, model, c, num_requests(args, c), prompts,
+                                          args.output_tokens, args.py_clients)
+                    else:
+                        r = run_perf_analyzer(server, model, c, num_requests(args, c),
+                                              data[model], work, args.output_tokens,
+                                              args.clients)
+                    m1 = scrape_published(server.metrics_url, m0, r["requests"])
+                    q1 = triton_queue_us(server.metrics_url)
                     r.update(server_side(m0, m1))
                     n = q1.get(f"nv_inference_request_success:{model}", 0) - q0.get(
                         f"nv_inference_request_success:{model}", 0)
@@ -362,7 +500,8 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
                         for k in ("ttft", "itl"):
                             h = r.get(f"server_{k}", {})
                             r[f"{k}_p50_ms"], r[f"{k}_p99_ms"] = h.get("p50_ms"), h.get("p99_ms")
-                    rows.append({"path": model, "round": rnd, "concurrency": c, **r})
+                    path = model if driver == "perf_analyzer" else f"{model} ({driver} client)"
+                    rows.append({"path": path, "round": rnd, "concurrency": c, **r})
                     print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
     finally:
         if server is not None and args.out:        # under a name that says what it is
@@ -397,6 +536,7 @@ def table(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--direct-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--py-client-worker", help=argparse.SUPPRESS)
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="a real architecture with dummy weights (default on GPU: llama-3.1-8b)")
     ap.add_argument("--model", help="a local model folder (default on CPU: the tiny model)")
@@ -413,6 +553,13 @@ def main(argv: list[str] | None = None) -> dict:
                     help="an engine setting for both paths (e.g. max_num_seqs=512)")
     ap.add_argument("--clients", type=int, default=1,
                     help="perf_analyzer processes per run, the concurrency shared among them")
+    ap.add_argument("--drivers", nargs="+", default=["perf_analyzer"],
+                    choices=["perf_analyzer", "python"],
+                    help="load generators for the served runs: perf_analyzer (C++) and/or a "
+                         "closed loop of tritonclient.grpc.aio streams (tells the client's "
+                         "gaps from the server's)")
+    ap.add_argument("--py-clients", type=int, default=4,
+                    help="processes for the python driver, the concurrency shared among them")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="an extra tritonserver flag (e.g. --server-arg=--log-verbose=1)")
     ap.add_argument("--skip-direct", action="store_true")
@@ -422,6 +569,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.direct_worker:
         with open(args.direct_worker) as f:
             direct_worker(json.load(f))
+        return {}
+    if args.py_client_worker:
+        with open(args.py_client_worker) as f:
+            py_client_worker(json.load(f))
         return {}
 
     import torch

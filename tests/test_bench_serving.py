@@ -1,5 +1,6 @@
 """scripts/bench_serving.py end to end on CPU with the tiny model: a short run that shows it
-works (direct engine, tritonserver, perf_analyzer, both models, two clients), not a timing."""
+works (direct engine, tritonserver, perf_analyzer and the python client, both models,
+two clients each), not a timing."""
 import json
 
 from scripts import bench_serving
@@ -11,11 +12,13 @@ def test_a_short_run_reports_every_path(tmp_path):
     out = tmp_path / "serving"
     bench_serving.main(["--model", str(model), "--concurrency", "2", "--output-tokens", "6",
                         "--prompt-tokens", "20", "--waves", "1", "--clients", "2",
+                        "--drivers", "perf_analyzer", "python", "--py-clients", "2",
                         "--out", str(out)])
     rows = json.loads((tmp_path / "serving.json").read_text())["results"]
     seen = {(r["path"], r["round"]) for r in rows}
     assert seen == {("direct", "first"), ("direct", "steady"), ("llm", "first"),
-                    ("llm", "steady"), ("llm_bls", "steady")}
+                    ("llm", "steady"), ("llm_bls", "steady"),
+                    ("llm (python client)", "steady"), ("llm_bls (python client)", "steady")}
     for r in rows:
         assert r["requests"] == bench_serving.MIN_REQUESTS and r["output_tok_s"] > 0, r
         assert r["ttft_p50_ms"] is not None and r["itl_p50_ms"] is not None, r
@@ -23,5 +26,7 @@ def test_a_short_run_reports_every_path(tmp_path):
         assert all(send <= first <= last for send, first, last in r["timeline_ms"])
     streamed = next(r for r in rows if r["path"] == "llm" and r["round"] == "steady")
     assert streamed["clients"] == 2 and streamed["responses_per_request"] >= 1
+    py = next(r for r in rows if r["path"] == "llm (python client)")
+    assert py["clients"] == 2 and py["server_tokens_per_response"] > 0
     assert "| llm_bls | steady | 2 |" in (tmp_path / "serving.md").read_text()
     assert (tmp_path / "serving.server.log").exists()
