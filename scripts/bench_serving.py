@@ -105,11 +105,38 @@ def summarize(starts, firsts, lasts, ends, output_tokens: int, concurrency: int 
                             for a, b, c in zip(starts.tolist(), firsts.tolist(),
                                                lasts.tolist())],
             "output_tok_s": round(len(starts) * output_tokens / span, 1),
+            **full_load(starts, firsts, lasts, output_tokens, concurrency),
             # requests in flight on average: below the concurrency, the client left gaps
             "mean_in_flight": round(float((ends - starts).sum()) / span, 1),
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
             "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
             **reissue_gaps(starts, ends, concurrency)}
+
+
+def full_load(starts, firsts, lasts, output_tokens: int, c: int) -> dict:
+    """Output tok/s while the client has all its slots in use: from the c-th send (every slot
+    filled once) to the last send (after it, slots empty as the run drains). The whole-run
+    figure also charges the server with the client's ramp-up (perf_analyzer's processes and
+    threads start over seconds) and the drain. A request's tokens are counted where they
+    came: the first at its first response, the rest spread evenly to its last response (one
+    response: over the time it was out)."""
+    if c <= 0 or len(starts) <= c:
+        return {}
+    sends = np.sort(starts)
+    t0, t1 = sends[c - 1], sends[-1]
+    if t1 <= t0:
+        return {}
+    single = (lasts - firsts) < 1e-6
+    # one response (llm_bls): its tokens were made while it was out, spread over that time
+    begin = np.where(single, starts, firsts)
+    spread = np.clip(np.minimum(lasts, t1) - np.maximum(begin, t0), 0, None) / np.maximum(
+        lasts - begin, 1e-9)
+    tokens = np.where(single, output_tokens * spread,
+                      ((firsts >= t0) & (firsts <= t1)) + (output_tokens - 1) * spread)
+    busy = np.clip(np.minimum(lasts, t1) - np.maximum(starts, t0), 0, None)
+    return {"full_load_tok_s": round(float(tokens.sum()) / (t1 - t0), 1),
+            "full_load_s": round(float(t1 - t0), 3),
+            "full_load_in_flight": round(float(busy.sum()) / (t1 - t0), 1)}
 
 
 def reissue_gaps(starts, ends, c: int) -> dict:
@@ -221,9 +248,11 @@ def run_direct(args, settings, prompts, gpus) -> list[dict]:
                      **summarize(*zip(*t), args.output_tokens, c_max)})
         print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
         for c in args.concurrency:
+            cpu0, w0 = cpu_times(), time.monotonic()
             t = engines.run(c, num_requests(args, c), f"c{c}")
+            cpu = cpu_use(cpu0, cpu_times(), time.monotonic() - w0)
             rows.append({"path": "direct", "round": "steady", "concurrency": c,
-                         **summarize(*zip(*t), args.output_tokens, c)})
+                         **summarize(*zip(*t), args.output_tokens, c), "cpu_cores": cpu})
             print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
     finally:
         engines.close()
@@ -391,6 +420,43 @@ def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output
     return out
 
 
+def cpu_times() -> dict[str, float]:
+    """CPU seconds used so far by each kind of process on this machine (Linux /proc): the
+    server, its stubs, the engine's core and tokenizer processes, the load generators."""
+    tick = os.sysconf("SC_CLK_TCK")
+    kinds = {"engine.core_process": "engine core", "engine.tokenizer_process": "tokenizer",
+             "triton_python_backend_stub": "python stubs", "tritonserver": "tritonserver",
+             "perf_analyzer": "perf_analyzer", "--py-client-worker": "python clients",
+             "--direct-worker": "direct engine"}
+    out: dict[str, float] = {}
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        kind = next((v for k, v in kinds.items() if k in cmd), None)
+        if kind:
+            out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_use(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Cores busy on average per kind of process between two cpu_times()."""
+    return {k: round((after[k] - before.get(k, 0.0)) / seconds, 2) for k in sorted(after)
+            if seconds > 0 and after[k] - before.get(k, 0.0) > 0}
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished children (the load generators, once waited)."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
 def server_side(before: dict, after: dict) -> dict:
     from scripts.server_probe import hist_delta
     out = {}
@@ -480,6 +546,7 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
                     if rnd == "first" and model != args.models[0]:
                         continue                # one warm-up round per server
                     m0, q0 = scrape(server.metrics_url), triton_queue_us(server.metrics_url)
+                    cpu0, w0, ch0 = cpu_times(), time.monotonic(), children_cpu()
                     if driver == "python":
                         r = run_py_client(server, model, c, num_requests(args, c), prompts,
                                           args.output_tokens, args.py_clients)
@@ -487,6 +554,9 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
                         r = run_perf_analyzer(server, model, c, num_requests(args, c),
                                               data[model], work, args.output_tokens,
                                               args.clients)
+                    wall = time.monotonic() - w0
+                    r["cpu_cores"] = cpu_use(cpu0, cpu_times(), wall)
+                    r["cpu_cores"]["load generator"] = round((children_cpu() - ch0) / wall, 2)
                     m1 = scrape_published(server.metrics_url, m0, r["requests"])
                     q1 = triton_queue_us(server.metrics_url)
                     r.update(server_side(m0, m1))
@@ -515,19 +585,30 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
 
 # ---------------------------------------------------------------------------- report
 def table(rows: list[dict]) -> list[str]:
-    direct = {r["concurrency"]: r["output_tok_s"] for r in rows
-              if r["path"] == "direct" and r["round"] == "steady"}
-    out = ["| path | round | concurrency | output tok/s | vs direct | TTFT p50 / p99 ms | "
-           "ITL p50 / p99 ms | responses / request |",
-           "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    def base(key):
+        return {r["concurrency"]: r.get(key) for r in rows
+                if r["path"] == "direct" and r["round"] == "steady"}
+    direct, direct_full = base("output_tok_s"), base("full_load_tok_s")
+    out = ["| path | round | concurrency | output tok/s (vs direct) | at full load (vs direct) "
+           "| in flight at full load | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
+           "responses / request |",
+           "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def f(v):
         return "-" if v is None else f"{v:.2f}"
+
+    def vs(r, key, ref):
+        v, b = r.get(key), ref.get(r["concurrency"])
+        if v is None:
+            return "-"
+        if r["round"] != "steady" or not b:
+            return f"{v:.0f}"
+        return f"{v:.0f} ({100 * v / b:.1f}%)"
     for r in rows:
-        ratio = (f"{100 * r['output_tok_s'] / direct[r['concurrency']]:.1f}%"
-                 if r["concurrency"] in direct and r["round"] == "steady" else "-")
-        out.append(f"| {r['path']} | {r['round']} | {r['concurrency']} | {r['output_tok_s']:.0f} | "
-                   f"{ratio} | {f(r.get('ttft_p50_ms'))} / {f(r.get('ttft_p99_ms'))} | "
+        out.append(f"| {r['path']} | {r['round']} | {r['concurrency']} | "
+                   f"{vs(r, 'output_tok_s', direct)} | {vs(r, 'full_load_tok_s', direct_full)} | "
+                   f"{r.get('full_load_in_flight', '-')} | "
+                   f"{f(r.get('ttft_p50_ms'))} / {f(r.get('ttft_p99_ms'))} | "
                    f"{f(r.get('itl_p50_ms'))} / {f(r.get('itl_p99_ms'))} | "
                    f"{r.get('responses_per_request', '-')} |")
     return out

@@ -29,4 +29,7 @@ def test_a_short_run_reports_every_path(tmp_path):
     py = next(r for r in rows if r["path"] == "llm (python client)")
     assert py["clients"] == 2 and py["server_tokens_per_response"] > 0
     assert "| llm_bls | steady | 2 |" in (tmp_path / "serving.md").read_text()
+    for r in rows:                   # the run fills its slots and drains: a full-load window
+        assert r["full_load_tok_s"] > 0 and r["full_load_in_flight"] > 0, r
+    assert all(v >= 0 for v in streamed["cpu_cores"].values()) and "tritonserver" in streamed["cpu_cores"]
     assert (tmp_path / "serving.server.log").exists()
