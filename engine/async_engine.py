@@ -18,6 +18,7 @@ import logging
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
 
 import numpy as np
 
@@ -56,12 +57,17 @@ class _Stream:
 
 class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None,
-                 on_dead: Callable[[str], None] | None = None, **settings) -> None:
+                 on_dead: Callable[[str], None] | None = None,
+                 sink_batch: Callable[[], AbstractContextManager] | None = None,
+                 **settings) -> None:
         """Starts the engine core process and waits until it has loaded the model (call from a
         thread that does not mind the wait); then use it from one event loop. `on_dead(reason)`
-        is called once, from another thread, if the core process dies."""
+        is called once, from another thread, if the core process dies. `sink_batch()`, if
+        given, is entered around each step's calls of the submit() sinks (e.g. Outbox.batch:
+        one lock for the step's outputs, not one per request)."""
         self.config = config or EngineConfig(**settings)
         self._on_dead = on_dead
+        self._sink_batch = sink_batch or nullcontext
         self._loop: asyncio.AbstractEventLoop | None = None
         self._streams: dict[str, _Stream] = {}
         self._ids_by_index: dict[int, str] = {}
@@ -252,18 +258,19 @@ class AsyncEngine:
         if to_abort:
             self.core.abort(to_abort)
         queued = []
-        for out in outputs:
-            channel = self._streams.get(out.request_id)
-            if channel is None:
-                continue
-            if channel.sink is None:
-                queued.append(out)
-                continue
-            if out.finished:
-                channel.finished = True
-                self._streams.pop(out.request_id, None)
-                self._ids_by_index.pop(channel.index, None)
-            channel.sink(out)
+        with self._sink_batch():
+            for out in outputs:
+                channel = self._streams.get(out.request_id)
+                if channel is None:
+                    continue
+                if channel.sink is None:
+                    queued.append(out)
+                    continue
+                if out.finished:
+                    channel.finished = True
+                    self._streams.pop(out.request_id, None)
+                    self._ids_by_index.pop(channel.index, None)
+                channel.sink(out)
         if queued and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, queued)

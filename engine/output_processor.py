@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, batch_decoder
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput
@@ -52,6 +52,7 @@ class OutputProcessor:
         self.tokenizer = tokenizer
         self.stream_deltas = stream_deltas
         self.states: dict[str, _RequestState] = {}
+        self._decode_many = batch_decoder(tokenizer) if tokenizer is not None else None
 
     def add_request(self, key, request_id: str, prompt: str | None,
                     prompt_token_ids: list[int], params: SamplingParams,
@@ -75,6 +76,10 @@ class OutputProcessor:
         (stop string found)."""
         outputs: list[RequestOutput] = []
         to_abort: list[str] = []
+        # First every request's new tokens, then one decode for all their windows, then the
+        # rest per request.
+        todo: list[tuple[EngineCoreOutput, _RequestState, bool]] = []
+        windows: dict[bool, list[list[int]]] = {True: [], False: []}
         for co in core_outputs:
             st = self.states.get(co.request_id)
             if st is None:
@@ -86,12 +91,21 @@ class OutputProcessor:
             st.token_ids.extend(co.new_token_ids)
             if st.logprobs is not None and co.new_logprobs:
                 st.logprobs.extend(self._logprobs(lp) for lp in co.new_logprobs)
-            finished = co.finished
-            if st.final_only and not finished:
+            if st.final_only and not co.finished:
                 continue
-            new_ids = st.token_ids[st.num_decoded:]
+            if st.detok:
+                windows[st.detok.skip_special_tokens].extend(
+                    st.detok.windows(st.token_ids[st.num_decoded:]))
             st.num_decoded = len(st.token_ids)
-            new_text = st.detok.step(new_ids, final=finished) if st.detok else ""
+            todo.append((co, st, st.detok is not None))
+        texts = {skip: iter(self._decode_many(seqs, skip)) if seqs else iter(())
+                 for skip, seqs in windows.items()}
+        for co, st, decoded in todo:
+            finished = co.finished
+            new_text = ""
+            if decoded:
+                it = texts[st.detok.skip_special_tokens]
+                new_text = st.detok.complete(next(it), next(it), final=finished)
             st.text += new_text
             if finished:
                 st.finish_reason, st.stop_reason = co.finish_reason, co.stop_reason

@@ -108,8 +108,13 @@ class ServingEngine:
         self._dead_lock = threading.Lock()          # held while on_dead runs
         self._closing = False
         self._max_lag = 0.0
-        self.engine = AsyncEngine(config, on_dead=self._engine_died)
         self.outbox = Outbox(num_senders, "llm-send")
+        try:
+            self.engine = AsyncEngine(config, on_dead=self._engine_died,
+                                      sink_batch=self.outbox.batch)
+        except BaseException:
+            self.outbox.close()
+            raise
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="serving-loop", daemon=True)
         self._thread.start()

@@ -1,6 +1,8 @@
 import pytest
 
-from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+import random
+
+from engine.detokenizer import IncrementalDetokenizer, StopStringMatcher, batch_decoder
 from scripts.make_tiny_model import train_tokenizer
 
 TEXTS = [
@@ -43,6 +45,57 @@ def test_special_tokens_skipped_or_kept(tok):
     keep = IncrementalDetokenizer(tok, [], skip_special_tokens=False)
     assert "".join(skip.step([t]) for t in ids) == tok.decode(ids, skip_special_tokens=True)
     assert "".join(keep.step([t]) for t in ids).endswith(tok.eos_token)
+
+
+def _random_id_lists(tok, n=300, seed=0):
+    rng = random.Random(seed)
+    specials = list(tok.all_special_ids)
+    return [[rng.choice(specials) if rng.random() < 0.1 else rng.randrange(len(tok))
+             for _ in range(rng.randrange(0, 8))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_batch_decoder_takes_the_fast_path_and_equals_decode(tok, skip):
+    decode_many = batch_decoder(tok)
+    assert decode_many.__name__ == "fast"           # a fast tokenizer: its backend, directly
+    seqs = _random_id_lists(tok)
+    assert decode_many(seqs, skip) == [tok.decode(s, skip_special_tokens=skip) for s in seqs]
+
+
+def test_batch_decoder_keeps_transformers_clean_up_where_it_applies(tok):
+    """clean_up_tokenization_spaces is ignored for BPE by transformers' decode unless forced;
+    forced, the fast path applies it the same way."""
+    tok.clean_up_tokenization_spaces = True
+    tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
+    try:
+        ids = tok.encode("a , b . c ' d", add_special_tokens=False)
+        assert tok.decode(ids) != "a , b . c ' d"      # the clean-up changed it
+        assert batch_decoder(tok)([ids], True) == [tok.decode(ids, skip_special_tokens=True)]
+    finally:
+        tok.clean_up_tokenization_spaces = False
+        tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = False
+
+
+def test_batch_decoder_falls_back_when_decode_is_not_the_backends(tok, tmp_path):
+    class Shouting(type(tok)):
+        def decode(self, ids, skip_special_tokens=False, **kw):
+            return super().decode(ids, skip_special_tokens=skip_special_tokens, **kw).upper()
+    tok.save_pretrained(tmp_path)
+    loud = Shouting.from_pretrained(tmp_path)
+    decode_many = batch_decoder(loud)
+    assert decode_many.__name__ == "slow"
+    ids = loud.encode("hello there", add_special_tokens=False)
+    assert decode_many([ids], True) == ["HELLO THERE"]
+
+
+def test_windows_and_complete_give_what_step_gives(tok):
+    ids = tok.encode(TEXTS[1] + TEXTS[3], add_special_tokens=False)
+    a, b = IncrementalDetokenizer(tok, [5, 6]), IncrementalDetokenizer(tok, [5, 6])
+    decode_many = batch_decoder(tok)
+    for i in range(0, len(ids), 3):
+        final = i + 3 >= len(ids)
+        texts = decode_many(list(b.windows(ids[i:i + 3])), True)
+        assert a.step(ids[i:i + 3], final=final) == b.complete(*texts, final=final)
 
 
 def test_stop_matcher_finds_earliest_and_cuts():

@@ -173,3 +173,37 @@ def test_close_sends_what_is_pending():
 def test_needs_a_sender():
     with pytest.raises(ValueError, match="num_senders"):
         Outbox(0)
+
+
+def test_a_batch_holds_its_puts_until_it_ends_then_each_stream_sends_them_as_one():
+    box = Outbox(2)
+    recs = [Recorder() for _ in range(3)]
+    streams = [box.stream(r, _never_fails) for r in recs]
+    with box.batch():
+        for step in range(3):
+            for s in streams:
+                box.put(s, step)
+        with box.batch():                        # nested: part of the outer batch
+            box.put(streams[0], "END")
+        assert box.num_ready == 0 and all(not r.entered.is_set() for r in recs)
+    for r, n in zip(recs, (4, 3, 3)):
+        r.wait_for(n)
+    box.close()
+    assert recs[0].responses == [[0, 1, 2, "END"]] and streams[0].done
+    assert recs[1].responses == recs[2].responses == [[0, 1, 2]]
+
+
+def test_puts_from_another_thread_during_a_batch_go_out_at_once():
+    box = Outbox(1)
+    a, b = Recorder(), Recorder()
+    sa, sb = box.stream(a, _never_fails), box.stream(b, _never_fails)
+    with box.batch():
+        box.put(sa, "held")
+        t = threading.Thread(target=box.put, args=(sb, "now"))
+        t.start()
+        t.join(WAIT_S)
+        b.wait_for(1)                            # not held by this thread's batch
+        assert not a.entered.is_set()
+    a.wait_for(1)
+    box.close()
+    assert a.responses == [["held"]] and b.responses == [["now"]]
