@@ -155,6 +155,9 @@ class TritonMetrics:
                for r in FINISH_REASONS},
         }
         self._steps = counter("llm_engine_steps_total", "Engine steps (schedule, run, update)")
+        self._graph_steps = counter("llm_engine_graph_steps_total",
+                                    "Engine steps run as a captured CUDA graph (the rest of "
+                                    "llm_engine_steps_total were launched eagerly)")
         self._cascade_rows = counter("llm_cascade_rows_total",
                                      "Query rows whose shared prefix was read once per group "
                                      "(cascade attention)")
@@ -193,6 +196,7 @@ class TritonMetrics:
             # After the gauges: a scrape that shows the step count moved shows gauges from
             # the same publication or a later one (tests/test_serving.py relies on it).
             self._increment("cascade_rows", self._cascade_rows, stats.num_cascade_rows)
+            self._increment("graph_steps", self._graph_steps, stats.num_graph_steps)
             self._increment("steps", self._steps, stats.num_steps)
 
     def _increment(self, key: str, metric, value: float) -> None:

@@ -275,7 +275,9 @@ class ModelRunner:
             return ModelRunnerOutput([], [], None, num_cascade_rows)
         batch = len(x.q_lens)
         decode_only = len(x.input_ids) == batch and len(x.sampled_rows) == batch
-        if decode_only and self.decode_graphs is not None and self.decode_graphs.can_run(batch):
+        graph = (decode_only and self.decode_graphs is not None
+                 and self.decode_graphs.can_run(batch))
+        if graph:
             logits = self.decode_graphs.run(
                 x.input_ids, x.positions, x.slot_mapping, x.block_table, x.seq_lens,
                 x.cascade.graph_inputs() if x.cascade is not None else None)
@@ -299,7 +301,9 @@ class ModelRunner:
             back = sorted(range(len(ids)), key=x.sampled_positions.__getitem__)
             ids, tokens = [ids[k] for k in back], [tokens[k] for k in back]
             logprobs = None if logprobs is None else [logprobs[k] for k in back]
-        return ModelRunnerOutput(ids, tokens, logprobs, num_cascade_rows)
+        # On CPU the decode path pads and runs the same code without capturing: not a graph.
+        return ModelRunnerOutput(ids, tokens, logprobs, num_cascade_rows,
+                                 graph and self.decode_graphs.use_graphs)
 
     @staticmethod
     def _logprobs(states: list[_RunnerRequest], out) -> list | None:

@@ -55,3 +55,6 @@ class EngineStats:
     # Query rows (decode rows and prompt tokens) that read a prefix shared with other running
     # requests once per group (cascade attention), since start.
     num_cascade_rows: int = 0
+    # Steps run as a captured CUDA graph since start; the others were launched eagerly (prompt
+    # chunks in the step, or no graph for its batch size, or CPU).
+    num_graph_steps: int = 0

@@ -72,6 +72,7 @@ class ModelRunnerOutput:
     # Per row, when asked: (token ids, logprobs) with the sampled token first, and its rank.
     logprobs: list[tuple[list[int], list[float], int] | None] | None = None
     num_cascade_rows: int = 0     # query rows this step that read a shared prefix once per group
+    graph: bool = False           # the step ran as a captured CUDA graph (not launched eagerly)
 
 
 @dataclass(slots=True)
@@ -96,6 +97,7 @@ class SchedulerStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_cascade_rows: int = 0                  # query rows that read a shared prefix once per group
+    num_graph_steps: int = 0                   # steps run as a CUDA graph (the rest eagerly)
 
 
 class _Group:
@@ -352,6 +354,7 @@ class Scheduler:
                            out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         self.stats.num_cascade_rows += out.num_cascade_rows
+        self.stats.num_graph_steps += out.graph
         for row, (rid, token_id) in enumerate(zip(out.request_ids, out.sampled_token_ids)):
             req = self.requests.get(rid)
             if req is None or req.status != RequestStatus.RUNNING:

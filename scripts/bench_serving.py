@@ -187,8 +187,12 @@ def direct_worker(spec: dict) -> None:
             if not cmd or cmd[0] == "quit":
                 break
             c, n, tag = int(cmd[1]), int(cmd[2]), cmd[3]
+            before = engine.get_stats()
             times = loop.run_until_complete(_closed_loop(engine, prompts, params, c, n, tag))
-            print(json.dumps(times), flush=True)
+            after = engine.get_stats()
+            print(json.dumps({"times": times, "steps": after.num_steps - before.num_steps,
+                              "graph_steps": after.num_graph_steps - before.num_graph_steps}),
+                  flush=True)
     finally:
         engine.shutdown()
         loop.close()
@@ -215,17 +219,21 @@ class DirectEngines:
             if line.strip() != "ready":
                 raise RuntimeError(f"direct engine did not start (said {line!r})")
 
-    def run(self, c: int, n: int, tag: str) -> list:
+    def run(self, c: int, n: int, tag: str) -> tuple[list, dict]:
+        """Per-request times, and the share of the engines' steps that ran as a CUDA graph."""
         k = len(self.procs)
         for i, p in enumerate(self.procs):
             ci = c // k + (i < c % k)
             ni = n // k + (i < n % k)
             p.stdin.write(f"run {max(ci, 1)} {max(ni, 1)} {tag}\n")
             p.stdin.flush()
-        times = []
+        times, steps, graph_steps = [], 0, 0
         for p in self.procs:
-            times += json.loads(p.stdout.readline())
-        return times
+            answer = json.loads(p.stdout.readline())
+            times += answer["times"]
+            steps += answer["steps"]
+            graph_steps += answer["graph_steps"]
+        return times, ({"graph_step_fraction": round(graph_steps / steps, 3)} if steps else {})
 
     def close(self) -> None:
         for p in self.procs:
@@ -243,16 +251,17 @@ def run_direct(args, settings, prompts, gpus) -> list[dict]:
     engines = DirectEngines(args, settings, prompts, gpus)
     try:
         c_max = max(args.concurrency)
-        t = engines.run(c_max, num_requests(args, c_max), "warm")
+        t, steps = engines.run(c_max, num_requests(args, c_max), "warm")
         rows.append({"path": "direct", "round": "first", "concurrency": c_max,
-                     **summarize(*zip(*t), args.output_tokens, c_max)})
+                     **summarize(*zip(*t), args.output_tokens, c_max), **steps})
         print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
         for c in args.concurrency:
             cpu0, w0 = cpu_times(), time.monotonic()
-            t = engines.run(c, num_requests(args, c), f"c{c}")
+            t, steps = engines.run(c, num_requests(args, c), f"c{c}")
             cpu = cpu_use(cpu0, cpu_times(), time.monotonic() - w0)
             rows.append({"path": "direct", "round": "steady", "concurrency": c,
-                         **summarize(*zip(*t), args.output_tokens, c), "cpu_cores": cpu})
+                         **summarize(*zip(*t), args.output_tokens, c), "cpu_cores": cpu,
+                         **steps})
             print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
     finally:
         engines.close()
@@ -470,6 +479,9 @@ def server_side(before: dict, after: dict) -> dict:
     def delta(prefix):
         return sum(v for k, v in after.items() if k.startswith(prefix + "{")) - sum(
             v for k, v in before.items() if k.startswith(prefix + "{"))
+    steps = delta("llm_engine_steps_total")
+    if steps:       # the rest ran eagerly: prompt chunks in the step (or no graph, or CPU)
+        out["graph_step_fraction"] = round(delta("llm_engine_graph_steps_total") / steps, 3)
     responses, tokens = delta("llm_responses_total"), delta("llm_response_tokens_total")
     if responses:
         out["server_tokens_per_response"] = round(tokens / responses, 2)

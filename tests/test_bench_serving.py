@@ -32,4 +32,7 @@ def test_a_short_run_reports_every_path(tmp_path):
     for r in rows:                   # the run fills its slots and drains: a full-load window
         assert r["full_load_tok_s"] > 0 and r["full_load_in_flight"] > 0, r
     assert all(v >= 0 for v in streamed["cpu_cores"].values()) and "tritonserver" in streamed["cpu_cores"]
+    for r in rows:                   # on CPU no step runs as a CUDA graph
+        if r["path"].startswith("direct") or r["path"].startswith("llm"):
+            assert r["graph_step_fraction"] == 0.0, r
     assert (tmp_path / "serving.server.log").exists()

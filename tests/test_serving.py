@@ -627,9 +627,13 @@ def test_metrics_families_move(server):
     assert inf == metric(server, "llm_time_to_first_token_seconds_count", after) > 0
     for family in ("llm_num_requests_running", "llm_num_requests_waiting", "llm_kv_blocks_total",
                    "llm_kv_blocks_free", "llm_kv_cache_usage_ratio",
-                   "llm_prefix_cache_hit_ratio", "llm_event_loop_lag_max_seconds"):
+                   "llm_prefix_cache_hit_ratio", "llm_event_loop_lag_max_seconds",
+                   "llm_engine_graph_steps_total"):
         assert any(k.startswith(family + "{") for k in after), family
     assert metric(server, "llm_kv_blocks_total") == SETTINGS["num_kv_blocks"]
+    # On CPU every step is launched eagerly: no CUDA graphs.
+    assert metric(server, "llm_engine_steps_total", after) > 0
+    assert metric(server, "llm_engine_graph_steps_total", after) == 0
 
 
 # ---------------------------------------------------------------------------- tools
