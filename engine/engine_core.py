@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import time
 
 import torch
 
@@ -13,6 +14,7 @@ from engine.outputs import EngineStats
 from engine.request import Request, check_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput, Scheduler
+from engine.step_timing import StepTimes
 
 logger = logging.getLogger(__name__)
 
@@ -100,10 +102,24 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    @property
+    def times(self) -> StepTimes:
+        """Where the steps' time went, since start (engine/step_timing.py)."""
+        return self.runner.times
+
     def step(self) -> list[EngineCoreOutput]:
+        times = self.runner.times
+        t0 = time.perf_counter()
         sched = self.scheduler.schedule()
+        t1 = time.perf_counter()
         runner_out = self.runner.execute_model(sched)
-        return self.scheduler.update_from_output(sched, runner_out)
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(sched, runner_out)
+        times.schedule += t1 - t0
+        times.update += time.perf_counter() - t2
+        times.steps += 1
+        times.graph_steps += runner_out.graph
+        return outputs
 
     def shutdown(self) -> None:
         """Drops the model and the KV cache and hands their memory back."""

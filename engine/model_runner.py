@@ -12,6 +12,7 @@ scheduler's row order.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -25,6 +26,7 @@ from engine.models.loader import load_model
 from engine.sampler import Sampler, SamplingMetadata
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, SchedulerOutput
+from engine.step_timing import StepTimes
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,8 @@ class ModelRunner:
         self.device = device
         self.dtype = dtype
         self.block_size = config.block_size
+        self.times = StepTimes()        # the engine core shares it (engine/step_timing.py)
+        self._events = None             # (start, end) CUDA events, made when first needed
         self.eos_token_ids = list(eos_token_ids)
         # CUDA: Triton kernels for attention and the small layers; CPU: PyTorch.
         on_gpu = device.type == "cuda"
@@ -265,13 +269,25 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        times = self.times
+        t0 = time.perf_counter()
         self._update_states(sched)
         if sched.is_empty:
             return ModelRunnerOutput([], [])
         x = self._prepare_inputs(sched)
+        t1 = time.perf_counter()
+        times.prepare += t1 - t0
         num_cascade_rows = x.cascade.num_cascade_rows if x.cascade is not None else 0
+        events = self._gpu_events()
+        if events:
+            events[0].record()
         if not x.sampled_ids:
             self._forward_eager(x)              # prompt chunks only: nothing to sample
+            if events:                         # a sync this step would not have: benches only
+                events[1].record()
+                events[1].synchronize()
+                times.gpu += events[0].elapsed_time(events[1]) / 1e3
+            times.launch += time.perf_counter() - t1
             return ModelRunnerOutput([], [], None, num_cascade_rows)
         batch = len(x.q_lens)
         decode_only = len(x.input_ids) == batch and len(x.sampled_rows) == batch
@@ -293,7 +309,15 @@ class ModelRunner:
             [s.token_ids[s.num_prompt_tokens:] for s in states],
             self.eos_token_ids, self.device)
         out = self.sampler(logits, meta_s)
+        if events:
+            events[1].record()
+        t2 = time.perf_counter()
         tokens = out.sampled_token_ids.tolist()
+        t3 = time.perf_counter()
+        times.launch += t2 - t1
+        times.wait += t3 - t2
+        if events:
+            times.gpu += events[0].elapsed_time(events[1]) / 1e3
         for state, tok in zip(states, tokens):
             state.token_ids.append(tok)
         ids, logprobs = x.sampled_ids, self._logprobs(states, out)
@@ -301,9 +325,19 @@ class ModelRunner:
             back = sorted(range(len(ids)), key=x.sampled_positions.__getitem__)
             ids, tokens = [ids[k] for k in back], [tokens[k] for k in back]
             logprobs = None if logprobs is None else [logprobs[k] for k in back]
+        times.post += time.perf_counter() - t3
         # On CPU the decode path pads and runs the same code without capturing: not a graph.
         return ModelRunnerOutput(ids, tokens, logprobs, num_cascade_rows,
                                  graph and self.decode_graphs.use_graphs)
+
+    def _gpu_events(self):
+        """(start, end) CUDA events if the GPU's time is wanted (StepTimes.gpu_events)."""
+        if not (self.times.gpu_events and self.device.type == "cuda"):
+            return None
+        if self._events is None:
+            self._events = (torch.cuda.Event(enable_timing=True),
+                            torch.cuda.Event(enable_timing=True))
+        return self._events
 
     @staticmethod
     def _logprobs(states: list[_RunnerRequest], out) -> list | None:

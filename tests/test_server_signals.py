@@ -136,7 +136,8 @@ def test_a_signal_to_the_process_group_ends_every_stream_and_stops_quietly(model
                 s.error, s.final)
         status = server.wait(60)
         log = open(server.log_path, errors="replace").read()
-        assert status == 0, f"tritonserver exited with {status}; log {server.log_path}"
+        assert status == 0, (f"tritonserver exited with {status}; log {server.log_path}, its "
+                             f"end:\n" + "\n".join(log.splitlines()[-40:]))
         assert not started.wait_gone(30), "processes of the server outlived it"
         started.close()
         for needle in NOT_IN_LOG:

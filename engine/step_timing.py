@@ -1,0 +1,57 @@
+"""Where an engine step's time goes (issue 13): the host's phases, and the GPU's own time.
+
+EngineCore.step and ModelRunner.execute_model add to one StepTimes per engine (`core.times`):
+
+  schedule   Scheduler.schedule
+  prepare    the runner's inputs built on the host (block tables, positions, slots)
+  launch     forward and sampler handed to the GPU (graph replay, or eager kernel launches)
+  wait       the host waiting for the sampled tokens (the step's one sync)
+  post       the runner after the sync (tokens appended, logprobs)
+  update     Scheduler.update_from_output (finishes, stop checks, outputs)
+  gpu        CUDA-event time from the forward's start to the sampled tokens (only with
+             `gpu_events`: two events per step; 0 on CPU)
+
+The host phases are back to back, so their sum is the step's wall time. `wait` is what the GPU
+makes the host wait; wall minus gpu is, roughly, the time the GPU sat idle in the step (the
+host work the GPU did not overlap).
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+PHASES = ("schedule", "prepare", "launch", "wait", "post", "update")
+
+
+@dataclass
+class StepTimes:
+    steps: int = 0
+    graph_steps: int = 0
+    schedule: float = 0.0       # seconds, summed over the steps
+    prepare: float = 0.0
+    launch: float = 0.0
+    wait: float = 0.0
+    post: float = 0.0
+    update: float = 0.0
+    gpu: float = 0.0
+    gpu_events: bool = False    # time the GPU too (CUDA events); off by default
+
+    def copy(self) -> StepTimes:
+        return dataclasses.replace(self)
+
+    def since(self, earlier: StepTimes) -> StepTimes:
+        """What was added after `earlier` (a copy taken then)."""
+        return StepTimes(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                            for f in dataclasses.fields(self) if f.name != "gpu_events"},
+                         gpu_events=self.gpu_events)
+
+    def per_step_ms(self) -> dict[str, float]:
+        """Mean milliseconds per step of each phase, the wall time, the GPU's time and the
+        share of steps that ran as a CUDA graph."""
+        n = max(self.steps, 1)
+        out = {p: round(1e3 * getattr(self, p) / n, 4) for p in PHASES}
+        out["wall"] = round(sum(out[p] for p in PHASES), 4)
+        if self.gpu_events:
+            out["gpu"] = round(1e3 * self.gpu / n, 4)
+        out["graph_step_share"] = round(self.graph_steps / n, 4)
+        return out

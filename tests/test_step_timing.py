@@ -1,0 +1,40 @@
+"""engine/step_timing.py: the engine core's account of where its steps' time goes."""
+import time
+
+from engine import LLM, SamplingParams
+from engine.step_timing import PHASES, StepTimes
+from scripts.make_tiny_model import make_tiny_model
+
+
+def test_the_phases_add_up_to_the_steps_wall_time(tmp_path):
+    llm = LLM(str(make_tiny_model(tmp_path / "m", arch="llama", seed=3)), dtype="float32",
+              device="cpu", num_kv_blocks=64, max_num_batched_tokens=32)
+    core = llm.core
+    before = core.times.copy()
+    core.add_request(core.make_request("t", list(range(5, 75)), SamplingParams(
+        max_tokens=6, temperature=0, ignore_eos=True)))
+    wall, steps = 0.0, 0
+    while core.has_unfinished_requests():
+        t0 = time.perf_counter()
+        core.step()
+        wall += time.perf_counter() - t0
+        steps += 1
+    t = core.times.since(before)
+    assert t.steps == steps == 3 + 5              # 70 prompt tokens in chunks of 32, 5 decodes
+    assert t.graph_steps == 0 and t.gpu == 0.0     # CPU: no graphs, no GPU timing
+    phases = sum(getattr(t, p) for p in PHASES)
+    assert all(getattr(t, p) > 0 for p in PHASES), t
+    assert phases <= wall                          # disjoint parts of the steps' wall time
+    ms = t.per_step_ms()
+    assert set(ms) == {*PHASES, "wall", "graph_step_share"}
+    assert abs(ms["wall"] - 1e3 * phases / steps) < 1e-3
+
+
+def test_since_and_per_step_ms_with_gpu_time():
+    a = StepTimes(steps=2, graph_steps=1, schedule=0.002, launch=0.010, wait=0.004, gpu=0.012,
+                  gpu_events=True)
+    b = StepTimes(steps=6, graph_steps=5, schedule=0.006, launch=0.030, wait=0.012, gpu=0.036,
+                  gpu_events=True)
+    ms = b.since(a).per_step_ms()
+    assert ms["schedule"] == 1.0 and ms["launch"] == 5.0 and ms["wait"] == 2.0
+    assert ms["gpu"] == 6.0 and ms["wall"] == 8.0 and ms["graph_step_share"] == 1.0
