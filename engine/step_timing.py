@@ -51,7 +51,7 @@ class StepTimes:
         n = max(self.steps, 1)
         out = {p: round(1e3 * getattr(self, p) / n, 4) for p in PHASES}
         out["wall"] = round(sum(out[p] for p in PHASES), 4)
-        if self.gpu_events:
+        if self.gpu_events and self.gpu > 0:    # CPU, or not asked: no GPU figure
             out["gpu"] = round(1e3 * self.gpu / n, 4)
         out["graph_step_share"] = round(self.graph_steps / n, 4)
         return out

@@ -128,3 +128,24 @@ def write_results(out_prefix: str, meta: dict, rows: list[dict], table: list[str
     with open(out_prefix + ".md", "w") as f:
         f.write("\n".join(head + table) + "\n")
     print("\n".join(head + table))
+
+
+def step_table(rows: list[dict], label_keys: list[str]) -> list[str]:
+    """Markdown: where a step's time went (each row's "step_ms", StepTimes.per_step_ms), per
+    row labelled by `label_keys`. Host phases are back to back; wall - gpu is roughly what the
+    GPU waited for the host."""
+    from engine.step_timing import PHASES
+    head = (["| " + " | ".join(label_keys) + " | " + " | ".join(PHASES)
+             + " | wall ms | GPU ms | GPU idle | graph steps |"],
+            ["| " + " | ".join("---" for _ in label_keys) + " | "
+             + " | ".join("---:" for _ in PHASES) + " | ---: | ---: | ---: | ---: |"])
+    out = head[0] + head[1]
+    for r in rows:
+        ms = r["step_ms"]
+        gpu = ms.get("gpu")
+        idle = f"{100 * max(ms['wall'] - gpu, 0) / ms['wall']:.0f}%" if gpu and ms["wall"] else "-"
+        out.append("| " + " | ".join(str(r[k]) for k in label_keys) + " | "
+                   + " | ".join(f"{ms[p]:.3f}" for p in PHASES)
+                   + f" | {ms['wall']:.3f} | {'-' if gpu is None else f'{gpu:.3f}'} | {idle} | "
+                   + f"{100 * ms['graph_step_share']:.0f}% |")
+    return out

@@ -3,12 +3,14 @@ peak bandwidth: every decode step reads all weights once)."""
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import statistics
 import sys
 import time
 
 from bench_common import (HBM_BYTES_PER_S, PRESETS, git_commit, hardware, kv_bytes_per_token,
-                          param_count, preset_dir, write_results)
+                          param_count, preset_dir, step_table, write_results)
 
 from engine import LLM, SamplingParams
 
@@ -16,6 +18,9 @@ from engine import LLM, SamplingParams
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
+    ap.add_argument("--model", default=None,
+                    help="a local model folder instead of the preset (e.g. the tiny model, to try "
+                         "the script on CPU with --dtype float32)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
@@ -26,16 +31,24 @@ def main() -> None:
 
     import torch
     cfg = PRESETS[args.preset]
-    llm = LLM(preset_dir(args.preset), load_format="dummy", dtype=args.dtype,
-              skip_tokenizer_init=True, max_num_seqs=8, max_model_len=8192,
+    model_dir = args.model or preset_dir(args.preset)
+    if args.model:
+        with open(os.path.join(args.model, "config.json")) as f:
+            cfg = json.load(f)
+    llm = LLM(model_dir, load_format="dummy", dtype=args.dtype,
+              skip_tokenizer_init=True, max_num_seqs=8,
+              max_model_len=min(8192, cfg.get("max_position_embeddings", 8192)),
               enforce_eager=args.enforce_eager)
     core = llm.core
+    core.times.gpu_events = True        # where each step's time goes, the GPU's part included
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
     prompt = [(i * 7919) % cfg["vocab_size"] for i in range(args.input_len)]
 
     step_ms: list[float] = []
     ttft_ms: list[float] = []
     for it in range(args.iters + 1):                       # the first run warms up
+        if it == 1:
+            before = core.times.copy()
         core.add_request(core.make_request(f"lat{it}", prompt, params))
         times = []
         while core.has_unfinished_requests():
@@ -57,7 +70,9 @@ def main() -> None:
            "tokens_per_s": 1e3 / ms, "ttft_ms_median": statistics.median(ttft_ms),
            "weight_bytes": weight_bytes, "roofline_ms_per_token": roofline_ms,
            "fraction_of_roofline": roofline_ms / ms,
-           "achieved_hbm_tb_per_s": (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e12}
+           "achieved_hbm_tb_per_s": (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e12,
+           # mean per step over the measured runs (their first, prefill, steps included)
+           "step_ms": core.times.since(before).per_step_ms()}
     meta = {"title": f"Single-stream decode, {args.preset} ({args.dtype}, dummy weights)",
             "hardware": hardware(), "commit": git_commit(),
             "command": " ".join(["python"] + sys.argv),
@@ -66,7 +81,10 @@ def main() -> None:
              "achieved TB/s | TTFT ms |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
              f"| {ms:.2f} | {row['ms_per_token_p90']:.2f} | {row['tokens_per_s']:.1f} | "
              f"{roofline_ms:.2f} | {100 * row['fraction_of_roofline']:.1f}% | "
-             f"{row['achieved_hbm_tb_per_s']:.2f} | {row['ttft_ms_median']:.1f} |"]
+             f"{row['achieved_hbm_tb_per_s']:.2f} | {row['ttft_ms_median']:.1f} |",
+             "", "Where a step's time goes (ms per step, mean over the measured runs):", ""]
+    row["batch"] = 1
+    table += step_table([row], ["batch"])
     write_results(args.out, meta, [row], table)
 
 

@@ -7,12 +7,14 @@ bandwidth (every step at full batch reads the weights once plus each sequence's 
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import random
 import sys
 import time
 
 from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS, git_commit, hardware,
-                          kv_bytes_per_token, param_count, preset_dir, write_results)
+                          kv_bytes_per_token, param_count, preset_dir, step_table, write_results)
 
 from engine import LLM, SamplingParams
 
@@ -67,11 +69,15 @@ def run_hf(preset: str, prompts, out_len: int, batch: int, dtype) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
+    ap.add_argument("--model", default=None,
+                    help="a local model folder instead of the preset (e.g. the tiny model, to try "
+                         "the script on CPU with --dtype float32)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--workloads", nargs="+", default=["1000x1000", "128x128", "2048x128"],
                     help="INPUTxOUTPUT lengths")
     ap.add_argument("--num-prompts", type=int, default=1000)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[256],
+                    help="one engine per value (e.g. 128 256 512 1024: does a bigger batch pay?)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--hf-prompts", type=int, default=256,
                     help="prompts through HF generate (a subset: it is slow)")
@@ -81,56 +87,70 @@ def main() -> None:
 
     import torch
     cfg = PRESETS[args.preset]
+    model_dir = args.model or preset_dir(args.preset)
+    if args.model:
+        with open(os.path.join(args.model, "config.json")) as f:
+            cfg = json.load(f)
     dtype = getattr(torch, args.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     rng = random.Random(0)
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads]
     max_len = max(i + o for i, o in workloads)
-    llm = LLM(preset_dir(args.preset), load_format="dummy", dtype=args.dtype,
-              skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
-              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
-              enable_prefix_caching=False)
-    rows, all_prompts = [], []
+    prompts_of = {(inp, out): [[rng.randrange(cfg["vocab_size"]) for _ in range(inp)]
+                               for _ in range(args.num_prompts)] for inp, out in workloads}
+    rows = []
+    for max_num_seqs in args.max_num_seqs:
+        llm = LLM(model_dir, load_format="dummy", dtype=args.dtype,
+                  skip_tokenizer_init=True, max_num_seqs=max_num_seqs,
+                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
+                  enable_prefix_caching=False)
+        llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
+        for inp, out in workloads:
+            prompts = prompts_of[(inp, out)]
+            run_engine(llm, prompts[:8], min(8, out))             # warm-up
+            before = llm.core.times.copy()
+            t = run_engine(llm, prompts, out)
+            roof = roofline_s(cfg, args.num_prompts, inp, out, max_num_seqs, elem)
+            rows.append({"input_len": inp, "output_len": out, "num_prompts": args.num_prompts,
+                         "max_num_seqs": max_num_seqs,
+                         "engine_s": t, "engine_output_tok_s": args.num_prompts * out / t,
+                         "engine_total_tok_s": args.num_prompts * (inp + out) / t,
+                         "roofline_s": roof, "fraction_of_roofline": roof / t,
+                         "step_ms": llm.core.times.since(before).per_step_ms()})
+            print("engine:", rows[-1], flush=True)
+        # HF (and the next engine) need the memory this KV cache holds: release it first.
+        llm.core.shutdown()
+        del llm
     for inp, out in workloads:
-        prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(inp)]
-                   for _ in range(args.num_prompts)]
-        all_prompts.append(prompts)
-        run_engine(llm, prompts[:8], 8)                      # warm-up
-        t = run_engine(llm, prompts, out)
-        roof = roofline_s(cfg, args.num_prompts, inp, out, args.max_num_seqs, elem)
-        rows.append({"input_len": inp, "output_len": out, "num_prompts": args.num_prompts,
-                     "engine_s": t, "engine_output_tok_s": args.num_prompts * out / t,
-                     "engine_total_tok_s": args.num_prompts * (inp + out) / t,
-                     "roofline_s": roof, "fraction_of_roofline": roof / t})
-        print("engine:", rows[-1], flush=True)
-    # HF needs the memory the engine's KV cache holds: release the engine first.
-    llm.core.shutdown()
-    del llm
-    for row, prompts in zip(rows, all_prompts):
         if not args.hf_prompts:
             break
         n = min(args.hf_prompts, args.num_prompts)
-        out = row["output_len"]
-        th = run_hf(args.preset, prompts[:n], out, args.hf_batch, dtype)
-        row.update({"hf_prompts": n, "hf_batch": args.hf_batch, "hf_s": th,
-                    "hf_output_tok_s": n * out / th,
-                    "speedup_vs_hf": row["engine_output_tok_s"] / (n * out / th)})
-        print("hf:", row, flush=True)
+        th = run_hf(args.preset, prompts_of[(inp, out)][:n], out, args.hf_batch, dtype)
+        for row in rows:
+            if (row["input_len"], row["output_len"]) == (inp, out):
+                row.update({"hf_prompts": n, "hf_batch": args.hf_batch, "hf_s": th,
+                            "hf_output_tok_s": n * out / th,
+                            "speedup_vs_hf": row["engine_output_tok_s"] / (n * out / th)})
+        print("hf:", inp, out, n * out / th, flush=True)
     meta = {"title": f"Offline throughput, {args.preset} ({args.dtype}, dummy weights)",
             "hardware": hardware(), "commit": git_commit(),
             "command": " ".join(["python"] + sys.argv),
             "targets": "1000x1000: >= 75% of roofline and >= 10x HF generate"}
-    table = ["| in/out | prompts | engine out tok/s | total tok/s | roofline s | engine s | "
-             "% of roofline | HF out tok/s (prompts, batch) | vs HF |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    table = ["| in/out | prompts | max_num_seqs | engine out tok/s | total tok/s | roofline s | "
+             "engine s | % of roofline | HF out tok/s (prompts, batch) | vs HF |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         hf = (f"{r['hf_output_tok_s']:.0f} ({r['hf_prompts']}, {r['hf_batch']})"
               if "hf_s" in r else "-")
         vs = f"{r['speedup_vs_hf']:.1f}x" if "hf_s" in r else "-"
         table.append(f"| {r['input_len']}/{r['output_len']} | {r['num_prompts']} | "
-                     f"{r['engine_output_tok_s']:.0f} | {r['engine_total_tok_s']:.0f} | "
+                     f"{r['max_num_seqs']} | {r['engine_output_tok_s']:.0f} | {r['engine_total_tok_s']:.0f} | "
                      f"{r['roofline_s']:.1f} | {r['engine_s']:.1f} | "
                      f"{100 * r['fraction_of_roofline']:.1f}% | {hf} | {vs} |")
+    for r in rows:
+        r["workload"] = f"{r['input_len']}/{r['output_len']}"
+    table += ["", "Where a step's time goes (ms per step, mean over the run):", ""]
+    table += step_table(rows, ["workload", "max_num_seqs"])
     write_results(args.out, meta, rows, table)
 
 
