@@ -175,14 +175,19 @@ class TritonMetrics:
         self._sent: dict[str, float] = {}   # what each counter showed at the last publish
 
     def publish(self, m: ServingMetrics) -> None:
-        for key, value in m.snapshot_counters().items():
-            self._increment(key, self._counters[key], value)
+        # The counters are read before the histograms and published after them. The serving
+        # code observes a request's latencies before it counts the request finished, so a
+        # scrape that shows a request finished shows its latencies too.
+        counters = m.snapshot_counters()
+        snapshots = {key: getattr(m, key).snapshot() for key in self._hist}
         for key, (buckets, sum_metric, count_metric) in self._hist.items():
-            cumulative, total, n = getattr(m, key).snapshot()
+            cumulative, total, n = snapshots[key]
             for i, (metric, value) in enumerate(zip(buckets, cumulative)):
                 self._increment(f"{key}:{i}", metric, value)
             self._increment(f"{key}:sum", sum_metric, total)
             self._increment(f"{key}:count", count_metric, n)
+        for key, value in counters.items():
+            self._increment(key, self._counters[key], value)
         self._gauges["loop_lag_max"].set(m.loop_lag_max)
         stats = m.stats
         if stats is not None:

@@ -308,14 +308,15 @@ class ServingEngine:
 
     def _count_finished(self, r: _Request, out: RequestOutput, num_out: int,
                         reason: str | None = None) -> None:
-        self.metrics.on_tokens(len(out.prompt_token_ids), num_out)
-        self.metrics.on_finish(reason or out.outputs[0].finish_reason)
         if not r.req.stream:
             first, last = out.metrics.get("first_token_time"), out.metrics.get("last_token_time")
             if first is not None:
                 self.metrics.on_first_token(first - r.start)
                 if num_out > 1:
                     self.metrics.on_inter_token((last - first) / (num_out - 1), num_out - 1)
+        # Last: a request counts as finished once its latencies are in (TritonMetrics.publish).
+        self.metrics.on_tokens(len(out.prompt_token_ids), num_out)
+        self.metrics.on_finish(reason or out.outputs[0].finish_reason)
 
     # ------------------------------------------------------------------ bookkeeping
     def _track(self, r: _Request) -> bool:
