@@ -28,7 +28,6 @@ def test_throughput_sweeps_max_num_seqs_and_breaks_the_step_down(tmp_path):
     for r in rows:
         ms = r["step_ms"]
         assert all(ms[p] > 0 for p in PHASES) and ms["graph_step_share"] == 0.0, ms
-        assert abs(ms["wall"] - sum(ms[p] for p in PHASES)) < 1e-3
     md = out.with_suffix(".md").read_text()
     assert "| 16/4 | 4 |" in md and "Where a step's time goes" in md
 

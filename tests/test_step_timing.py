@@ -27,7 +27,6 @@ def test_the_phases_add_up_to_the_steps_wall_time(tmp_path):
     assert phases <= wall                          # disjoint parts of the steps' wall time
     ms = t.per_step_ms()
     assert set(ms) == {*PHASES, "wall", "graph_step_share"}
-    assert abs(ms["wall"] - 1e3 * phases / steps) < 1e-3
 
 
 def test_since_and_per_step_ms_with_gpu_time():
