@@ -18,6 +18,7 @@ import os
 import select
 import socket
 import sys
+import time
 
 from engine import child_process, wire
 from engine.config import EngineConfig
@@ -26,6 +27,9 @@ logger = logging.getLogger("engine.core_process")
 
 RECV_BYTES = 1 << 20
 STALLED_FRAME_S = 30.0      # a frame begun and not finished this long: the peer is broken
+# Set (seconds) to log, that often, where the core's time went: its steps' phases and GPU time
+# (engine/step_timing.py), the time taking frames in and sending outputs, running / waiting.
+STEP_LOG_ENV = "ENGINE_STEP_LOG_S"
 
 
 class _Exit(Exception):
@@ -41,9 +45,11 @@ class CoreServer:
 
     def serve(self) -> None:
         pending = []            # outputs of aborts, sent with the next step's
+        log = _StepLog(self.core, float(os.environ.get(STEP_LOG_ENV) or 0))
         while True:
             busy = self.core.has_unfinished_requests()
             timeout = 0.0 if busy else (STALLED_FRAME_S if self.reader.mid_frame else None)
+            log.mark()
             readable, _, _ = select.select([self.sock], [], [], timeout)
             if readable:
                 data = self.sock.recv(RECV_BYTES)
@@ -54,11 +60,14 @@ class CoreServer:
                     pending.extend(self._handle(kind, payload))
             elif not busy and self.reader.mid_frame:
                 raise wire.FrameError(f"a frame stalled for {STALLED_FRAME_S:.0f} s")
+            log.add("frames", busy)
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
+            log.add("step", busy)
             if pending:
                 outputs, pending = pending + outputs, []
             if outputs:
                 self.sock.sendall(self.encoder.encode(outputs))
+            log.add("send", busy)
 
     def _handle(self, kind: int, payload) -> list:
         if kind == wire.ADD:
@@ -79,6 +88,42 @@ class CoreServer:
             wire.decode_empty(kind, payload)
             raise _Exit("shutdown requested")
         raise wire.FrameError(f"the core does not take {wire.KIND_NAMES[kind]} frames")
+
+
+class _StepLog:
+    """With an interval > 0 (ENGINE_STEP_LOG_S), logs that often where the busy loop's time
+    went; otherwise does nothing. Time while idle (nothing to run) is not counted."""
+
+    def __init__(self, core, interval_s: float) -> None:
+        self.core = core
+        self.interval = interval_s
+        if interval_s > 0:
+            core.times.gpu_events = True
+            self.t = self.start = time.perf_counter()
+            self.spent = {"frames": 0.0, "step": 0.0, "send": 0.0}
+            self.times = core.times.copy()
+
+    def mark(self) -> None:
+        if self.interval > 0:
+            self.t = time.perf_counter()
+
+    def add(self, what: str, busy: bool) -> None:
+        if self.interval <= 0:
+            return
+        now = time.perf_counter()
+        if busy:
+            self.spent[what] += now - self.t
+        self.t = now
+        if now - self.start >= self.interval:
+            times = self.core.times.since(self.times)
+            n = max(times.steps, 1)
+            logger.info("core %d steps in %.1f s: busy loop ms per step %s; step phases %s; "
+                        "running %d, waiting %d", times.steps, now - self.start,
+                        {k: round(1e3 * v / n, 3) for k, v in self.spent.items()},
+                        times.per_step_ms(), self.core.scheduler.num_running,
+                        self.core.scheduler.num_waiting)
+            self.start, self.times = now, self.core.times.copy()
+            self.spent = dict.fromkeys(self.spent, 0.0)
 
 
 def _send_error(sock: socket.socket, message: str) -> None:

@@ -156,8 +156,9 @@ class TritonMetrics:
         }
         self._steps = counter("llm_engine_steps_total", "Engine steps (schedule, run, update)")
         self._graph_steps = counter("llm_engine_graph_steps_total",
-                                    "Engine steps run as a captured CUDA graph (the rest of "
-                                    "llm_engine_steps_total were launched eagerly)")
+                                    "Engine steps run as captured CUDA graphs, whole or cut "
+                                    "at attention (the rest of llm_engine_steps_total were "
+                                    "launched eagerly)")
         self._cascade_rows = counter("llm_cascade_rows_total",
                                      "Query rows whose shared prefix was read once per group "
                                      "(cascade attention)")

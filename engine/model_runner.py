@@ -21,6 +21,7 @@ import torch
 from engine.cascade_step import CascadeStep, CascadeSteps
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.piecewise_graphs import PiecewiseGraphs
 from engine.models.attention import TORCH_BACKEND, AttentionMetadata, triton_backend
 from engine.models.loader import load_model
 from engine.sampler import Sampler, SamplingMetadata
@@ -43,8 +44,10 @@ class _StepInputs:
     sampled_rows: list[int]     # requests that get a new token this step
     sampled_ids: list[str]
     cascade: CascadeStep | None = None     # shared-prefix groups over the rows (in this order)
-    # Rows regrouped for cascade: sampled row k was the scheduler's sampled_positions[k]-th row.
+    # Rows reordered (cascade groups, or decode rows first): sampled row k was the scheduler's
+    # sampled_positions[k]-th row.
     sampled_positions: list[int] | None = None
+    num_decodes: int = 0        # leading rows with one query token each
 
 
 @dataclass
@@ -77,6 +80,7 @@ class ModelRunner:
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None     # steps with prompt chunks (CUDA only)
         self.cascade = CascadeSteps(self.model_config, dtype, self.block_size, device,
                                     enabled=config.enable_cascade_attention)
 
@@ -143,6 +147,11 @@ class ModelRunner:
                 use_graphs=self.device.type == "cuda",
                 cascade_splits=self.cascade.graph_splits(self.config.max_num_seqs))
             self.decode_graphs.capture()
+            if self.device.type == "cuda":
+                self.piecewise = PiecewiseGraphs(
+                    self.model, self.kv_caches, self.config.max_num_batched_tokens, self.device,
+                    self.model.layers[0].self_attn.attn.backend)
+                self.piecewise.capture()
         if self.device.type == "cuda":
             self._warm_up()
 
@@ -153,12 +162,15 @@ class ModelRunner:
         steps of chunked prefill; decode-only steps replay the graphs captured above), and the
         sampler's greedy and random paths (sort, top-k/p, penalties, seeded rows). It writes no
         KV (slot -1) and reads block 0, as graph padding does."""
-        q_lens = np.array([17, 1, 40], dtype=np.int32)
-        seq_lens = np.array([17, 6, 40], dtype=np.int32)
+        # Ordered as _prepare_inputs orders a mixed step: the decode row first, run apart from
+        # the prompt chunks (AttentionMetadata.num_decodes).
+        q_lens = np.array([1, 17, 40], dtype=np.int32)
+        seq_lens = np.array([6, 17, 40], dtype=np.int32)
         positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)])
         x = _StepInputs(np.zeros(len(positions), dtype=np.int64), positions.astype(np.int64),
                         np.full(len(positions), -1, dtype=np.int64), q_lens, seq_lens,
-                        np.zeros((3, 4), dtype=np.int32), [0, 1, 2], ["a", "b", "c"])
+                        np.zeros((3, 4), dtype=np.int32), [0, 1, 2], ["a", "b", "c"],
+                        num_decodes=1)
         logits = self._forward_eager(x)
         params = [SamplingParams(temperature=0.0),
                   SamplingParams(temperature=0.8, top_p=0.9, top_k=20, min_p=0.05, seed=1,
@@ -208,7 +220,16 @@ class ModelRunner:
             capacity = (graphs.cascade_capacity(num_rows) if decode_only and graphs is not None
                         and graphs.can_run(num_rows) else None)
             cascade = self.cascade.plan(block_table, states, counts, capacity)
-        order = cascade.order if cascade is not None else range(num_rows)
+        if cascade is not None:
+            order = cascade.order
+        else:
+            # Decode rows first: attention then runs them apart from the prompt chunks, each
+            # with its own tiling (engine/models/attention.py, AttentionMetadata.num_decodes).
+            order = ([i for i, n in enumerate(counts) if n == 1]
+                     + [i for i, n in enumerate(counts) if n != 1])
+            if order == list(range(num_rows)):
+                order = range(num_rows)
+        reordered = not isinstance(order, range)
         rids = list(sched.num_scheduled_tokens)
 
         num_tokens = sched.total_num_scheduled_tokens
@@ -243,14 +264,18 @@ class ModelRunner:
                 sampled_rows.append(row)
                 sampled_ids.append(rids[i])
                 sampled_positions.append(i)
-        if cascade is not None:
-            block_table = block_table[cascade.order]
+        if reordered:
+            block_table = block_table[order]
+        num_decodes = 0
+        while num_decodes < num_rows and q_lens[num_decodes] == 1:
+            num_decodes += 1
         return _StepInputs(input_ids, positions, slots, q_lens, seq_lens, block_table,
                            sampled_rows, sampled_ids, cascade,
-                           sampled_positions if cascade is not None else None)
+                           sampled_positions if reordered else None, num_decodes)
 
-    def _forward_eager(self, x: "_StepInputs") -> torch.Tensor:
-        """Any batch: prompt chunks and decode rows together. Returns the sampled rows' logits."""
+    def _forward_eager(self, x: "_StepInputs", piecewise: bool = False) -> torch.Tensor:
+        """Any batch: prompt chunks and decode rows together. Returns the sampled rows' logits.
+        piecewise: through the CUDA graphs cut at attention (engine/piecewise_graphs.py)."""
         dev = self.device
         cu = np.zeros(len(x.q_lens) + 1, dtype=np.int32)
         np.cumsum(x.q_lens, out=cu[1:])
@@ -259,11 +284,20 @@ class ModelRunner:
             block_table=torch.from_numpy(x.block_table).to(dev),
             cu_seqlens_q=torch.from_numpy(cu).to(dev),
             seq_lens=torch.from_numpy(x.seq_lens).to(dev),
-            max_seqlen_q=int(x.q_lens.max()), max_seqlen_k=int(x.seq_lens.max()))
+            max_seqlen_q=int(x.q_lens.max()), max_seqlen_k=int(x.seq_lens.max()),
+            num_decodes=x.num_decodes)
+        nd = x.num_decodes
+        if x.cascade is None and 0 < nd < len(x.q_lens) and meta.max_seqlen_q > 1:
+            meta.chunk_block_table = torch.from_numpy(x.block_table[nd:]).to(dev)
+            meta.chunk_cu_seqlens_q = torch.from_numpy(cu[nd:]).to(dev)
+            meta.chunk_seq_lens = torch.from_numpy(x.seq_lens[nd:]).to(dev)
         if x.cascade is not None:
             x.cascade.fill_metadata(meta, dev)
-        hidden = self.model(torch.from_numpy(x.input_ids).to(dev),
-                            torch.from_numpy(x.positions).to(dev), self.kv_caches, meta)
+        if piecewise:
+            hidden = self.piecewise.run(x.input_ids, x.positions, x.slot_mapping, meta)
+        else:
+            hidden = self.model(torch.from_numpy(x.input_ids).to(dev),
+                                torch.from_numpy(x.positions).to(dev), self.kv_caches, meta)
         index = torch.from_numpy(cu[1:][x.sampled_rows] - 1).to(dev)
         return self.model.compute_logits(hidden[index])
 
@@ -281,14 +315,16 @@ class ModelRunner:
         events = self._gpu_events()
         if events:
             events[0].record()
+        piecewise = (x.cascade is None and self.piecewise is not None
+                     and self.piecewise.padded_size(len(x.input_ids)) is not None)
         if not x.sampled_ids:
-            self._forward_eager(x)              # prompt chunks only: nothing to sample
+            self._forward_eager(x, piecewise)   # prompt chunks only: nothing to sample
             if events:                         # a sync this step would not have: benches only
                 events[1].record()
                 events[1].synchronize()
                 times.gpu += events[0].elapsed_time(events[1]) / 1e3
             times.launch += time.perf_counter() - t1
-            return ModelRunnerOutput([], [], None, num_cascade_rows)
+            return ModelRunnerOutput([], [], None, num_cascade_rows, piecewise)
         batch = len(x.q_lens)
         decode_only = len(x.input_ids) == batch and len(x.sampled_rows) == batch
         graph = (decode_only and self.decode_graphs is not None
@@ -298,7 +334,7 @@ class ModelRunner:
                 x.input_ids, x.positions, x.slot_mapping, x.block_table, x.seq_lens,
                 x.cascade.graph_inputs() if x.cascade is not None else None)
         else:
-            logits = self._forward_eager(x)
+            logits = self._forward_eager(x, piecewise)
         states = [self.requests[rid] for rid in x.sampled_ids]
         params = [s.sampling_params for s in states]
         # Prompts are read only by the repetition penalty: don't copy them every step for nothing.
@@ -328,7 +364,7 @@ class ModelRunner:
         times.post += time.perf_counter() - t3
         # On CPU the decode path pads and runs the same code without capturing: not a graph.
         return ModelRunnerOutput(ids, tokens, logprobs, num_cascade_rows,
-                                 graph and self.decode_graphs.use_graphs)
+                                 (graph and self.decode_graphs.use_graphs) or piecewise)
 
     def _gpu_events(self):
         """(start, end) CUDA events if the GPU's time is wanted (StepTimes.gpu_events)."""

@@ -55,6 +55,7 @@ class EngineStats:
     # Query rows (decode rows and prompt tokens) that read a prefix shared with other running
     # requests once per group (cascade attention), since start.
     num_cascade_rows: int = 0
-    # Steps run as a captured CUDA graph since start; the others were launched eagerly (prompt
-    # chunks in the step, or no graph for its batch size, or CPU).
+    # Steps run as captured CUDA graphs since start (decode steps whole, steps with prompt
+    # chunks cut at attention); the others were launched eagerly (cascade steps with prompt
+    # chunks, more tokens than the captured sizes, or CPU).
     num_graph_steps: int = 0

@@ -72,7 +72,7 @@ class ModelRunnerOutput:
     # Per row, when asked: (token ids, logprobs) with the sampled token first, and its rank.
     logprobs: list[tuple[list[int], list[float], int] | None] | None = None
     num_cascade_rows: int = 0     # query rows this step that read a shared prefix once per group
-    graph: bool = False           # the step ran as a captured CUDA graph (not launched eagerly)
+    graph: bool = False           # the step ran as CUDA graphs (whole, or cut at attention)
 
 
 @dataclass(slots=True)

@@ -94,3 +94,30 @@ def test_a_core_killed_with_frames_unread_is_reported_with_its_signal(model_dir)
         assert "killed by signal 9" in died[0], died
     finally:
         client.shutdown()
+
+
+def test_step_log_says_where_the_busy_loops_time_went(model_dir, caplog):
+    """ENGINE_STEP_LOG_S: the core logs its steps' phases, the time taking frames in and
+    sending outputs, and the running / waiting counts; set to 0 it logs nothing."""
+    import logging
+    from engine.core_process import _StepLog
+    from engine.engine_core import EngineCore
+    core = EngineCore(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                   num_kv_blocks=64, cpu_threads=1))
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    core.add_request(core.make_request("a", [5, 6, 7], params))
+    with caplog.at_level(logging.INFO, logger="engine.core_process"):
+        quiet = _StepLog(core, 0.0)
+        quiet.mark()
+        quiet.add("step", True)
+        assert not caplog.records
+        log = _StepLog(core, 1e-9)
+        for _ in range(3):
+            log.mark()
+            log.add("frames", True)
+            core.step()
+            log.add("step", True)
+            log.add("send", True)
+    text = caplog.text
+    assert "busy loop ms per step" in text and "'frames'" in text and "'send'" in text
+    assert "'schedule'" in text and "running 1, waiting 0" in text

@@ -45,6 +45,7 @@ def test_engine_on_gpu_equals_hf(tiny_models, arch):
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
     stats = llm.get_stats()
     assert stats.num_preemptions > 0
+    assert llm.core.runner.piecewise.num_runs > 0      # prompt chunks through the cut graphs
     for i, (o, e) in enumerate(zip(outs, expected)):
         assert o.outputs[0].token_ids == e, f"prompt {i} (len {len(prompts[i])}) differs"
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
@@ -158,6 +159,7 @@ def test_no_kernel_compiles_after_start_up():
               num_kv_blocks=2048, max_model_len=2048)
     try:
         before = {m.__name__: _num_compiled(m) for m in modules}
+        keys_before = _variant_keys(modules)
         assert before["kernels.paged_attention"]["_paged_attention_kernel"] > 0
         for n in (1, 3, 32):
             prompts = [[128000] + list(range(7, 7 + length)) for length in
@@ -166,9 +168,23 @@ def test_no_kernel_compiles_after_start_up():
                                      top_p=0.95, seed=i, ignore_eos=True) for i in range(n)]
             llm.generate(prompts, params)
         after = {m.__name__: _num_compiled(m) for m in modules}
-        assert after == before
+        assert after == before, _new_variants(modules, keys_before)
     finally:
         llm.core.shutdown()
+
+
+def _variant_keys(modules) -> dict[str, set]:
+    import triton
+    return {f"{m.__name__}.{name}": {k for entry in fn.device_caches.values() for k in entry[0]}
+            for m in modules for name, fn in vars(m).items()
+            if isinstance(fn, triton.runtime.JITFunction)}
+
+
+def _new_variants(modules, before: dict[str, set]) -> str:
+    """The specialization keys compiled since `before` (what the failure message shows)."""
+    now = _variant_keys(modules)
+    return "\n".join(f"{name}: {key}" for name, keys in now.items()
+                     for key in keys - before.get(name, set()))
 
 
 # ---- shared-prefix groups and cascade attention (issue 12) --------------------------------
@@ -266,6 +282,57 @@ def test_cascade_8b_rule_graphs_and_nothing_compiles_after_start_up():
         assert stats.num_cascade_rows > 0
         assert stats.num_computed_prompt_tokens == sum(map(len, prompts)) - 4 * 7 * 1024
         after = {m.__name__: _num_compiled(m) for m in modules}
-        assert after == before
+        assert after == before, _new_variants(modules, keys_before)
     finally:
         llm.core.shutdown()
+
+
+def _variant_keys(modules) -> dict[str, set]:
+    import triton
+    return {f"{m.__name__}.{name}": {k for entry in fn.device_caches.values() for k in entry[0]}
+            for m in modules for name, fn in vars(m).items()
+            if isinstance(fn, triton.runtime.JITFunction)}
+
+
+def _new_variants(modules, before: dict[str, set]) -> str:
+    """The specialization keys compiled since `before` (what the failure message shows)."""
+    now = _variant_keys(modules)
+    return "\n".join(f"{name}: {key}" for name, keys in now.items()
+                     for key in keys - before.get(name, set()))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_piecewise_graphs_equal_eager_steps_fp32(tiny_models, arch):
+    """Steps with prompt chunks through the CUDA graphs cut at attention (engine/
+    piecewise_graphs.py) against the same steps launched eagerly, fp32: staggered requests, so
+    decode rows and prompt chunks share steps, padded to the captured token counts. Greedy
+    tokens equal."""
+    import json
+    import random
+    vocab = json.load(open(f"{tiny_models[arch]}/config.json"))["vocab_size"]
+    rng = random.Random(3)
+    prompts = [[rng.randrange(vocab) for _ in range(rng.randint(5, 300))] for _ in range(24)]
+    params = [SamplingParams(max_tokens=rng.randint(4, 40), temperature=0.0, ignore_eos=True)
+              for _ in prompts]
+    results = []
+    for piecewise in (True, False):
+        llm = LLM(tiny_models[arch], dtype="float32", device="cuda", max_num_seqs=16,
+                  max_num_batched_tokens=256, num_kv_blocks=1024, max_model_len=1024,
+                  enable_prefix_caching=False)
+        runner = llm.core.runner
+        if not piecewise:
+            runner.piecewise = None
+        core = llm.core
+        got: dict[str, list[int]] = {}
+        for i, (p, sp) in enumerate(zip(prompts, params)):    # one new request per step
+            core.add_request(core.make_request(str(i), p, sp))
+            for out in core.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        while core.has_unfinished_requests():
+            for out in core.step():
+                got.setdefault(out.request_id, []).extend(out.new_token_ids)
+        if piecewise:
+            assert runner.piecewise.num_runs > 10
+        results.append([got[str(i)] for i in range(len(prompts))])
+        llm.core.shutdown()
+    assert results[0] == results[1]

@@ -13,5 +13,69 @@ def test_warm_up_runs_a_mixed_step_and_every_sampler_path(tmp_path):
     runner = ModelRunner(config, torch.device("cpu"), torch.float32, [1])
     runner.allocate_kv_cache(16, 256)
     before = [k.clone() for k, _ in runner.kv_caches]
+    # The mixed step is ordered as _prepare_inputs orders one (decode row first, its own
+    # tensors for the chunks), so the GPU compiles the kernel variants serving will run.
+    from engine.models.attention import AttentionBackend
+    seen = []
+    attn0 = runner.model.layers[0].self_attn.attn
+    real = attn0.backend
+
+    def record(q, k_cache, v_cache, attn, scale, window):
+        seen.append((attn.num_decodes, attn.max_seqlen_q, attn.chunk_cu_seqlens_q is not None))
+        return real.paged_attention(q, k_cache, v_cache, attn, scale, window)
+    attn0.backend = AttentionBackend("record", real.write_kv, record)
     runner._warm_up()
     assert all(torch.equal(a, k) for a, (k, _) in zip(before, runner.kv_caches))  # no KV write
+    assert (1, 40, True) in seen, seen
+
+
+def test_a_mixed_step_puts_decode_rows_first_and_answers_in_the_scheduler_order(tmp_path):
+    """The runner orders a mixed step's rows decode first (AttentionMetadata.num_decodes) and
+    hands the sampled tokens back in the scheduler's order: the tokens equal the same requests
+    run one by one."""
+    from engine import LLM, SamplingParams
+    model = str(make_tiny_model(tmp_path / "m", arch="llama", seed=2))
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5 + i] * (3 + 7 * i) for i in range(4)]
+    alone = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64)
+    want = [alone.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64,
+              max_num_batched_tokens=8, enable_prefix_caching=False)
+    core = llm.core
+    seen = []
+    prepare = core.runner._prepare_inputs
+
+    def spy(sched):
+        x = prepare(sched)
+        seen.append((x.q_lens.tolist(), x.num_decodes))
+        return x
+    core.runner._prepare_inputs = spy
+    # Staggered: a later request's prompt chunks run beside earlier ones' decode rows.
+    reqs = [core.make_request(str(i), p, params) for i, p in enumerate(prompts)]
+    got = {}
+    for i, req in enumerate(reqs):
+        core.add_request(req)
+        for out in core.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    while core.has_unfinished_requests():
+        for out in core.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert [got[str(i)] for i in range(4)] == want
+    mixed = [(q, nd) for q, nd in seen if 1 in q and max(q) > 1]
+    assert mixed, seen
+    for q, nd in seen:
+        assert q[:nd] == [1] * nd and (nd == len(q) or q[nd] != 1), (q, nd)
+    assert any(0 < nd < len(q) for q, nd in mixed)
+
+
+def test_piecewise_token_sizes():
+    """The token counts captured for steps with prompt chunks: every 32 to 512, every 64 to
+    1024, the largest step size when it is smaller; bigger steps run eagerly."""
+    from engine.piecewise_graphs import token_sizes
+    sizes = token_sizes(2048)
+    assert sizes[:3] == [32, 64, 96] and 512 in sizes and sizes[-1] == 1024
+    assert all(b - a == (32 if b <= 512 else 64) for a, b in zip(sizes, sizes[1:]))
+    assert token_sizes(64) == [32, 64]
+    assert token_sizes(100) == [32, 64, 96, 100]
+    assert token_sizes(16) == [16]

@@ -107,6 +107,31 @@ def test_split_kv_on_a_mixed_batch():
     check(args, MIXED_Q, MIXED_CTX, num_kv_splits=3)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("window", [None, 9])
+@pytest.mark.parametrize("chunk_tensors", [False, True])
+def test_mixed_step_runs_decode_rows_apart(dtype, window, chunk_tensors):
+    """engine/models/attention.py: a mixed step's leading decode rows in one call (decode
+    tiles), its prompt chunks (an empty row, a one-token chunk among them) in another, into one
+    output: the same as the reference over the whole batch, padding rows zeroed."""
+    from engine.models.attention import AttentionMetadata, _mixed_paged_attention
+    q_lens, ctx = [1, 1, 1, 37, 0, 20, 1], [5, 70, 100, 37, 3, 60, 9]
+    q, k_cache, v_cache, table, cu, seq_lens = make_batch(q_lens, ctx, 8, 2, 32, 16, dtype,
+                                                          seed=21)
+    meta = AttentionMetadata(slot_mapping=None, block_table=table, cu_seqlens_q=cu,
+                             seq_lens=seq_lens, max_seqlen_q=37, max_seqlen_k=100, num_decodes=3)
+    if chunk_tensors:       # what the runner passes: the chunks' own (aligned) tensors
+        meta.chunk_block_table = table[3:].clone()
+        meta.chunk_cu_seqlens_q = cu[3:].clone()
+        meta.chunk_seq_lens = seq_lens[3:].clone()
+    scale = q.shape[-1] ** -0.5
+    got = _mixed_paged_attention(paged_attention, q, k_cache, v_cache, meta, scale, window)
+    ref = paged_attention_ref(q, k_cache, v_cache, table, cu, seq_lens, scale, window)
+    atol, rtol = TOLS[dtype]
+    torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+    assert not got.isnan().any()
+
+
 def test_decode_picks_splits_itself():
     q_lens, ctx = [1, 1], [700, 300]
     assert choose_num_kv_splits(2, 1, max(ctx)) > 1

@@ -28,6 +28,18 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     num_kv_splits: int | None = None  # decode split-KV count, fixed for a CUDA graph
+    # The first num_decodes sequences have one query row each. In a mixed step (prompt chunks
+    # too) the GPU kernel runs them apart: a prompt chunk's tiles are 32 positions tall, and a
+    # decode row in one would waste most of it (measured on the H200: 282 us a layer for 256
+    # decode rows beside 430 prompt tokens, 2.3x the decode-only step's attention).
+    num_decodes: int = 0
+    # The prompt-chunk sequences' own block_table / cu_seqlens_q / seq_lens (rows num_decodes
+    # and on; cu_seqlens_q with absolute row indices), made by the runner: slices of the
+    # tensors above would start at unaligned addresses, and Triton compiles a kernel variant
+    # per pointer alignment (a compile in the middle of serving).
+    chunk_block_table: torch.Tensor | None = None
+    chunk_cu_seqlens_q: torch.Tensor | None = None
+    chunk_seq_lens: torch.Tensor | None = None
     # Shared-prefix groups (engine/cascade_plan.py); None: plain paged attention. A group's members
     # are consecutive sequences sharing their first prefix_lens blocks (kernels/cascade_attention.py).
     prefix_lens: torch.Tensor | None = None    # [B] int32, whole blocks; 0: no shared prefix
@@ -47,7 +59,8 @@ class AttentionBackend:
 
     name: str
     write_kv: Callable[..., None]  # (key, value, k_cache, v_cache, slot_mapping)
-    # (q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window) -> out [T, Hq, D]
+    # (q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window) -> out [T, Hq, D];
+    # the GPU backend also takes out= (a buffer to write into: engine/piecewise_graphs.py)
     paged_attention: Callable[..., torch.Tensor]
 
 
@@ -82,19 +95,47 @@ def triton_backend() -> AttentionBackend:
     from kernels.kv_cache import write_kv
     from kernels.paged_attention import paged_attention
 
-    def run(q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window):
+    def run(q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window, out=None):
         if attn.is_cascade:
             assert sliding_window is None, "cascade attention has no sliding window"
+            assert out is None, "cascade attention writes a buffer of its own"
             return cascade_attention(
                 q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q, attn.seq_lens,
                 attn.prefix_lens, attn.cu_group_seqs, scale, max_seqlen_q=attn.max_seqlen_q,
                 max_group_rows=attn.max_group_rows, max_prefix_len=attn.max_prefix_len,
                 num_prefix_splits=attn.num_prefix_splits)
+        nd = attn.num_decodes
+        if attn.max_seqlen_q > 1 and 0 < nd < attn.seq_lens.shape[0]:
+            return _mixed_paged_attention(paged_attention, q, k_cache, v_cache, attn, scale,
+                                          sliding_window, out)
         return paged_attention(q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q,
                                attn.seq_lens, scale, sliding_window,
                                max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k,
-                               num_kv_splits=attn.num_kv_splits)
+                               num_kv_splits=attn.num_kv_splits, out=out)
     return AttentionBackend("triton", write_kv, run)
+
+
+def _mixed_paged_attention(paged_attention, q, k_cache, v_cache, attn: AttentionMetadata, scale,
+                           sliding_window, out=None) -> torch.Tensor:
+    """A step of decode rows (the first num_decodes sequences, rows 0..num_decodes-1) and prompt
+    chunks: two calls, each tiled for its kind, into one output. The second call's cu_seqlens_q
+    keeps absolute row indices, so it reads its rows of q in place and zeroes the padding rows
+    after the last chunk. The decode rows take one KV split (as the whole mixed step did): a
+    split count is a kernel variant, and one the start-up did not compile would compile in the
+    middle of serving."""
+    nd = attn.num_decodes
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    paged_attention(q[:nd], k_cache, v_cache, attn.block_table[:nd], attn.cu_seqlens_q[:nd + 1],
+                    attn.seq_lens[:nd], scale, sliding_window, max_seqlen_q=1,
+                    max_seqlen_k=attn.max_seqlen_k, num_kv_splits=1, out=out[:nd])
+    if attn.chunk_block_table is not None:
+        table, cu, seq_lens = attn.chunk_block_table, attn.chunk_cu_seqlens_q, attn.chunk_seq_lens
+    else:
+        table, cu, seq_lens = attn.block_table[nd:], attn.cu_seqlens_q[nd:], attn.seq_lens[nd:]
+    paged_attention(q, k_cache, v_cache, table, cu, seq_lens, scale, sliding_window,
+                    max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k, out=out)
+    return out
 
 
 class Attention(nn.Module):

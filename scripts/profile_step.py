@@ -1,0 +1,146 @@
+"""Where a step's time goes in a steady state, in process (issues 11 and 13).
+
+A closed loop over the synchronous EngineCore keeps `--concurrency` requests in flight: when one
+finishes the next starts at once, as a load generator would. With `--jitter 0` every request
+has the same output length, so requests start and finish in waves (a wave's prompts, then pure
+decode steps: CUDA graphs); with jitter the output lengths vary and arrivals spread out, as they
+do behind a server: most steps then carry a prompt chunk beside the decode rows (a mixed step).
+Each scenario reports output tok/s, the step breakdown (engine/step_timing.py, the GPU's time
+by CUDA events), the share of graph steps, and, with `--profile-steps`, the top CUDA kernels
+and host ops of a few steps (torch.profiler).
+
+  python scripts/profile_step.py --scenarios 1x128x128 256x215x128 256x215x128j
+    (CONCURRENCYxPROMPTxOUTPUT, a trailing j: output lengths uniform in [OUT/2, 3*OUT/2])
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+from bench_common import PRESETS, git_commit, hardware, preset_dir, step_table, write_results
+
+from engine.config import EngineConfig
+from engine.engine_core import EngineCore
+from engine.sampling_params import SamplingParams
+
+
+def parse_scenario(text: str) -> dict:
+    jitter = text.endswith("j")
+    c, p, o = (int(x) for x in text.rstrip("j").split("x"))
+    return {"name": text, "concurrency": c, "prompt_len": p, "output_len": o, "jitter": jitter}
+
+
+def closed_loop(core: EngineCore, sc: dict, vocab: int, num_steps: int, warm_steps: int,
+                rng: random.Random, profile_steps: int = 0) -> dict:
+    """Runs warm_steps, then num_steps measured (the last profile_steps of them profiled)."""
+    c, p, o = sc["concurrency"], sc["prompt_len"], sc["output_len"]
+    ids = iter(range(10**9))
+
+    def submit() -> None:
+        out_len = rng.randint(max(1, o // 2), o * 3 // 2) if sc["jitter"] else o
+        prompt = [rng.randrange(vocab) for _ in range(p)]
+        params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+        core.add_request(core.make_request(f"r{next(ids)}", prompt, params))
+
+    for _ in range(c):
+        submit()
+    tokens = 0
+    prof = None
+    before = None
+    t0 = 0.0
+    for i in range(warm_steps + num_steps):
+        if i == warm_steps:
+            core.times.gpu_events = True
+            before = core.times.copy()
+            tokens = 0
+            t0 = time.perf_counter()
+        if profile_steps and i == warm_steps + num_steps - profile_steps:
+            import torch
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                      torch.profiler.ProfilerActivity.CUDA])
+            prof.__enter__()
+        outs = core.step()
+        if i >= warm_steps:
+            tokens += sum(len(x.new_token_ids) for x in outs)
+        for x in outs:
+            if x.finished:
+                submit()
+    elapsed = time.perf_counter() - t0
+    if prof is not None:
+        import torch
+        torch.cuda.synchronize()
+        prof.__exit__(None, None, None)
+    step = core.times.since(before).per_step_ms()
+    core.times.gpu_events = False
+    row = {**sc, "steps": num_steps, "output_tok_s": tokens / elapsed,
+           "step_ms": step}
+    if prof is not None:
+        row["profile"] = {
+            "cuda": prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
+                                              max_name_column_width=60),
+            "cpu": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
+                                             max_name_column_width=60),
+            "steps": profile_steps}
+    return row
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
+    ap.add_argument("--model", default=None, help="a local model folder instead of the preset")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--scenarios", nargs="+", default=["1x128x128", "256x215x128",
+                                                       "256x215x128j"])
+    ap.add_argument("--steps", type=int, default=300, help="measured steps per scenario")
+    ap.add_argument("--warm-steps", type=int, default=300,
+                    help="steps before measuring (jittered arrivals need a while to spread)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="profile the last N measured steps (torch.profiler; GPU only)")
+    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--out", default="benchmarks/profile_step")
+    args = ap.parse_args(argv)
+
+    cfg = PRESETS[args.preset]
+    model_dir = args.model or preset_dir(args.preset)
+    if args.model:
+        with open(os.path.join(args.model, "config.json")) as f:
+            cfg = json.load(f)
+    scenarios = [parse_scenario(s) for s in args.scenarios]
+    max_len = max(s["prompt_len"] + s["output_len"] * 3 // 2 for s in scenarios)
+    config = EngineConfig(model=model_dir, load_format="dummy", dtype=args.dtype,
+                          skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
+                          max_model_len=max_len, enable_prefix_caching=False,
+                          enforce_eager=args.enforce_eager)
+    core = EngineCore(config)
+    rng = random.Random(0)
+    rows = []
+    for sc in scenarios:
+        row = closed_loop(core, sc, cfg["vocab_size"], args.steps, args.warm_steps, rng,
+                          args.profile_steps if core.device.type == "cuda" else 0)
+        core.abort_requests([r for r in list(core.scheduler.requests)])
+        while core.has_unfinished_requests():
+            core.step()
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)
+        if "profile" in row:
+            print(row["profile"]["cuda"], flush=True)
+            print(row["profile"]["cpu"], flush=True)
+    meta = {"title": f"Steady-state steps, {args.preset} ({args.dtype}, dummy weights)",
+            "hardware": hardware(), "commit": git_commit(),
+            "command": " ".join(["python"] + sys.argv)}
+    table = ["| scenario | output tok/s |", "| --- | ---: |"]
+    table += [f"| {r['name']} | {r['output_tok_s']:.0f} |" for r in rows]
+    table += ["", "Where a step's time goes (ms per step):", ""]
+    table += step_table(rows, ["name"])
+    write_results(args.out, meta, rows, table)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
