@@ -40,3 +40,19 @@ def test_latency_breaks_the_step_down(tmp_path):
     row = json.loads(out.with_suffix(".json").read_text())["results"][0]
     assert row["step_ms"]["wall"] > 0 and all(row["step_ms"][p] > 0 for p in PHASES)
     assert "Where a step's time goes" in out.with_suffix(".md").read_text()
+
+
+def test_profile_step_keeps_requests_in_flight_and_breaks_the_step_down(tmp_path):
+    """scripts/profile_step.py: a closed loop per scenario (waves and spread arrivals), output
+    tok/s and the step breakdown of its measured steps."""
+    model = make_tiny_model(tmp_path / "m", arch="llama", seed=4)
+    out = tmp_path / "steady"
+    _run("profile_step.py", "--model", str(model), "--dtype", "float32", "--scenarios",
+         "2x8x8", "4x16x8j", "--steps", "12", "--warm-steps", "10", "--out", str(out))
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [(r["name"], r["concurrency"], r["jitter"]) for r in rows] == [
+        ("2x8x8", 2, False), ("4x16x8j", 4, True)]
+    for r in rows:
+        assert r["steps"] == 12 and r["output_tok_s"] > 0
+        assert all(r["step_ms"][p] > 0 for p in PHASES), r
+    assert "| 4x16x8j |" in out.with_suffix(".md").read_text()
