@@ -220,15 +220,17 @@ class ModelRunner:
             capacity = (graphs.cascade_capacity(num_rows) if decode_only and graphs is not None
                         and graphs.can_run(num_rows) else None)
             cascade = self.cascade.plan(block_table, states, counts, capacity)
+        order = range(num_rows)
+        num_decodes = 0                     # leading rows of one query token (cascade: unused)
         if cascade is not None:
             order = cascade.order
         else:
             # Decode rows first: attention then runs them apart from the prompt chunks, each
             # with its own tiling (engine/models/attention.py, AttentionMetadata.num_decodes).
-            order = ([i for i, n in enumerate(counts) if n == 1]
-                     + [i for i, n in enumerate(counts) if n != 1])
-            if order == list(range(num_rows)):
-                order = range(num_rows)
+            decodes = [i for i, n in enumerate(counts) if n == 1]
+            num_decodes = len(decodes)
+            if 0 < num_decodes < num_rows and decodes[-1] != num_decodes - 1:
+                order = decodes + [i for i, n in enumerate(counts) if n != 1]
         reordered = not isinstance(order, range)
         rids = list(sched.num_scheduled_tokens)
 
@@ -266,9 +268,6 @@ class ModelRunner:
                 sampled_positions.append(i)
         if reordered:
             block_table = block_table[order]
-        num_decodes = 0
-        while num_decodes < num_rows and q_lens[num_decodes] == 1:
-            num_decodes += 1
         return _StepInputs(input_ids, positions, slots, q_lens, seq_lens, block_table,
                            sampled_rows, sampled_ids, cascade,
                            sampled_positions if reordered else None, num_decodes)
@@ -280,7 +279,8 @@ class ModelRunner:
         cu = np.zeros(len(x.q_lens) + 1, dtype=np.int32)
         np.cumsum(x.q_lens, out=cu[1:])
         meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(x.slot_mapping).to(dev),
+            # The pieces write KV through their own padded slot buffer.
+            slot_mapping=None if piecewise else torch.from_numpy(x.slot_mapping).to(dev),
             block_table=torch.from_numpy(x.block_table).to(dev),
             cu_seqlens_q=torch.from_numpy(cu).to(dev),
             seq_lens=torch.from_numpy(x.seq_lens).to(dev),

@@ -46,6 +46,15 @@ def preset_dir(name: str, tokenizer: bool = False) -> str:
     return d
 
 
+def model_and_config(preset: str, model: str | None) -> tuple[str, dict]:
+    """The benches' `--preset` / `--model`: a local model folder (e.g. the tiny model) and its
+    config.json, or the preset's folder (dummy weights) and config."""
+    if not model:
+        return preset_dir(preset), PRESETS[preset]
+    with open(os.path.join(model, "config.json")) as f:
+        return model, json.load(f)
+
+
 def bench_tokenizer(out_dir: str, vocab_size: int) -> None:
     """A byte-level BPE tokenizer for a model with random weights: the tiny model's (trained on
     the shipped corpus, so prompts tokenize like text) with its vocabulary padded to

@@ -3,14 +3,12 @@ peak bandwidth: every decode step reads all weights once)."""
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import sys
 import time
 
 from bench_common import (HBM_BYTES_PER_S, PRESETS, git_commit, hardware, kv_bytes_per_token,
-                          param_count, preset_dir, step_table, write_results)
+                          model_and_config, param_count, step_table, write_results)
 
 from engine import LLM, SamplingParams
 
@@ -30,11 +28,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    cfg = PRESETS[args.preset]
-    model_dir = args.model or preset_dir(args.preset)
-    if args.model:
-        with open(os.path.join(args.model, "config.json")) as f:
-            cfg = json.load(f)
+    model_dir, cfg = model_and_config(args.preset, args.model)
     llm = LLM(model_dir, load_format="dummy", dtype=args.dtype,
               skip_tokenizer_init=True, max_num_seqs=8,
               max_model_len=min(8192, cfg.get("max_position_embeddings", 8192)),

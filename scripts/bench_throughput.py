@@ -7,14 +7,13 @@ bandwidth (every step at full batch reads the weights once plus each sequence's 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import random
 import sys
 import time
 
 from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS, git_commit, hardware,
-                          kv_bytes_per_token, param_count, preset_dir, step_table, write_results)
+                          kv_bytes_per_token, model_and_config, param_count, preset_dir,
+                          step_table, write_results)
 
 from engine import LLM, SamplingParams
 
@@ -86,11 +85,7 @@ def main() -> None:
     args = ap.parse_args()
 
     import torch
-    cfg = PRESETS[args.preset]
-    model_dir = args.model or preset_dir(args.preset)
-    if args.model:
-        with open(os.path.join(args.model, "config.json")) as f:
-            cfg = json.load(f)
+    model_dir, cfg = model_and_config(args.preset, args.model)
     dtype = getattr(torch, args.dtype)
     elem = torch.empty((), dtype=dtype).element_size()
     rng = random.Random(0)

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
 
-from bench_common import PRESETS, git_commit, hardware, preset_dir, step_table, write_results
+from bench_common import PRESETS, git_commit, hardware, model_and_config, step_table, write_results
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -106,11 +105,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default="benchmarks/profile_step")
     args = ap.parse_args(argv)
 
-    cfg = PRESETS[args.preset]
-    model_dir = args.model or preset_dir(args.preset)
-    if args.model:
-        with open(os.path.join(args.model, "config.json")) as f:
-            cfg = json.load(f)
+    model_dir, cfg = model_and_config(args.preset, args.model)
     scenarios = [parse_scenario(s) for s in args.scenarios]
     max_len = max(s["prompt_len"] + s["output_len"] * 3 // 2 for s in scenarios)
     config = EngineConfig(model=model_dir, load_format="dummy", dtype=args.dtype,

@@ -6,7 +6,7 @@ import torch
 
 from engine import LLM, SamplingParams
 from scripts.make_tiny_model import make_tiny_model
-from tests.test_llm import hf_greedy, mixed_prompts
+from tests.test_llm import hf_greedy, mixed_prompts, staggered_tokens
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run on the GPU machine)")
@@ -267,6 +267,7 @@ def test_cascade_8b_rule_graphs_and_nothing_compiles_after_start_up():
         # Sizes from 32 rows get graphs for 1 and 4 prefix splits, smaller ones for 4.
         assert {(48, 1), (48, 4), (16, 4)} <= set(runner.decode_graphs.cascade_graphs)
         before = {m.__name__: _num_compiled(m) for m in modules}
+        keys_before = _variant_keys(modules)
         assert before["kernels.cascade_attention"]["_prefix_kernel"] > 0
         rng = random.Random(0)
         prompts = []
@@ -287,20 +288,6 @@ def test_cascade_8b_rule_graphs_and_nothing_compiles_after_start_up():
         llm.core.shutdown()
 
 
-def _variant_keys(modules) -> dict[str, set]:
-    import triton
-    return {f"{m.__name__}.{name}": {k for entry in fn.device_caches.values() for k in entry[0]}
-            for m in modules for name, fn in vars(m).items()
-            if isinstance(fn, triton.runtime.JITFunction)}
-
-
-def _new_variants(modules, before: dict[str, set]) -> str:
-    """The specialization keys compiled since `before` (what the failure message shows)."""
-    now = _variant_keys(modules)
-    return "\n".join(f"{name}: {key}" for name, keys in now.items()
-                     for key in keys - before.get(name, set()))
-
-
 @pytest.mark.parametrize("arch", ARCHS)
 def test_piecewise_graphs_equal_eager_steps_fp32(tiny_models, arch):
     """Steps with prompt chunks through the CUDA graphs cut at attention (engine/
@@ -319,20 +306,13 @@ def test_piecewise_graphs_equal_eager_steps_fp32(tiny_models, arch):
         llm = LLM(tiny_models[arch], dtype="float32", device="cuda", max_num_seqs=16,
                   max_num_batched_tokens=256, num_kv_blocks=1024, max_model_len=1024,
                   enable_prefix_caching=False)
-        runner = llm.core.runner
-        if not piecewise:
-            runner.piecewise = None
-        core = llm.core
-        got: dict[str, list[int]] = {}
-        for i, (p, sp) in enumerate(zip(prompts, params)):    # one new request per step
-            core.add_request(core.make_request(str(i), p, sp))
-            for out in core.step():
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        while core.has_unfinished_requests():
-            for out in core.step():
-                got.setdefault(out.request_id, []).extend(out.new_token_ids)
-        if piecewise:
-            assert runner.piecewise.num_runs > 10
-        results.append([got[str(i)] for i in range(len(prompts))])
-        llm.core.shutdown()
+        try:
+            runner = llm.core.runner
+            if not piecewise:
+                runner.piecewise = None
+            results.append(staggered_tokens(llm.core, prompts, params))
+            if piecewise:
+                assert runner.piecewise.num_runs > 10
+        finally:
+            llm.core.shutdown()
     assert results[0] == results[1]

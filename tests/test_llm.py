@@ -20,6 +20,22 @@ def tiny_models(tmp_path_factory):
     return {arch: str(make_tiny_model(root / arch, arch=arch, seed=1)) for arch in ARCHS}
 
 
+def staggered_tokens(core, prompts, params) -> list[list[int]]:
+    """Runs the prompts on an EngineCore one new request per step (later prompts' chunks
+    share steps with earlier requests' decode rows); each request's generated ids."""
+    got: dict[str, list[int]] = {}
+
+    def step():
+        for out in core.step():
+            got.setdefault(out.request_id, []).extend(out.new_token_ids)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        core.add_request(core.make_request(str(i), p, sp))
+        step()
+    while core.has_unfinished_requests():
+        step()
+    return [got[str(i)] for i in range(len(prompts))]
+
+
 def mixed_prompts(vocab_size, n=16, seed=0):
     """Lengths from 1 to 300 tokens, random ids (specials excluded)."""
     rng = random.Random(seed)

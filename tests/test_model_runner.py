@@ -52,16 +52,8 @@ def test_a_mixed_step_puts_decode_rows_first_and_answers_in_the_scheduler_order(
         return x
     core.runner._prepare_inputs = spy
     # Staggered: a later request's prompt chunks run beside earlier ones' decode rows.
-    reqs = [core.make_request(str(i), p, params) for i, p in enumerate(prompts)]
-    got = {}
-    for i, req in enumerate(reqs):
-        core.add_request(req)
-        for out in core.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    while core.has_unfinished_requests():
-        for out in core.step():
-            got.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert [got[str(i)] for i in range(4)] == want
+    from tests.test_llm import staggered_tokens
+    assert staggered_tokens(core, prompts, [params] * len(prompts)) == want
     mixed = [(q, nd) for q, nd in seen if 1 in q and max(q) > 1]
     assert mixed, seen
     for q, nd in seen:

@@ -21,7 +21,9 @@ from kernels.cascade_torch import cascade_attention_torch
 class AttentionMetadata:
     """Where this step's tokens live in the paged KV cache (B sequences, T new tokens)."""
 
-    slot_mapping: torch.Tensor  # [T] int64, block_id * block_size + offset; < 0 for padding rows
+    # [T] int64, block_id * block_size + offset; < 0 for padding rows. None only for a step
+    # replayed by engine/piecewise_graphs.py, whose pieces write KV through a buffer of their own.
+    slot_mapping: torch.Tensor | None
     block_table: torch.Tensor  # [B, max_blocks] int32
     cu_seqlens_q: torch.Tensor  # [B + 1] int32, sequence b owns rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
     seq_lens: torch.Tensor  # [B] int32, context length including this step's tokens
