@@ -25,6 +25,7 @@ import torch
 
 from engine.cascade_plan import CascadePlanner
 from engine.cuda_graphs import CASCADE_GROUP_ROWS, graph_batch_sizes
+from engine.host_copy import to_device
 from kernels.cascade_cost import CascadeCostRule
 
 SPLITS = (1, 2, 4)                  # prefix split counts used, so their variants are compiled
@@ -48,8 +49,8 @@ class CascadeStep:
     num_cascade_rows: int
 
     def fill_metadata(self, meta, device: torch.device) -> None:
-        meta.prefix_lens = torch.from_numpy(self.prefix_lens).to(device)
-        meta.cu_group_seqs = torch.from_numpy(self.cu_group_seqs).to(device)
+        meta.prefix_lens = to_device(self.prefix_lens, device)
+        meta.cu_group_seqs = to_device(self.cu_group_seqs, device)
         meta.max_group_rows = self.max_group_rows
         meta.max_prefix_len = self.max_prefix_len
         meta.num_prefix_splits = self.num_prefix_splits

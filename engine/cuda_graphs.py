@@ -25,6 +25,7 @@ import logging
 import numpy as np
 import torch
 
+from engine.host_copy import copy_into
 from engine.models.attention import AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -141,18 +142,22 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
             block_table: np.ndarray, seq_lens: np.ndarray,
-            cascade: tuple[np.ndarray, np.ndarray, int] | None = None) -> torch.Tensor:
+            cascade: tuple[np.ndarray, np.ndarray, int] | None = None,
+            input_fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode row per request (batch B); returns logits [B, V]. cascade: the rows'
         prefix_lens [B], cu_group_seqs [G + 1] and the prefix splits, within
-        `cascade_capacity(B)`."""
+        `cascade_capacity(B)`. input_fill: (rows, token ids) on the device, input ids the host
+        does not have yet (tokens the previous step sampled: async scheduling)."""
         batch = len(input_ids)
         size = self.padded_size(batch)
         width = block_table.shape[1]
-        self.input_ids[:batch].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        self.positions[:batch].copy_(torch.from_numpy(positions), non_blocking=True)
-        self.slot_mapping[:batch].copy_(torch.from_numpy(slot_mapping), non_blocking=True)
-        self.block_table[:batch, :width].copy_(torch.from_numpy(block_table), non_blocking=True)
-        self.seq_lens[:batch].copy_(torch.from_numpy(seq_lens), non_blocking=True)
+        copy_into(self.input_ids[:batch], input_ids)
+        if input_fill is not None:
+            self.input_ids.index_copy_(0, *input_fill)
+        copy_into(self.positions[:batch], positions)
+        copy_into(self.slot_mapping[:batch], slot_mapping)
+        copy_into(self.block_table[:batch, :width], block_table)
+        copy_into(self.seq_lens[:batch], seq_lens)
         if size > batch:                           # padding rows: write nothing, read little
             self.slot_mapping[batch:size].fill_(-1)
             self.seq_lens[batch:size].fill_(1)
@@ -164,8 +169,8 @@ class DecodeGraphs:
             assert len(cu_groups) - 1 <= capacity, (len(cu_groups), capacity)
             cu = np.full(capacity + 1, cu_groups[-1], dtype=np.int32)   # empty groups after
             cu[:len(cu_groups)] = cu_groups
-            self.cu_group_seqs[:capacity + 1].copy_(torch.from_numpy(cu), non_blocking=True)
-            self.prefix_lens[:batch].copy_(torch.from_numpy(prefix_lens), non_blocking=True)
+            copy_into(self.cu_group_seqs[:capacity + 1], cu)
+            copy_into(self.prefix_lens[:batch], prefix_lens)
             self.prefix_lens[batch:size].fill_(0)
             graph_key, graphs = (size, splits), self.cascade_graphs
             self.num_cascade_runs += 1

@@ -75,6 +75,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len)
+        self._in_flight = None       # (SchedulerOutput, launched step): async scheduling
         # Start-up objects live forever; keeping them out of the collector's scans keeps
         # collections short while the step loop allocates.
         gc.collect()
@@ -100,7 +101,7 @@ class EngineCore:
         return self.scheduler.abort_requests(request_ids)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
     @property
     def times(self) -> StepTimes:
@@ -108,22 +109,37 @@ class EngineCore:
         return self.runner.times
 
     def step(self) -> list[EngineCoreOutput]:
+        """Schedules and runs a step; returns what finished steps produced. With async
+        scheduling the step is launched and the one before it collected: the host plans and
+        prepares step N+1 while the GPU runs step N, and step N's tokens come back from this
+        call (one step after they were launched)."""
         times = self.runner.times
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
         t1 = time.perf_counter()
-        runner_out = self.runner.execute_model(sched)
-        t2 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(sched, runner_out)
         times.schedule += t1 - t0
+        times.steps += not sched.is_empty
+        if not self.config.async_scheduling:
+            done = (sched, self.runner.execute_model(sched))
+        else:
+            handle = self.runner.launch(sched)
+            done, self._in_flight = self._in_flight, (
+                (sched, handle) if handle is not None else None)
+            if done is not None:
+                done = (done[0], self.runner.collect(done[1]))
+        if done is None:
+            return []
+        t2 = time.perf_counter()
+        outputs = self.scheduler.update_from_output(*done)
         times.update += time.perf_counter() - t2
-        times.steps += 1
-        times.graph_steps += runner_out.graph
+        times.graph_steps += done[1].graph
         return outputs
 
     def shutdown(self) -> None:
         """Drops the model and the KV cache and hands their memory back."""
         self.runner = None
+        self._in_flight = None
+        gc.unfreeze()              # frozen at start-up: cycles among them would never go
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

@@ -4,6 +4,12 @@ The runner keeps each request's state (token ids, block table) between steps, so
 scheduler only sends what changed. Start-up is named steps: load the model, size the KV
 cache, allocate it.
 
+A step is `launch` (inputs built and handed to the GPU, sampled tokens copied back
+asynchronously) then `collect` (wait for them, append them). With async scheduling the engine
+core launches step N+1 before it collects step N: a row whose input is the token step N is
+still sampling takes it on the GPU from step N's sampled tensor (`input_fill`), and nothing in
+a launch waits for the GPU (engine/host_copy.py).
+
 Rows whose block tables start with the same blocks share a prefix: each step the runner may
 regroup its rows so that such groups are consecutive and run cascade attention over them
 (engine/cascade_step.py decides, by the cost rule); the sampled tokens go back in the
@@ -21,6 +27,7 @@ import torch
 from engine.cascade_step import CascadeStep, CascadeSteps
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.host_copy import to_device, to_host
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.models.attention import TORCH_BACKEND, AttentionMetadata, triton_backend
 from engine.models.loader import load_model
@@ -48,6 +55,25 @@ class _StepInputs:
     # sampled_positions[k]-th row.
     sampled_positions: list[int] | None = None
     num_decodes: int = 0        # leading rows with one query token each
+    # Input tokens the host does not have yet (sampled by the step in flight): input_ids
+    # index -> row of that step's sampled tensor.
+    fill_at: list[int] | None = None
+    fill_from: list[int] | None = None
+
+
+@dataclass
+class _InFlight:
+    """A launched step whose sampled tokens have not been collected (ModelRunner.collect)."""
+    states: list["_RunnerRequest"]      # the sampled rows' states, in sampled-tensor order
+    x: _StepInputs
+    tokens: torch.Tensor | None         # host copy of the sampled ids (filled once `done`)
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # host copies too
+    done: torch.cuda.Event | None       # recorded after the copies; None on CPU
+    events: tuple | None                # (start, end) CUDA events when timing the GPU
+    prev_end: torch.cuda.Event | None   # the previous step's end event (overlap)
+    num_cascade_rows: int
+    graph: bool
+    output: ModelRunnerOutput | None = None
 
 
 @dataclass
@@ -57,6 +83,12 @@ class _RunnerRequest:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    num_pending: int = 0        # sampled tokens not collected yet (at most one step's)
+    pending_row: int = 0        # this request's row in the last sampled tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids) + self.num_pending
 
 
 class ModelRunner:
@@ -67,7 +99,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.times = StepTimes()        # the engine core shares it (engine/step_timing.py)
-        self._events = None             # (start, end) CUDA events, made when first needed
+        self._events = None             # the reference CUDA event of GPU timing, when wanted
         self.eos_token_ids = list(eos_token_ids)
         # CUDA: Triton kernels for attention and the small layers; CPU: PyTorch.
         on_gpu = device.type == "cuda"
@@ -83,6 +115,9 @@ class ModelRunner:
         self.piecewise: PiecewiseGraphs | None = None     # steps with prompt chunks (CUDA only)
         self.cascade = CascadeSteps(self.model_config, dtype, self.block_size, device,
                                     enabled=config.enable_cascade_attention)
+        self._last_sampled: torch.Tensor | None = None   # the last step's sampled ids (device)
+        self._uncollected: _InFlight | None = None       # the last launched step, if pending
+        self._last_end = None                            # its end event (GPU timing)
 
     # ------------------------------------------------------------------ start-up
     @property
@@ -215,7 +250,7 @@ class ModelRunner:
         cascade = None
         if self.cascade.enabled and num_rows >= 2:
             decode_only = all(n == 1 for n in counts) and all(
-                s.num_computed_tokens + 1 == len(s.token_ids) for s in states)
+                s.num_computed_tokens + 1 == s.num_tokens for s in states)
             graphs = self.decode_graphs
             capacity = (graphs.cascade_capacity(num_rows) if decode_only and graphs is not None
                         and graphs.can_run(num_rows) else None)
@@ -243,6 +278,8 @@ class ModelRunner:
         sampled_rows: list[int] = []
         sampled_ids: list[str] = []
         sampled_positions: list[int] = []
+        fill_at: list[int] = []
+        fill_from: list[int] = []
         at = 0
         for row, i in enumerate(order):
             state, n = states[i], counts[i]
@@ -250,7 +287,12 @@ class ModelRunner:
             end = start + n
             table = state.block_ids
             if n == 1:                          # decode, the bulk of a busy step: no numpy call
-                input_ids[at] = state.token_ids[start]
+                if start < len(state.token_ids):
+                    input_ids[at] = state.token_ids[start]
+                else:                           # sampled by the step in flight
+                    input_ids[at] = 0
+                    fill_at.append(at)
+                    fill_from.append(state.pending_row)
                 positions[at] = start
                 slots[at] = table[start // bs] * bs + start % bs
             else:
@@ -262,7 +304,7 @@ class ModelRunner:
             q_lens[row] = n
             seq_lens[row] = end
             state.num_computed_tokens = end
-            if end == len(state.token_ids):     # last known token: sample the next one
+            if end == state.num_tokens:         # last token: sample the next one
                 sampled_rows.append(row)
                 sampled_ids.append(rids[i])
                 sampled_positions.append(i)
@@ -270,7 +312,18 @@ class ModelRunner:
             block_table = block_table[order]
         return _StepInputs(input_ids, positions, slots, q_lens, seq_lens, block_table,
                            sampled_rows, sampled_ids, cascade,
-                           sampled_positions if reordered else None, num_decodes)
+                           sampled_positions if reordered else None, num_decodes,
+                           fill_at or None, fill_from or None)
+
+    def _input_fill(self, x: "_StepInputs") -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(input_ids rows, token ids) on the device for the inputs sampled by the step in
+        flight: gathered from its sampled tensor, never through the host."""
+        if x.fill_at is None:
+            return None
+        dev = self.device
+        rows = to_device(np.asarray(x.fill_from, dtype=np.int64), dev)
+        return (to_device(np.asarray(x.fill_at, dtype=np.int64), dev),
+                self._last_sampled.index_select(0, rows))
 
     def _forward_eager(self, x: "_StepInputs", piecewise: bool = False) -> torch.Tensor:
         """Any batch: prompt chunks and decode rows together. Returns the sampled rows' logits.
@@ -280,34 +333,47 @@ class ModelRunner:
         np.cumsum(x.q_lens, out=cu[1:])
         meta = AttentionMetadata(
             # The pieces write KV through their own padded slot buffer.
-            slot_mapping=None if piecewise else torch.from_numpy(x.slot_mapping).to(dev),
-            block_table=torch.from_numpy(x.block_table).to(dev),
-            cu_seqlens_q=torch.from_numpy(cu).to(dev),
-            seq_lens=torch.from_numpy(x.seq_lens).to(dev),
+            slot_mapping=None if piecewise else to_device(x.slot_mapping, dev),
+            block_table=to_device(x.block_table, dev),
+            cu_seqlens_q=to_device(cu, dev),
+            seq_lens=to_device(x.seq_lens, dev),
             max_seqlen_q=int(x.q_lens.max()), max_seqlen_k=int(x.seq_lens.max()),
             num_decodes=x.num_decodes)
         nd = x.num_decodes
         if x.cascade is None and 0 < nd < len(x.q_lens) and meta.max_seqlen_q > 1:
-            meta.chunk_block_table = torch.from_numpy(x.block_table[nd:]).to(dev)
-            meta.chunk_cu_seqlens_q = torch.from_numpy(cu[nd:]).to(dev)
-            meta.chunk_seq_lens = torch.from_numpy(x.seq_lens[nd:]).to(dev)
+            meta.chunk_block_table = to_device(np.ascontiguousarray(x.block_table[nd:]), dev)
+            meta.chunk_cu_seqlens_q = to_device(cu[nd:], dev)
+            meta.chunk_seq_lens = to_device(x.seq_lens[nd:], dev)
         if x.cascade is not None:
             x.cascade.fill_metadata(meta, dev)
+        fill = self._input_fill(x)
         if piecewise:
-            hidden = self.piecewise.run(x.input_ids, x.positions, x.slot_mapping, meta)
+            hidden = self.piecewise.run(x.input_ids, x.positions, x.slot_mapping, meta, fill)
         else:
-            hidden = self.model(torch.from_numpy(x.input_ids).to(dev),
-                                torch.from_numpy(x.positions).to(dev), self.kv_caches, meta)
-        index = torch.from_numpy(cu[1:][x.sampled_rows] - 1).to(dev)
+            input_ids = to_device(x.input_ids, dev)
+            if fill is not None:
+                input_ids = input_ids.index_copy(0, *fill)
+            hidden = self.model(input_ids, to_device(x.positions, dev), self.kv_caches, meta)
+        index = to_device(cu[1:][x.sampled_rows] - 1, dev)
         return self.model.compute_logits(hidden[index])
 
     @torch.inference_mode()
     def execute_model(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        """One step, start to end (the engine core's synchronous mode, and tests)."""
+        if self._uncollected is not None:
+            self.collect(self._uncollected)
+        handle = self.launch(sched)
+        return self.collect(handle) if handle is not None else ModelRunnerOutput([], [])
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> _InFlight | None:
+        """Hands the step to the GPU and returns without waiting for it; None: nothing to
+        run. The step before may still be in flight (collected or not)."""
         times = self.times
         t0 = time.perf_counter()
         self._update_states(sched)
         if sched.is_empty:
-            return ModelRunnerOutput([], [])
+            return None
         x = self._prepare_inputs(sched)
         t1 = time.perf_counter()
         times.prepare += t1 - t0
@@ -317,71 +383,122 @@ class ModelRunner:
             events[0].record()
         piecewise = (x.cascade is None and self.piecewise is not None
                      and self.piecewise.padded_size(len(x.input_ids)) is not None)
-        if not x.sampled_ids:
-            self._forward_eager(x, piecewise)   # prompt chunks only: nothing to sample
-            if events:                         # a sync this step would not have: benches only
-                events[1].record()
-                events[1].synchronize()
-                times.gpu += events[0].elapsed_time(events[1]) / 1e3
-            times.launch += time.perf_counter() - t1
-            return ModelRunnerOutput([], [], None, num_cascade_rows, piecewise)
         batch = len(x.q_lens)
         decode_only = len(x.input_ids) == batch and len(x.sampled_rows) == batch
         graph = (decode_only and self.decode_graphs is not None
                  and self.decode_graphs.can_run(batch))
-        if graph:
-            logits = self.decode_graphs.run(
-                x.input_ids, x.positions, x.slot_mapping, x.block_table, x.seq_lens,
-                x.cascade.graph_inputs() if x.cascade is not None else None)
-        else:
-            logits = self._forward_eager(x, piecewise)
         states = [self.requests[rid] for rid in x.sampled_ids]
-        params = [s.sampling_params for s in states]
-        # Prompts are read only by the repetition penalty: don't copy them every step for nothing.
-        needs_prompts = any(p.repetition_penalty != 1.0 for p in params)
-        meta_s = SamplingMetadata.from_params(
-            params,
-            [s.token_ids[:s.num_prompt_tokens] if needs_prompts else [] for s in states],
-            [s.token_ids[s.num_prompt_tokens:] for s in states],
-            self.eos_token_ids, self.device)
-        out = self.sampler(logits, meta_s)
+        if not states:
+            self._forward_eager(x, piecewise)   # prompt chunks only: nothing to sample
+            tokens = logprobs = None
+        else:
+            if graph:
+                logits = self.decode_graphs.run(
+                    x.input_ids, x.positions, x.slot_mapping, x.block_table, x.seq_lens,
+                    x.cascade.graph_inputs() if x.cascade is not None else None,
+                    self._input_fill(x))
+            else:
+                logits = self._forward_eager(x, piecewise)
+            params = [s.sampling_params for s in states]
+            # Penalties read the outputs' contents: wait for the step in flight (the rest of
+            # the sampler reads only how many there are).
+            needs_outputs = any(p.repetition_penalty != 1.0 or p.presence_penalty
+                                or p.frequency_penalty for p in params)
+            if needs_outputs and self._uncollected is not None:
+                self.collect(self._uncollected)
+            # Prompts are read only by the repetition penalty: don't copy them for nothing.
+            needs_prompts = any(p.repetition_penalty != 1.0 for p in params)
+            meta_s = SamplingMetadata.from_params(
+                params,
+                [s.token_ids[:s.num_prompt_tokens] if needs_prompts else [] for s in states],
+                [s.token_ids[s.num_prompt_tokens:] + [0] * s.num_pending if s.num_pending
+                 else s.token_ids[s.num_prompt_tokens:] for s in states],
+                self.eos_token_ids, self.device)
+            out = self.sampler(logits, meta_s)
+            self._last_sampled = out.sampled_token_ids
+            for k, s in enumerate(states):
+                s.num_pending += 1
+                s.pending_row = k
+            tokens = to_host(out.sampled_token_ids)
+            logprobs = None if out.logprobs is None else (
+                to_host(out.logprob_token_ids), to_host(out.logprobs),
+                to_host(out.sampled_token_ranks))
+        done = None
+        if self.device.type == "cuda":
+            done = torch.cuda.Event()
+            done.record()
         if events:
             events[1].record()
-        t2 = time.perf_counter()
-        tokens = out.sampled_token_ids.tolist()
-        t3 = time.perf_counter()
-        times.launch += t2 - t1
-        times.wait += t3 - t2
-        if events:
-            times.gpu += events[0].elapsed_time(events[1]) / 1e3
+        handle = _InFlight(states, x, tokens, logprobs, done, events, self._last_end,
+                           num_cascade_rows,
+                           # On CPU the decode path pads and runs the same code without
+                           # capturing: not a graph.
+                           (graph and self.decode_graphs.use_graphs) or piecewise)
+        self._last_end = events[1] if events else None
+        self._uncollected = handle
+        times.launch += time.perf_counter() - t1
+        return handle
+
+    def collect(self, handle: _InFlight) -> ModelRunnerOutput:
+        """Waits for a launched step's sampled tokens and appends them to the requests'
+        states. Steps are collected in launch order; collecting one twice returns the same."""
+        if handle.output is not None:
+            return handle.output
+        times = self.times
+        t0 = time.perf_counter()
+        if handle.done is not None and (handle.tokens is not None or handle.events):
+            handle.done.synchronize()
+        t1 = time.perf_counter()
+        times.wait += t1 - t0
+        if handle.events:
+            times.gpu += self._gpu_time(handle)
+        if self._uncollected is handle:
+            self._uncollected = None
+        x, states = handle.x, handle.states
+        if handle.tokens is None:
+            handle.output = ModelRunnerOutput([], [], None, handle.num_cascade_rows,
+                                              handle.graph)
+            return handle.output
+        tokens = handle.tokens.tolist()
         for state, tok in zip(states, tokens):
             state.token_ids.append(tok)
-        ids, logprobs = x.sampled_ids, self._logprobs(states, out)
+            state.num_pending -= 1
+        ids, logprobs = x.sampled_ids, self._logprobs(states, handle.logprobs)
         if x.sampled_positions is not None:        # back to the scheduler's row order
             back = sorted(range(len(ids)), key=x.sampled_positions.__getitem__)
             ids, tokens = [ids[k] for k in back], [tokens[k] for k in back]
             logprobs = None if logprobs is None else [logprobs[k] for k in back]
-        times.post += time.perf_counter() - t3
-        # On CPU the decode path pads and runs the same code without capturing: not a graph.
-        return ModelRunnerOutput(ids, tokens, logprobs, num_cascade_rows,
-                                 (graph and self.decode_graphs.use_graphs) or piecewise)
+        times.post += time.perf_counter() - t1
+        handle.output = ModelRunnerOutput(ids, tokens, logprobs, handle.num_cascade_rows,
+                                          handle.graph)
+        return handle.output
 
     def _gpu_events(self):
-        """(start, end) CUDA events if the GPU's time is wanted (StepTimes.gpu_events)."""
+        """(start, end) CUDA events of a step if the GPU's time is wanted
+        (StepTimes.gpu_events); the first call also records the reference event they are
+        timed from."""
         if not (self.times.gpu_events and self.device.type == "cuda"):
             return None
         if self._events is None:
-            self._events = (torch.cuda.Event(enable_timing=True),
-                            torch.cuda.Event(enable_timing=True))
-        return self._events
+            self._events = torch.cuda.Event(enable_timing=True)
+            self._events.record()
+        return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def _gpu_time(self, handle: _InFlight) -> float:
+        """Seconds the GPU spent on a collected step: from its start, or from the end of the
+        step before when that one still ran when it was launched, to its end."""
+        start, end = handle.events
+        ref = self._events
+        begin = ref.elapsed_time(start)
+        if handle.prev_end is not None:
+            begin = max(begin, ref.elapsed_time(handle.prev_end))
+        return max(0.0, ref.elapsed_time(end) - begin) / 1e3
 
     @staticmethod
-    def _logprobs(states: list[_RunnerRequest], out) -> list | None:
-        if out.logprobs is None:
+    def _logprobs(states: list[_RunnerRequest], host) -> list | None:
+        if host is None:
             return None
-        ids = out.logprob_token_ids.tolist()
-        lps = out.logprobs.tolist()
-        ranks = out.sampled_token_ranks.tolist()
+        ids, lps, ranks = (t.tolist() for t in host)
         result = []
         for i, s in enumerate(states):
             n = s.sampling_params.logprobs

@@ -26,6 +26,7 @@ import logging
 import numpy as np
 import torch
 
+from engine.host_copy import copy_into
 from engine.models.attention import AttentionBackend, AttentionMetadata
 
 logger = logging.getLogger(__name__)
@@ -142,15 +143,18 @@ class PiecewiseGraphs:
     # ------------------------------------------------------------------ replay
     @torch.inference_mode()
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slot_mapping: np.ndarray,
-            meta: AttentionMetadata) -> torch.Tensor:
+            meta: AttentionMetadata,
+            input_fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The step's hidden states [T, hidden] (after the final norm). meta: the step's own
         (its sequences, on the device); its slot_mapping is not used (the pieces write KV
-        through the padded buffer)."""
+        through the padded buffer). input_fill: as DecodeGraphs.run's."""
         n = len(input_ids)
         size = self.padded_size(n)
-        self.input_ids[:n].copy_(torch.from_numpy(input_ids), non_blocking=True)
-        self.positions[:n].copy_(torch.from_numpy(positions), non_blocking=True)
-        self.slot_mapping[:n].copy_(torch.from_numpy(slot_mapping), non_blocking=True)
+        copy_into(self.input_ids[:n], input_ids)
+        if input_fill is not None:
+            self.input_ids.index_copy_(0, *input_fill)
+        copy_into(self.positions[:n], positions)
+        copy_into(self.slot_mapping[:n], slot_mapping)
         if size > n:
             self.slot_mapping[n:size].fill_(-1)
             self.positions[n:size].fill_(0)

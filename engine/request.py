@@ -2,6 +2,10 @@
 
 There are no prefill/decode phases: a request is `num_computed_tokens` catching up to
 `num_tokens`. A prompt is the first `num_prompt_tokens`; every sampled token is appended.
+
+With async scheduling (engine/engine_core.py) a step is planned while the previous one still
+runs: a token being sampled there counts as an output placeholder, already scheduled as the
+next step's input (the runner takes it from the GPU), appended once it reaches the host.
 """
 from __future__ import annotations
 
@@ -66,6 +70,7 @@ class Request:
         self.num_prompt_tokens = len(prompt_token_ids)
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
+        self.num_output_placeholders = 0      # tokens sampled in a step not yet collected
         self.status = RequestStatus.WAITING
         # Stopping: EOS does not stop an ignore_eos request; stop_token_ids always do.
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
@@ -79,6 +84,20 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        """Tokens whose KV may be computed: the known ones and the ones being sampled."""
+        return len(self.all_token_ids) + self.num_output_placeholders
+
+    def reaches_limit(self, max_model_len: int) -> bool:
+        """True when the tokens being sampled already end the request by length, so no
+        further step is wanted (async scheduling)."""
+        if not self.num_output_placeholders:
+            return False
+        n = self.num_tokens_with_placeholders
+        return (n - self.num_prompt_tokens >= self.sampling_params.max_tokens
+                or n >= max_model_len)
 
     @property
     def num_output_tokens(self) -> int:

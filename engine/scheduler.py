@@ -262,7 +262,10 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
+            if num_new <= 0 or req.reaches_limit(self.max_model_len):
+                i += 1                    # its token in flight ends it: nothing to compute
+                continue
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:
@@ -303,6 +306,8 @@ class Scheduler:
             if not queue:
                 break
             req = queue[0]
+            # A request preempted while its token was sampled is back only after the token.
+            assert not req.num_output_placeholders, req.request_id
             group = self._group_of.get(req.request_id) if self._group_of else None
             prefix = group.blocks if group is not None and group.blocks is not None else ()
             computed_blocks, num_cached = self.kv.get_computed_blocks(req, prefix)
@@ -330,12 +335,15 @@ class Scheduler:
 
     def _advance(self, req: Request, num_new: int) -> None:
         """The scheduled tokens count as computed from now on: the runner executes this step
-        before the scheduler plans the next."""
+        before it executes the next. A step through the last token samples one more: an output
+        placeholder until `update_from_output` appends it."""
         if req.num_computed_tokens < req.num_prompt_tokens:
             self.stats.num_computed_prompt_tokens += (
                 min(req.num_computed_tokens + num_new, req.num_prompt_tokens)
                 - req.num_computed_tokens)
         req.num_computed_tokens += num_new
+        if req.num_computed_tokens == req.num_tokens_with_placeholders:
+            req.num_output_placeholders += 1
 
     def _preempt(self, req: Request) -> None:
         self.kv.free(req)
@@ -357,8 +365,12 @@ class Scheduler:
         self.stats.num_graph_steps += out.graph
         for row, (rid, token_id) in enumerate(zip(out.request_ids, out.sampled_token_ids)):
             req = self.requests.get(rid)
-            if req is None or req.status != RequestStatus.RUNNING:
-                continue                       # aborted after it was scheduled
+            if req is None:
+                continue                # finished or aborted after the step was scheduled
+            req.num_output_placeholders -= 1
+            # Preempted by the next step's plan while this token was sampled (async
+            # scheduling): the token stands, the request resumes with it.
+            running = req.status == RequestStatus.RUNNING
             done = req.append_token(token_id, self.max_model_len)
             self.stats.num_generated_tokens += 1
             lp = out.logprobs[row] if out.logprobs is not None else None
@@ -368,6 +380,9 @@ class Scheduler:
                 req.stop_reason if done else None,
                 [lp] if lp is not None else None))
             if done:
-                self.running.remove(req)
+                if running:
+                    self.running.remove(req)
+                else:
+                    self._remove_waiting(req)
                 self._free(req)
         return outputs

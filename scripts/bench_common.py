@@ -126,17 +126,23 @@ def git_commit() -> str:
         return "unknown"
 
 
-def write_results(out_prefix: str, meta: dict, rows: list[dict], table: list[str]) -> None:
-    """`out_prefix`.json (everything) and `out_prefix`.md (the table with its provenance)."""
+def write_results(out_prefix: str, meta: dict, rows: list[dict], table: list[str],
+                  echo: bool = True) -> None:
+    """`out_prefix`.json (everything) and `out_prefix`.md (the table with its provenance), and
+    the latter printed with `echo` (off for a bench that rewrites its results after each row)."""
     os.makedirs(os.path.dirname(out_prefix) or ".", exist_ok=True)
-    with open(out_prefix + ".json", "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=2)
     head = [f"# {meta['title']}", "",
             f"Hardware: {meta['hardware']}. Commit `{meta['commit']}`.",
             f"Command: `{meta['command']}`", ""]
-    with open(out_prefix + ".md", "w") as f:
-        f.write("\n".join(head + table) + "\n")
-    print("\n".join(head + table))
+    # Through a temporary file: a run killed while writing keeps the previous results whole.
+    for path, text in ((out_prefix + ".json", json.dumps({"meta": meta, "results": rows},
+                                                         indent=2)),
+                       (out_prefix + ".md", "\n".join(head + table) + "\n")):
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
+    if echo:
+        print("\n".join(head + table))
 
 
 def step_table(rows: list[dict], label_keys: list[str]) -> list[str]:

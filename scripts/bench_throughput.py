@@ -3,19 +3,32 @@ same model and GPU, and beside the workload's roofline.
 
 Roofline: prefill at peak bf16 FLOP/s (2 * params * tokens, plus attention), decode at peak HBM
 bandwidth (every step at full batch reads the weights once plus each sequence's KV).
+
+Each --max-num-seqs value runs its engine in a fresh child process (this script again, with
+--one-engine): a second engine in the process that shut the first one down ran out of GPU
+memory. A child that fails (out of memory, a crash) becomes rows marked failed, with its exit
+code and the end of its stderr, and the sweep goes on. The results are rewritten after every
+row, so a run cut off by a time limit keeps what finished.
 """
 from __future__ import annotations
 
 import argparse
+import collections
+import json
+import os
 import random
+import subprocess
 import sys
+import threading
 import time
 
 from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS, git_commit, hardware,
-                          kv_bytes_per_token, model_and_config, param_count, preset_dir,
-                          step_table, write_results)
+                          kv_bytes_per_token, model_and_config, param_count, step_table,
+                          write_results)
 
-from engine import LLM, SamplingParams
+# A child reports on stdout in lines of this prefix, a kind ("row", "hardware"), ": " and JSON.
+MESSAGE_PREFIX = "bench_throughput "
+STDERR_TAIL_LINES = 20
 
 
 def roofline_s(cfg: dict, n: int, inp: int, out: int, batch: int, elem: int) -> float:
@@ -32,7 +45,15 @@ def roofline_s(cfg: dict, n: int, inp: int, out: int, batch: int, elem: int) -> 
     return prefill_flops / BF16_DENSE_FLOPS + decode_s
 
 
+def workload_prompts(cfg: dict, workloads: list[tuple[int, int]], num_prompts: int) -> dict:
+    """Random token ids per (input, output) workload; seeded, so every process draws the same."""
+    rng = random.Random(0)
+    return {(inp, out): [[rng.randrange(cfg["vocab_size"]) for _ in range(inp)]
+                         for _ in range(num_prompts)] for inp, out in workloads}
+
+
 def run_engine(llm, prompts, out_len) -> float:
+    from engine import SamplingParams
     params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
@@ -41,31 +62,140 @@ def run_engine(llm, prompts, out_len) -> float:
     return elapsed
 
 
-def run_hf(preset: str, prompts, out_len: int, batch: int, dtype) -> float:
+def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) -> None:
+    """The child's work: one engine through every workload, each row printed as it finishes."""
+    import torch
+    from engine import LLM
+    # The parent asks no CUDA for it: a CUDA context there would shrink the children's KV cache.
+    print(MESSAGE_PREFIX + "hardware: " + json.dumps(hardware()), flush=True)
+    elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    prompts_of = workload_prompts(cfg, workloads, args.num_prompts)
+    llm = LLM(model_dir, load_format="dummy", dtype=args.dtype,
+              skip_tokenizer_init=True, max_num_seqs=max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens,
+              max_model_len=max(i + o for i, o in workloads), enable_prefix_caching=False,
+              async_scheduling=not args.sync_scheduling)
+    llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
+    for inp, out in workloads:
+        prompts = prompts_of[(inp, out)]
+        run_engine(llm, prompts[:8], min(8, out))             # warm-up
+        before = llm.core.times.copy()
+        t = run_engine(llm, prompts, out)
+        roof = roofline_s(cfg, args.num_prompts, inp, out, max_num_seqs, elem)
+        row = {"input_len": inp, "output_len": out, "num_prompts": args.num_prompts,
+               "max_num_seqs": max_num_seqs, "failed": False,
+               "engine_s": t, "engine_output_tok_s": args.num_prompts * out / t,
+               "engine_total_tok_s": args.num_prompts * (inp + out) / t,
+               "roofline_s": roof, "fraction_of_roofline": roof / t,
+               "step_ms": llm.core.times.since(before).per_step_ms()}
+        print(MESSAGE_PREFIX + "row: " + json.dumps(row), flush=True)
+
+
+def run_child(argv: list[str], max_num_seqs: int, handlers: dict) -> tuple[int, list[str]]:
+    """This script with `--one-engine max_num_seqs` in a fresh process. Its output is passed
+    through as it comes and `handlers[kind]` gets each of its messages; returns the exit code
+    and the last lines of its stderr."""
+    cmd = [sys.executable, os.path.abspath(__file__), *argv, "--one-engine", str(max_num_seqs)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+
+    def tee_stderr() -> None:            # a thread, so neither pipe fills while we read the other
+        for line in proc.stderr:
+            sys.stderr.write(line)
+            sys.stderr.flush()
+            tail.append(line.rstrip("\n"))
+
+    tee = threading.Thread(target=tee_stderr, daemon=True)
+    tee.start()
+    for line in proc.stdout:
+        sys.stdout.write(line)
+        sys.stdout.flush()
+        kind, _, payload = line[len(MESSAGE_PREFIX):].partition(": ")
+        if line.startswith(MESSAGE_PREFIX) and kind in handlers:
+            handlers[kind](json.loads(payload))
+    returncode = proc.wait()
+    tee.join()
+    return returncode, list(tail)
+
+
+def run_hf(model_dir: str, prompts, out_len: int, batch: int, dtype) -> float:
     """Static batches through transformers generate (SDPA attention), random weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
-    config = AutoConfig.from_pretrained(preset_dir(preset))
-    with torch.device("cuda"):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    config = AutoConfig.from_pretrained(model_dir)
+    with device:
         model = AutoModelForCausalLM.from_config(config, dtype=dtype,
                                                  attn_implementation="sdpa").eval()
     elapsed = 0.0
     with torch.inference_mode():
         for i in range(0, len(prompts), batch):
-            ids = torch.tensor(prompts[i:i + batch], device="cuda")
-            torch.cuda.synchronize()
+            ids = torch.tensor(prompts[i:i + batch], device=device)
+            sync()
             t0 = time.perf_counter()
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
                                  max_new_tokens=out_len, min_new_tokens=out_len)
-            torch.cuda.synchronize()
+            sync()
             elapsed += time.perf_counter() - t0
             assert out.shape[1] == ids.shape[1] + out_len
-    del model
-    torch.cuda.empty_cache()
     return elapsed
 
 
-def main() -> None:
+def best_max_num_seqs(rows: list[dict]) -> dict[str, int]:
+    """Per workload, the max_num_seqs with the highest output tok/s among the runs that worked."""
+    best: dict[str, dict] = {}
+    for r in rows:
+        if not r["failed"] and (r["workload"] not in best or r["engine_output_tok_s"]
+                                > best[r["workload"]]["engine_output_tok_s"]):
+            best[r["workload"]] = r
+    return {w: r["max_num_seqs"] for w, r in best.items()}
+
+
+def tables(rows: list[dict], workloads: list[str], sweep: list[int]) -> list[str]:
+    """Markdown: output tok/s by max_num_seqs per workload (does a bigger batch pay?), the
+    details of each run, the failures, and where a step's time goes."""
+    best = best_max_num_seqs(rows)
+    by_key = {(r["workload"], r["max_num_seqs"]): r for r in rows}
+    out = ["Engine output tok/s by max_num_seqs (the best per workload in bold):", "",
+           "| in/out | " + " | ".join(str(n) for n in sweep) + " | best max_num_seqs |",
+           "| --- | " + " | ".join("---:" for _ in sweep) + " | ---: |"]
+    for w in workloads:
+        cells = []
+        for n in sweep:
+            r = by_key.get((w, n))
+            cell = ("-" if r is None else f"failed (exit {r['returncode']})" if r["failed"]
+                    else f"{r['engine_output_tok_s']:.0f}")
+            cells.append(f"**{cell}**" if best.get(w) == n else cell)
+        out.append(f"| {w} | " + " | ".join(cells) + f" | {best.get(w, '-')} |")
+    ok = sorted((r for r in rows if not r["failed"]),
+                key=lambda r: (workloads.index(r["workload"]), sweep.index(r["max_num_seqs"])))
+    out += ["", "| in/out | prompts | max_num_seqs | engine out tok/s | total tok/s | "
+            "roofline s | engine s | % of roofline | HF out tok/s (prompts, batch) | vs HF |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in ok:
+        hf = (f"{r['hf_output_tok_s']:.0f} ({r['hf_prompts']}, {r['hf_batch']})"
+              if "hf_s" in r else "-")
+        vs = f"{r['speedup_vs_hf']:.1f}x" if "hf_s" in r else "-"
+        mark = " (best)" if best.get(r["workload"]) == r["max_num_seqs"] else ""
+        out.append(f"| {r['workload']} | {r['num_prompts']} | {r['max_num_seqs']}{mark} | "
+                   f"{r['engine_output_tok_s']:.0f} | {r['engine_total_tok_s']:.0f} | "
+                   f"{r['roofline_s']:.1f} | {r['engine_s']:.1f} | "
+                   f"{100 * r['fraction_of_roofline']:.1f}% | {hf} | {vs} |")
+    failed = {r["max_num_seqs"]: r for r in rows if r["failed"]}
+    if failed:
+        out += ["", "Failed engines (the end of stderr is in the JSON):", ""]
+        for n, r in failed.items():
+            last = next((line for line in reversed(r["stderr_tail"]) if line.strip()), "")
+            out.append(f"- max_num_seqs {n}: exit code {r['returncode']}: `{last.strip()}`")
+    hf_errors = {r["workload"]: r["hf_error"] for r in rows if "hf_error" in r}
+    out += [f"- HF generate on {w} failed: `{e}`" for w, e in hf_errors.items()]
+    out += ["", "Where a step's time goes (ms per step, mean over the run):", ""]
+    return out + step_table(ok, ["workload", "max_num_seqs"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
     ap.add_argument("--model", default=None,
@@ -76,77 +206,88 @@ def main() -> None:
                     help="INPUTxOUTPUT lengths")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[256],
-                    help="one engine per value (e.g. 128 256 512 1024: does a bigger batch pay?)")
+                    help="one engine per value, each in its own process (e.g. 128 256 512 1024: "
+                         "does a bigger batch pay?)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--hf-prompts", type=int, default=256,
-                    help="prompts through HF generate (a subset: it is slow)")
+                    help="prompts through HF generate (a subset: it is slow), after the engines")
     ap.add_argument("--hf-batch", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/throughput")
-    args = ap.parse_args()
+    ap.add_argument("--sync-scheduling", action="store_true",
+                    help="each step waits for its tokens before the next is planned")
+    ap.add_argument("--one-engine", type=int, default=None, metavar="MAX_NUM_SEQS",
+                    help=argparse.SUPPRESS)       # the child: one engine, rows to stdout
+    args = ap.parse_args(argv)
 
-    import torch
     model_dir, cfg = model_and_config(args.preset, args.model)
-    dtype = getattr(torch, args.dtype)
-    elem = torch.empty((), dtype=dtype).element_size()
-    rng = random.Random(0)
     workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads]
-    max_len = max(i + o for i, o in workloads)
-    prompts_of = {(inp, out): [[rng.randrange(cfg["vocab_size"]) for _ in range(inp)]
-                               for _ in range(args.num_prompts)] for inp, out in workloads}
-    rows = []
-    for max_num_seqs in args.max_num_seqs:
-        llm = LLM(model_dir, load_format="dummy", dtype=args.dtype,
-                  skip_tokenizer_init=True, max_num_seqs=max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=max_len,
-                  enable_prefix_caching=False)
-        llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
-        for inp, out in workloads:
-            prompts = prompts_of[(inp, out)]
-            run_engine(llm, prompts[:8], min(8, out))             # warm-up
-            before = llm.core.times.copy()
-            t = run_engine(llm, prompts, out)
-            roof = roofline_s(cfg, args.num_prompts, inp, out, max_num_seqs, elem)
-            rows.append({"input_len": inp, "output_len": out, "num_prompts": args.num_prompts,
-                         "max_num_seqs": max_num_seqs,
-                         "engine_s": t, "engine_output_tok_s": args.num_prompts * out / t,
-                         "engine_total_tok_s": args.num_prompts * (inp + out) / t,
-                         "roofline_s": roof, "fraction_of_roofline": roof / t,
-                         "step_ms": llm.core.times.since(before).per_step_ms()})
-            print("engine:", rows[-1], flush=True)
-        # HF (and the next engine) need the memory this KV cache holds: release it first.
-        llm.core.shutdown()
-        del llm
-    for inp, out in workloads:
-        if not args.hf_prompts:
-            break
-        n = min(args.hf_prompts, args.num_prompts)
-        th = run_hf(args.preset, prompts_of[(inp, out)][:n], out, args.hf_batch, dtype)
-        for row in rows:
-            if (row["input_len"], row["output_len"]) == (inp, out):
-                row.update({"hf_prompts": n, "hf_batch": args.hf_batch, "hf_s": th,
-                            "hf_output_tok_s": n * out / th,
-                            "speedup_vs_hf": row["engine_output_tok_s"] / (n * out / th)})
-        print("hf:", inp, out, n * out / th, flush=True)
-    meta = {"title": f"Offline throughput, {args.preset} ({args.dtype}, dummy weights)",
-            "hardware": hardware(), "commit": git_commit(),
+    if args.one_engine is not None:
+        one_engine(args, model_dir, cfg, workloads, args.one_engine)
+        return
+
+    sweep = list(dict.fromkeys(args.max_num_seqs))
+    names = [f"{inp}/{out}" for inp, out in workloads]
+    meta = {"title": f"Offline throughput, {args.preset if not args.model else args.model} "
+                     f"({args.dtype}, dummy weights)",
+            "hardware": None, "commit": git_commit(),       # hardware: the children say
             "command": " ".join(["python"] + sys.argv),
             "targets": "1000x1000: >= 75% of roofline and >= 10x HF generate"}
-    table = ["| in/out | prompts | max_num_seqs | engine out tok/s | total tok/s | roofline s | "
-             "engine s | % of roofline | HF out tok/s (prompts, batch) | vs HF |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in rows:
-        hf = (f"{r['hf_output_tok_s']:.0f} ({r['hf_prompts']}, {r['hf_batch']})"
-              if "hf_s" in r else "-")
-        vs = f"{r['speedup_vs_hf']:.1f}x" if "hf_s" in r else "-"
-        table.append(f"| {r['input_len']}/{r['output_len']} | {r['num_prompts']} | "
-                     f"{r['max_num_seqs']} | {r['engine_output_tok_s']:.0f} | {r['engine_total_tok_s']:.0f} | "
-                     f"{r['roofline_s']:.1f} | {r['engine_s']:.1f} | "
-                     f"{100 * r['fraction_of_roofline']:.1f}% | {hf} | {vs} |")
-    for r in rows:
-        r["workload"] = f"{r['input_len']}/{r['output_len']}"
-    table += ["", "Where a step's time goes (ms per step, mean over the run):", ""]
-    table += step_table(rows, ["workload", "max_num_seqs"])
-    write_results(args.out, meta, rows, table)
+    rows: list[dict] = []
+
+    def save(echo: bool = False) -> None:
+        write_results(args.out, meta, rows, tables(rows, names, sweep), echo=echo)
+
+    def on_hardware(info: dict) -> None:
+        meta["hardware"] = info
+
+    def on_row(row: dict) -> None:
+        row["workload"] = f"{row['input_len']}/{row['output_len']}"
+        rows.append(row)
+        save()
+
+    for max_num_seqs in sweep:
+        returncode, stderr_tail = run_child(argv, max_num_seqs,
+                                            {"row": on_row, "hardware": on_hardware})
+        done = {r["workload"] for r in rows if r["max_num_seqs"] == max_num_seqs}
+        for (inp, out), name in zip(workloads, names):
+            if name not in done:
+                rows.append({"input_len": inp, "output_len": out, "workload": name,
+                             "num_prompts": args.num_prompts, "max_num_seqs": max_num_seqs,
+                             "failed": True, "returncode": returncode,
+                             "stderr_tail": stderr_tail})
+        if len(done) < len(workloads):
+            print(f"engine max_num_seqs={max_num_seqs} failed (exit code {returncode}); "
+                  f"going on", flush=True)
+        save()
+    if meta["hardware"] is None:                      # no child got that far
+        meta["hardware"] = hardware()
+
+    if args.hf_prompts:
+        import torch
+        dtype = getattr(torch, args.dtype)
+        prompts_of = workload_prompts(cfg, workloads, args.num_prompts)
+        n = min(args.hf_prompts, args.num_prompts)
+        for (inp, out), name in zip(workloads, names):
+            same = [r for r in rows if r["workload"] == name]
+            try:
+                th = run_hf(model_dir, prompts_of[(inp, out)][:n], out, args.hf_batch, dtype)
+            except RuntimeError as e:                 # out of memory, among others
+                print(f"hf: {name} failed: {e}", flush=True)
+                for row in same:
+                    row["hf_error"] = str(e).splitlines()[0][:300] if str(e) else repr(e)
+                save()
+                continue
+            finally:
+                if torch.cuda.is_available():
+                    torch.cuda.empty_cache()
+            for row in same:
+                row.update({"hf_prompts": n, "hf_batch": args.hf_batch, "hf_s": th,
+                            "hf_output_tok_s": n * out / th})
+                if not row["failed"]:
+                    row["speedup_vs_hf"] = row["engine_output_tok_s"] / (n * out / th)
+            print("hf:", inp, out, n * out / th, flush=True)
+            save()
+    save(echo=True)
 
 
 if __name__ == "__main__":

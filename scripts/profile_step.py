@@ -1,6 +1,6 @@
 """Where a step's time goes in a steady state, in process (issues 11 and 13).
 
-A closed loop over the synchronous EngineCore keeps `--concurrency` requests in flight: when one
+A closed loop over the EngineCore (async scheduling unless `--sync-scheduling`) keeps `--concurrency` requests in flight: when one
 finishes the next starts at once, as a load generator would. With `--jitter 0` every request
 has the same output length, so requests start and finish in waves (a wave's prompts, then pure
 decode steps: CUDA graphs); with jitter the output lengths vary and arrivals spread out, as they
@@ -102,6 +102,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="profile the last N measured steps (torch.profiler; GPU only)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--sync-scheduling", action="store_true",
+                    help="each step waits for its tokens before the next is planned")
     ap.add_argument("--out", default="benchmarks/profile_step")
     args = ap.parse_args(argv)
 
@@ -111,7 +113,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = EngineConfig(model=model_dir, load_format="dummy", dtype=args.dtype,
                           skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
                           max_model_len=max_len, enable_prefix_caching=False,
-                          enforce_eager=args.enforce_eager)
+                          enforce_eager=args.enforce_eager,
+                          async_scheduling=not args.sync_scheduling)
     core = EngineCore(config)
     rng = random.Random(0)
     rows = []

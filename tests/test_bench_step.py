@@ -1,5 +1,6 @@
-"""scripts/bench_latency.py and bench_throughput.py on CPU with the tiny model: they run, sweep
-max_num_seqs and say where a step's time goes (a check that they work, not a timing)."""
+"""scripts/bench_latency.py and profile_step.py on CPU with the tiny model: they run and say
+where a step's time goes (a check that they work, not a timing). bench_throughput.py has its
+own file, tests/test_bench_throughput.py."""
 import json
 import os
 import subprocess
@@ -15,21 +16,6 @@ def _run(script, *args):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", script), *args],
                        cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
-
-
-def test_throughput_sweeps_max_num_seqs_and_breaks_the_step_down(tmp_path):
-    model = make_tiny_model(tmp_path / "m", arch="llama", seed=4)
-    out = tmp_path / "throughput"
-    _run("bench_throughput.py", "--model", str(model), "--dtype", "float32", "--workloads",
-         "16x4", "--num-prompts", "6", "--max-num-seqs", "2", "4", "--hf-prompts", "0",
-         "--out", str(out))
-    rows = json.loads(out.with_suffix(".json").read_text())["results"]
-    assert [r["max_num_seqs"] for r in rows] == [2, 4]
-    for r in rows:
-        ms = r["step_ms"]
-        assert all(ms[p] > 0 for p in PHASES) and ms["graph_step_share"] == 0.0, ms
-    md = out.with_suffix(".md").read_text()
-    assert "| 16/4 | 4 |" in md and "Where a step's time goes" in md
 
 
 def test_latency_breaks_the_step_down(tmp_path):

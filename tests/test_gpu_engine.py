@@ -316,3 +316,56 @@ def test_piecewise_graphs_equal_eager_steps_fp32(tiny_models, arch):
         finally:
             llm.core.shutdown()
     assert results[0] == results[1]
+
+
+def test_async_launches_never_wait_for_the_gpu_and_equal_sync(tiny_models):
+    """Async scheduling on CUDA (issue 13): a step's launch hands everything to the GPU
+    without waiting for it (torch's sync debug mode turns any synchronizing call made while
+    launching into an error: a blocking copy, .item(), .tolist()), through decode graphs,
+    graphs cut at attention with prompt chunks, shared-prefix groups, seeded sampling and
+    logprobs; and the outputs equal the synchronous engine's. Collecting a step (and a launch
+    with penalties, which collects the step before) waits on purpose: it is left out."""
+    import random
+    from tests.test_async_scheduling import mixed_params, prompts as async_prompts
+    rng = random.Random(8)
+    prefix = [rng.randrange(3, 1000) for _ in range(64)]
+    ps = async_prompts() + [prefix + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 9))]
+                            for _ in range(6)]
+    params = mixed_params([5, 17]) + [SamplingParams(max_tokens=20, temperature=0.0)] * 6
+    results = []
+    for async_scheduling in (True, False):
+        llm = LLM(tiny_models["llama"], dtype="float32", device="cuda", num_kv_blocks=256,
+                  max_num_batched_tokens=64, max_num_seqs=16, async_scheduling=async_scheduling)
+        runner = llm.core.runner
+        launches = []
+        if async_scheduling:
+            launch, collect = runner.launch, runner.collect
+
+            def checked_launch(sched):
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    handle = launch(sched)
+                finally:
+                    torch.cuda.set_sync_debug_mode("default")
+                launches.append(handle)
+                return handle
+
+            def unchecked_collect(handle):
+                mode = torch.cuda.get_sync_debug_mode()
+                torch.cuda.set_sync_debug_mode("default")
+                try:
+                    return collect(handle)
+                finally:
+                    torch.cuda.set_sync_debug_mode(mode)
+            runner.launch, runner.collect = checked_launch, unchecked_collect
+        try:
+            outs = llm.generate(ps, params)
+            results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
+            stats = llm.get_stats()
+            assert stats.num_free_kv_blocks == stats.num_kv_blocks
+            if async_scheduling:
+                assert runner.piecewise.num_runs > 0 and runner.decode_graphs is not None
+                assert any(h is not None and h.graph for h in launches)
+        finally:
+            llm.core.shutdown()
+    assert results[0] == results[1]

@@ -1,0 +1,70 @@
+"""scripts/bench_throughput.py on CPU with the tiny model: one child process per max_num_seqs,
+a row per (workload, max_num_seqs), a failing child recorded without losing the others, the
+HF baseline and where a step's time goes (a check that it works, not a timing)."""
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from engine.step_timing import PHASES
+from scripts.make_tiny_model import make_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """One run for the tests below: max_num_seqs 0 fails in its child (the engine config
+    rejects it) between two that work."""
+    tmp = tmp_path_factory.mktemp("throughput")
+    model = make_tiny_model(tmp / "m", arch="llama", seed=4)
+    out = tmp / "throughput"
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_throughput.py"),
+                        "--model", str(model), "--dtype", "float32", "--workloads", "8x4",
+                        "16x4", "--num-prompts", "4", "--max-num-seqs", "2", "0", "4",
+                        "--hf-prompts", "2", "--hf-batch", "2", "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    return rows, out.with_suffix(".md").read_text()
+
+
+def test_a_row_per_workload_and_max_num_seqs(sweep):
+    rows, md = sweep
+    assert sorted((r["workload"], r["max_num_seqs"]) for r in rows) == sorted(
+        (w, n) for w in ("8/4", "16/4") for n in (2, 0, 4))
+    ok = [r for r in rows if not r["failed"]]
+    assert sorted((r["workload"], r["max_num_seqs"]) for r in ok) == sorted(
+        (w, n) for w in ("8/4", "16/4") for n in (2, 4))
+    for r in ok:
+        assert r["engine_output_tok_s"] > 0 and r["engine_total_tok_s"] > r["engine_output_tok_s"]
+        assert r["hf_output_tok_s"] > 0 and r["speedup_vs_hf"] > 0 and r["hf_prompts"] == 2
+        ms = r["step_ms"]
+        assert all(ms[p] > 0 for p in PHASES) and ms["graph_step_share"] == 0.0, ms
+    assert "Where a step's time goes" in md and "| 16/4 | 4 | 4" in md
+
+
+def test_a_failing_child_is_a_failed_row(sweep):
+    rows, md = sweep
+    failed = [r for r in rows if r["failed"]]
+    assert [r["max_num_seqs"] for r in failed] == [0, 0]
+    for r in failed:
+        assert r["returncode"] == 1 and "engine_output_tok_s" not in r
+        assert any("max_num_seqs must be an integer >= 1" in line for line in r["stderr_tail"])
+    assert "| failed (exit 1) |" in md and "- max_num_seqs 0: exit code 1: `ValueError" in md
+
+
+def test_the_best_max_num_seqs_per_workload_is_marked(sweep):
+    rows, md = sweep
+    for w in ("8/4", "16/4"):
+        best = max((r for r in rows if r["workload"] == w and not r["failed"]),
+                   key=lambda r: r["engine_output_tok_s"])
+        line = next(line for line in md.splitlines() if line.startswith(f"| {w} | ")
+                    and "failed" in line)       # the table by max_num_seqs
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[-1] == str(best["max_num_seqs"])
+        assert re.findall(r"\*\*(\d+)\*\*", line) == [f"{best['engine_output_tok_s']:.0f}"]
+        assert f"| {w} | 4 | {best['max_num_seqs']} (best) |" in md
