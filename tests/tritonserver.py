@@ -46,8 +46,9 @@ class TritonServer:
     """A started server. `http_url`, `grpc_url`, `metrics_url` are "localhost:PORT"."""
 
     def __init__(self, proc: subprocess.Popen, http_port: int, grpc_port: int,
-                 metrics_port: int, log_path: str):
+                 metrics_port: int, log_path: str, metrics: bool = True):
         self._proc = proc
+        self.metrics = metrics          # the metrics endpoint is served (not --allow-metrics=false)
         self.pid = proc.pid
         self.http_port, self.grpc_port, self.metrics_port = http_port, grpc_port, metrics_port
         self.http_url = f"localhost:{http_port}"
@@ -78,10 +79,18 @@ class TritonServer:
         return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
 
     def is_ready(self) -> bool:
+        """Ready for inference and, when served, for metrics scrapes: the metrics endpoint
+        starts a few tens of ms after the health endpoint says ready (a scrape made at once
+        was refused on the GPU machine)."""
+        urls = [f"http://{self.http_url}/v2/health/ready"]
+        if self.metrics:
+            urls.append(f"http://{self.metrics_url}/metrics")
         try:
-            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready",
-                                        timeout=2) as resp:
-                return resp.status == 200
+            for url in urls:
+                with urllib.request.urlopen(url, timeout=2) as resp:
+                    if resp.status != 200:
+                        return False
+            return True
         except (urllib.error.URLError, OSError):  # refused, not ready (HTTP 400), timed out
             return False
 
@@ -180,7 +189,8 @@ def _launch(model_repository: str, extra_args: list[str], log_dir: str) -> Trito
         # a stub would outlive the server.
         proc = subprocess.Popen(cmd, env=server_env(), stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
-    return TritonServer(proc, http_port, grpc_port, metrics_port, log_path)
+    return TritonServer(proc, http_port, grpc_port, metrics_port, log_path,
+                        metrics="--allow-metrics=false" not in extra_args)
 
 
 def _wait_ready(server: TritonServer, timeout_s: float) -> None:
