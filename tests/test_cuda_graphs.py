@@ -2,6 +2,8 @@
 eagerly on CPU) must give exactly what the plain eager path gives."""
 import random
 
+import numpy as np
+
 import pytest
 
 from engine import LLM, SamplingParams
@@ -38,3 +40,27 @@ def test_padded_decode_equals_eager(model_dir):
         stats = llm.get_stats()
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
     assert results[True] == results[False]
+
+
+def test_every_size_writes_its_logits_into_one_shared_buffer(model_dir):
+    """On a GPU each captured size keeps what it returns for as long as the graph lives: the
+    graphs write into one [max_batch, vocab] buffer instead of one tensor per size (which took
+    8.5 GiB at max_num_seqs 512 for a 128k vocabulary, and the capture ran out of memory). On
+    CPU the buffer is set by hand: the padded path's outputs are views of it, and the tokens
+    are those of the plain path."""
+    import torch
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 30))] for _ in range(6)]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    results = []
+    for shared in (False, True):
+        llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=128, max_num_seqs=8)
+        graphs = llm.core.runner.decode_graphs
+        if shared:
+            graphs.logits = torch.full((8, llm.core.vocab_size), float("nan"))
+            zeros = np.zeros(3, dtype=np.int64)
+            out = graphs.run(zeros, zeros, np.full(3, -1, dtype=np.int64),     # writes no KV
+                             np.zeros((3, 1), dtype=np.int32), np.ones(3, dtype=np.int32))
+            assert out.data_ptr() == graphs.logits.data_ptr() and out.shape[0] == 3
+        results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
+    assert results[0] == results[1]

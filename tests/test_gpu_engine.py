@@ -41,7 +41,10 @@ def test_engine_on_gpu_equals_hf(tiny_models, arch):
     expected = hf_greedy_cuda(tiny_models[arch], prompts)
     llm = LLM(tiny_models[arch], dtype="float32", device="cuda", block_size=16,
               max_num_batched_tokens=64, num_kv_blocks=30, max_model_len=400, max_num_seqs=16)
-    assert llm.core.runner.decode_graphs.graphs, "CUDA graphs were not captured"
+    graphs = llm.core.runner.decode_graphs
+    assert graphs.graphs, "CUDA graphs were not captured"
+    # One logits buffer for every captured size (not one each, held by the graph pool).
+    assert all(out.data_ptr() == graphs.logits.data_ptr() for _, out in graphs.graphs.values())
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
     stats = llm.get_stats()
     assert stats.num_preemptions > 0
@@ -126,7 +129,10 @@ def test_engines_created_one_after_another_capture_cleanly():
         _poison_free_memory()
         llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16",
                   device="cuda", skip_tokenizer_init=True)
-        assert llm.core.runner.decode_graphs.graphs, "CUDA graphs were not captured"
+        graphs = llm.core.runner.decode_graphs
+    assert graphs.graphs, "CUDA graphs were not captured"
+    # One logits buffer for every captured size (not one each, held by the graph pool).
+    assert all(out.data_ptr() == graphs.logits.data_ptr() for _, out in graphs.graphs.values())
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         torch.cuda.synchronize()
         first = first or got
