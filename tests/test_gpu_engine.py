@@ -129,10 +129,7 @@ def test_engines_created_one_after_another_capture_cleanly():
         _poison_free_memory()
         llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16",
                   device="cuda", skip_tokenizer_init=True)
-        graphs = llm.core.runner.decode_graphs
-    assert graphs.graphs, "CUDA graphs were not captured"
-    # One logits buffer for every captured size (not one each, held by the graph pool).
-    assert all(out.data_ptr() == graphs.logits.data_ptr() for _, out in graphs.graphs.values())
+        assert llm.core.runner.decode_graphs.graphs, "CUDA graphs were not captured"
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
         torch.cuda.synchronize()
         first = first or got
