@@ -90,6 +90,10 @@ class CoreServer:
         raise wire.FrameError(f"the core does not take {wire.KIND_NAMES[kind]} frames")
 
 
+_LOGGED_STATS = ("num_computed_prompt_tokens", "num_cached_prompt_tokens",
+                 "num_generated_tokens", "num_preemptions")
+
+
 class _StepLog:
     """With an interval > 0 (ENGINE_STEP_LOG_S), logs that often where the busy loop's time
     went; otherwise does nothing. Time while idle (nothing to run) is not counted."""
@@ -102,6 +106,7 @@ class _StepLog:
             self.t = self.start = time.perf_counter()
             self.spent = {"frames": 0.0, "step": 0.0, "send": 0.0}
             self.times = core.times.copy()
+            self.stats: dict[str, int] = {}
 
     def mark(self) -> None:
         if self.interval > 0:
@@ -117,11 +122,16 @@ class _StepLog:
         if now - self.start >= self.interval:
             times = self.core.times.since(self.times)
             n = max(times.steps, 1)
+            stats = self.core.scheduler.stats
             logger.info("core %d steps in %.1f s: busy loop ms per step %s; step phases %s; "
-                        "running %d, waiting %d", times.steps, now - self.start,
+                        "running %d, waiting %d; since the last line: prompt tokens computed %d "
+                        "(cached %d), tokens generated %d, preemptions %d",
+                        times.steps, now - self.start,
                         {k: round(1e3 * v / n, 3) for k, v in self.spent.items()},
                         times.per_step_ms(), self.core.scheduler.num_running,
-                        self.core.scheduler.num_waiting)
+                        self.core.scheduler.num_waiting,
+                        *(getattr(stats, k) - self.stats.get(k, 0) for k in _LOGGED_STATS))
+            self.stats = {k: getattr(stats, k) for k in _LOGGED_STATS}
             self.start, self.times = now, self.core.times.copy()
             self.spent = dict.fromkeys(self.spent, 0.0)
 

@@ -79,15 +79,19 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
     for inp, out in workloads:
         prompts = prompts_of[(inp, out)]
         run_engine(llm, prompts[:8], min(8, out))             # warm-up
-        before = llm.core.times.copy()
+        before, stats0 = llm.core.times.copy(), llm.get_stats()
         t = run_engine(llm, prompts, out)
+        stats1 = llm.get_stats()
         roof = roofline_s(cfg, args.num_prompts, inp, out, max_num_seqs, elem)
         row = {"input_len": inp, "output_len": out, "num_prompts": args.num_prompts,
                "max_num_seqs": max_num_seqs, "failed": False,
                "engine_s": t, "engine_output_tok_s": args.num_prompts * out / t,
                "engine_total_tok_s": args.num_prompts * (inp + out) / t,
                "roofline_s": roof, "fraction_of_roofline": roof / t,
-               "step_ms": llm.core.times.since(before).per_step_ms()}
+               "step_ms": llm.core.times.since(before).per_step_ms(),
+               # More sequences than the KV cache holds at full length: preempted, recomputed.
+               "preemptions": stats1.num_preemptions - stats0.num_preemptions,
+               "kv_blocks": stats1.num_kv_blocks}
         print(MESSAGE_PREFIX + "row: " + json.dumps(row), flush=True)
 
 
@@ -171,8 +175,9 @@ def tables(rows: list[dict], workloads: list[str], sweep: list[int]) -> list[str
     ok = sorted((r for r in rows if not r["failed"]),
                 key=lambda r: (workloads.index(r["workload"]), sweep.index(r["max_num_seqs"])))
     out += ["", "| in/out | prompts | max_num_seqs | engine out tok/s | total tok/s | "
-            "roofline s | engine s | % of roofline | HF out tok/s (prompts, batch) | vs HF |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+            "roofline s | engine s | % of roofline | preemptions | HF out tok/s (prompts, batch) "
+            "| vs HF |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in ok:
         hf = (f"{r['hf_output_tok_s']:.0f} ({r['hf_prompts']}, {r['hf_batch']})"
               if "hf_s" in r else "-")
@@ -181,7 +186,8 @@ def tables(rows: list[dict], workloads: list[str], sweep: list[int]) -> list[str
         out.append(f"| {r['workload']} | {r['num_prompts']} | {r['max_num_seqs']}{mark} | "
                    f"{r['engine_output_tok_s']:.0f} | {r['engine_total_tok_s']:.0f} | "
                    f"{r['roofline_s']:.1f} | {r['engine_s']:.1f} | "
-                   f"{100 * r['fraction_of_roofline']:.1f}% | {hf} | {vs} |")
+                   f"{100 * r['fraction_of_roofline']:.1f}% | {r.get('preemptions', '-')} | "
+                   f"{hf} | {vs} |")
     failed = {r["max_num_seqs"]: r for r in rows if r["failed"]}
     if failed:
         out += ["", "Failed engines (the end of stderr is in the JSON):", ""]

@@ -44,6 +44,7 @@ def test_a_row_per_workload_and_max_num_seqs(sweep):
         assert r["hf_output_tok_s"] > 0 and r["speedup_vs_hf"] > 0 and r["hf_prompts"] == 2
         ms = r["step_ms"]
         assert all(ms[p] > 0 for p in PHASES) and ms["graph_step_share"] == 0.0, ms
+        assert r["preemptions"] == 0 and r["kv_blocks"] > 0     # a pool that holds them all
     assert "Where a step's time goes" in md and "| 16/4 | 4 | 4" in md
 
 

@@ -121,3 +121,6 @@ def test_step_log_says_where_the_busy_loops_time_went(model_dir, caplog):
     text = caplog.text
     assert "busy loop ms per step" in text and "'frames'" in text and "'send'" in text
     assert "'schedule'" in text and "running 1, waiting 0" in text
+    # The first step computes the 3 prompt tokens; the counts are per line, not running totals.
+    assert "prompt tokens computed 3 (cached 0)" in text
+    assert "prompt tokens computed 0 (cached 0)" in text and "preemptions 0" in text
