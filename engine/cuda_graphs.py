@@ -17,6 +17,14 @@ runner may pick for that size (few groups want their prefixes cut in more progra
 do). Unused group slots repeat the last boundary (empty groups), padding rows have prefix 0.
 The runner plans each decode step within the capacity of the size it will replay and picks the
 plain graph or a cascade one by the cost rule.
+
+Split-KV: at small batches attention cuts each sequence's keys into pieces to fill the SMs
+(kernels/paged_attention.py), and a graph fixes how many. Captured for max_model_len alone, a
+lone 300-token sequence ran 32 splits and a merge in every layer (5.13 ms/token at
+max_model_len 8192 against 4.72 at 320 on the H200). So a size gets a plain graph per split
+count that the context lengths in KV_SPLIT_CONTEXTS (and max_model_len) call for, and a step
+replays the one its longest sequence calls for. From about 33 rows (8 KV heads) up every
+length gets one split: one graph.
 """
 from __future__ import annotations
 
@@ -27,11 +35,15 @@ import torch
 
 from engine.host_copy import copy_into
 from engine.models.attention import AttentionMetadata
+from kernels.paged_attention import choose_num_kv_splits
 
 logger = logging.getLogger(__name__)
 
 
 CASCADE_GROUP_ROWS = 16
+# Longest contexts of each plain-graph variant: one under 512 * 2^k, the most keys for which
+# choose_num_kv_splits (256 keys a split at least) still picks the smaller count.
+KV_SPLIT_CONTEXTS = tuple(512 * 2**k - 1 for k in range(7))       # 511 ... 32767
 
 
 def cascade_max_groups(size: int) -> int:
@@ -63,7 +75,10 @@ class DecodeGraphs:
         self.block_table = torch.zeros(max_batch, max_blocks_per_seq, dtype=i32, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=i32, device=device)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=i32, device=device)
-        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (size, KV splits) -> graph and its logits
+        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.num_kv_heads = model.config.num_key_value_heads
+        self.contexts = [c for c in KV_SPLIT_CONTEXTS if c < max_seqlen_k] + [max_seqlen_k]
         self._pool = None
         self.cascade_splits = {b: s for b, s in (cascade_splits or {}).items()
                                if b in self.sizes and b >= 2}
@@ -78,11 +93,22 @@ class DecodeGraphs:
         # memory the KV cache had been given (the capture ran out of memory).
         self.logits: torch.Tensor | None = None
 
-    def _metadata(self, batch: int, max_seqlen_k: int, splits: int | None) -> AttentionMetadata:
+    def kv_splits(self, size: int, max_seqlen_k: int) -> int:
+        """The split-KV count of the plain graph a step of `size` rows replays when its longest
+        sequence has max_seqlen_k keys: what the next captured context length calls for."""
+        context = next(c for c in self.contexts if c >= max_seqlen_k)
+        return choose_num_kv_splits(size, self.num_kv_heads, context)
+
+    def kv_split_variants(self, size: int) -> list[int]:
+        """The split-KV counts captured for a size, largest first."""
+        return sorted({self.kv_splits(size, c) for c in self.contexts}, reverse=True)
+
+    def _metadata(self, batch: int, max_seqlen_k: int, splits: int | None,
+                  kv_splits: int | None = None) -> AttentionMetadata:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch], block_table=self.block_table[:batch],
             cu_seqlens_q=self.cu_seqlens_q[:batch + 1], seq_lens=self.seq_lens[:batch],
-            max_seqlen_q=1, max_seqlen_k=max_seqlen_k)
+            max_seqlen_q=1, max_seqlen_k=max_seqlen_k, num_kv_splits=kv_splits)
         if splits is not None:
             meta.prefix_lens = self.prefix_lens[:batch]
             meta.cu_group_seqs = self.cu_group_seqs[:cascade_max_groups(batch) + 1]
@@ -92,10 +118,11 @@ class DecodeGraphs:
         return meta
 
     def _forward(self, batch: int, max_seqlen_k: int | None = None,
-                 splits: int | None = None) -> torch.Tensor:
+                 splits: int | None = None, kv_splits: int | None = None) -> torch.Tensor:
         """A graph must hold for any length, so it is captured for max_model_len; an eager run
-        can use the step's own longest sequence. splits: cascade with that many prefix splits."""
-        meta = self._metadata(batch, max_seqlen_k or self.max_seqlen_k, splits)
+        can use the step's own longest sequence. splits: cascade with that many prefix splits;
+        kv_splits: a plain graph's split-KV count (None: the kernel picks)."""
+        meta = self._metadata(batch, max_seqlen_k or self.max_seqlen_k, splits, kv_splits)
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
         logits = self.model.compute_logits(hidden)
         if self.logits is None:
@@ -129,23 +156,26 @@ class DecodeGraphs:
         # warm-up read a block table still holding whatever the caching allocator's block held
         # (a previous engine's data): "index out of bounds" in the embedding/KV gathers.
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        todo = [(b, None) for b in reversed(self.sizes)]
-        todo += [(b, s) for b in reversed(self.sizes) for s in self.cascade_splits.get(b, ())]
-        for batch, splits in todo:
+        todo = [(b, None, k) for b in reversed(self.sizes) for k in self.kv_split_variants(b)]
+        todo += [(b, s, None) for b in reversed(self.sizes)
+                 for s in self.cascade_splits.get(b, ())]
+        for batch, splits, kv_splits in todo:
             with torch.cuda.stream(stream):
                 for _ in range(2):                 # warm up: autotuning, lazy init
-                    self._forward(batch, splits=splits)
+                    self._forward(batch, splits=splits, kv_splits=kv_splits)
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                logits = self._forward(batch, splits=splits)
+                logits = self._forward(batch, splits=splits, kv_splits=kv_splits)
             if splits is None:
-                self.graphs[batch] = (graph, logits)
+                self.graphs[batch, kv_splits] = (graph, logits)
             else:
                 self.cascade_graphs[batch, splits] = (graph, logits)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        logger.info("captured decode CUDA graphs for batch sizes %s, cascade for %s", self.sizes,
+        logger.info("captured decode CUDA graphs for batch sizes %s (split-KV variants %s), "
+                    "cascade for %s", self.sizes,
+                    {b: v for b in self.sizes if len(v := self.kv_split_variants(b)) > 1},
                     sorted(self.cascade_graphs))
 
     def can_run(self, batch: int) -> bool:
@@ -174,7 +204,9 @@ class DecodeGraphs:
             self.slot_mapping[batch:size].fill_(-1)
             self.seq_lens[batch:size].fill_(1)
             self.block_table[batch:size, 0].fill_(0)
-        graph_key, graphs, splits = size, self.graphs, None
+        max_len = int(seq_lens.max())
+        kv_splits = self.kv_splits(size, max_len)
+        graph_key, graphs, splits = (size, kv_splits), self.graphs, None
         if cascade is not None:
             prefix_lens, cu_groups, splits = cascade
             capacity = cascade_max_groups(size)
@@ -190,4 +222,4 @@ class DecodeGraphs:
             graph, logits = graphs[graph_key]
             graph.replay()
             return logits[:batch]
-        return self._forward(size, int(seq_lens.max()), splits)[:batch]
+        return self._forward(size, max_len, splits, kv_splits if splits is None else None)[:batch]

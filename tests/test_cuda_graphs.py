@@ -64,3 +64,23 @@ def test_every_size_writes_its_logits_into_one_shared_buffer(model_dir):
             assert out.data_ptr() == graphs.logits.data_ptr() and out.shape[0] == 3
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
     assert results[0] == results[1]
+
+
+def test_short_contexts_replay_a_graph_with_fewer_kv_splits(model_dir):
+    """A graph fixes attention's split-KV count. Each size has a plain graph per count that a
+    context length up to max_model_len calls for; a step replays the one for its longest
+    sequence: a short context gets what an eager step would pick (one split: no merge), the
+    longest what the single graph per size had."""
+    from kernels.paged_attention import choose_num_kv_splits
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=512, max_num_seqs=8)
+    g = llm.core.runner.decode_graphs
+    assert g.contexts == [511, 1023, 1024]        # the tiny model's max_model_len: 1024
+    for size in g.sizes:
+        variants = g.kv_split_variants(size)
+        assert variants[0] == choose_num_kv_splits(size, g.num_kv_heads, 1024)
+        assert g.kv_splits(size, 300) == choose_num_kv_splits(size, g.num_kv_heads, 300)
+        for length in (1, 300, 511, 512, 1000, 1023, 1024):
+            k = g.kv_splits(size, length)
+            assert k in variants and k >= choose_num_kv_splits(size, g.num_kv_heads, length)
+    assert g.kv_split_variants(1) == sorted(g.kv_split_variants(1), reverse=True)
+    assert len(g.kv_split_variants(1)) > 1 and g.kv_splits(1, 300) == 1
