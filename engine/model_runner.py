@@ -70,7 +70,7 @@ class _InFlight:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None   # host copies too
     done: torch.cuda.Event | None       # recorded after the copies; None on CPU
     events: tuple | None                # (start, end) CUDA events when timing the GPU
-    prev_end: torch.cuda.Event | None   # the previous step's end event (overlap)
+    prev_events: tuple | None           # the step before's (start, end), if timed
     num_cascade_rows: int
     graph: bool
     output: ModelRunnerOutput | None = None
@@ -99,7 +99,6 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.times = StepTimes()        # the engine core shares it (engine/step_timing.py)
-        self._events = None             # the reference CUDA event of GPU timing, when wanted
         self.eos_token_ids = list(eos_token_ids)
         # CUDA: Triton kernels for attention and the small layers; CPU: PyTorch.
         on_gpu = device.type == "cuda"
@@ -117,7 +116,7 @@ class ModelRunner:
                                     enabled=config.enable_cascade_attention)
         self._last_sampled: torch.Tensor | None = None   # the last step's sampled ids (device)
         self._uncollected: _InFlight | None = None       # the last launched step, if pending
-        self._last_end = None                            # its end event (GPU timing)
+        self._last_events = None                         # its (start, end) (GPU timing)
 
     # ------------------------------------------------------------------ start-up
     @property
@@ -423,18 +422,18 @@ class ModelRunner:
             logprobs = None if out.logprobs is None else (
                 to_host(out.logprob_token_ids), to_host(out.logprobs),
                 to_host(out.sampled_token_ranks))
-        done = None
-        if self.device.type == "cuda":
-            done = torch.cuda.Event()
-            done.record()
         if events:
             events[1].record()
-        handle = _InFlight(states, x, tokens, logprobs, done, events, self._last_end,
+        done = None
+        if self.device.type == "cuda":      # after the end event: waiting on it covers both
+            done = torch.cuda.Event()
+            done.record()
+        handle = _InFlight(states, x, tokens, logprobs, done, events, self._last_events,
                            num_cascade_rows,
                            # On CPU the decode path pads and runs the same code without
                            # capturing: not a graph.
                            (graph and self.decode_graphs.use_graphs) or piecewise)
-        self._last_end = events[1] if events else None
+        self._last_events = events
         self._uncollected = handle
         times.launch += time.perf_counter() - t1
         return handle
@@ -475,23 +474,21 @@ class ModelRunner:
 
     def _gpu_events(self):
         """(start, end) CUDA events of a step if the GPU's time is wanted
-        (StepTimes.gpu_events); the first call also records the reference event they are
-        timed from."""
+        (StepTimes.gpu_events)."""
         if not (self.times.gpu_events and self.device.type == "cuda"):
             return None
-        if self._events is None:
-            self._events = torch.cuda.Event(enable_timing=True)
-            self._events.record()
         return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
-    def _gpu_time(self, handle: _InFlight) -> float:
+    @staticmethod
+    def _gpu_time(handle: _InFlight) -> float:
         """Seconds the GPU spent on a collected step: from its start, or from the end of the
-        step before when that one still ran when it was launched, to its end."""
+        step before when that one still ran when it was launched, to its end. Times are taken
+        from the step before's start (always earlier, and near: float32 milliseconds)."""
         start, end = handle.events
-        ref = self._events
-        begin = ref.elapsed_time(start)
-        if handle.prev_end is not None:
-            begin = max(begin, ref.elapsed_time(handle.prev_end))
+        if handle.prev_events is None:
+            return start.elapsed_time(end) / 1e3
+        ref, prev_end = handle.prev_events
+        begin = max(ref.elapsed_time(start), ref.elapsed_time(prev_end))
         return max(0.0, ref.elapsed_time(end) - begin) / 1e3
 
     @staticmethod

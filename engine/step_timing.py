@@ -5,15 +5,18 @@ EngineCore.step and ModelRunner.execute_model add to one StepTimes per engine (`
   schedule   Scheduler.schedule
   prepare    the runner's inputs built on the host (block tables, positions, slots)
   launch     forward and sampler handed to the GPU (graph replay, or eager kernel launches)
-  wait       the host waiting for the sampled tokens (the step's one sync)
+  wait       the host waiting for sampled tokens (a step's one sync)
   post       the runner after the sync (tokens appended, logprobs)
   update     Scheduler.update_from_output (finishes, stop checks, outputs)
-  gpu        CUDA-event time from the forward's start to the sampled tokens (only with
+  gpu        CUDA-event time from the forward's start (or, when it was launched while the step
+             before still ran, from that step's end) to the sampled tokens (only with
              `gpu_events`: two events per step; 0 on CPU)
 
-The host phases are back to back, so their sum is the step's wall time. `wait` is what the GPU
-makes the host wait; wall minus gpu is, roughly, the time the GPU sat idle in the step (the
-host work the GPU did not overlap).
+The host phases are back to back, so their sum is the steps' wall time. With async scheduling
+a step() launches one step and collects the one before: `wait` is then for the previous step's
+tokens while this one is already queued. `wait` is what the GPU makes the host wait; wall minus
+gpu is, roughly, the time the GPU sat idle (the host work the GPU did not overlap). `steps`
+counts steps that ran something (the last call of a run only collects).
 """
 from __future__ import annotations
 

@@ -43,3 +43,30 @@ def test_since_and_per_step_ms_with_gpu_time():
     ms = b.since(a).per_step_ms()
     assert ms["schedule"] == 1.0 and ms["launch"] == 5.0 and ms["wait"] == 2.0
     assert ms["gpu"] == 6.0 and ms["wall"] == 8.0 and ms["graph_step_share"] == 1.0
+
+
+class _FakeEvent:
+    """A CUDA event's timing side: recorded at `t` ms."""
+
+    def __init__(self, t: float):
+        self.t = t
+
+    def elapsed_time(self, other: "_FakeEvent") -> float:
+        return other.t - self.t
+
+
+def test_gpu_time_of_a_step_launched_while_the_one_before_ran():
+    """Async scheduling: step N+1 is queued before step N ends. Its GPU time runs from N's end
+    (not from when it was queued) to its own end; a step queued after the one before ended
+    counts from its own start. Times come from the step before's start event."""
+    from types import SimpleNamespace
+    from engine.model_runner import ModelRunner
+    gpu_time = ModelRunner._gpu_time
+    first = SimpleNamespace(events=(_FakeEvent(100.0), _FakeEvent(110.0)), prev_events=None)
+    assert gpu_time(first) == pytest.approx(0.010)
+    queued_early = SimpleNamespace(events=(_FakeEvent(104.0), _FakeEvent(121.0)),
+                                   prev_events=first.events)
+    assert gpu_time(queued_early) == pytest.approx(0.011)      # 110 -> 121
+    queued_late = SimpleNamespace(events=(_FakeEvent(125.0), _FakeEvent(133.0)),
+                                  prev_events=queued_early.events)
+    assert gpu_time(queued_late) == pytest.approx(0.008)       # 125 -> 133
