@@ -183,3 +183,37 @@ def test_aborts_with_a_token_in_flight_free_everything_and_spare_the_rest(model)
             assert got[rid] == plain[rid] and reasons[rid] == plain_reasons[rid], rid
         else:                         # what came out before the abort is a prefix
             assert plain[rid][:len(got.get(rid, []))] == got.get(rid, []), rid
+
+
+def test_a_request_preempted_while_its_token_was_sampled_keeps_it_and_may_finish():
+    """The scheduler plans step 2 before step 1's tokens are known: B, whose token is still
+    being sampled, is preempted to make room for A. B's token, when it comes, is appended
+    (it is B's next token whatever happens to its KV); being a stop token it ends B from
+    the waiting queue, and every block comes back."""
+    from engine.kv_cache_manager import KVCacheManager
+    from engine.request import Request, RequestStatus
+    from engine.scheduler import ModelRunnerOutput, Scheduler
+    kv = KVCacheManager(num_blocks=3, block_size=4, enable_caching=False)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    a = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=3), eos_token_ids=[])
+    b = Request("b", [5, 6, 7, 8], SamplingParams(max_tokens=3, stop_token_ids=[99]),
+                eos_token_ids=[])
+    sched.add_request(a)
+    sched.add_request(b)
+    step1 = sched.schedule()
+    assert step1.num_scheduled_tokens == {"a": 4, "b": 4}
+    assert a.num_output_placeholders == b.num_output_placeholders == 1
+    step2 = sched.schedule()            # A's token 5 needs a block: B (the newest) goes
+    assert step2.num_scheduled_tokens == {"a": 1} and b.status == RequestStatus.PREEMPTED
+    assert "b" in step2.finished_request_ids and b.num_output_placeholders == 1
+    outs = sched.update_from_output(step1, ModelRunnerOutput(["a", "b"], [10, 99]))
+    assert [(o.request_id, o.new_token_ids, o.finish_reason) for o in outs] == [
+        ("a", [10], None), ("b", [99], "stop")]
+    assert b.output_token_ids == [99] and "b" not in sched.requests and not sched.waiting
+    outs = sched.update_from_output(step2, ModelRunnerOutput(["a"], [11]))
+    while sched.has_unfinished_requests():
+        step = sched.schedule()
+        outs += sched.update_from_output(step, ModelRunnerOutput(
+            list(step.num_scheduled_tokens), [12] * len(step.num_scheduled_tokens)))
+    assert a.output_token_ids == [10, 11, 12] and outs[-1].finish_reason == "length"
+    assert kv.num_free_blocks == kv.num_blocks
