@@ -288,15 +288,28 @@ def write_input_data(path: str, prompts: list[str], output_tokens: int, stream: 
         json.dump({"data": entries}, f)
 
 
-def run_perf_analyzer(server, model: str, c: int, n: int, data: str, work: str,
+def client_prompts(prompts: list[str], n: int, clients: int) -> list[list[str]]:
+    """The prompts each of `clients` perf_analyzer processes cycles through for n requests:
+    client k gets prompts k, k + clients, ... of the first n (never none)."""
+    return [prompts[k:n:clients] or prompts[k % len(prompts):][:1] for k in range(clients)]
+
+
+def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], work: str,
                       output_tokens: int, clients: int = 1) -> dict:
     """`clients` perf_analyzer processes at once, c and n shared among them: one process
     handles about 5,000 streamed responses/s (seen on the H200 host: beyond that it lets its
-    requests in flight drop), so a fast server needs several to be kept busy."""
+    requests in flight drop), so a fast server needs several to be kept busy. Client k sends
+    prompts k, k + clients, ... of the first n: together the n prompts the direct engine and
+    the python client send. (Each used to read the whole list from its start: 4 clients sent
+    the first quarter 4 times, so a later round with all n prompts found 3/4 of them outside
+    the prefix cache, and prefilled them, where the direct engine's steady round did not.)"""
     clients = max(1, min(clients, c))
     procs, exports = [], []
     for k in range(clients):
         ck, nk = c // clients + (k < c % clients), n // clients + (k < n % clients)
+        data = os.path.join(work, f"input-{model}-{c}-{k}.json")
+        write_input_data(data, client_prompts(prompts, n, clients)[k], output_tokens,
+                         stream=model == "llm")
         exports.append(os.path.join(work, f"export-{model}-{c}-{k}.json"))
         cmd = [perf_analyzer_path(), "-m", model, "-i", "grpc", "-u", server.grpc_url,
                "--input-data", data, "--concurrency-range", str(ck),
@@ -536,10 +549,6 @@ def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: i
 def run_served(args, repo, prompts, gpus, work) -> list[dict]:
     from scripts.server_probe import scrape
     from tests.tritonserver import start_server
-    data = {}
-    for model in args.models:
-        data[model] = os.path.join(work, f"input-{model}.json")
-        write_input_data(data[model], prompts, args.output_tokens, stream=model == "llm")
     env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
     if gpus:
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(gpus))
@@ -564,7 +573,7 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
                                           args.output_tokens, args.py_clients)
                     else:
                         r = run_perf_analyzer(server, model, c, num_requests(args, c),
-                                              data[model], work, args.output_tokens,
+                                              prompts, work, args.output_tokens,
                                               args.clients)
                     wall = time.monotonic() - w0
                     r["cpu_cores"] = cpu_use(cpu0, cpu_times(), wall)

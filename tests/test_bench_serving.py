@@ -36,3 +36,15 @@ def test_a_short_run_reports_every_path(tmp_path):
         if r["path"].startswith("direct") or r["path"].startswith("llm"):
             assert r["graph_step_fraction"] == 0.0, r
     assert (tmp_path / "serving.server.log").exists()
+
+
+def test_perf_analyzer_clients_share_the_rounds_prompts():
+    """Several perf_analyzer processes send, together, the n prompts the direct engine and the
+    python client send, each once (they used to send the first n / clients prompts each, so a
+    later round met prompts the prefix cache had never seen)."""
+    prompts = [f"p{i}" for i in range(12)]
+    split = bench_serving.client_prompts(prompts, 10, 4)
+    assert sorted(p for part in split for p in part) == sorted(prompts[:10])
+    assert [len(part) for part in split] == [3, 3, 2, 2]
+    assert bench_serving.client_prompts(prompts, 10, 1) == [prompts[:10]]
+    assert all(bench_serving.client_prompts(prompts, 2, 4))      # more clients than requests
