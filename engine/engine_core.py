@@ -154,4 +154,4 @@ class EngineCore:
             num_computed_prompt_tokens=s.num_computed_prompt_tokens,
             num_cached_prompt_tokens=s.num_cached_prompt_tokens,
             num_generated_tokens=s.num_generated_tokens, num_preemptions=s.num_preemptions,
-            num_cascade_rows=s.num_cascade_rows, num_graph_steps=s.num_graph_steps)
+            num_cascade_rows=s.num_cascade_rows, num_graph_steps=self.runner.times.graph_steps)

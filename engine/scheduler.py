@@ -97,7 +97,6 @@ class SchedulerStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_cascade_rows: int = 0                  # query rows that read a shared prefix once per group
-    num_graph_steps: int = 0                   # steps run as a CUDA graph (the rest eagerly)
 
 
 class _Group:
@@ -362,7 +361,6 @@ class Scheduler:
                            out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         self.stats.num_cascade_rows += out.num_cascade_rows
-        self.stats.num_graph_steps += out.graph
         for row, (rid, token_id) in enumerate(zip(out.request_ids, out.sampled_token_ids)):
             req = self.requests.get(rid)
             if req is None:

@@ -251,15 +251,3 @@ def test_duplicate_request_id_rejected():
     sched.add_request(Request("a", [1], SamplingParams(), []))
     with pytest.raises(ValueError, match="request_id"):
         sched.add_request(Request("a", [1], SamplingParams(), []))
-
-
-def test_graph_steps_are_counted_from_the_runners_report():
-    s = make()
-    s.add_request(Request("g", [1, 2, 3], SamplingParams(max_tokens=3), eos_token_ids=[]))
-    kinds = [False, True, True]                  # the prompt's step eager, two decode graphs
-    for graph in kinds:
-        out = s.schedule()
-        rids = list(out.num_scheduled_tokens)
-        s.update_from_output(out, ModelRunnerOutput(rids, [7] * len(rids), graph=graph))
-    assert s.stats.num_steps == 3 and s.stats.num_graph_steps == 2
-    assert not s.has_unfinished_requests()

@@ -70,3 +70,25 @@ def test_gpu_time_of_a_step_launched_while_the_one_before_ran():
     queued_late = SimpleNamespace(events=(_FakeEvent(125.0), _FakeEvent(133.0)),
                                   prev_events=queued_early.events)
     assert gpu_time(queued_late) == pytest.approx(0.008)       # 125 -> 133
+
+
+def test_graph_steps_are_counted_once_from_the_runners_report(tmp_path):
+    """A step that ran as CUDA graphs says so in its ModelRunnerOutput; the core counts it in
+    its StepTimes, and EngineStats (the served metrics) reads that count. (On CPU no step is
+    a graph: the runner's report is made to say decode steps were.)"""
+    llm = LLM(str(make_tiny_model(tmp_path / "m", arch="llama", seed=3)), dtype="float32",
+              device="cpu", num_kv_blocks=64)
+    core = llm.core
+    collect = core.runner.collect
+
+    def decode_steps_as_graphs(handle):
+        out = collect(handle)
+        out.graph = int(handle.x.q_lens.max()) == 1
+        return out
+    core.runner.collect = decode_steps_as_graphs
+    core.add_request(core.make_request("g", [5, 6, 7, 8, 9], SamplingParams(
+        max_tokens=4, temperature=0, ignore_eos=True)))
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.times.steps == 4 and core.times.graph_steps == 3     # the prompt's step eager
+    assert core.get_stats().num_graph_steps == 3
