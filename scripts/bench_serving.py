@@ -246,7 +246,8 @@ class DirectEngines:
             p.wait(timeout=120)
 
 
-def run_direct(args, settings, prompts, gpus) -> list[dict]:
+def run_direct(args, settings, prompts, gpus, on_row) -> list[dict]:
+    """The direct AsyncEngine's rounds; `on_row(row)` as each ends."""
     rows = []
     engines = DirectEngines(args, settings, prompts, gpus)
     try:
@@ -255,6 +256,7 @@ def run_direct(args, settings, prompts, gpus) -> list[dict]:
         rows.append({"path": "direct", "round": "first", "concurrency": c_max,
                      **summarize(*zip(*t), args.output_tokens, c_max), **steps})
         print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
+        on_row(rows[-1])
         for c in args.concurrency:
             cpu0, w0 = cpu_times(), time.monotonic()
             t, steps = engines.run(c, num_requests(args, c), f"c{c}")
@@ -263,6 +265,7 @@ def run_direct(args, settings, prompts, gpus) -> list[dict]:
                          **summarize(*zip(*t), args.output_tokens, c), "cpu_cores": cpu,
                          **steps})
             print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
+            on_row(rows[-1])
     finally:
         engines.close()
     return rows
@@ -546,7 +549,8 @@ def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: i
     return params
 
 
-def run_served(args, repo, prompts, gpus, work) -> list[dict]:
+def run_served(args, repo, prompts, gpus, work, on_row) -> list[dict]:
+    """The served rounds, each model and driver; `on_row(row)` as each ends."""
     from scripts.server_probe import scrape
     from tests.tritonserver import start_server
     env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -594,6 +598,7 @@ def run_served(args, repo, prompts, gpus, work) -> list[dict]:
                     path = model if driver == "perf_analyzer" else f"{model} ({driver} client)"
                     rows.append({"path": path, "round": rnd, "concurrency": c, **r})
                     print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
+                    on_row(rows[-1])
     finally:
         if server is not None and args.out:        # under a name that says what it is
             os.replace(server.log_path, args.out + ".server.log")
@@ -697,11 +702,6 @@ def main(argv: list[str] | None = None) -> dict:
     settings = make_repository(repo, model_dir, engine_settings(args, on_gpu), gpus)
     prompts = make_prompts(model_dir, max(num_requests(args, c) for c in args.concurrency),
                            args.prompt_tokens)
-    rows: list[dict] = []
-    if not args.skip_direct:
-        rows += run_direct(args, settings, prompts, gpus)
-    if not args.skip_served:
-        rows += run_served(args, repo, prompts, gpus, work)
     name = args.preset or os.path.basename(model_dir)
     meta = {"title": f"Served vs direct: {name}, {gpus or 'no'} GPU(s), "
                      f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens",
@@ -710,6 +710,17 @@ def main(argv: list[str] | None = None) -> dict:
             "settings": {k: v for k, v in settings.items() if k != "model"},
             "gpus": gpus, "targets": "c=256: llm >= 90% of direct, llm_bls >= 85%, served TTFT "
                                      "p50 <= 1.2x direct; c=1: ms/token within 3%"}
+    rows: list[dict] = []
+
+    def on_row(row: dict) -> None:      # saved as it comes: a run cut off keeps its rounds
+        rows.append(row)
+        if args.out:
+            write_results(args.out, meta, rows, table(rows), echo=False)
+
+    if not args.skip_direct:
+        run_direct(args, settings, prompts, gpus, on_row)
+    if not args.skip_served:
+        run_served(args, repo, prompts, gpus, work, on_row)
     if args.out:
         write_results(args.out, meta, rows, table(rows))
     else:

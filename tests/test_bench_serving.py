@@ -7,9 +7,14 @@ from scripts import bench_serving
 from scripts.make_tiny_model import make_tiny_model
 
 
-def test_a_short_run_reports_every_path(tmp_path):
+def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     model = make_tiny_model(tmp_path / "m", arch="llama", seed=2)
     out = tmp_path / "serving"
+    saved = []                       # rows in the results each time they are written
+    write = bench_serving.write_results
+    monkeypatch.setattr(bench_serving, "write_results",
+                        lambda prefix, meta, rows, *a, **k: (saved.append(len(rows)),
+                                                             write(prefix, meta, rows, *a, **k)))
     bench_serving.main(["--model", str(model), "--concurrency", "2", "--output-tokens", "6",
                         "--prompt-tokens", "20", "--waves", "1", "--clients", "2",
                         "--drivers", "perf_analyzer", "python", "--py-clients", "2",
@@ -36,6 +41,8 @@ def test_a_short_run_reports_every_path(tmp_path):
         if r["path"].startswith("direct") or r["path"].startswith("llm"):
             assert r["graph_step_fraction"] == 0.0, r
     assert (tmp_path / "serving.server.log").exists()
+    # Saved after every round (a run cut off keeps what it measured), then once at the end.
+    assert saved == list(range(1, len(rows) + 1)) + [len(rows)]
 
 
 def test_perf_analyzer_clients_share_the_rounds_prompts():
