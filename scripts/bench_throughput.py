@@ -5,9 +5,9 @@ Roofline: prefill at peak bf16 FLOP/s (2 * params * tokens, plus attention), dec
 bandwidth (every step at full batch reads the weights once plus each sequence's KV).
 
 Each --max-num-seqs value runs its engine in a fresh child process (this script again, with
---one-engine): a second engine in the process that shut the first one down ran out of GPU
-memory. A child that fails (out of memory, a crash) becomes rows marked failed, with its exit
-code and the end of its stderr, and the sweep goes on. The results are rewritten after every
+--one-engine), so each engine sizes its KV cache from a GPU no earlier engine touched. A child
+that fails (out of memory, a crash) becomes rows marked failed, with its exit code and the end
+of its stderr, and the sweep goes on. The results are rewritten after every
 row, so a run cut off by a time limit keeps what finished.
 """
 from __future__ import annotations
