@@ -405,14 +405,17 @@ class ModelRunner:
                                 or p.frequency_penalty for p in params)
             if needs_outputs and self._uncollected is not None:
                 self.collect(self._uncollected)
-            # Prompts are read only by the repetition penalty: don't copy them for nothing.
+            assert not needs_outputs or not any(s.num_pending for s in states)
+            # Prompts and outputs are read only by the penalties: copying them every step
+            # would cost time growing with the whole batch's length. The rest of the sampler
+            # needs how many tokens each row has generated, the one in flight included.
             needs_prompts = any(p.repetition_penalty != 1.0 for p in params)
             meta_s = SamplingMetadata.from_params(
                 params,
                 [s.token_ids[:s.num_prompt_tokens] if needs_prompts else [] for s in states],
-                [s.token_ids[s.num_prompt_tokens:] + [0] * s.num_pending if s.num_pending
-                 else s.token_ids[s.num_prompt_tokens:] for s in states],
-                self.eos_token_ids, self.device)
+                [s.token_ids[s.num_prompt_tokens:] for s in states] if needs_outputs else None,
+                self.eos_token_ids, self.device,
+                [len(s.token_ids) - s.num_prompt_tokens + s.num_pending for s in states])
             out = self.sampler(logits, meta_s)
             self._last_sampled = out.sampled_token_ids
             for k, s in enumerate(states):

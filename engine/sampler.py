@@ -36,7 +36,10 @@ class SamplingMetadata:
     presence_penalty: Tensor | None          # [B] float32, 0 = off
     frequency_penalty: Tensor | None         # [B] float32, 0 = off
     prompt_token_ids: list[list[int]] | None  # only when repetition_penalty is not None
-    output_token_ids: list[list[int]]        # generated so far; len() is the seed position
+    # Generated so far; only when a penalty reads them (None otherwise: copying every row's
+    # outputs each step grows with the whole batch's length).
+    output_token_ids: list[list[int]] | None
+    num_output_tokens: list[int]             # how many generated: the seed position
     seeds: list[int | None]                  # None: the sampler's shared generator
     no_stop_token_ids: list[list[int]]       # ids masked to -inf this step (min_tokens)
     max_num_logprobs: int | None             # max SamplingParams.logprobs over rows
@@ -45,16 +48,21 @@ class SamplingMetadata:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
-                    output_token_ids: list[list[int]], eos_token_ids: list[int],
-                    device: torch.device | str) -> "SamplingMetadata":
+                    output_token_ids: list[list[int]] | None, eos_token_ids: list[int],
+                    device: torch.device | str,
+                    num_output_tokens: list[int] | None = None) -> "SamplingMetadata":
         """Build the batch's metadata; row i is request i.
 
         Top-k / top-p / min-p and seeds only matter for random rows, so greedy rows leave them
         off (a batch whose random rows never use top-k gets `top_k=None`). Penalties apply to
-        greedy rows too. While `len(output) < min_tokens` a row masks its stop_token_ids and,
-        unless ignore_eos, the model's EOS ids.
+        greedy rows too. While the output is shorter than min_tokens a row masks its
+        stop_token_ids and, unless ignore_eos, the model's EOS ids. `num_output_tokens` may
+        stand in for `output_token_ids` (None) when no row has a presence or frequency
+        penalty or a repetition penalty: those read the outputs themselves.
         """
-        assert len(prompt_token_ids) == len(output_token_ids) == len(params)
+        if num_output_tokens is None:
+            num_output_tokens = [len(out) for out in output_token_ids]
+        assert len(prompt_token_ids) == len(num_output_tokens) == len(params)
         greedy = [p.temperature < _MIN_TEMPERATURE for p in params]
         rows = list(zip(params, greedy))
 
@@ -74,9 +82,10 @@ class SamplingMetadata:
             frequency_penalty=per_row([p.frequency_penalty for p in params], 0.0, torch.float32),
             prompt_token_ids=prompt_token_ids if repetition_penalty is not None else None,
             output_token_ids=output_token_ids,
+            num_output_tokens=num_output_tokens,
             seeds=[None if g else p.seed for p, g in rows],
-            no_stop_token_ids=[_no_stop_token_ids(p, len(out), eos_token_ids)
-                               for p, out in zip(params, output_token_ids)],
+            no_stop_token_ids=[_no_stop_token_ids(p, n, eos_token_ids)
+                               for p, n in zip(params, num_output_tokens)],
             max_num_logprobs=max(logprobs) if logprobs else None,
             all_greedy=all(greedy),
             all_random=not any(greedy),
@@ -158,7 +167,7 @@ class Sampler:
                 gen = self._generator(self._row_generators, device)
                 # manual_seed is host-side state; the launch below captures it, so reusing one
                 # generator object for every seeded row is safe without waiting on the device.
-                gen.manual_seed(_row_seed(seed, len(meta.output_token_ids[row])))
+                gen.manual_seed(_row_seed(seed, meta.num_output_tokens[row]))
                 noise[row].exponential_(generator=gen)
         # exponential_ may return exactly 0; p / 0 would give inf (or nan for p = 0).
         return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
@@ -189,6 +198,7 @@ def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     if repetition is None and frequency is None and presence is None:
         return logits
     num_rows, vocab_size = logits.shape
+    assert meta.output_token_ids is not None, "penalties need output_token_ids"
     # Rows are padded with the id `vocab_size`, which lands in an extra column that is dropped.
     output_ids = _padded(meta.output_token_ids, vocab_size, logits.device)
     counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)

@@ -322,3 +322,27 @@ def test_from_params_builds_used_features():
     assert meta.prompt_token_ids == prompts and meta.output_token_ids == [[4], []]
     assert meta.max_num_logprobs == 5 and meta.seeds == [7, None]
     assert meta.all_random and not meta.all_greedy
+
+
+def test_output_counts_stand_in_for_outputs_without_penalties():
+    """Without penalties the sampler reads only how many tokens each row has generated (the
+    seed position, min_tokens): counts give what the outputs give, and the runner copies no
+    row's outputs each step. A penalty with counts only is a clear error."""
+    params = [SamplingParams(temperature=0.9, seed=11, top_p=0.9),
+              SamplingParams(temperature=0.0, min_tokens=4, stop_token_ids=[3]),
+              SamplingParams(temperature=1.0, seed=5)]
+    outputs = [[7] * 5, [1, 2], []]
+    logits = torch.randn(3, 40, generator=torch.Generator().manual_seed(2))
+    logits[1, 3] = 50.0                          # the stop token wins unless masked
+    by_lists = SamplingMetadata.from_params(params, [[0]] * 3, outputs, [2], "cpu")
+    by_counts = SamplingMetadata.from_params(params, [[0]] * 3, None, [2], "cpu",
+                                             num_output_tokens=[5, 2, 0])
+    assert by_counts.output_token_ids is None and by_counts.num_output_tokens == [5, 2, 0]
+    assert by_counts.no_stop_token_ids == by_lists.no_stop_token_ids == [[], [2, 3], []]
+    a = Sampler(seed=1)(logits, by_lists).sampled_token_ids
+    b = Sampler(seed=1)(logits, by_counts).sampled_token_ids
+    assert a.tolist() == b.tolist() and b[1] != 3
+    penalized = SamplingMetadata.from_params([SamplingParams(presence_penalty=0.5)], [[0]],
+                                             None, [], "cpu", num_output_tokens=[1])
+    with pytest.raises(AssertionError, match="output_token_ids"):
+        apply_penalties(logits[:1], penalized)
