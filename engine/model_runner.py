@@ -83,12 +83,50 @@ class _RunnerRequest:
     sampling_params: SamplingParams
     block_ids: list[int]
     num_computed_tokens: int
+    table_row: int = 0          # its row in the runner's _BlockTables
     num_pending: int = 0        # sampled tokens not collected yet (at most one step's)
     pending_row: int = 0        # this request's row in the last sampled tensor
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending
+
+
+class _BlockTables:
+    """The block ids of every request the runner holds, a numpy row each, kept between steps:
+    a step gathers its rows in one call instead of filling a new table row by row (3 ms a step
+    at 1024 rows of 125 blocks on the CPU machine). Past a request's blocks a row holds 0, as
+    a new table did. Rows and columns grow as needed."""
+
+    def __init__(self) -> None:
+        self.table = np.zeros((16, 64), dtype=np.int32)
+        self.free = list(range(15, -1, -1))
+
+    def add(self, block_ids: list[int]) -> int:
+        if not self.free:
+            n = len(self.table)
+            self.table = np.concatenate([self.table, np.zeros_like(self.table)])
+            self.free = list(range(2 * n - 1, n - 1, -1))
+        row = self.free.pop()
+        self.put(row, 0, block_ids)
+        return row
+
+    def put(self, row: int, start: int, block_ids: list[int]) -> None:
+        """table[row, start:start + len(block_ids)] = block_ids."""
+        end = start + len(block_ids)
+        if end > self.table.shape[1]:
+            width = max(end, 2 * self.table.shape[1])
+            grown = np.zeros((len(self.table), width), dtype=np.int32)
+            grown[:, :self.table.shape[1]] = self.table
+            self.table = grown
+        self.table[row, start:end] = block_ids
+
+    def remove(self, row: int, num_blocks: int) -> None:
+        self.table[row, :num_blocks] = 0
+        self.free.append(row)
+
+    def gather(self, rows: list[int], width: int) -> np.ndarray:
+        return self.table[rows, :width]
 
 
 class ModelRunner:
@@ -108,6 +146,7 @@ class ModelRunner:
             fused_kernels=on_gpu)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _RunnerRequest] = {}
+        self.block_tables = _BlockTables()
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
@@ -227,25 +266,32 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ the step
     def _update_states(self, sched: SchedulerOutput) -> None:
+        tables = self.block_tables
         for rid in sched.finished_request_ids:
-            self.requests.pop(rid, None)
+            state = self.requests.pop(rid, None)
+            if state is not None:
+                tables.remove(state.table_row, len(state.block_ids))
         for new in sched.new_requests:
+            old = self.requests.get(new.request_id)
+            if old is not None:             # not told it ended: its row goes all the same
+                tables.remove(old.table_row, len(old.block_ids))
             self.requests[new.request_id] = _RunnerRequest(
                 list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
-                list(new.block_ids), new.num_computed_tokens)
+                list(new.block_ids), new.num_computed_tokens, tables.add(new.block_ids))
         cached = sched.cached_requests
         for rid, new_block_ids in zip(cached.request_ids, cached.new_block_ids):
             if new_block_ids:
-                self.requests[rid].block_ids.extend(new_block_ids)
+                state = self.requests[rid]
+                tables.put(state.table_row, len(state.block_ids), new_block_ids)
+                state.block_ids.extend(new_block_ids)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> "_StepInputs":
         bs = self.block_size
         num_rows = len(sched.num_scheduled_tokens)
         states = [self.requests[rid] for rid in sched.num_scheduled_tokens]
         counts = list(sched.num_scheduled_tokens.values())
-        block_table = np.zeros((num_rows, max(len(s.block_ids) for s in states)), dtype=np.int32)
-        for i, state in enumerate(states):
-            block_table[i, :len(state.block_ids)] = state.block_ids
+        block_table = self.block_tables.gather([s.table_row for s in states],
+                                               max(len(s.block_ids) for s in states))
         cascade = None
         if self.cascade.enabled and num_rows >= 2:
             decode_only = all(n == 1 for n in counts) and all(

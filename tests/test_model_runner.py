@@ -71,3 +71,33 @@ def test_piecewise_token_sizes():
     assert token_sizes(64) == [32, 64]
     assert token_sizes(100) == [32, 64, 96, 100]
     assert token_sizes(16) == [16]
+
+
+def test_block_tables_keep_rows_between_steps_and_gather_a_steps_rows():
+    """The runner's block ids live in one table between steps (rows by request, zeros past a
+    request's blocks, rows and columns grown on demand): a step's table is one gather, equal
+    to the table built row by row."""
+    import numpy as np
+    from engine.model_runner import _BlockTables
+    tables = _BlockTables()
+    held = {}
+    for i in range(40):                              # more rows than it starts with
+        held[i] = [1000 + i, 2000 + i]
+    rows = {i: tables.add(ids) for i, ids in held.items()}
+    tables.put(rows[3], 2, list(range(100)))         # more columns than it starts with
+    held[3] += list(range(100))
+    freed = [rows[5], rows[7]]
+    for i in (5, 7):
+        tables.remove(rows[i], len(held[i]))
+        del held[i], rows[i]
+    rows[99] = tables.add([7, 8, 9])                 # a freed row, reused: no stale ids
+    held[99] = [7, 8, 9]
+    order = [99, 3, 0, 12]
+    width = max(len(held[i]) for i in order)
+    expected = np.zeros((len(order), width), dtype=np.int32)
+    for k, i in enumerate(order):
+        expected[k, :len(held[i])] = held[i]
+    got = tables.gather([rows[i] for i in order], width)
+    assert got.dtype == np.int32 and got.flags.c_contiguous
+    assert (got == expected).all()
+    assert rows[99] == freed[-1]
