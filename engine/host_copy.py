@@ -20,6 +20,13 @@ def to_device(a: np.ndarray, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def list_to_device(data, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A host list (or nested lists) as a device tensor, staged in pinned memory on CUDA."""
+    device = torch.device(device)
+    host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 def copy_into(dst: torch.Tensor, a: np.ndarray) -> None:
     """dst[...] = a, queued on the current stream."""
     t = torch.from_numpy(a)

@@ -95,9 +95,12 @@ class Request:
         further step is wanted (async scheduling)."""
         if not self.num_output_placeholders:
             return False
-        n = self.num_tokens_with_placeholders
-        return (n - self.num_prompt_tokens >= self.sampling_params.max_tokens
-                or n >= max_model_len)
+        return self._length_reached(self.num_tokens_with_placeholders, max_model_len)
+
+    def _length_reached(self, num_tokens: int, max_model_len: int) -> bool:
+        """With num_tokens tokens the request has all the output it may have."""
+        return (num_tokens - self.num_prompt_tokens >= self.sampling_params.max_tokens
+                or num_tokens >= max_model_len)
 
     @property
     def num_output_tokens(self) -> int:
@@ -129,7 +132,7 @@ class Request:
                 self.status = RequestStatus.FINISHED_STOPPED
                 self.stop_reason = token_id
                 return True
-        if num_out >= params.max_tokens or len(tokens) >= max_model_len:
+        if self._length_reached(len(tokens), max_model_len):
             self.status = RequestStatus.FINISHED_LENGTH
             return True
         return False

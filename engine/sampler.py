@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from engine.host_copy import list_to_device
 from engine.sampling_params import SamplingParams
 
 # Temperatures below this are greedy: dividing fp32 logits by them can overflow, and the
@@ -67,12 +68,12 @@ class SamplingMetadata:
         rows = list(zip(params, greedy))
 
         def per_row(values: list, off: float, dtype: torch.dtype) -> Tensor | None:
-            return None if all(v == off for v in values) else _to_device(values, dtype, device)
+            return None if all(v == off for v in values) else list_to_device(values, dtype, device)
 
         repetition_penalty = per_row([p.repetition_penalty for p in params], 1.0, torch.float32)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=_to_device([0.0 if g else p.temperature for p, g in rows],
+            temperature=list_to_device([0.0 if g else p.temperature for p, g in rows],
                                    torch.float32, device),
             top_k=per_row([0 if g else p.top_k for p, g in rows], 0, torch.int64),
             top_p=per_row([1.0 if g else p.top_p for p, g in rows], 1.0, torch.float32),
@@ -228,7 +229,7 @@ def _mask_tokens(logits: Tensor, token_ids: list[list[int]]) -> Tensor:
     if not pairs:
         return logits
     rows, cols = zip(*pairs)
-    index = tuple(_to_device(ids, torch.int64, logits.device) for ids in (rows, cols))
+    index = tuple(list_to_device(ids, torch.int64, logits.device) for ids in (rows, cols))
     return logits.index_put(index, logits.new_full((), float("-inf")))
 
 
@@ -280,11 +281,4 @@ def _row_seed(seed: int, position: int) -> int:
 def _padded(rows: list[list[int]], pad: int, device: torch.device) -> Tensor:
     width = max((len(r) for r in rows), default=0)
     data = [list(r) + [pad] * (width - len(r)) for r in rows]
-    return _to_device(data, torch.int64, device).view(len(rows), width)
-
-
-def _to_device(data, dtype: torch.dtype, device: torch.device | str) -> Tensor:
-    """Host list -> device tensor; staged in pinned memory on CUDA so the copy does not block."""
-    device = torch.device(device)
-    host = torch.tensor(data, dtype=dtype, pin_memory=device.type == "cuda")
-    return host.to(device, non_blocking=True)
+    return list_to_device(data, torch.int64, device).view(len(rows), width)

@@ -46,6 +46,12 @@ def preset_dir(name: str, tokenizer: bool = False) -> str:
     return d
 
 
+def add_scheduling_arg(ap) -> None:
+    """The step benches' `--sync-scheduling` (EngineConfig.async_scheduling off)."""
+    ap.add_argument("--sync-scheduling", action="store_true",
+                    help="each step waits for its tokens before the next is planned")
+
+
 def model_and_config(preset: str, model: str | None) -> tuple[str, dict]:
     """The benches' `--preset` / `--model`: a local model folder (e.g. the tiny model) and its
     config.json, or the preset's folder (dummy weights) and config."""

@@ -7,8 +7,9 @@ import statistics
 import sys
 import time
 
-from bench_common import (HBM_BYTES_PER_S, PRESETS, git_commit, hardware, kv_bytes_per_token,
-                          model_and_config, param_count, step_table, write_results)
+from bench_common import (HBM_BYTES_PER_S, PRESETS, add_scheduling_arg, git_commit, hardware,
+                          kv_bytes_per_token, model_and_config, param_count, step_table,
+                          write_results)
 
 from engine import LLM, SamplingParams
 
@@ -24,8 +25,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--sync-scheduling", action="store_true",
-                    help="each step waits for its token before the next is planned")
+    add_scheduling_arg(ap)
     ap.add_argument("--out", default="benchmarks/latency")
     args = ap.parse_args()
 

@@ -22,9 +22,9 @@ import sys
 import threading
 import time
 
-from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS, git_commit, hardware,
-                          kv_bytes_per_token, model_and_config, param_count, step_table,
-                          write_results)
+from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS, add_scheduling_arg,
+                          git_commit, hardware, kv_bytes_per_token, model_and_config,
+                          param_count, step_table, write_results)
 
 # A child reports on stdout in lines of this prefix, a kind ("row", "hardware"), ": " and JSON.
 MESSAGE_PREFIX = "bench_throughput "
@@ -219,8 +219,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="prompts through HF generate (a subset: it is slow), after the engines")
     ap.add_argument("--hf-batch", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/throughput")
-    ap.add_argument("--sync-scheduling", action="store_true",
-                    help="each step waits for its tokens before the next is planned")
+    add_scheduling_arg(ap)
     ap.add_argument("--one-engine", type=int, default=None, metavar="MAX_NUM_SEQS",
                     help=argparse.SUPPRESS)       # the child: one engine, rows to stdout
     args = ap.parse_args(argv)

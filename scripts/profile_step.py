@@ -1,7 +1,8 @@
 """Where a step's time goes in a steady state, in process (issues 11 and 13).
 
-A closed loop over the EngineCore (async scheduling unless `--sync-scheduling`) keeps `--concurrency` requests in flight: when one
-finishes the next starts at once, as a load generator would. With `--jitter 0` every request
+A closed loop over the EngineCore (async scheduling unless `--sync-scheduling`) keeps
+`--concurrency` requests in flight: when one finishes the next starts at once, as a load
+generator would. With `--jitter 0` every request
 has the same output length, so requests start and finish in waves (a wave's prompts, then pure
 decode steps: CUDA graphs); with jitter the output lengths vary and arrivals spread out, as they
 do behind a server: most steps then carry a prompt chunk beside the decode rows (a mixed step).
@@ -20,7 +21,8 @@ import random
 import sys
 import time
 
-from bench_common import PRESETS, git_commit, hardware, model_and_config, step_table, write_results
+from bench_common import (PRESETS, add_scheduling_arg, git_commit, hardware, model_and_config,
+                          step_table, write_results)
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -102,8 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="profile the last N measured steps (torch.profiler; GPU only)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
-    ap.add_argument("--sync-scheduling", action="store_true",
-                    help="each step waits for its tokens before the next is planned")
+    add_scheduling_arg(ap)
     ap.add_argument("--out", default="benchmarks/profile_step")
     args = ap.parse_args(argv)
 
