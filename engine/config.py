@@ -49,6 +49,10 @@ class EngineConfig:
     # small share under full load); low = niceness 10; normal = the server's.
     tokenizer_process: bool = True
     tokenizer_process_priority: str = "idle"
+    # Served (engine/serving.py): threads that send responses. A send is a round trip to the
+    # server; while every sender is busy, a stream's new tokens wait and leave together in its
+    # next response (engine/outbox.py).
+    response_senders: int = 4
 
     def __post_init__(self) -> None:
         self.validate()
@@ -132,6 +136,7 @@ class EngineConfig:
         if not isinstance(self.tokenizer_process, bool):
             raise ValueError(f"tokenizer_process must be true or false, "
                              f"got {self.tokenizer_process!r}")
+        _int_at_least("response_senders", self.response_senders, 1)
         _one_of("tokenizer_process_priority", self.tokenizer_process_priority,
                 TOKENIZER_PRIORITIES)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

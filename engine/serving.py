@@ -1,10 +1,13 @@
 """Serves requests given as numpy tensors on an AsyncEngine: what the Triton `llm` model calls.
 
-The model passes each request's tensors, a `send(tensors, error, final)` callback (its response
-sender) and an `is_cancelled` callback, and returns at once. No Triton imports here, so this is
-tested without a server too.
+The model passes each request's tensors (or a function that reads them), a
+`send(tensors, error, final)` callback (its response sender) and an `is_cancelled` callback,
+and returns at once. No Triton imports here, so this is tested without a server too.
 
 Where the work happens, so that a response costs what the server takes and nothing more:
+- submit() only queues the request: Triton holds up the model's next request until execute
+  returns, so execute must not wait for anything, the GIL included; a waker thread hands the
+  queue to the loop;
 - the event loop (a thread of its own) admits requests: parses them, has them tokenized and
   hands them to the engine; it never sends;
 - the engine's reader thread turns each step into text and puts it into the request's stream
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import queue
 import sys
 import threading
 import time
@@ -50,8 +54,9 @@ logger = logging.getLogger(__name__)
 
 # send(tensors or None, error message or None, final)
 SendFn = Callable[[dict[str, np.ndarray] | None, str | None, bool], None]
+# A request's tensors by name, or a function giving them (called once, on the loop)
+Inputs = dict[str, np.ndarray] | Callable[[], dict[str, np.ndarray]]
 
-NUM_SENDERS = 4
 HOUSEKEEPING_S = 0.1
 CANCEL_CHECKS_PER_ROUND = 64    # is_cancelled() is a server round trip: bounded per round
 LAG_PROBE_S = 0.01
@@ -86,10 +91,11 @@ class _Request:
 class ServingEngine:
     def __init__(self, config: EngineConfig, publisher=None,
                  on_dead: Callable[[str], None] | None = None,
-                 num_senders: int = NUM_SENDERS) -> None:
+                 num_senders: int | None = None) -> None:
         """Builds the engine (raises if it cannot start) and starts the threads. `publisher`
         (e.g. engine.metrics.TritonMetrics) gets the metrics twice a second. `on_dead(reason)`
-        runs once if the engine core process dies, after every request has its error."""
+        runs once if the engine core process dies, after every request has its error.
+        `num_senders` (default: config.response_senders) threads send the responses."""
         # The loop, reader, sender and tokenizer threads share one GIL; by default a thread
         # that wants it waits up to 5 ms, so each hand-off would cost milliseconds.
         sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
@@ -108,7 +114,11 @@ class ServingEngine:
         self._dead_lock = threading.Lock()          # held while on_dead runs
         self._closing = False
         self._max_lag = 0.0
-        self.outbox = Outbox(num_senders, "llm-send")
+        self._admit_lock = threading.Lock()
+        self._admissions: list[tuple] = []     # submitted, not yet started on the loop
+        self._admit_scheduled = False           # a call of _admit is on its way to the loop
+        self._wakeups: queue.SimpleQueue = queue.SimpleQueue()     # True: wake; False: end
+        self.outbox = Outbox(num_senders or config.response_senders, "llm-send")
         try:
             self.engine = AsyncEngine(config, on_dead=self._engine_died,
                                       sink_batch=self.outbox.batch)
@@ -121,21 +131,28 @@ class ServingEngine:
         self._housekeeper = threading.Thread(target=self._housekeep, name="serving-house",
                                              daemon=True)
         self._housekeeper.start()
+        self._waker = threading.Thread(target=self._wake_loop, name="serving-waker", daemon=True)
+        self._waker.start()
 
     # ------------------------------------------------------------------ any thread
-    def submit(self, inputs: dict[str, np.ndarray], send: SendFn,
+    def submit(self, inputs: Inputs, send: SendFn,
                is_cancelled: Callable[[], bool] = lambda: False,
                request_id: str | None = None) -> None:
-        """Starts serving one request; every outcome, errors included, ends with a final send."""
+        """Starts serving one request; every outcome, errors included, ends with a final send.
+
+        Cheap, for Triton's execute(), which holds up the model's next request until it
+        returns: `inputs` may be a function giving the tensors (read on the loop, not here),
+        and this thread makes no system call (_wake_loop)."""
         if self._stop_reason is not None:
             send(None, self._stop_reason, True)
             return
         rid = f"{request_id or 'req'}-{next(self._ids)}"
-        try:
-            asyncio.run_coroutine_threadsafe(
-                self._serve(rid, inputs, send, is_cancelled, request_id), self.loop)
-        except RuntimeError:                # the loop is closed: we have been shut down
-            send(None, self._stop_reason or "the engine was shut down", True)
+        with self._admit_lock:
+            self._admissions.append((rid, inputs, send, is_cancelled, request_id))
+            if self._admit_scheduled:
+                return
+            self._admit_scheduled = True
+        self._wakeups.put(True)             # no system call: this thread keeps the GIL
 
     def stop_serving(self, reason: str) -> None:
         """Ends every request in flight now, each with `reason` as its error, and refuses new
@@ -171,6 +188,9 @@ class ServingEngine:
         if self._stopping.is_set():
             return
         self.stop_serving("the engine was shut down")
+        self._wakeups.put(False)
+        self._waker.join(STOP_WAIT_S)
+        self._admit_rest()
         self.engine.shutdown()
         self._idle.wait(STOP_WAIT_S)
         self._stopping.set()
@@ -185,7 +205,48 @@ class ServingEngine:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(STOP_WAIT_S)
 
+    # ------------------------------------------------------------------ admission
+    def _wake_loop(self) -> None:
+        """The waker thread: asks the loop to admit what was submitted, so that the thread
+        calling submit() makes no system call (each one lets go of the GIL, and getting it
+        back from the busy sender threads took ~0.1-0.5 ms a request)."""
+        while self._wakeups.get():
+            try:
+                self.loop.call_soon_threadsafe(self._admit)
+            except RuntimeError:            # the loop is closed: we have been shut down
+                with self._admit_lock:
+                    waiting, self._admissions = self._admissions, []
+                    self._admit_scheduled = False
+                for _, _, send, _, _ in waiting:
+                    send(None, self._stop_reason or "the engine was shut down", True)
+
+    def _admit_rest(self) -> None:
+        """Shutdown: requests submitted but not yet started get their final (error) answer
+        now, while the senders still run."""
+        async def admit_and_start():
+            self._admit()
+            await asyncio.sleep(0)          # each new _serve sees the stop reason and ends
+        if self._thread.is_alive():
+            try:
+                asyncio.run_coroutine_threadsafe(admit_and_start(), self.loop).result(
+                    STOP_WAIT_S)
+                return
+            except Exception:  # noqa: BLE001 - then answer them from here
+                logger.exception("admitting the last requests")
+        with self._admit_lock:
+            waiting, self._admissions = self._admissions, []
+        for _, _, send, _, _ in waiting:
+            send(None, self._stop_reason or "the engine was shut down", True)
+
     # ------------------------------------------------------------------ the loop
+    def _admit(self) -> None:
+        """Starts serving every request submitted since the last call."""
+        with self._admit_lock:
+            waiting, self._admissions = self._admissions, []
+            self._admit_scheduled = False
+        for args in waiting:
+            self.loop.create_task(self._serve(*args))
+
     def _run_loop(self) -> None:
         asyncio.set_event_loop(self.loop)
         self.loop.create_task(self._watch_lag())
@@ -210,7 +271,7 @@ class ServingEngine:
             self.metrics.on_loop_lag(lag)
             self._max_lag = max(self._max_lag, lag)
 
-    async def _serve(self, rid: str, inputs: dict[str, np.ndarray], send: SendFn,
+    async def _serve(self, rid: str, inputs: Inputs, send: SendFn,
                      is_cancelled: Callable[[], bool], client_id: str | None) -> None:
         r = _Request(rid, is_cancelled=is_cancelled, client_id=client_id)
         answer = self.outbox.stream(lambda items: self._send_answer(r, send, items),
@@ -219,6 +280,13 @@ class ServingEngine:
         if self._stop_reason is not None:
             self.outbox.put(answer, _Failure(self._stop_reason))
             return
+        if callable(inputs):
+            try:
+                inputs = inputs()
+            except Exception as e:  # noqa: BLE001 - the client must always get a final answer
+                logger.exception("request %s: reading its inputs failed", rid)
+                self.outbox.put(answer, _Failure(f"internal error reading the inputs: {e}"))
+                return
         if inputs.get("abort_request_id") is not None:
             target = _text(inputs["abort_request_id"])
             if not target.startswith(BLS_REQUEST_ID_PREFIX):

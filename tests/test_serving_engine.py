@@ -167,3 +167,93 @@ def test_abort_request_id_aborts_only_llm_bls_requests_even_before_they_arrive(m
         _wait_idle(serving)
     finally:
         serving.shutdown()
+
+
+def _concat(rec):
+    """The text and ids of a recorded stream, whatever its responses' grouping."""
+    assert all(error is None for _, error, _ in rec.responses), rec.responses
+    return (b"".join(t["text_output"][0] for t, _, _ in rec.responses),
+            [int(i) for t, _, _ in rec.responses for i in t["output_ids"]])
+
+
+def _block_loop(serving):
+    """Holds the serving loop inside a callback until the returned event is set."""
+    entered, release = threading.Event(), threading.Event()
+
+    def hold():
+        entered.set()
+        release.wait(WAIT_S)
+    serving.loop.call_soon_threadsafe(hold)
+    assert entered.wait(WAIT_S)
+    return release
+
+
+def test_inputs_given_as_a_function_are_read_once_on_the_loop(model_dir):
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        readers = []
+
+        def inputs():
+            readers.append(threading.current_thread().name)
+            return _inputs("Read me later", 6)
+        lazy, eager = Recorder(), Recorder()
+        serving.submit(inputs, lazy)
+        serving.submit(_inputs("Read me later", 6), eager)
+        assert lazy.final.wait(WAIT_S) and eager.final.wait(WAIT_S)
+        assert readers == ["serving-loop"]
+        assert _concat(lazy) == _concat(eager)      # responses may group tokens differently
+
+        def broken():
+            raise RuntimeError("tensor gone")
+        failed = Recorder()
+        serving.submit(broken, failed)
+        assert failed.final.wait(WAIT_S)
+        assert failed.responses == [(None, "internal error reading the inputs: tensor gone",
+                                     True)]
+        _wait_idle(serving)
+    finally:
+        serving.shutdown()
+
+
+def test_requests_submitted_while_the_loop_is_busy_start_together(model_dir):
+    """While the loop is busy, submissions queue; the loop then starts them all in one call
+    (one wake-up for the lot), and each is answered."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        admits = []
+        admit = serving._admit
+        serving._admit = lambda: (admits.append(len(serving._admissions)), admit())
+        release = _block_loop(serving)
+        recs = [Recorder() for _ in range(12)]
+        for i, rec in enumerate(recs):
+            serving.submit(_inputs(f"burst {i}", 3), rec)
+        release.set()
+        for rec in recs:
+            assert rec.final.wait(WAIT_S)
+            assert rec.responses[-1][1] is None and rec.responses[-1][2]
+        assert admits == [12]
+        _wait_idle(serving)
+    finally:
+        serving.shutdown()
+
+
+def test_shutdown_answers_requests_submitted_but_not_yet_started(model_dir):
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    release = _block_loop(serving)
+    recs = [Recorder() for _ in range(3)]
+    for i, rec in enumerate(recs):
+        serving.submit(_inputs(f"queued {i}", 3), rec)
+    stopper = threading.Thread(target=serving.shutdown)
+    stopper.start()
+    deadline = time.monotonic() + WAIT_S
+    while serving._stop_reason is None:          # shutdown has begun: nothing new starts
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    release.set()
+    stopper.join(WAIT_S)
+    assert not stopper.is_alive()
+    for rec in recs:
+        assert rec.responses == [(None, "the engine was shut down", True)]

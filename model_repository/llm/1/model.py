@@ -34,15 +34,12 @@ class TritonPythonModel:
         self.logger.log_info(f"llm: engine ready on {device} with {config.model}")
 
     def execute(self, requests):
+        # Triton calls this once per request and holds the next one until it returns, so the
+        # tensors are read later, on the serving loop (a request's inputs stay valid after
+        # execute returns in a decoupled model).
         for request in requests:
-            inputs = {}
-            for name in INPUT_NAMES + CONTROL_INPUT_NAMES:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    inputs[name] = tensor.as_numpy()
-            sender = request.get_response_sender()
-            self.serving.submit(inputs, _sender(sender), request.is_cancelled,
-                                request.request_id() or None)
+            self.serving.submit(_inputs_of(request), _sender(request.get_response_sender()),
+                                request.is_cancelled, request.request_id() or None)
         return None
 
     def _engine_died(self, reason):
@@ -69,6 +66,15 @@ class TritonPythonModel:
         self.signal_watch.close()
         self.serving.shutdown()
         self.logger.log_info("llm: engine stopped")
+
+
+def _inputs_of(request):
+    def read():
+        return {t.name(): t.as_numpy() for t in request.inputs() if t.name() in _KNOWN_INPUTS}
+    return read
+
+
+_KNOWN_INPUTS = frozenset(INPUT_NAMES + CONTROL_INPUT_NAMES)
 
 
 def _sender(sender):
