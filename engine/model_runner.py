@@ -143,7 +143,7 @@ class ModelRunner:
         self.model, self.model_config = load_model(
             config.model, dtype, device, config.load_format,
             attention_backend=triton_backend() if on_gpu else TORCH_BACKEND,
-            fused_kernels=on_gpu)
+            fused_kernels=on_gpu, fuse_rope_kv_write=config.fuse_rope_kv_write)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _RunnerRequest] = {}
         self.block_tables = _BlockTables()
