@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.models.attention import TORCH_REF_BACKEND, Attention, AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
-from kernels.activation import silu_and_mul
+from engine.models.linear import Linear
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache, rotary_embedding
 
@@ -159,8 +159,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5,
             sliding_window=config.layer_sliding_window(layer_idx), backend=backend,
@@ -190,14 +190,14 @@ class LlamaAttention(nn.Module):
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, fused: bool = False):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.fused:
-            return self.down_proj(silu_and_mul(gate_up))
+        if self.fused:  # SiLU-and-mul, maybe inside down_proj's kernel (engine/models/linear.py)
+            return self.down_proj.forward_silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, I]
         return self.down_proj(F.silu(gate) * up)
 
