@@ -8,6 +8,7 @@ from typing import Any
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 TOKENIZER_PRIORITIES = ("idle", "low", "normal")
+SKINNY_GEMM = ("auto", "off")
 
 
 @dataclass
@@ -35,6 +36,13 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False     # token ids in and out only (benchmarks, no text)
     enforce_eager: bool = False           # no CUDA graphs / padded decode path
+    # GPU: rotary embedding and the KV-cache write as one kernel (kernels/rotary_write_kv.py);
+    # false: the two kernels (kernels/rotary.py, kernels/kv_cache.py). Same numbers either way.
+    fuse_rope_kv_write: bool = True
+    # GPU, projections of up to 16 rows (decode): "auto" times cuBLAS against the Triton skinny
+    # GEMM (kernels/skinny_gemm.py) per shape and row count at start-up and runs the faster
+    # (engine/gemm_tuning.py); "off": cuBLAS only.
+    skinny_gemm: str = "auto"
     # Plan and launch step N+1 while the GPU runs step N (engine/engine_core.py); its tokens
     # come back one step later. False: each step waits for its tokens before the next is planned.
     async_scheduling: bool = True
@@ -123,10 +131,11 @@ class EngineConfig:
         if self.cpu_threads is not None:
             _int_at_least("cpu_threads", self.cpu_threads, 1)
         for name in ("enable_prefix_caching", "enable_prefix_groups", "enable_cascade_attention",
-                     "async_scheduling"):
+                     "async_scheduling", "fuse_rope_kv_write"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)
+        _one_of("skinny_gemm", self.skinny_gemm, SKINNY_GEMM)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.skip_tokenizer_init, bool):

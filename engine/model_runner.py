@@ -27,6 +27,7 @@ import torch
 from engine.cascade_step import CascadeStep, CascadeSteps
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
+from engine.gemm_tuning import tune_skinny_gemms
 from engine.host_copy import to_device, to_host
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.models.attention import TORCH_BACKEND, AttentionMetadata, triton_backend
@@ -143,7 +144,12 @@ class ModelRunner:
         self.model, self.model_config = load_model(
             config.model, dtype, device, config.load_format,
             attention_backend=triton_backend() if on_gpu else TORCH_BACKEND,
-            fused_kernels=on_gpu)
+            fused_kernels=on_gpu, fuse_rope_kv_write=config.fuse_rope_kv_write)
+        # Decode-sized projections run cuBLAS or the Triton skinny GEMM, whichever a start-up
+        # timing found faster for their shape and row count (before any graph is captured).
+        self.gemm_report: list[dict] = []
+        if on_gpu and config.skinny_gemm == "auto":
+            self.gemm_report = tune_skinny_gemms(self.model, device)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _RunnerRequest] = {}
         self.block_tables = _BlockTables()

@@ -90,7 +90,8 @@ class PiecewiseGraphs:
                 self.layers.append((k_cache, v_cache, scale, sliding_window))
             self._begin_piece()
             return self.out[:size]
-        return AttentionBackend("piecewise-capture", self.backend.write_kv, cut)
+        return AttentionBackend("piecewise-capture", self.backend.write_kv, cut,
+                                self.backend.rotary_write_kv)
 
     def _attention_modules(self):
         return [layer.self_attn.attn for layer in self.model.layers]

@@ -84,3 +84,51 @@ def test_short_contexts_replay_a_graph_with_fewer_kv_splits(model_dir):
             assert k in variants and k >= choose_num_kv_splits(size, g.num_kv_heads, length)
     assert g.kv_split_variants(1) == sorted(g.kv_split_variants(1), reverse=True)
     assert len(g.kv_split_variants(1)) > 1 and g.kv_splits(1, 300) == 1
+
+
+class _CountedKernel:
+    """Stands in for a @triton.jit kernel: counts launches and their NUM_SPLITS."""
+
+    def __init__(self, kernel):
+        self.kernel, self.splits = kernel, []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.splits.append(kwargs.get("NUM_SPLITS"))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
+def test_batch1_short_context_step_runs_one_attention_kernel_per_layer(model_dir, monkeypatch):
+    """Issue 13: a lone sequence of ~300 tokens replays the one-split plain graph, whose layers
+    each launch one attention kernel (one program per KV head over the whole context, no split
+    workspace) and no _reduce_splits_kernel; at 600 tokens the 3-split graph merges per layer.
+    The Triton kernels run interpreted through the padded decode path (what a graph captures)."""
+    import torch
+
+    from engine.cuda_graphs import DecodeGraphs
+    from engine.models.attention import triton_backend
+    from engine.models.loader import load_model
+    from tests.kernel_support import load_kernels, require_runnable
+    pa = load_kernels("kernels.paged_attention")
+    require_runnable(pa)
+    model, config = load_model(model_dir, torch.float32, torch.device("cpu"),
+                               attention_backend=triton_backend())
+    shape = (64, 16, config.num_key_value_heads, config.head_dim)
+    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
+    graphs = DecodeGraphs(model, caches, max_batch=1, max_blocks_per_seq=64, max_seqlen_k=1024,
+                          device=torch.device("cpu"), use_graphs=False)
+    for context, want_splits in ((300, 1), (600, 3)):
+        assert graphs.kv_splits(1, context) == want_splits
+        attention = _CountedKernel(pa._paged_attention_kernel)
+        merge = _CountedKernel(pa._reduce_splits_kernel)
+        monkeypatch.setattr(pa, "_paged_attention_kernel", attention)
+        monkeypatch.setattr(pa, "_reduce_splits_kernel", merge)
+        num_blocks = -(-context // 16)
+        logits = graphs.run(np.array([5]), np.array([context - 1]), np.array([context - 1]),
+                            np.arange(num_blocks, dtype=np.int32)[None], np.array([context], dtype=np.int32))
+        monkeypatch.undo()
+        assert logits.shape == (1, config.vocab_size) and logits.isfinite().all()
+        assert attention.splits == [want_splits] * config.num_hidden_layers
+        assert len(merge.splits) == (0 if want_splits == 1 else config.num_hidden_layers)

@@ -154,9 +154,9 @@ def test_no_kernel_compiles_after_start_up():
     compiled a kernel variant mid-serving (a 1.5 s TTFT). After start-up (graph capture and
     the runner's warm-up) a workload of every shape class (lone and batched requests, prompts
     of 1..1000 tokens, chunked prefill mixed with decode, sampling) compiles nothing."""
-    from kernels import activation, kv_cache, paged_attention, rmsnorm, rotary
+    from kernels import activation, kv_cache, paged_attention, rmsnorm, rotary, rotary_write_kv, skinny_gemm
     from scripts.bench_common import preset_dir
-    modules = [activation, kv_cache, paged_attention, rmsnorm, rotary]
+    modules = [activation, kv_cache, paged_attention, rmsnorm, rotary, rotary_write_kv, skinny_gemm]
     llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16", device="cuda",
               skip_tokenizer_init=True, max_num_seqs=32, max_num_batched_tokens=256,
               num_kv_blocks=2048, max_model_len=2048)

@@ -336,3 +336,65 @@ def test_config_rejects_unsupported_rope():
         ModelConfig.from_dict(dict(BASE_CONFIG, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(ValueError, match="'low_freq_factor'"):
         ModelConfig.from_dict(dict(BASE_CONFIG, rope_scaling={"rope_type": "llama3", "factor": 4.0}))
+
+
+# The Triton attention kernel takes head dims 16, 32, ...: llama, and a Qwen2 with one KV head
+# and a sliding window on some layers.
+TRITON_VARIANTS = {
+    "llama": VARIANTS["llama"],
+    "qwen2_window": lambda: Qwen2Config(
+        **SMALL, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=1, head_dim=16,
+        use_sliding_window=True, sliding_window=6, max_window_layers=1,
+    ),
+}
+
+
+@pytest.fixture(scope="module", params=list(TRITON_VARIANTS))
+def hf_and_path_d16(request, tmp_path_factory):
+    hf = make_hf_model(TRITON_VARIANTS[request.param]())
+    path = tmp_path_factory.mktemp(request.param + "_d16")
+    hf.save_pretrained(path)
+    return hf, ModelConfig.from_pretrained(path), path
+
+
+def test_fused_rope_kv_write_path_equals_two_kernel_path(hf_and_path_d16):
+    """The Triton path (kernels interpreted on CPU): with fuse_rope_kv_write each layer rotates q
+    and k and writes the KV cache in one kernel instead of rotary + write_kv, and the logits and
+    caches are bitwise those of the two kernels (and HF's within fp32 tolerance)."""
+    import dataclasses
+
+    import kernels.rotary_write_kv
+    from engine.models.attention import triton_backend
+    from tests.kernel_support import require_runnable
+    require_runnable(kernels.rotary_write_kv)
+    hf, config, path = hf_and_path_d16
+    assert config.head_dim == 16
+    tokens = random_tokens(24, seed=8)
+    results = {}
+    for fuse in (False, True):
+        calls = {"write_kv": 0, "rotary_write_kv": 0}
+
+        def counted(name, fn):
+            def run(*args):
+                calls[name] += 1
+                return fn(*args)
+            return run
+        backend = triton_backend()
+        backend = dataclasses.replace(backend, write_kv=counted("write_kv", backend.write_kv),
+                                      rotary_write_kv=counted("rotary_write_kv", backend.rotary_write_kv))
+        model, _ = load_model(path, torch.float32, torch.device("cpu"), attention_backend=backend,
+                              fused_kernels=True, fuse_rope_kv_write=fuse)
+        kv = PagedKV(config, block_size=16, seed=9)
+        got = run_step(model, kv, [(0, tokens[:13]), (1, tokens[:5])], num_padding=2)[:1]
+        got += run_step(model, kv, [(0, tokens[13:20]), (1, [tokens[5]])])[:1]
+        for token in tokens[20:]:
+            got += run_step(model, kv, [(0, [token])])
+        results[fuse] = torch.cat(got), kv.kv_caches
+        num_calls = (2 + len(tokens[20:])) * config.num_hidden_layers
+        assert calls == ({"write_kv": 0, "rotary_write_kv": num_calls} if fuse
+                         else {"write_kv": num_calls, "rotary_write_kv": 0})
+    (unfused, unfused_kv), (fused, fused_kv) = results[False], results[True]
+    assert torch.equal(fused, unfused)
+    for (k0, v0), (k1, v1) in zip(unfused_kv, fused_kv):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    torch.testing.assert_close(fused, hf_logits(hf, tokens), atol=ATOL, rtol=RTOL)

@@ -64,6 +64,10 @@ class AttentionBackend:
     # (q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window) -> out [T, Hq, D];
     # the GPU backend also takes out= (a buffer to write into: engine/piecewise_graphs.py)
     paged_attention: Callable[..., torch.Tensor]
+    # (q, k, v, k_cache, v_cache, slot_mapping, positions, cos_cache, sin_cache): rotates q and k
+    # in place and writes k and v, one kernel for RoPE and write_kv; None: the layer rotates and
+    # then calls write_kv.
+    rotary_write_kv: Callable[..., None] | None = None
 
 
 def _with_metadata(fn):
@@ -96,6 +100,7 @@ def triton_backend() -> AttentionBackend:
     from kernels.cascade_attention import cascade_attention
     from kernels.kv_cache import write_kv
     from kernels.paged_attention import paged_attention
+    from kernels.rotary_write_kv import rotary_write_kv
 
     def run(q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window, out=None):
         if attn.is_cascade:
@@ -114,7 +119,7 @@ def triton_backend() -> AttentionBackend:
                                attn.seq_lens, scale, sliding_window,
                                max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k,
                                num_kv_splits=attn.num_kv_splits, out=out)
-    return AttentionBackend("triton", write_kv, run)
+    return AttentionBackend("triton", write_kv, run, rotary_write_kv)
 
 
 def _mixed_paged_attention(paged_attention, q, k_cache, v_cache, attn: AttentionMetadata, scale,
@@ -162,14 +167,21 @@ class Attention(nn.Module):
 
     def forward(
         self,
-        q: torch.Tensor,  # [T, Hq, D], after rotary
-        k: torch.Tensor,  # [T, Hkv, D], after rotary
+        q: torch.Tensor,  # [T, Hq, D], after rotary (unless rope_tables)
+        k: torch.Tensor,  # [T, Hkv, D], after rotary (unless rope_tables)
         v: torch.Tensor,  # [T, Hkv, D]
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, Hkv, D]
         attn: AttentionMetadata,
+        rope_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:  # [T, Hq, D]
+        """rope_tables: (positions [T], cos_cache, sin_cache [max_positions, D/2] fp32): q and k
+        come unrotated and the backend's rotary_write_kv rotates them (in place) as it writes
+        the KV cache."""
         k_cache, v_cache = kv_cache
-        self.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        if rope_tables is None:
+            self.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
+        else:
+            self.backend.rotary_write_kv(q, k, v, k_cache, v_cache, attn.slot_mapping, *rope_tables)
         return self.backend.paged_attention(q, k_cache, v_cache, attn, self.scale,
                                             self.sliding_window)
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.models.attention import TORCH_REF_BACKEND, Attention, AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
-from kernels.activation import silu_and_mul
+from engine.models.linear import Linear
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache, rotary_embedding
 
@@ -112,11 +112,15 @@ class RotaryEmbedding(nn.Module):
 
 
 class Rope:
-    """This step's rotary embedding, applied to each layer's q and k."""
+    """This step's rotary embedding, applied to each layer's q and k.
+
+    with_kv_write: the layers hand the tables to attention's backend, whose fused kernel rotates
+    q and k as it writes the KV cache (if the backend has one)."""
 
     def __init__(self, rotary: RotaryEmbedding, positions: torch.Tensor, dtype: torch.dtype,
-                 fused: bool, max_positions: int):
+                 fused: bool, max_positions: int, with_kv_write: bool = False):
         self.fused = fused
+        self.with_kv_write = fused and with_kv_write
         self.positions = positions
         if fused:
             self.cos, self.sin = rotary.cos_sin_cache(max_positions)  # [max_pos, D/2] fp32
@@ -130,6 +134,11 @@ class Rope:
             rotary_embedding(q, k, self.positions, self.cos, self.sin)
             return q, k
         return apply_rotary(q, self.cos, self.sin), apply_rotary(k, self.cos, self.sin)
+
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(positions, cos_cache, sin_cache) for a fused kernel (fused path only)."""
+        assert self.fused
+        return self.positions, self.cos, self.sin
 
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -150,8 +159,8 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=config.o_bias)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=config.o_bias)
         self.attn = Attention(
             self.num_heads, self.num_kv_heads, self.head_dim, scale=self.head_dim**-0.5,
             sliding_window=config.layer_sliding_window(layer_idx), backend=backend,
@@ -169,23 +178,26 @@ class LlamaAttention(nn.Module):
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        q, k = rope.apply(q, k)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        out = self.attn(q, k, v, kv_cache, attn)  # [T, Hq, D]
+        if rope.with_kv_write and self.attn.backend.rotary_write_kv is not None:
+            out = self.attn(q, k, v, kv_cache, attn, rope.tables())  # rotated as K/V are written
+        else:
+            q, k = rope.apply(q, k)
+            out = self.attn(q, k, v, kv_cache, attn)  # [T, Hq, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
     def __init__(self, config: ModelConfig, fused: bool = False):
         super().__init__()
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=config.mlp_bias)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.fused = fused
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # [T, 2I]
-        if self.fused:
-            return self.down_proj(silu_and_mul(gate_up))
+        if self.fused:  # SiLU-and-mul, maybe inside down_proj's kernel (engine/models/linear.py)
+            return self.down_proj.forward_silu_mul(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, I]
         return self.down_proj(F.silu(gate) * up)
 
@@ -220,11 +232,15 @@ class LlamaForCausalLM(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, attention_backend: AttentionBackend = TORCH_REF_BACKEND,
-                 fused_kernels: bool = False):
-        """fused_kernels: Triton RMSNorm(+residual), rotary and SiLU-and-mul (CUDA only)."""
+                 fused_kernels: bool = False, fuse_rope_kv_write: bool = True):
+        """fused_kernels: Triton RMSNorm(+residual), rotary and SiLU-and-mul (CUDA only).
+        fuse_rope_kv_write: with fused_kernels and a backend that has the kernel, rotary and the
+        KV-cache write are one kernel (kernels/rotary_write_kv.py). A plain attribute, read by
+        each forward: change it before CUDA graphs are captured, not after."""
         super().__init__()
         self.config = config
         self.fused = fused_kernels
+        self.fuse_rope_kv_write = fuse_rope_kv_write
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
@@ -247,7 +263,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = Rope(self.rotary_emb, positions, x.dtype, self.fused,
-                    self.config.max_position_embeddings)
+                    self.config.max_position_embeddings, self.fuse_rope_kv_write)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn)

@@ -33,6 +33,7 @@ def load_model(
     load_format: str = "auto",
     attention_backend: AttentionBackend = TORCH_REF_BACKEND,
     fused_kernels: bool = False,
+    fuse_rope_kv_write: bool = True,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a Llama / Mistral / Qwen2 checkpoint folder as an inference-only model.
 
@@ -45,7 +46,7 @@ def load_model(
     config = ModelConfig.from_pretrained(model_path)
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, attention_backend, fused_kernels)
+        model = LlamaForCausalLM(config, attention_backend, fused_kernels, fuse_rope_kv_write)
     model = model.to(dtype=dtype).to_empty(device=device)
     model.requires_grad_(False)
     model.eval()

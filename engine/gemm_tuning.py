@@ -1,0 +1,135 @@
+"""Start-up choice, per decoder projection and row bucket, between cuBLAS and the Triton skinny
+GEMM (kernels/skinny_gemm.py) for decode-sized inputs (up to 16 rows); fills the projections'
+`skinny` / `skinny_silu` tables (engine/models/linear.py).
+
+Why a start-up timing rather than a per-shape table: which kernel wins depends on the GPU, on
+the cuBLAS version torch ships (its kernel choice for skinny shapes changes between releases),
+on the shape and on the row count, and a table is right only for the machine and versions it was
+measured on. The timing here measures exactly what decode will run: a CUDA graph of one
+projection across every layer (each layer's own weights, so the weights stream from HBM as in a
+decode step: 32 layers of qkv are 1.6 GB, far past the L2), replayed; time per call = graph time
+/ layers, the median of a few replays. A Triton config is kept only where it beats cuBLAS by
+MARGIN, so noise never picks a slower kernel. Cost: compiling the candidates (a second or two
+each, once per machine with Triton's cache) and ~2 s of timing; a second engine in the same
+process with the same shapes reuses the choice.
+"""
+from __future__ import annotations
+
+import logging
+import statistics
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from engine.models.linear import ROW_BUCKETS, Linear
+from kernels.activation import silu_and_mul
+from kernels.skinny_gemm import SkinnyConfig, candidate_configs, skinny_gemm
+
+logger = logging.getLogger(__name__)
+
+MARGIN = 0.03           # the Triton kernel must be this much faster than cuBLAS to be chosen
+_CHOICES: dict[tuple, tuple[dict, dict, list]] = {}
+
+
+def pick(baseline_us: float, candidates_us: dict[SkinnyConfig, float],
+         margin: float = MARGIN) -> SkinnyConfig | None:
+    """The fastest candidate if it beats the baseline by `margin`, else None (the baseline)."""
+    if not candidates_us:
+        return None
+    best = min(candidates_us, key=candidates_us.get)
+    return best if candidates_us[best] < (1.0 - margin) * baseline_us else None
+
+
+def _time_us(fn: Callable[[Linear], torch.Tensor], linears: list[Linear], device: torch.device,
+             replays: int = 7) -> float:
+    """Microseconds per call of fn over the layers' projections, as a CUDA graph replays them."""
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for lin in linears:            # compile, allocate (split-K counters) outside the capture
+            fn(lin)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        for lin in linears:
+            fn(lin)
+    graph.replay()
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / len(linears))
+    del graph
+    return statistics.median(times)
+
+
+def _projections(model) -> dict[str, list[Linear]]:
+    layers = model.layers
+    return {"qkv_proj": [l.self_attn.qkv_proj for l in layers], "o_proj": [l.self_attn.o_proj for l in layers],
+            "gate_up_proj": [l.mlp.gate_up_proj for l in layers], "down_proj": [l.mlp.down_proj for l in layers]}
+
+
+@torch.inference_mode()
+def tune_skinny_gemms(model, device: torch.device) -> list[dict]:
+    """Times cuBLAS and every candidate config for each projection and row bucket, sets the
+    projections' tables to the winners and returns one report row per (projection, rows)."""
+    num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    report: list[dict] = []
+    for name, linears in _projections(model).items():
+        weight, bias = linears[0].weight, linears[0].bias
+        n, k = weight.shape
+        key = (torch.cuda.get_device_name(device), torch.__version__, name, n, k, weight.dtype,
+               bias is not None, len(linears), ROW_BUCKETS)
+        if key not in _CHOICES:
+            _CHOICES[key] = _tune(name, linears, n, k, weight.dtype, device, num_sms)
+        skinny, skinny_silu, rows = _CHOICES[key]
+        for lin in linears:
+            lin.skinny, lin.skinny_silu = dict(skinny), dict(skinny_silu)
+        report += rows
+    for r in report:
+        logger.info("GEMM %s %s N=%d K=%d rows=%d: cuBLAS %.1f us, best Triton %s %.1f us -> %s",
+                    r["proj"], "(silu_mul)" if r["silu_mul"] else "", r["n"], r["k"], r["rows"],
+                    r["baseline_us"], r["best"], r["best_us"], r["chosen"])
+    return report
+
+
+def _tune(name: str, linears: list[Linear], n: int, k: int, dtype: torch.dtype, device: torch.device,
+          num_sms: int) -> tuple[dict, dict, list]:
+    configs = candidate_configs(n, k, num_sms)
+    gen = torch.Generator(device=device).manual_seed(0)
+    skinny: dict[int, SkinnyConfig] = {}
+    skinny_silu: dict[int, SkinnyConfig] = {}
+    rows_out = []
+    for rows in ROW_BUCKETS:
+        x = torch.randn(rows, k, device=device, dtype=dtype, generator=gen)
+        baseline = _time_us(lambda lin: F.linear(x, lin.weight, lin.bias), linears, device)
+        times = {c: _time_us(lambda lin, c=c: skinny_gemm(x, lin.weight, lin.bias, config=c), linears, device)
+                 for c in configs}
+        choice = pick(baseline, times)
+        if choice is not None:
+            skinny[rows] = choice
+        rows_out.append(_row(name, n, k, rows, False, "cuBLAS", baseline, times, choice))
+    if name == "down_proj":       # SiLU-and-mul in the prologue vs its own kernel before the GEMM
+        for lin in linears:
+            lin.skinny = dict(skinny)
+        for rows in ROW_BUCKETS:
+            g = torch.randn(rows, 2 * k, device=device, dtype=dtype, generator=gen)
+            baseline = _time_us(lambda lin: lin(silu_and_mul(g)), linears, device)
+            times = {c: _time_us(lambda lin, c=c: skinny_gemm(g, lin.weight, lin.bias, silu_mul=True, config=c),
+                                 linears, device) for c in configs}
+            choice = pick(baseline, times)
+            if choice is not None:
+                skinny_silu[rows] = choice
+            rows_out.append(_row(name, n, k, rows, True, "silu_and_mul + chosen GEMM", baseline, times, choice))
+    return skinny, skinny_silu, rows_out
+
+
+def _row(name, n, k, rows, silu_mul, baseline_name, baseline, times, choice) -> dict:
+    best = min(times, key=times.get)
+    return {"proj": name, "n": n, "k": k, "rows": rows, "silu_mul": silu_mul, "baseline": baseline_name,
+            "baseline_us": baseline, "triton_us": {str(c): t for c, t in times.items()},
+            "best": str(best), "best_us": times[best], "chosen": "triton " + str(choice) if choice else "baseline"}

@@ -1,0 +1,54 @@
+"""The model's projections: nn.Linear, save that decode-sized inputs (up to 16 rows) may run the
+Triton skinny GEMM (kernels/skinny_gemm.py) instead of cuBLAS, where it was measured faster.
+
+`skinny` maps a row bucket (the row count rounded up to a power of two, at most
+kernels.skinny_gemm.MAX_ROWS) to the SkinnyConfig to run; inputs of any other row count use
+F.linear. It starts empty (CPU, tests, EngineConfig.skinny_gemm = "off"): the start-up timing in
+engine/gemm_tuning.py fills it. `skinny_silu` is the same for `forward_silu_mul` (down_proj with
+SiLU-and-mul folded into the kernel's prologue).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.activation import silu_and_mul
+from kernels.skinny_gemm import MAX_ROWS, SkinnyConfig, skinny_gemm
+
+ROW_BUCKETS = tuple(1 << i for i in range(MAX_ROWS.bit_length()) if 1 << i <= MAX_ROWS)   # 1, 2, 4, 8, 16
+
+
+def row_bucket(num_rows: int) -> int:
+    """The bucket whose choice covers num_rows rows: the next power of two; 0 past MAX_ROWS."""
+    return next((b for b in ROW_BUCKETS if b >= num_rows), 0)
+
+
+class Linear(nn.Linear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs):
+        super().__init__(in_features, out_features, bias, **kwargs)
+        self.skinny: dict[int, SkinnyConfig] = {}
+        self.skinny_silu: dict[int, SkinnyConfig] = {}
+
+    def _config(self, table: dict[int, SkinnyConfig], x: torch.Tensor) -> SkinnyConfig | None:
+        if not table or x.dim() != 2 or x.stride(-1) != 1:
+            return None
+        return table.get(row_bucket(x.shape[0]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        cfg = self._config(self.skinny, x)
+        if cfg is None:
+            return F.linear(x, self.weight, self.bias)
+        return skinny_gemm(x, self.weight, self.bias, config=cfg)
+
+    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)) for gate_up [T, 2 * in_features] (the Triton SiLU-and-mul:
+        the fused path's numerics either way)."""
+        cfg = self._config(self.skinny_silu, gate_up)
+        if cfg is None:
+            return self(silu_and_mul(gate_up))
+        return skinny_gemm(gate_up, self.weight, self.bias, silu_mul=True, config=cfg)
+
+    def extra_repr(self) -> str:
+        chosen = ", ".join(f"{b} rows: {c}" for b, c in sorted(self.skinny.items()))
+        return super().extra_repr() + (f", skinny=[{chosen}]" if chosen else "")

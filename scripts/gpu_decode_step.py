@@ -1,0 +1,181 @@
+"""One batch-1 decode step of the Llama-3.1-8B preset (bf16, dummy weights) with the decode
+kernels of issue 13 on and off, in one engine (the weights are built once).
+
+Variants, each with the decode CUDA graphs captured afresh:
+  on       what the engine runs by default: fused RoPE + KV write, skinny GEMMs where the
+           start-up timing chose them (engine/gemm_tuning.py; its table is reported)
+  off      rotary_embedding + write_kv, cuBLAS for every projection (the engine before issue 13:
+           EngineConfig(fuse_rope_kv_write=False, skinny_gemm="off"))
+  rope_kv  fused RoPE + KV write only
+Per variant: the GPU time of one replay of the batch-1 graph at --context tokens (median of
+replays back to back), ms/token of a greedy generation (128-token prompt, as
+scripts/bench_latency.py), the step's kernels (torch.profiler over 3 replays), and the logits'
+difference from "off" on the same inputs.
+
+    python3 scripts/gpu_decode_step.py --out $OUT/decode_step.json
+(scripts/gpu_check_decode_kernels.py runs this as its last section.)
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+
+import numpy as np
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.models.linear import Linear  # noqa: E402
+
+
+def _linears(model) -> list[Linear]:
+    return [m for m in model.modules() if isinstance(m, Linear)]
+
+
+def _set_variant(runner, fuse_rope: bool, tables: dict | None) -> None:
+    """Switch the model's kernels and capture its decode graphs again."""
+    from engine.cuda_graphs import DecodeGraphs
+    runner.model.fuse_rope_kv_write = fuse_rope
+    for lin in _linears(runner.model):
+        lin.skinny, lin.skinny_silu = (dict(t) for t in (tables or {}).get(id(lin), ({}, {})))
+    old = runner.decode_graphs
+    runner.decode_graphs = None
+    graphs = DecodeGraphs(runner.model, runner.kv_caches, old.max_batch, old.block_table.shape[1],
+                          old.max_seqlen_k, runner.device, use_graphs=True, cascade_splits=old.cascade_splits)
+    del old
+    gc.collect()
+    torch.cuda.empty_cache()
+    graphs.capture()
+    runner.decode_graphs = graphs
+
+
+def _step_graph(runner, context: int):
+    """Fills the batch-1 graph's inputs for one sequence of `context` tokens over the last blocks
+    of the pool, whose K/V are set to the same random values every time (generations may have
+    used them), and returns (graph, logits of one replay)."""
+    g = runner.decode_graphs
+    bs = runner.block_size
+    num = -(-context // bs)
+    blocks = np.arange(runner.num_blocks - num, runner.num_blocks, dtype=np.int32)[None]
+    gen = torch.Generator(device=runner.device).manual_seed(0)
+    ids = torch.as_tensor(blocks[0], device=runner.device).long()
+    for k_cache, v_cache in runner.kv_caches:
+        for cache in (k_cache, v_cache):
+            cache[ids] = torch.randn(cache[ids].shape, generator=gen, device=runner.device).to(cache.dtype)
+    pos = context - 1
+    slot = int(blocks[0, pos // bs]) * bs + pos % bs
+    logits = g.run(np.array([11]), np.array([pos]), np.array([slot]), blocks,
+                   np.array([context], dtype=np.int32)).clone()
+    graph, _ = g.graphs[1, g.kv_splits(1, context)]
+    return graph, logits
+
+
+def _replay_ms(graph, replays: int = 30) -> float:
+    graph.replay()
+    times = []
+    for _ in range(5):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / replays)
+    return statistics.median(times)
+
+
+def _kernel_table(graph, replays: int = 3) -> list[dict]:
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            graph.replay()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages():
+        total = getattr(e, "device_time_total", 0) or getattr(e, "cuda_time_total", 0)
+        if total > 0 and e.count:
+            rows.append({"kernel": e.key[:100], "per_step": e.count / replays, "us_each": total / e.count,
+                         "us_per_step": total / replays})
+    return sorted(rows, key=lambda r: -r["us_per_step"])
+
+
+def _ms_per_token(llm, tag: str, prompt: list[int], output_len: int, iters: int = 2) -> float:
+    from engine import SamplingParams
+    core = llm.core
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    times = []
+    for it in range(iters):
+        core.add_request(core.make_request(f"{tag}{it}", prompt, params))
+        first = True
+        while core.has_unfinished_requests():
+            t0 = time.perf_counter()
+            outs = core.step()
+            if outs and not first:
+                times.append(time.perf_counter() - t0)
+            elif outs:
+                first = False
+    return 1e3 * statistics.median(times)
+
+
+def check_engine(args, out: dict) -> None:
+    from engine import LLM
+    from scripts.bench_common import PRESETS, preset_dir
+    llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
+              max_num_seqs=1, max_model_len=1024, max_num_batched_tokens=256, num_kv_blocks=4096)
+    runner = llm.core.runner
+    report = {"gemm_choice": runner.gemm_report, "context": args.context, "variants": {}}
+    out["engine"] = report
+    print("start-up GEMM choice (us per call, graph of 32 layers):")
+    for r in runner.gemm_report:
+        print(f"  {r['proj']:>12}{' +silu' if r['silu_mul'] else '':6} M={r['rows']:2d}: {r['baseline']} "
+              f"{r['baseline_us']:6.2f} | Triton {r['best']} {r['best_us']:6.2f} -> {r['chosen']}")
+    tables = {id(lin): (dict(lin.skinny), dict(lin.skinny_silu)) for lin in _linears(runner.model)}
+    vocab = PRESETS["llama-3.1-8b"]["vocab_size"]
+    prompt = [(i * 7919) % vocab for i in range(128)]
+    logits_off = None
+    for name, fuse_rope, tab in (("on", True, tables), ("off", False, None), ("rope_kv", True, None)):
+        if name != "on":
+            _set_variant(runner, fuse_rope, tab)
+        graph, logits = _step_graph(runner, args.context)
+        row = {"step_ms": _replay_ms(graph), "ms_per_token": _ms_per_token(llm, name, prompt, args.output_len),
+               "kernels": _kernel_table(graph)}
+        row["kernel_us_per_step"] = sum(r["us_per_step"] for r in row["kernels"])
+        row["kernel_launches_per_step"] = sum(r["per_step"] for r in row["kernels"])
+        if name == "on":
+            logits_on = logits
+        if name == "off":
+            logits_off = logits
+            diff = (logits_on - logits_off).abs().max().item()
+            report["logits_on_vs_off"] = {"max_abs_diff": diff, "max_abs": logits_off.abs().max().item(),
+                                          "same_argmax": bool(logits_on.argmax() == logits_off.argmax())}
+        report["variants"][name] = row
+        print(f"\n[{name}] step (graph replay) {row['step_ms']:.3f} ms, generation {row['ms_per_token']:.3f} "
+              f"ms/token; kernels {row['kernel_us_per_step'] / 1e3:.3f} ms in "
+              f"{row['kernel_launches_per_step']:.0f} launches per step")
+        for r in row["kernels"][:getattr(args, "top_kernels", 16)]:
+            print(f"  {r['us_per_step']:8.1f} us/step {r['per_step']:5.0f} x {r['us_each']:7.2f} us  {r['kernel']}")
+    if "logits_on_vs_off" in report:
+        print(f"\nlogits on vs off: {report['logits_on_vs_off']}")
+    llm.core.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--context", type=int, default=300)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--top-kernels", type=int, default=16)
+    args = ap.parse_args()
+    out: dict = {"gpu": torch.cuda.get_device_name()}
+    check_engine(args, out)
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,81 @@
+"""engine/models/linear.py: the projections run F.linear unless their table names a skinny GEMM
+config for the input's row bucket.
+
+The Triton kernels run under the interpreter on CPU (fp32 here)."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.kernel_support import DEVICE, load_kernels, require_runnable
+
+sg = load_kernels("kernels.skinny_gemm")
+activation = load_kernels("kernels.activation")
+
+import engine.models.linear as linear_module  # noqa: E402  (after the kernels are interpreted)
+from engine.models.linear import ROW_BUCKETS, Linear, row_bucket  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def kernels_can_run_here():
+    require_runnable(sg)
+    require_runnable(activation)
+
+
+def test_row_buckets():
+    assert ROW_BUCKETS == (1, 2, 4, 8, 16)
+    assert [row_bucket(m) for m in (0, 1, 2, 3, 5, 8, 9, 16, 17, 256)] == [1, 1, 2, 4, 8, 8, 16, 16, 0, 0]
+
+
+def make_linear(n, k, bias, seed=0):
+    torch.manual_seed(seed)
+    lin = Linear(k, n, bias=bias).to(DEVICE)
+    lin.requires_grad_(False)
+    return lin
+
+
+@pytest.fixture
+def counted(monkeypatch):
+    """Calls to the skinny GEMM from engine/models/linear.py: (rows, silu_mul, config)."""
+    calls = []
+
+    def run(x, weight, bias=None, *, silu_mul=False, config=None):
+        calls.append((x.shape[0], silu_mul, config))
+        return sg.skinny_gemm(x, weight, bias, silu_mul=silu_mul, config=config)
+    monkeypatch.setattr(linear_module, "skinny_gemm", run)
+    monkeypatch.setattr(linear_module, "silu_and_mul", activation.silu_and_mul)
+    return calls
+
+
+def test_empty_table_is_f_linear(counted):
+    lin = make_linear(37, 48, bias=True)
+    for m in (1, 3, 16, 40):
+        x = torch.randn(m, 48, device=DEVICE)
+        assert torch.equal(lin(x), F.linear(x, lin.weight, lin.bias))
+        g = torch.randn(m, 96, device=DEVICE)
+        assert torch.equal(lin.forward_silu_mul(g), F.linear(activation.silu_and_mul(g), lin.weight, lin.bias))
+    assert counted == []
+
+
+def test_rows_in_a_chosen_bucket_run_the_skinny_gemm(counted):
+    lin = make_linear(37, 48, bias=True, seed=1)
+    one, four = sg.SkinnyConfig(16, 16, 2), sg.SkinnyConfig(32, 32, 1)
+    lin.skinny = {1: one, 4: four}
+    for m in (1, 2, 3, 4, 5, 17):
+        x = torch.randn(m, 48, device=DEVICE)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1.3e-6)
+    assert counted == [(1, False, one), (3, False, four), (4, False, four)]
+    strided = torch.randn(48, 4, device=DEVICE).T       # column stride 4: F.linear
+    torch.testing.assert_close(lin(strided), F.linear(strided, lin.weight, lin.bias))
+    assert len(counted) == 3
+
+
+def test_silu_table_folds_silu_and_mul_into_the_kernel(counted):
+    lin = make_linear(21, 40, bias=False, seed=2)
+    cfg = sg.SkinnyConfig(16, 16, 3)
+    lin.skinny_silu = {2: cfg}
+    g = 3 * torch.randn(2, 80, device=DEVICE)
+    got = lin.forward_silu_mul(g)
+    assert counted == [(2, True, cfg)]
+    assert torch.equal(got, sg.skinny_gemm(activation.silu_and_mul(g), lin.weight, config=cfg))
+    lin.forward_silu_mul(g[:1])                          # bucket 1 not chosen: kernel + F.linear
+    assert len(counted) == 1

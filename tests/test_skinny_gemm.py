@@ -1,0 +1,149 @@
+"""kernels/skinny_gemm.py against fp64 matmul (and torch.matmul's own error in half dtypes), at
+odd shapes, every tiling path (masked and whole K steps, split-K merged in the kernel or not),
+bias, and the fused SiLU-and-mul prologue (bitwise silu_and_mul followed by the kernel).
+
+Without CUDA the kernel runs under Triton's interpreter on CPU (fp32 and fp16; the interpreter
+has no bf16), with CUDA on the GPU in bf16 too.
+"""
+import pytest
+import torch
+
+from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
+
+sg = load_kernels("kernels.skinny_gemm")
+activation = load_kernels("kernels.activation")
+SkinnyConfig, skinny_gemm, skinny_gemm_ref = sg.SkinnyConfig, sg.skinny_gemm, sg.skinny_gemm_ref
+
+
+@pytest.fixture(autouse=True)
+def kernels_can_run_here():
+    require_runnable(sg)
+    require_runnable(activation)
+
+
+DTYPE_TOLS = [(torch.float32, 1e-4, 1.3e-6), (torch.float16, 1e-2, 1e-3)]
+if ON_GPU:
+    DTYPE_TOLS.append((torch.bfloat16, 1.5e-2, 1e-2))
+# (N, K): odd sizes (masked K steps, a partial N tile), whole steps, one row of W
+SHAPES = [(5, 123), (341, 200), (96, 256), (1, 64)]
+if ON_GPU:
+    SHAPES += [(6144, 4096), (4096, 14336)]
+CONFIGS = {
+    "default": None,
+    "split1": SkinnyConfig(64, 64, 1),
+    "split3_n16": SkinnyConfig(16, 32, 3),          # K 123: slices 64 + 59 (masked); 200: 96 + 96 + 8
+    "split4_n32": SkinnyConfig(32, 16, 4, num_stages=2),
+}
+
+
+def make_inputs(m, n, k, dtype, gen, bias=False, x_cols=None, row_pad=0):
+    """x [m, x_cols or k] as a view into rows wider by row_pad (a strided x), W [n, k] scaled so
+    that y stays O(1), bias [n]."""
+    cols = x_cols or k
+    x = torch.randn(m, cols + row_pad, generator=gen).to(dtype)[:, :cols]
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype)
+    b = torch.randn(n, generator=gen).to(dtype) if bias else None
+    to = (lambda t: None if t is None else t.to(DEVICE))
+    return to(x), to(w), to(b)
+
+
+def check_accuracy(y, x, w, b, dtype, atol, rtol, silu_mul=False):
+    """Within the dtype's pair of the fp64 result, and in half dtypes no worse on average than
+    torch's own matmul in that dtype (fp32 accumulation, one rounding, as here)."""
+    ref = skinny_gemm_ref(x, w, b, silu_mul=silu_mul)
+    assert y.dtype == dtype and y.shape == ref.shape
+    torch.testing.assert_close(y.double(), ref, atol=atol, rtol=rtol)
+    if dtype != torch.float32 and not silu_mul:
+        torch_y = torch.nn.functional.linear(x.float(), w.float(), None if b is None else b.float()).to(dtype)
+        ours, theirs = (y.double() - ref).abs().mean(), (torch_y.double() - ref).abs().mean()
+        assert ours <= 1.1 * theirs + 1e-6
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPE_TOLS)
+@pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_matches_matmul(m, n, k, config, dtype, atol, rtol):
+    gen = torch.Generator().manual_seed(m * 1000 + n + k)
+    x, w, b = make_inputs(m, n, k, dtype, gen, bias=(n % 2 == 1), row_pad=3 if m > 1 else 0)
+    y = skinny_gemm(x, w, b, config=CONFIGS[config])
+    check_accuracy(y, x, w, b, dtype, atol, rtol)
+
+
+@pytest.mark.parametrize("dtype,atol,rtol", DTYPE_TOLS)
+@pytest.mark.parametrize("config", ["default", "split3_n16", "split1"])
+@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (5, 37, 123)])
+def test_silu_mul_prologue_equals_silu_and_mul_then_gemm(m, n, k, config, dtype, atol, rtol):
+    gen = torch.Generator().manual_seed(7 * m + n)
+    x, w, b = make_inputs(m, n, k, dtype, gen, bias=True, x_cols=2 * k)
+    x = x * 3                       # gates well into silu's curve
+    y = skinny_gemm(x, w, b, silu_mul=True, config=CONFIGS[config])
+    two_step = skinny_gemm(activation.silu_and_mul(x), w, b, config=CONFIGS[config])
+    torch.testing.assert_close(y, two_step, atol=0, rtol=0)
+    check_accuracy(y, x, w, b, dtype, 4 * atol, rtol, silu_mul=True)   # x 3x larger
+
+
+def test_split_k_counters_are_back_at_zero_and_results_repeat():
+    """Each split-K call leaves its tile counters at zero, so the next call (or a graph replay)
+    finds its last program again: the same inputs give the same bits, new inputs new results."""
+    cfg = SkinnyConfig(32, 32, 4)
+    gen = torch.Generator().manual_seed(3)
+    x, w, b = make_inputs(2, 100, 256, torch.float32, gen)
+    first = skinny_gemm(x, w, config=cfg)
+    counters = sg._COUNTERS[torch.device(DEVICE)]
+    assert counters.count_nonzero() == 0
+    assert torch.equal(skinny_gemm(x, w, config=cfg), first)
+    x2, _, _ = make_inputs(2, 100, 256, torch.float32, gen)
+    check_accuracy(skinny_gemm(x2, w, config=cfg), x2, w, None, torch.float32, 1e-4, 1.3e-6)
+    assert counters.count_nonzero() == 0
+
+
+def test_zero_rows_and_zero_k():
+    w = torch.zeros(7, 0, device=DEVICE)
+    b = torch.arange(7.0, device=DEVICE)
+    assert skinny_gemm(torch.zeros(0, 16, device=DEVICE), torch.zeros(7, 16, device=DEVICE)).shape == (0, 7)
+    torch.testing.assert_close(skinny_gemm(torch.zeros(2, 0, device=DEVICE), w, b), b.expand(2, 7))
+
+
+def test_candidate_configs_fill_the_gpu_without_empty_slices():
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096), (5, 123)):
+        for cfg in sg.candidate_configs(n, k, num_sms=132):
+            tiles = -(-n // cfg.block_n)
+            assert cfg.split_k == 1 or k // cfg.split_k >= 2 * cfg.block_k
+            assert tiles * cfg.split_k >= min(2 * 132, tiles * max(1, k // (2 * cfg.block_k)))
+
+
+def _bad_inputs():
+    x = torch.zeros(2, 64, device=DEVICE)
+    w = torch.zeros(8, 64, device=DEVICE)
+    return {
+        "x 1-D": (dict(x=x[0], weight=w), "x must be"),
+        "17 rows": (dict(x=torch.zeros(17, 64, device=DEVICE), weight=w), "at most 16 rows"),
+        "K": (dict(x=x[:, :32], weight=w), "columns"),
+        "silu K": (dict(x=x, weight=w, silu_mul=True), "columns"),
+        "dtype": (dict(x=x.half(), weight=w), "share one dtype"),
+        "w stride": (dict(x=x, weight=torch.zeros(64, 8, device=DEVICE).T), "unit column stride"),
+        "bias shape": (dict(x=x, weight=w, bias=torch.zeros(7, device=DEVICE)), "bias must be"),
+    }
+
+
+@pytest.mark.parametrize("case", list(_bad_inputs()))
+def test_rejects_bad_inputs(case):
+    kwargs, message = _bad_inputs()[case]
+    with pytest.raises(ValueError, match=message):
+        skinny_gemm(**kwargs)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_split_k_replays_in_cuda_graph():
+    gen = torch.Generator().manual_seed(9)
+    x, w, b = make_inputs(4, 4096, 4096, torch.bfloat16, gen)
+    cfg = SkinnyConfig(64, 128, 8)
+    skinny_gemm(x, w, config=cfg)                       # compile and allocate outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        y = skinny_gemm(x, w, config=cfg)
+    for _ in range(3):
+        x.copy_(torch.randn(x.shape, generator=gen).to(x.dtype))
+        graph.replay()
+        check_accuracy(y, x, w, None, torch.bfloat16, 1.5e-2, 1e-2)
