@@ -25,7 +25,7 @@ import numpy as np
 from engine.config import EngineConfig
 from engine.core_client import CoreClient, CoreDiedError
 from engine.llm import Prompt, encode_prompt, eos_token_ids, load_tokenizer
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, PullOutput
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.request import check_request
 from engine.sampling_params import SamplingParams
@@ -122,13 +122,16 @@ class AsyncEngine:
                     self._processor.drop(channel.index)
 
     async def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
-                     sink: Callable[[RequestOutput | BaseException], None],
-                     stream: bool = True) -> None:
+                     sink: Callable[[RequestOutput | PullOutput | BaseException], None],
+                     stream: bool = True, pull: bool = False) -> None:
         """`generate` without the iterator, for callers that do not want a loop wake-up per
         step: returns once the request is in the engine; then `sink` gets each step's output
         on the engine's reader thread, in order, the last with finished=True, or, if the
         engine fails or shuts down first, that error instead (once). Must not block. Raises
-        ValueError / EngineDeadError (and never calls `sink`) for a request refused first."""
+        ValueError / EngineDeadError (and never calls `sink`) for a request refused first.
+        pull (streamed requests without stop strings): the sink gets the request's PullOutput
+        handle instead, each step, and `render(handle)` gives the output of every step since
+        the last render, decoded only then (engine/output_processor.py)."""
         channel = self._open(request_id, sink)
         try:
             text, ids, packed = await self._prepare(prompt, params)
@@ -140,7 +143,12 @@ class AsyncEngine:
             sink(RequestOutput(request_id, text, ids, [CompletionOutput(0, "", [], "abort")],
                                True))
             return
-        self._send_to_core(channel, request_id, text, ids, packed, params, stream)
+        self._send_to_core(channel, request_id, text, ids, packed, params, stream, pull)
+
+    def render(self, handle: PullOutput) -> RequestOutput | None:
+        """A pull request's output since its last render (see submit). Any thread, one at a
+        time per request."""
+        return self._processor.render(handle)
 
     async def abort(self, request_id: str) -> None:
         """Ends the request: its stream gets a final output with finish_reason "abort"."""
@@ -206,9 +214,9 @@ class AsyncEngine:
         return text, ids, packed
 
     def _send_to_core(self, channel: _Stream, request_id: str, text, ids, packed,
-                      params: SamplingParams, stream: bool) -> None:
+                      params: SamplingParams, stream: bool, pull: bool = False) -> None:
         index = next(self._indices) % 2**32   # the wire's u32; wraps after 4G requests
-        self._processor.add_request(index, request_id, text, ids, params, stream)
+        self._processor.add_request(index, request_id, text, ids, params, stream, pull)
         channel.index = index
         self._ids_by_index[index] = request_id
         self.core.add(index, packed, params)

@@ -1,9 +1,19 @@
 """Turns the core's token ids into text: incremental detokenization, stop strings, logprobs.
 
-Owns the tokenizer's decoding side, so it must run on the thread that owns the tokenizer.
-A stop string ends a request here, not in the core: `process` returns those ids so the
-caller aborts them in the core. A request nobody watches step by step (not streamed, no stop
-strings) is decoded once, at the end: no per-step work for it here or downstream.
+`process` runs on one thread (the core client's reader). A stop string ends a request here,
+not in the core: `process` returns those ids so the caller aborts them in the core. A
+request nobody watches step by step (not streamed, no stop strings) is decoded once, at the
+end: no per-step work for it here or downstream.
+
+A streamed request added with `pull=True` and no stop strings is not decoded per step
+either: `process` only collects its token ids and hands out its `PullOutput` handle, and
+whoever sends the request's next response calls `render(handle)`, which decodes everything
+collected since the last call into one RequestOutput. Under load one render covers several
+steps, so the text is decoded per response, not per token (the serving reader thread spent
+most of its time decoding and building an output per request per step). Each handle is
+rendered by one thread at a time; different handles may render on different threads: they
+only decode with the tokenizer (it holds the GIL throughout and changes nothing; encoding is
+what needs a tokenizer of its own per thread).
 """
 from __future__ import annotations
 
@@ -17,9 +27,12 @@ from engine.scheduler import EngineCoreOutput
 
 class _RequestState:
     def __init__(self, tokenizer, request_id: str, prompt: str | None,
-                 prompt_token_ids: list[int], params: SamplingParams, stream: bool) -> None:
+                 prompt_token_ids: list[int], params: SamplingParams, stream: bool,
+                 pull: bool = False) -> None:
         self.request_id = request_id
         self.stream = stream
+        # Decoded when rendered, not per step (no stop string to look for as tokens come).
+        self.handle = PullOutput(self) if pull and stream and not params.stop else None
         # Not streamed and no stop string to look for: decode once when it finishes.
         self.final_only = not stream and not params.stop
         self.num_decoded = 0                # token ids already passed to the detokenizer
@@ -45,6 +58,17 @@ class _RequestState:
         self.stop_reason: int | str | None = None
 
 
+class PullOutput:
+    """What `process` hands out for a pull request, the same object every step: new tokens
+    are waiting; `OutputProcessor.render(handle)` gives them as one RequestOutput."""
+    __slots__ = ("state", "request_id", "finished")
+
+    def __init__(self, state: _RequestState) -> None:
+        self.state = state
+        self.request_id = state.request_id
+        self.finished = False        # set by process once the last token is in
+
+
 class OutputProcessor:
     def __init__(self, tokenizer, stream_deltas: bool) -> None:
         """stream_deltas: one output per step with only the new part (AsyncEngine), or one
@@ -56,12 +80,13 @@ class OutputProcessor:
 
     def add_request(self, key, request_id: str, prompt: str | None,
                     prompt_token_ids: list[int], params: SamplingParams,
-                    stream: bool = True) -> None:
+                    stream: bool = True, pull: bool = False) -> None:
         """`key` is the core's id for the request (what its outputs carry), `request_id` the
         caller's. stream=False: only the finished output is wanted (always so without
-        stream_deltas). Safe to call from another thread than `process`."""
+        stream_deltas). pull: see the module docstring. Safe to call from another thread
+        than `process`."""
         self.states[key] = _RequestState(self.tokenizer, request_id, prompt, prompt_token_ids,
-                                         params, stream and self.stream_deltas)
+                                         params, stream and self.stream_deltas, pull)
 
     def drop(self, key) -> None:
         """Forgets a request that ended elsewhere (aborted by its caller)."""
@@ -71,10 +96,10 @@ class OutputProcessor:
         return bool(self.states)
 
     def process(self, core_outputs: list[EngineCoreOutput]
-                ) -> tuple[list[RequestOutput], list[str]]:
+                ) -> tuple[list[RequestOutput | PullOutput], list[str]]:
         """Returns the outputs to hand out and the keys of the requests the core must abort
         (stop string found)."""
-        outputs: list[RequestOutput] = []
+        outputs: list[RequestOutput | PullOutput] = []
         to_abort: list[str] = []
         # First every request's new tokens, then one decode for all their windows, then the
         # rest per request.
@@ -88,9 +113,20 @@ class OutputProcessor:
                 st.last_token_time = time.monotonic()
                 if st.first_token_time is None:
                     st.first_token_time = st.last_token_time
-            st.token_ids.extend(co.new_token_ids)
             if st.logprobs is not None and co.new_logprobs:
                 st.logprobs.extend(self._logprobs(lp) for lp in co.new_logprobs)
+            handle = st.handle
+            if handle is not None:
+                # Tokens first, the finish after: render reads them in the other order.
+                st.token_ids.extend(co.new_token_ids)
+                if co.finished:
+                    st.stop_reason = co.stop_reason
+                    st.finish_reason = co.finish_reason
+                    handle.finished = True
+                    self.states.pop(co.request_id, None)
+                outputs.append(handle)
+                continue
+            st.token_ids.extend(co.new_token_ids)
             if st.final_only and not co.finished:
                 continue
             if st.detok:
@@ -125,6 +161,23 @@ class OutputProcessor:
                 outputs.append(out)
         return outputs, to_abort
 
+    def render(self, handle: PullOutput) -> RequestOutput | None:
+        """Everything a pull request produced since its last render, decoded, as one output;
+        None if nothing new is visible yet (a partial character held back). Any thread,
+        one at a time per handle; once it has returned a finished output, never again."""
+        st = handle.state
+        finished = st.finish_reason is not None       # before the tokens: see process
+        n = len(st.token_ids)
+        new_ids = st.token_ids[st.num_decoded:n]
+        st.num_decoded = n
+        if st.detok is not None and (new_ids or finished):
+            skip = st.detok.skip_special_tokens
+            prefix, full = self._decode_many(list(st.detok.windows(new_ids)), skip)
+            st.text += st.detok.complete(prefix, full, final=finished)
+        if not finished and len(st.text) == st.num_sent_chars and n == st.num_sent_tokens:
+            return None
+        return self._make_output(st, finished, n)
+
     def _logprobs(self, lp: tuple[list[int], list[float], int]) -> dict[int, Logprob]:
         ids, values, sampled_rank = lp
         d: dict[int, Logprob] = {}
@@ -136,7 +189,10 @@ class OutputProcessor:
             d[tid] = Logprob(v, rank, text)
         return d
 
-    def _make_output(self, st: _RequestState, finished: bool) -> RequestOutput | None:
+    def _make_output(self, st: _RequestState, finished: bool,
+                     num_tokens: int | None = None) -> RequestOutput | None:
+        """num_tokens: the request's tokens up to which to send (render's snapshot: the
+        reader thread may have added more since, not yet decoded); default all."""
         if not st.stream:
             if not finished:
                 return None
@@ -147,12 +203,14 @@ class OutputProcessor:
                                                          len(st.text) - st.stop.holdback)
             text = st.text[st.num_sent_chars:visible]
             st.num_sent_chars = visible
-            token_ids = st.token_ids[st.num_sent_tokens:]
-            st.num_sent_tokens = len(st.token_ids)
+            end = len(st.token_ids) if num_tokens is None else num_tokens
+            token_ids = st.token_ids[st.num_sent_tokens:end]
+            st.num_sent_tokens = end
             logprobs = None
-            if st.logprobs is not None:
-                logprobs = st.logprobs[st.num_sent_logprobs:]
-                st.num_sent_logprobs = len(st.logprobs)
+            if st.logprobs is not None:         # one per token
+                end_lp = len(st.logprobs) if num_tokens is None else num_tokens
+                logprobs = st.logprobs[st.num_sent_logprobs:end_lp]
+                st.num_sent_logprobs = end_lp
             comp = CompletionOutput(0, text, token_ids, st.finish_reason if finished else None,
                                     st.stop_reason if finished else None, logprobs)
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [comp], finished,

@@ -10,8 +10,10 @@ Where the work happens, so that a response costs what the server takes and nothi
   queue to the loop;
 - the event loop (a thread of its own) admits requests: parses them, has them tokenized and
   hands them to the engine; it never sends;
-- the engine's reader thread turns each step into text and puts it into the request's stream
-  in the outbox (engine/outbox.py): it never waits either;
+- the engine's reader thread puts each step's tokens into the request's stream in the outbox
+  (engine/outbox.py): it never waits; the text is decoded by the sender, once per response
+  (AsyncEngine.submit's pull mode), except for requests with stop strings, whose text the
+  reader must see step by step;
 - the outbox's sender threads send: when one is free a step goes out at once, when all are
   busy a stream's steps pile up and leave as one response (text, ids and logprobs of them all);
 - a housekeeping thread asks the server which requests were cancelled (a bounded number per
@@ -45,6 +47,7 @@ import numpy as np
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.metrics import ServingMetrics
+from engine.output_processor import PullOutput
 from engine.outbox import Outbox, Stream
 from engine.outputs import EngineStats, RequestOutput
 from engine.protocol import (BLS_REQUEST_ID_PREFIX, GenerateRequest, make_response,
@@ -307,7 +310,8 @@ class ServingEngine:
             return
         try:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
-                                     lambda out: self._on_output(r, out), stream=r.req.stream)
+                                     lambda out: self._on_output(r, out), stream=r.req.stream,
+                                     pull=True)
         except (ValueError, EngineDeadError) as e:  # e.g. prompt too long, or the engine died
             self.outbox.put(r.stream, _Failure(str(e)))
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
@@ -330,6 +334,11 @@ class ServingEngine:
             send(None, failure.message, True)
             self._forget(r)
             return True
+        if isinstance(items[-1], PullOutput):  # every item is the request's handle
+            out = self.engine.render(items[-1])
+            if out is None:
+                return False                 # nothing visible yet (a partial character)
+            items = [out]
         last: RequestOutput = items[-1]
         comps = [o.outputs[0] for o in items]
         token_ids = [t for c in comps for t in c.token_ids]

@@ -281,6 +281,14 @@ def perf_analyzer_path() -> str:
                             "bash .gpu-kit/install.sh)")
 
 
+def grpc_address(server) -> str:
+    """The server's gRPC address by IP. gRPC resolves "localhost" through DNS; on the GPU
+    machine (no reachable DNS server) that made each perf_analyzer start 3.2-3.4 s late and
+    open its streams over seconds, in steps as earlier requests finished
+    (scripts/diag_stream_ramp.py): a client artifact charged to the server."""
+    return f"127.0.0.1:{server.grpc_port}"
+
+
 def write_input_data(path: str, prompts: list[str], output_tokens: int, stream: bool) -> None:
     params = json.dumps({"max_tokens": output_tokens, "temperature": 0, "ignore_eos": True})
     entries = [{"text_input": [p], "sampling_parameters": [params]} for p in prompts]
@@ -314,7 +322,7 @@ def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], wo
         write_input_data(data, client_prompts(prompts, n, clients)[k], output_tokens,
                          stream=model == "llm")
         exports.append(os.path.join(work, f"export-{model}-{c}-{k}.json"))
-        cmd = [perf_analyzer_path(), "-m", model, "-i", "grpc", "-u", server.grpc_url,
+        cmd = [perf_analyzer_path(), "-m", model, "-i", "grpc", "-u", grpc_address(server),
                "--input-data", data, "--concurrency-range", str(ck),
                "--request-count", str(max(nk, 1)),
                # A thread per request in flight: with fewer, the threads, busy with many
@@ -421,7 +429,7 @@ def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output
         ck, nk = c // procs + (k < c % procs), n // procs + (k < n % procs)
         spec_path = tempfile.mkstemp(prefix="bench-pyclient-", suffix=".json")[1]
         with open(spec_path, "w") as f:
-            json.dump({"url": server.grpc_url, "model": model, "c": ck, "n": nk, "first": first,
+            json.dump({"url": grpc_address(server), "model": model, "c": ck, "n": nk, "first": first,
                        "prompts": prompts, "output_tokens": output_tokens}, f)
         first += nk
         workers.append(subprocess.Popen(

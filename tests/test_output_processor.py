@@ -1,0 +1,122 @@
+"""engine/output_processor.py: per-step outputs, and pull requests rendered once per response."""
+import random
+
+import pytest
+
+from engine.output_processor import OutputProcessor, PullOutput
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import EngineCoreOutput
+from scripts.make_tiny_model import train_tokenizer
+
+TEXT = "Zürich naïve café — 日本語のテキスト 🙂🚀 𝄞 plain words at the end."
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return train_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def _steps(tok, finish="length"):
+    """One EngineCoreOutput per token of TEXT (multi-byte characters split over tokens), the
+    last one finished."""
+    ids = tok.encode(TEXT, add_special_tokens=False)
+    return [EngineCoreOutput(7, [t], finish if i == len(ids) - 1 else None)
+            for i, t in enumerate(ids)], ids
+
+
+def _per_step(tok, params):
+    proc = OutputProcessor(tok, stream_deltas=True)
+    proc.add_request(7, "r", "Prompt", tok.encode("Prompt"), params)
+    steps, _ = _steps(tok)
+    outs = []
+    for co in steps:
+        got, _ = proc.process([co])
+        outs += got
+    return outs
+
+
+def _joined(outs):
+    comps = [o.outputs[0] for o in outs]
+    return "".join(c.text for c in comps), [t for c in comps for t in c.token_ids]
+
+
+@pytest.mark.parametrize("render_every", [1, 3, 1000])
+def test_pull_renders_what_the_per_step_outputs_carry(tok, render_every):
+    params = SamplingParams(max_tokens=1000)
+    expected = _per_step(tok, params)
+    proc = OutputProcessor(tok, stream_deltas=True)
+    proc.add_request(7, "r", "Prompt", tok.encode("Prompt"), params, pull=True)
+    steps, ids = _steps(tok)
+    rendered, handles = [], set()
+    for i, co in enumerate(steps):
+        got, to_abort = proc.process([co])
+        assert to_abort == [] and len(got) == 1 and isinstance(got[0], PullOutput)
+        handles.add(id(got[0]))
+        if (i + 1) % render_every == 0 or got[0].finished:
+            out = proc.render(got[0])
+            if out is not None:
+                rendered.append(out)
+    assert len(handles) == 1                        # the same handle every step
+    assert _joined(rendered) == _joined(expected) == (TEXT, ids)
+    assert rendered[-1].finished and rendered[-1].outputs[0].finish_reason == "length"
+    assert not any(o.finished for o in rendered[:-1])
+    assert not any("\ufffd" in o.outputs[0].text for o in rendered)
+    assert not proc.has_unfinished()
+    if render_every == 1000:
+        assert len(rendered) == 1                   # one render, one output for everything
+
+
+def test_render_with_nothing_new_gives_none_and_covers_only_the_tokens_it_decoded(tok):
+    proc = OutputProcessor(tok, stream_deltas=True)
+    proc.add_request(7, "r", None, [1, 2], SamplingParams(max_tokens=1000), pull=True)
+    steps, ids = _steps(tok)
+    (handle,), _ = proc.process(steps[:1])
+    assert proc.render(handle).outputs[0].token_ids == ids[:1]
+    assert proc.render(handle) is None              # nothing came since
+    proc.process(steps[1:4])
+    # The reader thread adds a step while a sender renders: the response's ids and text
+    # cover the same tokens, the new one goes with the next render.
+    decode = proc._decode_many
+
+    def decode_while_a_step_arrives(seqs, skip):
+        proc._decode_many = decode
+        proc.process(steps[4:5])
+        return decode(seqs, skip)
+    proc._decode_many = decode_while_a_step_arrives
+    second = proc.render(handle)
+    assert second.outputs[0].token_ids == ids[1:4]
+    assert second.outputs[0].text == tok.decode(ids[:4])[len(tok.decode(ids[:1])):]
+    assert proc.render(handle).outputs[0].token_ids == ids[4:5]
+
+
+def test_requests_with_stop_strings_or_not_streamed_are_not_pulled(tok):
+    proc = OutputProcessor(tok, stream_deltas=True)
+    proc.add_request(1, "stop", None, [1], SamplingParams(max_tokens=100, stop=["zzz"]),
+                     pull=True)
+    proc.add_request(2, "whole", None, [1], SamplingParams(max_tokens=100), stream=False,
+                     pull=True)
+    proc.add_request(3, "pulled", None, [1], SamplingParams(max_tokens=100), pull=True)
+    t = tok.encode("hello", add_special_tokens=False)[0]
+    outs, _ = proc.process([EngineCoreOutput(k, [t]) for k in (1, 2, 3)])
+    assert {o.request_id: type(o) for o in outs} == {"stop": RequestOutput,
+                                                     "pulled": PullOutput}
+
+
+def test_pull_keeps_logprobs_one_per_token(tok):
+    proc = OutputProcessor(tok, stream_deltas=True)
+    proc.add_request(7, "r", None, [1], SamplingParams(max_tokens=100, logprobs=1), pull=True)
+    rng = random.Random(0)
+    ids = tok.encode("some words here", add_special_tokens=False)
+    handle = None
+    for i, t in enumerate(ids):
+        lp = ([t, (t + 1) % 100], [-rng.random(), -5.0], 0)
+        (handle,), _ = proc.process([EngineCoreOutput(7, [t], "length" if i == len(ids) - 1
+                                                      else None, None, [lp])])
+        if i == 1:
+            out = proc.render(handle)
+            assert len(out.outputs[0].logprobs) == len(out.outputs[0].token_ids) == 2
+    out = proc.render(handle)
+    comp = out.outputs[0]
+    assert out.finished and len(comp.logprobs) == len(comp.token_ids) == len(ids) - 2
+    assert [next(iter(d)) for d in comp.logprobs] == comp.token_ids
