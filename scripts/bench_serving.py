@@ -15,8 +15,9 @@ engine sees):
   llm_bls   the same server, the non-streaming model, driven by perf_analyzer.
 
 Every run sends `waves * c` requests (at least MIN_REQUESTS) of `--prompt-tokens` prompt tokens
-(distinct prompts cut from the shipped corpus) and exactly `--output-tokens` output tokens
-(greedy, ignore_eos), `c` at a time. Output tok/s = requests * output tokens / (last answer -
+(distinct prompts cut from the shipped corpus, new to the engine in every round: none is
+answered from the prefix cache; the direct and the served round at a concurrency send the
+same ones) and exactly `--output-tokens` output tokens (greedy, ignore_eos), `c` at a time. Output tok/s = requests * output tokens / (last answer -
 first send). Per request: TTFT = first response - send; ITL = (last response - first
 response) / (output tokens - 1), as genai-perf counts it (a response may carry several tokens).
 llm_bls has one response per request, so its TTFT and ITL are the server's own histograms
@@ -52,18 +53,20 @@ TINY_MODEL = os.path.join(ROOT, "models", "tiny-llama")
 # ---------------------------------------------------------------------------- workload
 def make_prompts(model_dir: str, num: int, num_tokens: int) -> list[str]:
     """`num` distinct prompts of about `num_tokens` tokens: a numbered line, then corpus text
-    from a different offset each."""
+    from a different offset each (no two share a first KV block: none is served from
+    another's prefix cache)."""
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(model_dir)
     with open(os.path.join(ROOT, "data", "tiny_corpus.txt")) as f:
         corpus = " ".join(f.read().split())
-    words = corpus.split(" ")
+    corpus_ids = tok.encode(" " + corpus, add_special_tokens=False)
     prompts = []
     for i in range(num):
-        start = (i * 37) % max(len(words) - 1, 1)
-        text = f"Request {i}: " + " ".join(words[start:] + words[:start])
-        ids = tok.encode(text, add_special_tokens=False)[:max(num_tokens - 1, 1)]
-        prompts.append(tok.decode(ids))
+        head = tok.encode(f"Request {i}:", add_special_tokens=False)
+        need = max(num_tokens - 1 - len(head), 0)
+        start = (i * 37) % len(corpus_ids)
+        body = (corpus_ids[start:] + corpus_ids)[:need]
+        prompts.append(tok.decode(head + body))
     return prompts
 
 
@@ -84,6 +87,39 @@ def engine_settings(args, on_gpu: bool) -> dict[str, str]:
 
 def num_requests(args, c: int) -> int:
     return max(args.waves * c, MIN_REQUESTS)
+
+
+class PromptRounds:
+    """Which prompts each round sends. Every round's prompts are new to the engine that runs
+    it (an earlier round's would be answered from the prefix cache, skipping their prefill:
+    a warm-up round on the same prompts made every later round look faster), and the direct
+    and the first served round at a concurrency send the same prompts; a server's later
+    rounds at that concurrency (other models, other drivers) get prompts of their own."""
+
+    def __init__(self, args) -> None:
+        self.n = {c: num_requests(args, c) for c in args.concurrency}
+        self.offsets = {"warm": 0}
+        pos = max(self.n.values())
+        for c in args.concurrency:
+            self.offsets[c] = pos
+            pos += self.n[c]
+        self._next = pos
+        self._served: set = set()
+        # Enough for every round: a warm-up, then each concurrency per model and driver.
+        self.total = pos + sum(self.n.values()) * len(args.models) * len(args.drivers)
+
+    def warm(self) -> int:
+        return self.offsets["warm"]
+
+    def direct(self, c: int) -> int:
+        return self.offsets[c]
+
+    def served(self, c: int) -> int:
+        if c not in self._served:
+            self._served.add(c)
+            return self.offsets[c]
+        self._next += self.n[c]
+        return self._next - self.n[c]
 
 
 def summarize(starts, firsts, lasts, ends, output_tokens: int, concurrency: int = 0) -> dict:
@@ -153,6 +189,7 @@ def reissue_gaps(starts, ends, c: int) -> dict:
 
 # ---------------------------------------------------------------------------- direct
 async def _closed_loop(engine, prompts: list[str], params, c: int, total: int, tag: str):
+    """`prompts` holds at least `total`."""
     """`c` workers send `total` requests back to back; per request (start, first, last, end)."""
     times: list[tuple[float, float, float, float]] = []
     counter = iter(range(total))
@@ -161,7 +198,7 @@ async def _closed_loop(engine, prompts: list[str], params, c: int, total: int, t
         for i in counter:
             start = time.time()
             first = last = None
-            async for out in engine.generate(prompts[i % len(prompts)], params, f"{tag}-{i}"):
+            async for out in engine.generate(prompts[i], params, f"{tag}-{i}"):
                 if out.outputs[0].token_ids:
                     last = time.time()
                     first = first or last
@@ -171,7 +208,8 @@ async def _closed_loop(engine, prompts: list[str], params, c: int, total: int, t
 
 
 def direct_worker(spec: dict) -> None:
-    """One GPU's (or the CPU's) AsyncEngine. Reads commands on stdin ("run C N TAG" or "quit"),
+    """One GPU's (or the CPU's) AsyncEngine. Reads commands on stdin ("run C N TAG FIRST":
+    c at a time, n requests with prompts FIRST.., or "quit"),
     answers each with a JSON line of per-request times; says "ready" once the engine is up."""
     from engine import AsyncEngine, SamplingParams
     from engine.config import EngineConfig
@@ -186,9 +224,10 @@ def direct_worker(spec: dict) -> None:
             cmd = line.split()
             if not cmd or cmd[0] == "quit":
                 break
-            c, n, tag = int(cmd[1]), int(cmd[2]), cmd[3]
+            c, n, tag, first = int(cmd[1]), int(cmd[2]), cmd[3], int(cmd[4])
             before = engine.get_stats()
-            times = loop.run_until_complete(_closed_loop(engine, prompts, params, c, n, tag))
+            times = loop.run_until_complete(
+                _closed_loop(engine, prompts[first:first + n], params, c, n, tag))
             after = engine.get_stats()
             print(json.dumps({"times": times, "steps": after.num_steps - before.num_steps,
                               "graph_steps": after.num_graph_steps - before.num_graph_steps}),
@@ -219,13 +258,16 @@ class DirectEngines:
             if line.strip() != "ready":
                 raise RuntimeError(f"direct engine did not start (said {line!r})")
 
-    def run(self, c: int, n: int, tag: str) -> tuple[list, dict]:
-        """Per-request times, and the share of the engines' steps that ran as a CUDA graph."""
+    def run(self, c: int, n: int, tag: str, first: int) -> tuple[list, dict]:
+        """Per-request times, and the share of the engines' steps that ran as a CUDA graph.
+        The n requests send prompts first, first + 1, ..."""
         k = len(self.procs)
+        start = first
         for i, p in enumerate(self.procs):
             ci = c // k + (i < c % k)
             ni = n // k + (i < n % k)
-            p.stdin.write(f"run {max(ci, 1)} {max(ni, 1)} {tag}\n")
+            p.stdin.write(f"run {max(ci, 1)} {max(ni, 1)} {tag} {start}\n")
+            start += max(ni, 1)
             p.stdin.flush()
         times, steps, graph_steps = [], 0, 0
         for p in self.procs:
@@ -246,20 +288,20 @@ class DirectEngines:
             p.wait(timeout=120)
 
 
-def run_direct(args, settings, prompts, gpus, on_row) -> list[dict]:
+def run_direct(args, settings, prompts, rounds: PromptRounds, gpus, on_row) -> list[dict]:
     """The direct AsyncEngine's rounds; `on_row(row)` as each ends."""
     rows = []
     engines = DirectEngines(args, settings, prompts, gpus)
     try:
         c_max = max(args.concurrency)
-        t, steps = engines.run(c_max, num_requests(args, c_max), "warm")
+        t, steps = engines.run(c_max, num_requests(args, c_max), "warm", rounds.warm())
         rows.append({"path": "direct", "round": "first", "concurrency": c_max,
                      **summarize(*zip(*t), args.output_tokens, c_max), **steps})
         print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)
         on_row(rows[-1])
         for c in args.concurrency:
             cpu0, w0 = cpu_times(), time.monotonic()
-            t, steps = engines.run(c, num_requests(args, c), f"c{c}")
+            t, steps = engines.run(c, num_requests(args, c), f"c{c}", rounds.direct(c))
             cpu = cpu_use(cpu0, cpu_times(), time.monotonic() - w0)
             rows.append({"path": "direct", "round": "steady", "concurrency": c,
                          **summarize(*zip(*t), args.output_tokens, c), "cpu_cores": cpu,
@@ -557,7 +599,7 @@ def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: i
     return params
 
 
-def run_served(args, repo, prompts, gpus, work, on_row) -> list[dict]:
+def run_served(args, repo, prompts, rounds: PromptRounds, gpus, work, on_row) -> list[dict]:
     """The served rounds, each model and driver; `on_row(row)` as each ends."""
     from scripts.server_probe import scrape
     from tests.tritonserver import start_server
@@ -578,15 +620,17 @@ def run_served(args, repo, prompts, gpus, work, on_row) -> list[dict]:
                 for c, rnd, driver in runs:
                     if rnd == "first" and model != args.models[0]:
                         continue                # one warm-up round per server
+                    n = num_requests(args, c)
+                    first = rounds.warm() if rnd == "first" else rounds.served(c)
+                    these = prompts[first:first + n]
                     m0, q0 = scrape(server.metrics_url), triton_queue_us(server.metrics_url)
                     cpu0, w0, ch0 = cpu_times(), time.monotonic(), children_cpu()
                     if driver == "python":
-                        r = run_py_client(server, model, c, num_requests(args, c), prompts,
-                                          args.output_tokens, args.py_clients)
+                        r = run_py_client(server, model, c, n, these, args.output_tokens,
+                                          args.py_clients)
                     else:
-                        r = run_perf_analyzer(server, model, c, num_requests(args, c),
-                                              prompts, work, args.output_tokens,
-                                              args.clients)
+                        r = run_perf_analyzer(server, model, c, n, these, work,
+                                              args.output_tokens, args.clients)
                     wall = time.monotonic() - w0
                     r["cpu_cores"] = cpu_use(cpu0, cpu_times(), wall)
                     r["cpu_cores"]["load generator"] = round((children_cpu() - ch0) / wall, 2)
@@ -708,8 +752,8 @@ def main(argv: list[str] | None = None) -> dict:
     work = tempfile.mkdtemp(prefix="bench-serving-")
     repo = os.path.join(work, "repo")
     settings = make_repository(repo, model_dir, engine_settings(args, on_gpu), gpus)
-    prompts = make_prompts(model_dir, max(num_requests(args, c) for c in args.concurrency),
-                           args.prompt_tokens)
+    rounds = PromptRounds(args)
+    prompts = make_prompts(model_dir, rounds.total, args.prompt_tokens)
     name = args.preset or os.path.basename(model_dir)
     meta = {"title": f"Served vs direct: {name}, {gpus or 'no'} GPU(s), "
                      f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens",
@@ -726,9 +770,9 @@ def main(argv: list[str] | None = None) -> dict:
             write_results(args.out, meta, rows, table(rows), echo=False)
 
     if not args.skip_direct:
-        run_direct(args, settings, prompts, gpus, on_row)
+        run_direct(args, settings, prompts, rounds, gpus, on_row)
     if not args.skip_served:
-        run_served(args, repo, prompts, gpus, work, on_row)
+        run_served(args, repo, prompts, rounds, gpus, work, on_row)
     if args.out:
         write_results(args.out, meta, rows, table(rows))
     else:

@@ -55,3 +55,22 @@ def test_perf_analyzer_clients_share_the_rounds_prompts():
     assert [len(part) for part in split] == [3, 3, 2, 2]
     assert bench_serving.client_prompts(prompts, 10, 1) == [prompts[:10]]
     assert all(bench_serving.client_prompts(prompts, 2, 4))      # more clients than requests
+
+
+def test_every_round_sends_prompts_new_to_its_engine():
+    """The warm-up round's prompts are never sent again (a later round would be answered from
+    the prefix cache); the direct round and the first served round at a concurrency send the
+    same prompts; further served rounds there get prompts of their own; all fit."""
+    args = bench_serving.main.__globals__["argparse"].Namespace(
+        concurrency=[1, 4], waves=2, models=["llm", "llm_bls"], drivers=["perf_analyzer", "python"])
+    rounds = bench_serving.PromptRounds(args)
+    n = {c: bench_serving.num_requests(args, c) for c in args.concurrency}
+    warm = set(range(rounds.warm(), rounds.warm() + max(n.values())))
+    for c in args.concurrency:
+        direct = set(range(rounds.direct(c), rounds.direct(c) + n[c]))
+        served = [set(range(f, f + n[c])) for f in (rounds.served(c) for _ in range(4))]
+        assert served[0] == direct and not direct & warm
+        for i, a in enumerate(served):
+            assert max(a) < rounds.total
+            assert not a & warm
+            assert all(not a & b for b in served[i + 1:])
