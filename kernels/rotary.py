@@ -7,7 +7,8 @@ x1 = x[..., :D/2], x2 = x[..., D/2:], c = cos_cache[p], s = sin_cache[p] (each [
     out2 = x2 * c + x1 * s
 
 This is HF's `x * cos + rotate_half(x) * sin` with cos/sin = cat(freqs, freqs). The kernel
-computes in fp32 with fp32 cos/sin and rounds once to x's dtype. HF instead rounds cos/sin to
+computes in fp32 with fp32 cos/sin, as fma(x1, c, -(x2 * s)) and fma(x2, c, x1 * s), and rounds
+once to x's dtype. HF instead rounds cos/sin to
 the model dtype and multiplies and adds in that dtype (three roundings more). Measured in bf16 at
 Llama-3.1-8B shapes (H200, unit-normal q/k, T = 4096): the two differ by up to 0.03125 (one bf16
 ulp at 4..8, two at 2..4), and against fp64 the kernel errs by at most 0.0156, HF's order by 0.036.
@@ -33,20 +34,28 @@ _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 @triton.jit
 def _rotate_heads(x_ptr, stride_h, num_heads, head0, cos, sin, half_dim,
                   BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Rotate heads head0..head0 + BLOCK_H - 1 of one token; x_ptr points at its head 0."""
+    """Rotate heads head0..head0 + BLOCK_H - 1 of one token in place; x_ptr points at its head 0.
+    Returns the stored halves [BLOCK_H, BLOCK_D] (in x's dtype), their heads [BLOCK_H, 1] as int64
+    and the mask, for kernels/rotary_write_kv.py, which rotates through this same function."""
     heads = head0 + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, BLOCK_D)
     mask = (heads[:, None] < num_heads) & (dims[None, :] < half_dim)
-    ptr1 = x_ptr + heads[:, None].to(tl.int64) * stride_h + dims[None, :]
+    heads64 = heads[:, None].to(tl.int64)
+    ptr1 = x_ptr + heads64 * stride_h + dims[None, :]
     ptr2 = ptr1 + half_dim
     x1 = tl.load(ptr1, mask=mask, other=0.0)
     x2 = tl.load(ptr2, mask=mask, other=0.0)
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
-    out1 = x1f * cos[None, :] - x2f * sin[None, :]
-    out2 = x2f * cos[None, :] + x1f * sin[None, :]
-    tl.store(ptr1, out1.to(x1.dtype), mask=mask)
-    tl.store(ptr2, out2.to(x2.dtype), mask=mask)
+    # Explicit FMAs: left as `x1f * c - x2f * s`, the GPU compiler may fuse either product into the
+    # subtraction, and chose differently here and in the fused kernel (1 fp16 ulp apart on an
+    # H200). tl.fma fixes the order: one product rounded, then fused with the other. (The CPU
+    # interpreter computes tl.fma as a rounded multiply and add; it is one expression there too.)
+    out1 = tl.fma(x1f, cos[None, :], -(x2f * sin[None, :])).to(x1.dtype)
+    out2 = tl.fma(x2f, cos[None, :], x1f * sin[None, :]).to(x2.dtype)
+    tl.store(ptr1, out1, mask=mask)
+    tl.store(ptr2, out2, mask=mask)
+    return out1, out2, heads64, mask
 
 
 @triton.jit

@@ -9,7 +9,8 @@ Math, for each token t at position p = positions[t] with slot s = slot_mapping[t
                 v_cache[s // block_size, s % block_size] = v[t]
 
 The cache receives the rotated k after its rounding to k's dtype, so the result is bitwise what
-the two kernels give one after the other (same expressions, same roundings). Rows with a
+the two kernels give one after the other: both rotate through kernels/rotary.py's
+`_rotate_heads`, whose explicit FMAs leave the compiler no contraction to choose. Rows with a
 negative slot (batch padding) are rotated but not written, as before.
 
 Layouts (those of the two kernels it replaces):
@@ -31,31 +32,11 @@ import triton
 import triton.language as tl
 
 from kernels.attention_ref import write_kv_ref
-from kernels.rotary import rotary_embedding_ref
+# The rotation itself is rotary.py's: one @triton.jit function, with explicit FMAs, so that the
+# compiler cannot contract the two kernels' arithmetic differently.
+from kernels.rotary import _rotate_heads, rotary_embedding_ref
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-@triton.jit
-def _rotate_heads(x_ptr, stride_h, num_heads, head0, cos, sin, half_dim,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """kernels/rotary.py's _rotate_heads (same loads, fp32 expressions and roundings), also
-    returning the rotated halves [BLOCK_H, BLOCK_D], their heads [BLOCK_H, 1] and mask."""
-    heads = head0 + tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < num_heads) & (dims[None, :] < half_dim)
-    heads64 = heads[:, None].to(tl.int64)
-    ptr1 = x_ptr + heads64 * stride_h + dims[None, :]
-    ptr2 = ptr1 + half_dim
-    x1 = tl.load(ptr1, mask=mask, other=0.0)
-    x2 = tl.load(ptr2, mask=mask, other=0.0)
-    x1f = x1.to(tl.float32)
-    x2f = x2.to(tl.float32)
-    out1 = (x1f * cos[None, :] - x2f * sin[None, :]).to(x1.dtype)
-    out2 = (x2f * cos[None, :] + x1f * sin[None, :]).to(x2.dtype)
-    tl.store(ptr1, out1, mask=mask)
-    tl.store(ptr2, out2, mask=mask)
-    return out1, out2, heads64, mask
 
 
 @triton.jit
@@ -101,8 +82,9 @@ def _rotary_write_kv_kernel(
 
 
 # triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
-# interpreted kernel runs on CPU tensors, a compiled one on CUDA tensors only.
-_INTERPRETED = not isinstance(_rotary_write_kv_kernel, triton.runtime.JITFunction)
+# interpreted kernel runs on CPU tensors, a compiled one on CUDA tensors only. The helper was
+# decorated when kernels.rotary was imported, which may have been earlier.
+_INTERPRETED = not any(isinstance(f, triton.runtime.JITFunction) for f in (_rotary_write_kv_kernel, _rotate_heads))
 
 
 def _check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_cache, sin_cache) -> None:
@@ -126,7 +108,7 @@ def _check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_cache, sin_ca
     device = q.device
     if device.type != "cuda" and not (_INTERPRETED and device.type == "cpu"):
         raise ValueError(f"q is on {device}: rotary_write_kv needs CUDA tensors (CPU only with "
-                         f"TRITON_INTERPRET=1 set before kernels.rotary_write_kv is imported)")
+                         f"TRITON_INTERPRET=1 set before kernels.rotary and kernels.rotary_write_kv are imported)")
     for name, t in (("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping),
                     ("positions", positions), ("cos_cache", cos_cache), ("sin_cache", sin_cache)):
         if t.device != device:

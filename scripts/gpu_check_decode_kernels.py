@@ -1,7 +1,9 @@
 """Check and time the decode kernels of issue 13 on a GPU at Llama-3.1-8B shapes, in bf16.
 
 1. rotary_write_kv (kernels/rotary_write_kv.py) against rotary_embedding + write_kv: bitwise
-   equality, error against the fp32 reference, time at T = 1, 4, 16 tokens.
+   equality, error against the fp32 reference, time at T = 1, 4, 16 tokens; then bitwise
+   equality alone in bf16 and fp16, both layouts, at tests/test_rotary_write_kv.py's GPU shape
+   (its fp16 "fused" case once differed by 1 ulp in 131 elements).
 2. skinny_gemm (kernels/skinny_gemm.py) against cuBLAS (F.linear) for qkv, o_proj, gate_up,
    down and down with SiLU-and-mul folded in (against silu_and_mul + F.linear): error of both
    against the fp32 product, time per row count for the engine's candidate configs (and with
@@ -110,6 +112,63 @@ def check_rotary_kv(args, out: dict) -> None:
         print(f"rotary_write_kv T={tokens:3d}: bitwise={bitwise} max_err={row['max_abs_err']:.3g} "
               f"rel={row['rel_err']:.2g} | fused {row['fused_us']:.2f} us vs two kernels {row['two_kernels_us']:.2f} us")
     out["rotary_write_kv"] = rows
+    check_rotary_kv_layouts(out)
+
+
+# tests/test_rotary_write_kv.py's GPU shape (T, Hq, Hkv, D, block_size), its row padding and
+# position range: the "fused" layout's token stride (Hq + 2Hkv) * D + 5 is not a multiple of 16,
+# so Triton compiles other code for it than for contiguous q, k, v.
+LAYOUT_SHAPE, LAYOUT_PAD, LAYOUT_MAX_POSITIONS = (512, 32, 8, 128, 16), 5, 4096
+
+
+def layout_case(dtype, layout: str, seed: int) -> dict:
+    """The test's make_case: q, k, v views into one NaN-padded qkv buffer with k and v caches the
+    halves of one tensor ("fused"), or contiguous tensors ("separate"); every third slot -1."""
+    tokens, hq, hkv, d, block = LAYOUT_SHAPE
+    gen = torch.Generator().manual_seed(seed)
+    width = (hq + 2 * hkv) * d
+    buf = torch.full((tokens, width + LAYOUT_PAD), float("nan"), dtype=dtype)
+    buf[:, :width] = torch.randn(tokens, width, generator=gen).to(dtype)
+    buf = buf.to(DEV)
+    q, k, v = (t.view(tokens, -1, d) for t in buf[:, :width].split([hq * d, hkv * d, hkv * d], dim=1))
+    num_blocks = tokens // block + 3
+    if layout == "fused":
+        kv = torch.full((num_blocks, 2, block, hkv, d), float("nan"), dtype=dtype, device=DEV)
+        k_cache, v_cache = kv[:, 0], kv[:, 1]
+    else:
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        k_cache = torch.full((num_blocks, block, hkv, d), float("nan"), dtype=dtype, device=DEV)
+        v_cache = k_cache.clone()
+    num_slots = num_blocks * block
+    slots = torch.cat([torch.tensor([num_slots - 1]), torch.randperm(num_slots - 1, generator=gen)[:tokens - 1]])
+    slots[2::3] = -1
+    pos = torch.randint(0, LAYOUT_MAX_POSITIONS, (tokens,), generator=gen)
+    pos[0] = LAYOUT_MAX_POSITIONS - 1
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32, device=DEV) / d)
+    cos, sin = build_cos_sin_cache(inv_freq, LAYOUT_MAX_POSITIONS)
+    return dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, slot_mapping=slots.to(DEV),
+                positions=pos.to(DEV), cos_cache=cos, sin_cache=sin)
+
+
+def check_rotary_kv_layouts(out: dict) -> None:
+    rows = []
+    for dtype in (torch.bfloat16, torch.float16):
+        for layout in ("separate", "fused"):
+            seed = sum(LAYOUT_SHAPE)
+            fused, two = layout_case(dtype, layout, seed), layout_case(dtype, layout, seed)
+            rotary_write_kv(**fused)
+            rotary_embedding(two["q"], two["k"], two["positions"], two["cos_cache"], two["sin_cache"])
+            write_kv(two["k"], two["v"], two["k_cache"], two["v_cache"], two["slot_mapping"])
+            torch.cuda.synchronize()
+            differ = {name: int(((fused[name] != two[name]) & ~(fused[name].isnan() & two[name].isnan())).sum())
+                      for name in ("q", "k", "v", "k_cache", "v_cache")}
+            bitwise = not any(differ.values())
+            dtype_name = str(dtype).removeprefix("torch.")
+            rows.append({"dtype": dtype_name, "layout": layout, "shape_T_Hq_Hkv_D_block": LAYOUT_SHAPE,
+                         "bitwise_equal_two_kernels": bitwise, "elements_differing": differ})
+            print(f"rotary_write_kv {dtype_name:8s} {layout:8s} (T, Hq, Hkv, D, block) = {LAYOUT_SHAPE}: "
+                  f"bitwise={bitwise} elements differing {differ}")
+    out["rotary_write_kv_layouts"] = rows
 
 
 def check_skinny(args, out: dict) -> None:

@@ -15,20 +15,30 @@ ON_GPU = torch.cuda.is_available()
 DEVICE = "cuda" if ON_GPU else "cpu"
 
 
+def _own_jitted(module) -> list:
+    """The @triton.jit functions `module` holds that are not Triton's own: its kernels and the
+    helpers it imports from other kernel modules (kernels.rotary_write_kv: rotary's _rotate_heads)."""
+    return [f for f in vars(module).values() if isinstance(f, triton.runtime.KernelInterface)
+            and not getattr(getattr(f, "fn", None), "__module__", "triton").startswith("triton")]
+
+
 def is_interpreted(module) -> bool:
-    """Whether every @triton.jit function defined in `module` runs in the interpreter (the test behind
-    the kernel modules' `_INTERPRETED`, applied to all of them: kernels.paged_attention has no flag).
-    Triton's own functions it holds (tl.reduce combine functions) are left to require_runnable."""
-    jitted = [f for f in vars(module).values() if isinstance(f, triton.runtime.KernelInterface)
-              and getattr(getattr(f, "fn", None), "__module__", None) == module.__name__]
+    """Whether every @triton.jit function of ours that `module` holds runs in the interpreter (the
+    test behind the kernel modules' `_INTERPRETED`, applied to all of them: kernels.paged_attention
+    has no flag). Triton's own functions it holds (tl.reduce combine functions) are left to
+    require_runnable."""
+    jitted = _own_jitted(module)
     return bool(jitted) and not any(isinstance(f, triton.runtime.JITFunction) for f in jitted)
 
 
 def load_kernels(module_name: str):
-    """Import a kernel module; without CUDA, reload it if its kernels were decorated uninterpreted."""
+    """Import a kernel module; without CUDA, reload it if its kernels were decorated uninterpreted
+    (after reloading the kernel modules it imports helpers from, so that it picks up their new ones)."""
     module = importlib.import_module(module_name)
     if not ON_GPU and not is_interpreted(module):
         # Imported before TRITON_INTERPRET was set: decorate the kernels again.
+        for helper_module in sorted({f.fn.__module__ for f in _own_jitted(module)} - {module_name}):
+            load_kernels(helper_module)
         module = importlib.reload(module)
     return module
 
