@@ -97,6 +97,10 @@ class PromptRounds:
     rounds at that concurrency (other models, other drivers) get prompts of their own."""
 
     def __init__(self, args) -> None:
+        # --reuse-prompts: every round sends the warm-up's prompts again, their prefill
+        # answered from the prefix cache: steps are nearly all decode, tokens come at the
+        # highest rate, the hardest case for the response path.
+        self.reuse = getattr(args, "reuse_prompts", False)
         self.n = {c: num_requests(args, c) for c in args.concurrency}
         self.offsets = {"warm": 0}
         pos = max(self.n.values())
@@ -112,9 +116,11 @@ class PromptRounds:
         return self.offsets["warm"]
 
     def direct(self, c: int) -> int:
-        return self.offsets[c]
+        return self.offsets["warm" if self.reuse else c]
 
     def served(self, c: int) -> int:
+        if self.reuse:
+            return self.offsets["warm"]
         if c not in self._served:
             self._served.add(c)
             return self.offsets[c]
@@ -708,6 +714,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--waves", type=int, default=4, help="requests per run = waves x concurrency")
     ap.add_argument("--models", nargs="+", default=["llm", "llm_bls"],
                     choices=["llm", "llm_bls"])
+    ap.add_argument("--reuse-prompts", action="store_true",
+                    help="every round sends the warm-up round's prompts (prefills answered "
+                         "from the prefix cache: a decode-bound run at the highest token rate)")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine setting for both paths (e.g. max_num_seqs=512)")
     ap.add_argument("--clients", type=int, default=1,
@@ -760,7 +769,7 @@ def main(argv: list[str] | None = None) -> dict:
             "hardware": hardware(), "commit": git_commit(),
             "command": " ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
             "settings": {k: v for k, v in settings.items() if k != "model"},
-            "gpus": gpus, "targets": "c=256: llm >= 90% of direct, llm_bls >= 85%, served TTFT "
+            "gpus": gpus, "reuse_prompts": args.reuse_prompts, "targets": "c=256: llm >= 90% of direct, llm_bls >= 85%, served TTFT "
                                      "p50 <= 1.2x direct; c=1: ms/token within 3%"}
     rows: list[dict] = []
 

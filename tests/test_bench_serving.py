@@ -74,3 +74,12 @@ def test_every_round_sends_prompts_new_to_its_engine():
             assert max(a) < rounds.total
             assert not a & warm
             assert all(not a & b for b in served[i + 1:])
+
+
+def test_reuse_prompts_sends_the_warm_up_prompts_in_every_round():
+    args = bench_serving.main.__globals__["argparse"].Namespace(
+        concurrency=[2, 8], waves=2, models=["llm"], drivers=["perf_analyzer"],
+        reuse_prompts=True)
+    rounds = bench_serving.PromptRounds(args)
+    assert {rounds.direct(2), rounds.direct(8), rounds.served(8), rounds.served(8)} == {
+        rounds.warm()}

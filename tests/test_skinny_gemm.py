@@ -90,7 +90,7 @@ def test_split_k_counters_are_back_at_zero_and_results_repeat():
     gen = torch.Generator().manual_seed(3)
     x, w, b = make_inputs(2, 100, 256, torch.float32, gen)
     first = skinny_gemm(x, w, config=cfg)
-    counters = sg._COUNTERS[torch.device(DEVICE)]
+    counters = sg._COUNTERS[x.device]        # what the launcher keys them by (cuda:0, not cuda)
     assert counters.count_nonzero() == 0
     assert torch.equal(skinny_gemm(x, w, config=cfg), first)
     x2, _, _ = make_inputs(2, 100, 256, torch.float32, gen)
