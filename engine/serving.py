@@ -120,6 +120,7 @@ class ServingEngine:
         self._admit_lock = threading.Lock()
         self._admissions: list[tuple] = []     # submitted, not yet started on the loop
         self._admit_scheduled = False           # a call of _admit is on its way to the loop
+        self._admissions_closed = False         # shutdown: submit() refuses
         self._wakeups: queue.SimpleQueue = queue.SimpleQueue()     # True: wake; False: end
         self.outbox = Outbox(num_senders or config.response_senders, "llm-send")
         try:
@@ -146,15 +147,17 @@ class ServingEngine:
         Cheap, for Triton's execute(), which holds up the model's next request until it
         returns: `inputs` may be a function giving the tensors (read on the loop, not here),
         and this thread makes no system call (_wake_loop)."""
-        if self._stop_reason is not None:
-            send(None, self._stop_reason, True)
-            return
         rid = f"{request_id or 'req'}-{next(self._ids)}"
         with self._admit_lock:
-            self._admissions.append((rid, inputs, send, is_cancelled, request_id))
-            if self._admit_scheduled:
-                return
-            self._admit_scheduled = True
+            closed = self._stop_reason is not None or self._admissions_closed
+            if not closed:
+                self._admissions.append((rid, inputs, send, is_cancelled, request_id))
+                if self._admit_scheduled:
+                    return
+                self._admit_scheduled = True
+        if closed:
+            send(None, self._stop_reason or "the engine was shut down", True)
+            return
         self._wakeups.put(True)             # no system call: this thread keeps the GIL
 
     def stop_serving(self, reason: str) -> None:
@@ -191,6 +194,8 @@ class ServingEngine:
         if self._stopping.is_set():
             return
         self.stop_serving("the engine was shut down")
+        with self._admit_lock:              # from here on submit() refuses: nothing is lost
+            self._admissions_closed = True
         self._wakeups.put(False)
         self._waker.join(STOP_WAIT_S)
         self._admit_rest()
