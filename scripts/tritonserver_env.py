@@ -23,6 +23,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BACKEND_DIR = os.path.join(ROOT, ".triton", "backends")
+PYTHON_THREAD_POOL_SIZE = 64
 
 
 def _pytriton_dir() -> str:
@@ -120,6 +121,10 @@ def server_command(model_repository: str, http_port: int, grpc_port: int, metric
             # default mode, and `llm` can unload itself when its engine dies, which turns its
             # readiness false (the only way to in this Triton version).
             "--model-control-mode=explicit", "--load-model=*",
+            # Server threads per Python model instance for BLS calls (32 by default): llm_bls
+            # keeps up to this many - 1 requests of an instance in llm (its config.pbtxt).
+            # `extra` may give another: the last one counts.
+            f"--backend-config=python,thread-pool-size={PYTHON_THREAD_POOL_SIZE}",
             "--log-info=true"] + list(extra or [])
 
 

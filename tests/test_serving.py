@@ -444,6 +444,144 @@ def test_a_failing_send_ends_the_engine_request(model_dir):
         serving.shutdown()
 
 
+# ---------------------------------------------------------------------------- one llm_bls instance
+def _one_bls_instance_server(model_dir, tmp_path_factory, thread_pool_size, **llm_settings):
+    """A server whose llm_bls has one instance and the Python backend `thread_pool_size`
+    server threads per instance (the last --backend-config counts, over the launcher's)."""
+    repo = tmp_path_factory.mktemp("repo")
+    copy_repository(repo, model_dir, {"dtype": "float32", **SETTINGS, **llm_settings},
+                    keep_params=False)
+    cfg = repo / "llm_bls" / "config.pbtxt"
+    text = cfg.read_text()
+    assert "count: 8 kind: KIND_CPU" in text
+    cfg.write_text(text.replace("count: 8 kind: KIND_CPU", "count: 1 kind: KIND_CPU"))
+    return start_server(repo, log_dir=tmp_path_factory.mktemp("log"), extra_args=[
+        f"--backend-config=python,thread-pool-size={thread_pool_size}"])
+
+
+def _bls_stub_pid(server):
+    (pid,) = [pid for pid, cmdline in server.descendant_pids().items()
+              if "llm_bls/1/model.py" in cmdline]
+    return pid
+
+
+def _num_threads(pid):
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+class _Answers:
+    """Callbacks of async llm_bls requests, counted as they come."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.results = []
+        self.all_in = threading.Event()
+        self.expected = 0
+
+    def callback(self, result, error):
+        with self.lock:
+            self.results.append((result, error))
+            if len(self.results) == self.expected:
+                self.all_in.set()
+
+    def count(self):
+        with self.lock:
+            return len(self.results)
+
+
+def _send_bls(clients, prompts, params, answers):
+    answers.expected += len(prompts)
+    for i, prompt in enumerate(prompts):
+        clients[i % len(clients)].async_infer(
+            "llm_bls", grpc_inputs(prompt, params, stream=False, return_num_output_tokens=True),
+            callback=answers.callback)
+
+
+def _wait_running(server, at_least, what, timeout_s=30.0):
+    """Waits until llm_num_requests_running reaches `at_least`; returns the most seen."""
+    most = 0
+
+    def enough():
+        nonlocal most
+        most = max(most, metric(server, "llm_num_requests_running"))
+        return most >= at_least
+    wait_for(enough, what, timeout_s)
+    return most
+
+
+BLS_POOL = 16      # server threads per instance in the test below: 15 requests in llm at most
+
+
+@pytest.fixture(scope="module")
+def small_pool_server(model_dir, tmp_path_factory):
+    with _one_bls_instance_server(model_dir, tmp_path_factory, BLS_POOL) as s:
+        yield s
+
+
+def test_bls_threads_are_bounded_and_a_cancel_is_passed_on_beyond_the_server_threads(
+        small_pool_server):
+    """40 long requests on one llm_bls instance whose server pool has 16 threads: 15 are in llm
+    at once, the others wait in llm_bls holding no thread, and a cancelled request is aborted
+    in llm while the first 15 still run: its abort (a BLS call) finds the server thread kept
+    free. With a worker per request, or 16 in BLS calls, the abort would wait for one of them
+    to end, and the stub would hold a thread per request."""
+    server, cap = small_pool_server, BLS_POOL - 1
+    assert f"up to {cap} requests in llm at once" in open(server.log_path).read()
+    assert bls_grpc(server, "warm up", greedy(1))["text_output"]    # the pool's first thread
+    pid = _bls_stub_pid(server)
+    threads_before = _num_threads(pid)
+    steps = wait_pool_whole(server)
+    baseline = _abort_baseline(server)
+    clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(4)]
+    client_of_target = grpcclient.InferenceServerClient(server.grpc_url)
+    target = _Answers()
+    _send_bls([client_of_target], ["Cancel me"], endless(), target)
+    wait_for(lambda: metric(server, "llm_engine_steps_total") >= steps + 2,
+             "the target's llm request to run")
+    flood = _Answers()
+    long = greedy(MAX_MODEL_LEN - 32)
+    _send_bls(clients, [f"Flood {i}" for i in range(40)], long, flood)
+    most_running = _wait_running(server, cap, f"{cap} requests in llm")
+    client_of_target.close()          # cancels its request in flight (the target)
+    wait_for(lambda: finished(server, "abort") > baseline[0], "the target to be aborted")
+    assert flood.count() == 0, "the abort waited for a request in llm to end"
+    assert flood.all_in.wait(120), f"{flood.count()} of 40 answered"
+    for result, error in flood.results:
+        assert error is None, error
+        assert result.as_numpy("num_output_tokens")[0] == MAX_MODEL_LEN - 32
+    most_running = max(most_running, metric(server, "llm_num_requests_running"))
+    assert most_running <= cap, most_running
+    # The workers a burst made are kept; none beyond the cap (the warm-up made the first).
+    assert _num_threads(pid) - threads_before <= cap - 1, (threads_before, _num_threads(pid))
+    for c in clients:
+        c.close()
+    wait_pool_whole(server)
+
+
+@pytest.fixture(scope="module")
+def big_pool_server(model_dir, tmp_path_factory):
+    with _one_bls_instance_server(model_dir, tmp_path_factory, 512, max_num_seqs=256,
+                                  num_kv_blocks=4096) as s:
+        yield s
+
+
+def test_one_bls_instance_has_hundreds_of_requests_in_llm_at_once(big_pool_server):
+    server, num_requests = big_pool_server, 256
+    wait_pool_whole(server)
+    clients = [grpcclient.InferenceServerClient(server.grpc_url) for _ in range(8)]
+    answers = _Answers()
+    _send_bls(clients, [f"Request {i}: hello" for i in range(num_requests)], greedy(200),
+              answers)
+    _wait_running(server, 200, "hundreds of llm_bls requests in llm at once")
+    assert answers.all_in.wait(120), f"{answers.count()} of {num_requests} answered"
+    for result, error in answers.results:
+        assert error is None, error
+        assert result.as_numpy("num_output_tokens")[0] == 200
+    for c in clients:
+        c.close()
+    wait_pool_whole(server)
+
+
 # ---------------------------------------------------------------------------- bad input
 def _ids(*values):
     return "INT32", np.array(values, dtype=np.int32)

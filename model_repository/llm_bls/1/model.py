@@ -1,110 +1,126 @@
 """Triton adapter: one non-streaming response per request, over the `llm` model by BLS.
 
-execute() only hands each request to a worker thread and returns None; the worker waits on
-`llm` and sends the single response with the FINAL flag. So many requests run at once on one
-instance and a long one never holds up a short one. A watcher passes cancellations on.
+execute() only registers each request and queues it for a worker; the worker makes the BLS call
+to `llm` and sends the single response with the FINAL flag, so many requests run at once on one
+instance and a long one never holds up a short one. This Triton version has no BLS call that
+does not hold a thread until `llm` answers (engine/bls_calls.py has the evidence), so the
+workers are a bounded pool whose threads wait without the GIL: at most `max_concurrency`
+requests, and one fewer than the server's Python thread pool, are in a BLS call at once; the
+rest wait in the queue, holding no thread. A watcher asks a bounded number of requests per
+round whether their clients cancelled them and aborts their `llm` requests; each request is
+asked once more when llm has answered, before its BLS call's objects may be freed.
 """
 import json
-import threading
-import uuid
+import os
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from engine.protocol import (BLS_REQUEST_ID_PREFIX, INPUT_NAMES, OUTPUT_NAMES,
-                             SCALAR_OVERRIDES, bls_inner_inputs)
+from engine.bls_calls import BlsCalls, python_backend_thread_pool_size
+from engine.protocol import INPUT_NAMES, OUTPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs
 
-_OUTER_INPUTS = INPUT_NAMES + tuple(SCALAR_OVERRIDES) + ("stop_words",)
+_OUTER_INPUTS = frozenset(INPUT_NAMES + tuple(SCALAR_OVERRIDES) + ("stop_words",))
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-_CANCEL_POLL_S = 0.1
 
 
 class TritonPythonModel:
     def initialize(self, args):
         params = json.loads(args["model_config"]).get("parameters", {})
-        workers = int(params.get("max_concurrency", {}).get("string_value", "512"))
-        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="llm_bls")
-        self.inflight = {}                      # inner request id -> outer request
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.watcher = threading.Thread(target=self._watch_cancellations, daemon=True)
-        self.watcher.start()
+        max_concurrency = int(params.get("max_concurrency", {}).get("string_value", "256"))
+        server_threads = python_backend_thread_pool_size(_server_argv())
+        # One server thread stays free for the BLS calls that abort cancelled requests.
+        self.max_in_llm = max(1, min(max_concurrency, server_threads - 1))
+        self.pool = ThreadPoolExecutor(self.max_in_llm, thread_name_prefix="llm_bls")
+        self.calls = BlsCalls(self._cancelled)
+        pb_utils.Logger.log_info(
+            f"llm_bls: up to {self.max_in_llm} requests in llm at once on this instance "
+            f"(max_concurrency {max_concurrency}; the server's Python thread-pool-size "
+            f"{server_threads}, raise it with --backend-config=python,thread-pool-size=N)")
 
     def execute(self, requests):
         for request in requests:
-            self.pool.submit(self._serve, request, request.get_response_sender())
+            call = self.calls.add(request.is_cancelled, request.get_response_sender())
+            self.pool.submit(self._serve, request, call)
         return None
 
     def finalize(self):
-        self.stopping.set()
-        self.watcher.join()
+        # No thread of ours may be inside a pb_utils call once this returns (README).
         self.pool.shutdown(wait=True)
+        self.calls.close()
 
-    def _serve(self, request, sender):
-        inner_id = f"{BLS_REQUEST_ID_PREFIX}{uuid.uuid4().hex}"
+    def _serve(self, request, call):
+        if not self.calls.start(call):
+            return                      # cancelled while it waited: the watcher answered it
+        keep = None
         try:
-            inputs = {}
-            for name in _OUTER_INPUTS:
-                tensor = pb_utils.get_input_tensor_by_name(request, name)
-                if tensor is not None:
-                    inputs[name] = tensor.as_numpy()
-            try:
-                inner = bls_inner_inputs(inputs)
-            except ValueError as e:
-                sender.send(_error(str(e)), flags=_FINAL)
-                return
-            with self.lock:
-                self.inflight[inner_id] = request
-            call = pb_utils.InferenceRequest(
-                model_name="llm", requested_output_names=list(OUTPUT_NAMES),
-                inputs=[pb_utils.Tensor(k, v) for k, v in inner.items()], request_id=inner_id)
-            outputs, error = None, None
-            for response in call.exec(decoupled=True):
-                if response.has_error():
-                    error = response.error().message()
-                elif response.output_tensors():
-                    outputs = [pb_utils.Tensor(t.name(), t.as_numpy())
-                               for t in response.output_tensors()]
-            cancelled = request.is_cancelled()
-            # Once the FINAL response is sent Triton frees the request: the watcher must not
-            # see it any more, so it leaves `inflight` first.
-            self._forget(inner_id)
-            if cancelled:
-                sender.send(_error("request cancelled", pb_utils.TritonError.CANCELLED),
-                            flags=_FINAL)
-            elif error is not None or outputs is None:
-                sender.send(_error(error or "llm returned no output"), flags=_FINAL)
-            else:
-                sender.send(pb_utils.InferenceResponse(output_tensors=outputs), flags=_FINAL)
+            response, keep = _answer_from_llm(request, call.inner_id)
         except Exception as e:  # noqa: BLE001 - the client must always get its final response
-            self._forget(inner_id)
             pb_utils.Logger.log_error(f"llm_bls: {e!r}")
-            sender.send(_error(f"internal error: {e}"), flags=_FINAL)
+            response = _error(f"internal error: {e}")
+        # The BLS call's iterator lives until the stub has dropped its own reference to it
+        # (engine/bls_calls.py): finish's last ask, or a later one, comes after that.
+        if self.calls.finish(call, keep):
+            response = _error("request cancelled", pb_utils.TritonError.CANCELLED)
+        try:
+            call.payload.send(response, flags=_FINAL)
+        except Exception as e:  # noqa: BLE001 - e.g. the request was cancelled and freed
+            pb_utils.Logger.log_error(f"llm_bls: sending the response failed: {e!r}")
 
-    def _forget(self, inner_id):
-        with self.lock:
-            self.inflight.pop(inner_id, None)
+    def _cancelled(self, call, started):
+        """On the watcher's thread: `call`'s client cancelled it."""
+        if started:
+            self.calls.keep_until_next_ask(_abort_in_llm(call.inner_id))
+        else:
+            self.calls.finish(call)
+            call.payload.send(_error("request cancelled", pb_utils.TritonError.CANCELLED),
+                              flags=_FINAL)
 
-    def _watch_cancellations(self):
-        aborted = set()
-        while not self.stopping.wait(_CANCEL_POLL_S):
-            # is_cancelled() under the lock: a request out of `inflight` may be freed already.
-            with self.lock:
-                aborted &= set(self.inflight)
-                cancelled = [inner_id for inner_id, request in self.inflight.items()
-                             if inner_id not in aborted and request.is_cancelled()]
-            for inner_id in cancelled:
-                aborted.add(inner_id)
-                self._abort_inner(inner_id)
 
-    def _abort_inner(self, inner_id):
-        call = pb_utils.InferenceRequest(
-            model_name="llm", requested_output_names=["text_output"],
-            inputs=[pb_utils.Tensor("abort_request_id",
-                                    np.array([inner_id.encode()], dtype=np.object_))])
-        for _ in call.exec(decoupled=True):
-            pass
+def _answer_from_llm(request, inner_id):
+    """The response to send, and what must outlive its sending: the BLS call's iterator (see
+    _serve) and the output tensors (a response sender drops the tensors the client did not ask
+    for without the GIL: never their last reference)."""
+    inputs = {t.name(): t.as_numpy() for t in request.inputs() if t.name() in _OUTER_INPUTS}
+    try:
+        inner = bls_inner_inputs(inputs)
+    except ValueError as e:
+        return _error(str(e)), None
+    call = pb_utils.InferenceRequest(
+        model_name="llm", requested_output_names=list(OUTPUT_NAMES),
+        inputs=[pb_utils.Tensor(k, v) for k, v in inner.items()], request_id=inner_id)
+    outputs, error = None, None
+    # Returns (without the GIL) when llm answers: one response, with the FINAL flag.
+    responses = call.exec(decoupled=True)
+    for response in responses:
+        if response.has_error():
+            error = response.error().message()
+        elif response.output_tensors():
+            outputs = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in response.output_tensors()]
+    if error is not None or outputs is None:
+        return _error(error or "llm returned no output"), responses
+    return pb_utils.InferenceResponse(output_tensors=outputs), (responses, outputs)
+
+
+def _abort_in_llm(inner_id):
+    """Returns the call's iterator, to be dropped after a later ask (see _serve)."""
+    call = pb_utils.InferenceRequest(
+        model_name="llm", requested_output_names=["text_output"],
+        inputs=[pb_utils.Tensor("abort_request_id",
+                                np.array([inner_id.encode()], dtype=np.object_))])
+    responses = call.exec(decoupled=True)
+    for _ in responses:
+        pass
+    return responses
+
+
+def _server_argv():
+    """The tritonserver command line (the stub's parent), for its thread-pool-size."""
+    try:
+        with open(f"/proc/{os.getppid()}/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
+    except OSError:
+        return []
 
 
 def _error(message, code=None):
