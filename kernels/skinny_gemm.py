@@ -19,9 +19,10 @@ Split-K without a second kernel. With SPLIT_K > 1 each program stores its fp32 p
 [BLOCK_N, 16] in a workspace, then (after a barrier, so all its threads' stores come first)
 increments its N tile's counter with an acq_rel atomic. The program that brings the counter to
 SPLIT_K adds the SPLIT_K partials in split order (the same order whichever program is last:
-deterministic), writes y and resets the counter to 0. The counters live per device, zeroed once
-and back at zero after every call, so a CUDA graph replays the kernel alone (no memset, no
-reduce). Calls on one device share them: they must not overlap in time (one stream).
+deterministic), writes y and resets the counter to 0. The counters (kernels/arrival_counters.py)
+live per device, zeroed once and back at zero after every call, so a CUDA graph replays the
+kernel alone (no memset, no reduce). Calls on one device share them: they must not overlap in
+time (one stream).
 
 Layouts: x [M, K] (or [M, 2K] with silu_mul) with unit column stride, any row stride; W [N, K]
 with unit column stride, any row stride; bias [N]; y [M, N] contiguous, x's dtype.
@@ -34,13 +35,14 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrival_counters import arrival_counters
+
 __all__ = ["SkinnyConfig", "candidate_configs", "default_config", "skinny_gemm", "skinny_gemm_ref",
            "MAX_ROWS"]
 
 MAX_ROWS = 16                   # x rows per call: the MMA's narrow side
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -152,17 +154,6 @@ def _num_sms(device: torch.device) -> int:
     return _H200_NUM_SMS
 
 
-def _counters(device: torch.device, needed: int) -> torch.Tensor:
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < needed:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("skinny_gemm: run a split-K call once before CUDA graph capture "
-                               "(its tile counters are allocated, zeroed, on first use)")
-        counters = torch.zeros(max(needed, 8192), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
-
-
 def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -205,7 +196,7 @@ def skinny_gemm(
     num_tiles = triton.cdiv(n, cfg.block_n)
     if num_splits > 1:
         part = torch.empty(num_splits, num_tiles * cfg.block_n, MAX_ROWS, dtype=torch.float32, device=device)
-        counters = _counters(device, num_tiles)
+        counters = arrival_counters("skinny_gemm", device, num_tiles)
     else:
         part = counters = y                             # unused
     _skinny_gemm_kernel[(num_tiles, num_splits)](

@@ -8,6 +8,7 @@ has no bf16), with CUDA on the GPU in bf16 too.
 import pytest
 import torch
 
+from kernels.arrival_counters import arrival_counters
 from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
 sg = load_kernels("kernels.skinny_gemm")
@@ -90,7 +91,8 @@ def test_split_k_counters_are_back_at_zero_and_results_repeat():
     gen = torch.Generator().manual_seed(3)
     x, w, b = make_inputs(2, 100, 256, torch.float32, gen)
     first = skinny_gemm(x, w, config=cfg)
-    counters = sg._COUNTERS[x.device]        # what the launcher keys them by (cuda:0, not cuda)
+    # what the launcher keys them by (cuda:0, not cuda)
+    counters = arrival_counters("skinny_gemm", x.device, 0)
     assert counters.count_nonzero() == 0
     assert torch.equal(skinny_gemm(x, w, config=cfg), first)
     x2, _, _ = make_inputs(2, 100, 256, torch.float32, gen)
