@@ -29,14 +29,27 @@ the extra "sequence" B zeroes the padding rows past cu_seqlens_q[-1]. The tail p
 longest prompts start first.
 
 Split-KV. With num_kv_splits = S > 1 each tile's key range is cut into S pieces (whole BLOCK_N
-steps), each program writes its partial (m, l, acc) to an fp32 workspace, and
-`_reduce_splits_kernel` merges them. This is what lets a few long decode sequences (8k-32k
-context) fill all SMs; `choose_num_kv_splits` picks S for `max_seqlen_q == 1` calls.
+steps), each program writes its partial (m, l, acc) to an fp32 workspace, and the partials are
+merged (log-sum-exp, fp32, split by split in order: `_merge_splits`):
+
+    out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s
+
+either by `_reduce_splits_kernel`, a second launch (`choose_num_kv_splits` picks S for decode
+calls: a few long sequences, 8k-32k keys, fill the SMs), or with merge_in_kernel=True inside the
+same launch: after storing its partial, each program bumps its (sequence, query tile, kv head)
+arrival counter (kernels/arrival_counters.py, acq_rel atomic, after a barrier so the whole
+program's stores come first); the program that arrives last merges the S partials with the same
+`_merge_splits` (so the same bits as the two launches, whichever program is last), writes the
+output and sets the counter back to 0. Without the second launch a split is worth it at short
+contexts too: `choose_fused_kv_splits` picks S so that small decode batches fill the SMs (a
+decode program streams its keys at what one SM pulls), over 64-key steps.
 
 CUDA graphs. The launcher reads no device value: grids come from tensor shapes and the ints
 max_seqlen_q / num_kv_splits; shorter sequences exit early or mask. The caller must pass
 max_seqlen_q >= every q_len (unchecked, as checking would sync). The split workspace is a
-torch.empty per call; under graph capture it comes from the graph's private memory pool.
+torch.empty per call; under graph capture it comes from the graph's private memory pool. The
+arrival counters are allocated on the first merge_in_kernel call, which must come before capture;
+calls on one device must not overlap in time.
 """
 from __future__ import annotations
 
@@ -46,15 +59,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.arrival_counters import arrival_counters
 from kernels.attention_ref import paged_attention_ref
 
-__all__ = ["paged_attention", "paged_attention_ref", "choose_num_kv_splits"]
+__all__ = ["paged_attention", "paged_attention_ref", "choose_num_kv_splits", "choose_fused_kv_splits"]
 
 _LOG2E = 1.4426950408889634
 _HEAD_DIMS = (16, 32, 64, 128, 256)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
 _MAX_GRID_Y = 65535             # grid axis 1 holds B + 1 programs
+_FUSED_DECODE_BLOCK_N = 64      # keys per step of a decode split merged in the kernel
 
 
 # The kernels call Triton builtins only, none of triton's own @triton.jit library functions
@@ -116,6 +131,31 @@ def _attend_keys(
     return acc, m_i, l_i
 
 
+@triton.jit
+def _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, part0, valid,
+                  ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """The merged fp32 output [ROWS, D] of the NUM_SPLITS partials of ROWS (token, head) rows whose
+    split 0 sits at part0 [ROWS]: sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s, M = max_s m_s,
+    added split by split in order (both merges run this: the same bits). Rows not valid read
+    nothing and come back 0. The loads skip L1 (.cg): in the fused kernel other SMs wrote them."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_max = tl.full([ROWS], float("-inf"), dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):   # unrolled: the loads need not wait for each other
+        m_s = tl.load(part_m_ptr + part0 + s, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        m_max = tl.maximum(m_max, m_s)
+    m_max = tl.where(valid, m_max, 0.0)     # finite on valid rows: a split saw the row's own key
+    l_sum = tl.full([ROWS], 0.0, dtype=tl.float32)
+    acc = tl.full([ROWS, HEAD_DIM], 0.0, dtype=tl.float32)
+    for s in tl.static_range(NUM_SPLITS):
+        m_s = tl.load(part_m_ptr + part0 + s, mask=valid, other=float("-inf"), cache_modifier=".cg")
+        w = tl.exp2(m_s - m_max)            # 0 for a split that saw no key of the row
+        l_sum += w * tl.load(part_l_ptr + part0 + s, mask=valid, other=0.0, cache_modifier=".cg")
+        acc_s = tl.load(part_acc_ptr + (part0 + s)[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=valid[:, None], other=0.0, cache_modifier=".cg")
+        acc += w[:, None] * acc_s
+    return acc / tl.where(valid, l_sum, 1.0)[:, None]
+
+
 # Integer arguments that change from step to step are not specialized on (Triton compiles a
 # variant per value class: == 1, divisible by 16, other): otherwise a new mix of batch sizes
 # could compile a kernel in the middle of serving (seconds), long after start-up.
@@ -126,6 +166,7 @@ _VARYING = ["num_seqs", "num_tokens", "num_m_tiles", "stride_bt"]
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,              # [T, Hq, S] x2, [T, Hq, S, D] fp32
+    count_ptr,                                         # [B * m tiles * Hkv] int32, zero
     block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr,
     qk_scale, sliding_window, num_seqs, num_tokens, num_heads, num_m_tiles,
     stride_qt, stride_qh, stride_qd,
@@ -135,7 +176,8 @@ def _paged_attention_kernel(
     stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # Longest-running tiles (last positions of a prompt see the most keys) start first.
     pid_m = num_m_tiles - 1 - tl.program_id(0).to(tl.int64)
@@ -217,16 +259,26 @@ def _paged_attention_kernel(
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION)
 
+    out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     if NUM_SPLITS == 1:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
-        out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
         tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
     else:
         # A split that sees no key of a row stores m = -inf, l = 0, acc = 0 for it.
-        part = (t * num_heads + head) * NUM_SPLITS + split
+        part0 = (t * num_heads + head) * NUM_SPLITS
+        part = part0 + split
         tl.store(part_m_ptr + part, m_i, mask=row_valid)
         tl.store(part_l_ptr + part, l_i, mask=row_valid)
         tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+        if MERGE_IN_KERNEL:
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            counter = count_ptr + (seq * num_m_tiles + pid_m) * (num_heads // GROUP) + kv_head
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel")
+            if arrived == NUM_SPLITS - 1:           # the others' partials are all stored
+                out = _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, part0, row_valid,
+                                    BLOCK_Q, NUM_SPLITS, HEAD_DIM)
+                tl.atomic_xchg(counter, 0)
+                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
 
 
 @triton.jit(do_not_specialize=["num_seqs"])
@@ -234,33 +286,21 @@ def _reduce_splits_kernel(
     out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cu_seqlens_q_ptr,
     num_seqs, num_heads, stride_ot, stride_oh, stride_od,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr,
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
-    """out[t, h] = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s with M = max_s m_s, for ROWS
-    token rows x the G query heads of one kv head (row r = token r // G_PAD, head r % G_PAD)."""
+    """`_merge_splits` for ROWS token rows x the G query heads of one kv head (row r = token
+    r // G_PAD, head r % G_PAD)."""
     pid_t = tl.program_id(0).to(tl.int64)
     kv_head = tl.program_id(1).to(tl.int64)
     offs_r = tl.arange(0, ROWS * G_PAD)
     t = pid_t * ROWS + offs_r // G_PAD
     g = offs_r % G_PAD
-    offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     # Padding rows past cu_seqlens_q[-1] were zeroed by the main kernel and have no partials.
     valid = (g < GROUP) & (t < tl.load(cu_seqlens_q_ptr + num_seqs))
     head = kv_head * GROUP + g
-    base = (t * num_heads + head) * NUM_SPLITS
-    ml_mask = valid[:, None] & (offs_s[None, :] < NUM_SPLITS)
-    m = tl.load(part_m_ptr + base[:, None] + offs_s[None, :], mask=ml_mask, other=float("-inf"))
-    l = tl.load(part_l_ptr + base[:, None] + offs_s[None, :], mask=ml_mask, other=0.0)
-    m_max = tl.where(valid, tl.reduce(m, 1, _MAX), 0.0)  # finite on valid rows: a split saw the own key
-    l_sum = tl.reduce(l * tl.exp2(m - m_max[:, None]), 1, _SUM)
-    acc = tl.full([ROWS * G_PAD, HEAD_DIM], 0.0, dtype=tl.float32)
-    for s in range(NUM_SPLITS):
-        m_s = tl.load(part_m_ptr + base + s, mask=valid, other=0.0)
-        acc_s = tl.load(part_acc_ptr + (base + s)[:, None] * HEAD_DIM + offs_d[None, :],
-                        mask=valid[:, None], other=0.0)
-        acc += acc_s * tl.exp2(m_s - m_max)[:, None]
-    out = acc / tl.where(valid, l_sum, 1.0)[:, None]
+    out = _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, (t * num_heads + head) * NUM_SPLITS,
+                        valid, ROWS * G_PAD, NUM_SPLITS, HEAD_DIM)
     tl.store(out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od,
              out.to(out_ptr.dtype.element_ty), mask=valid[:, None])
 
@@ -273,15 +313,20 @@ class _TileConfig:
     num_stages: int
 
 
-def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
+def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
+                 fused_splits: bool = False) -> _TileConfig:
     """Decode: 16-row tiles (the dot only has to reach tensor-core size; the kernel is bound by
     K/V reads), 128 keys a step. Prefill: 128-row tiles, 128 keys a step, 8 warps (wgmma).
     Chosen from an H200 sweep (scripts/gpu_check_attention.py --sweep) at D = 128; every size
-    here compiles for sm_90 without spilling, save a few bytes with splits and a window."""
+    here compiles for sm_90 without spilling, save a few bytes with splits and a window.
+    fused_splits (decode splits merged in the kernel): 64 keys a step, so that a split can be
+    as short as 64 keys (splits are whole steps): twice as many programs at short contexts."""
     if dtype == torch.float32:
         # An exact fp32 dot (input_precision="ieee") runs on the FMA units; only small tiles stay
         # out of local memory. fp32 on the GPU is a test path, not a fast one.
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
+    if max_seqlen_q == 1 and fused_splits:
+        return _TileConfig(16, 32 if head_dim == 256 else _FUSED_DECODE_BLOCK_N, 4, 3)
     if max_seqlen_q == 1:
         return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
     if head_dim == 256:
@@ -297,6 +342,24 @@ def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
     programs = max(num_seqs * num_kv_heads, 1)
     want = triton.cdiv(2 * num_sms, programs)
     cap = max(max_seqlen_k // min_keys_per_split, 1)
+    return max(1, min(want, cap, max_splits))
+
+
+def choose_fused_kv_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
+                           num_sms: int = _H200_NUM_SMS,
+                           min_keys_per_split: int = _FUSED_DECODE_BLOCK_N,
+                           max_splits: int = 16) -> int:
+    """Splits per (sequence, kv head) for a decode call that merges them in the kernel.
+
+    At small batches a decode program is bound by how fast one SM pulls its keys (H200, bf16,
+    D 128: ~2.5 us per 128 keys of K and V, ~27 GB/s), while the in-kernel merge adds ~1-2 us on
+    the critical path and no launch. So cut the keys until the programs fill the SMs as
+    choose_num_kv_splits does (about two per SM), down to one 64-key step a split, at most 16
+    splits (the last program merges them all). Batch 1 at 8 KV heads: 5 splits at 300 keys,
+    8 at 511, 16 from 1000; 1 split from 33 sequences up (264 programs)."""
+    programs = max(num_seqs * num_kv_heads, 1)
+    want = triton.cdiv(2 * num_sms, programs)
+    cap = triton.cdiv(max(max_seqlen_k, 1), min_keys_per_split)
     return max(1, min(want, cap, max_splits))
 
 
@@ -354,14 +417,17 @@ def paged_attention(
     max_seqlen_q: int,
     max_seqlen_k: int,
     num_kv_splits: int | None = None,
+    merge_in_kernel: bool = False,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of the new query rows, as `paged_attention_ref`. Returns [T, Hq, D].
 
     max_seqlen_q must be >= every sequence's q_len and max_seqlen_k >= every seq_len (neither is
     checked on the device; max_seqlen_k only sizes the split count). num_kv_splits=None: split-KV
-    for decode calls (max_seqlen_q == 1) by `choose_num_kv_splits`, none otherwise; any S >= 1
-    works for any batch. out: optional [T, Hq, D] buffer (any strides) to write into.
+    for decode calls (max_seqlen_q == 1) by `choose_num_kv_splits` (`choose_fused_kv_splits` with
+    merge_in_kernel), none otherwise; any S >= 1 works for any batch. merge_in_kernel: the last
+    program of each (sequence, tile, kv head) merges the splits, no second launch (same bits).
+    out: optional [T, Hq, D] buffer (any strides) to write into.
     """
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     if max_seqlen_q < 1 or max_seqlen_k < 1:
@@ -372,7 +438,8 @@ def paged_attention(
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
     if num_kv_splits is None:
-        num_kv_splits = 1 if max_seqlen_q > 1 else choose_num_kv_splits(
+        choose = choose_fused_kv_splits if merge_in_kernel else choose_num_kv_splits
+        num_kv_splits = 1 if max_seqlen_q > 1 else choose(
             num_seqs, num_kv_heads, max_seqlen_k, _num_sms(q.device))
     if num_kv_splits < 1:
         raise ValueError(f"num_kv_splits must be >= 1 or None, got {num_kv_splits}")
@@ -380,14 +447,15 @@ def paged_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
-    cfg = _pick_config(max_seqlen_q, head_dim, q.dtype)
+    merge_in_kernel = merge_in_kernel and num_kv_splits > 1
+    cfg = _pick_config(max_seqlen_q, head_dim, q.dtype, fused_splits=merge_in_kernel)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
-            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg)
+            out, scale, sliding_window, max_seqlen_q, num_kv_splits, merge_in_kernel, cfg)
     return out
 
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale, sliding_window,
-            max_seqlen_q, num_kv_splits, cfg: _TileConfig) -> None:
+            max_seqlen_q, num_kv_splits, merge_in_kernel, cfg: _TileConfig) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -403,22 +471,26 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
                                dtype=torch.float32, device=q.device)
     else:
         part_m = part_l = part_acc = out     # unused
+    merge_in_kernel = merge_in_kernel and num_kv_splits > 1
+    if merge_in_kernel:                      # one per (sequence, query tile, kv head)
+        counters = arrival_counters("paged_attention", q.device, num_seqs * num_m_tiles * num_kv_heads)
+    else:
+        counters = block_table               # unused (an argument whose alignment is keyed anyway)
     grid = (num_m_tiles, num_seqs + 1, num_kv_heads * num_kv_splits)
     _paged_attention_kernel[grid](
-        q, k_cache, v_cache, out, part_m, part_l, part_acc,
+        q, k_cache, v_cache, out, part_m, part_l, part_acc, counters,
         block_table, cu_seqlens_q, seq_lens,
         scale * _LOG2E, sliding_window or 0, num_seqs, num_tokens, num_heads, num_m_tiles,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_table.stride(0),
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
-        NUM_SPLITS=num_kv_splits, HAS_WINDOW=sliding_window is not None,
+        NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if num_kv_splits > 1:
+    if num_kv_splits > 1 and not merge_in_kernel:
         rows = max(16 // g_pad, 1)
         _reduce_splits_kernel[(triton.cdiv(num_tokens, rows), num_kv_heads)](
             out, part_m, part_l, part_acc, cu_seqlens_q, num_seqs, num_heads, *out.stride(),
-            GROUP=group, G_PAD=g_pad, ROWS=rows, NUM_SPLITS=num_kv_splits,
-            SPLITS_PAD=triton.next_power_of_2(num_kv_splits), HEAD_DIM=head_dim, num_warps=4,
+            GROUP=group, G_PAD=g_pad, ROWS=rows, NUM_SPLITS=num_kv_splits, HEAD_DIM=head_dim, num_warps=4,
         )

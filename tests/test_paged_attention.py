@@ -10,8 +10,8 @@ import torch
 from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
 pa = load_kernels("kernels.paged_attention")
-choose_num_kv_splits, paged_attention, paged_attention_ref = (
-    pa.choose_num_kv_splits, pa.paged_attention, pa.paged_attention_ref)
+choose_num_kv_splits, choose_fused_kv_splits, paged_attention, paged_attention_ref = (
+    pa.choose_num_kv_splits, pa.choose_fused_kv_splits, pa.paged_attention, pa.paged_attention_ref)
 
 
 @pytest.fixture(autouse=True)
@@ -56,13 +56,15 @@ def make_batch(q_lens, ctx_lens, hq, hkv, d, block_size, dtype, seed, pad_rows=3
     return (q, to(k_cache), to(v_cache), to(table), to(cu), to(torch.tensor(ctx_lens, dtype=torch.int32)))
 
 
-def check(args, q_lens, ctx_lens, sliding_window=None, num_kv_splits=None, max_seqlen_q=None):
+def check(args, q_lens, ctx_lens, sliding_window=None, num_kv_splits=None, max_seqlen_q=None,
+          merge_in_kernel=False):
     """Run the kernel into a NaN-poisoned buffer and compare every element with the reference."""
     q = args[0]
     scale = q.shape[-1] ** -0.5
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     got = paged_attention(*args, scale, sliding_window, max_seqlen_q=max_seqlen_q or max(q_lens),
-                          max_seqlen_k=max(ctx_lens), num_kv_splits=num_kv_splits, out=out)
+                          max_seqlen_k=max(ctx_lens), num_kv_splits=num_kv_splits,
+                          merge_in_kernel=merge_in_kernel, out=out)
     assert got is out
     ref = paged_attention_ref(*args, scale, sliding_window)
     atol, rtol = TOLS[q.dtype]
@@ -232,13 +234,14 @@ def test_rejects_mismatched_dtypes():
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and sync checks need a GPU")
-@pytest.mark.parametrize("num_kv_splits", [1, 4])
-def test_cuda_graph_replay_follows_new_lengths(num_kv_splits):
+@pytest.mark.parametrize("num_kv_splits,merge_in_kernel", [(1, False), (4, False), (8, True)])
+def test_cuda_graph_replay_follows_new_lengths(num_kv_splits, merge_in_kernel):
     """Captured once; new seq_lens / cu_seqlens_q / tables written in place change the result."""
     q_lens, ctx = [1, 1, 1, 1], [300, 40, 129, 1]
     q, k_cache, v_cache, table, cu, lens = make_batch(q_lens, ctx, 8, 2, 64, 16, torch.bfloat16, seed=8)
     call = lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 0.125,  # noqa: E731
-                                   max_seqlen_q=2, max_seqlen_k=320, num_kv_splits=num_kv_splits)
+                                   max_seqlen_q=2, max_seqlen_k=320, num_kv_splits=num_kv_splits,
+                                   merge_in_kernel=merge_in_kernel)
     torch.cuda.set_sync_debug_mode("error")     # any host read of a device value raises
     try:
         call()
@@ -259,3 +262,128 @@ def test_cuda_graph_replay_follows_new_lengths(num_kv_splits):
     torch.cuda.synchronize()
     ref = paged_attention_ref(q, k_cache, v_cache, table, cu, lens, 0.125)
     torch.testing.assert_close(out, ref, atol=1.5e-2, rtol=1e-2)
+
+
+# ---- splits merged inside the kernel (merge_in_kernel) --------------------------------------
+
+def _counters_of(device) -> torch.Tensor:
+    from kernels.arrival_counters import arrival_counters
+    return arrival_counters("paged_attention", torch.device(device) if isinstance(device, str) else device, 0)
+
+
+# Decode rows of lengths 1, a block's worth, past a 64-key step, not multiples of the block, an
+# empty row; a group of 3 query heads (padded to 4 in the tile) besides 4 and 1.
+FUSED_Q = [1, 1, 1, 0, 1, 1, 1]
+FUSED_CTX = [1, 16, 70, 9, 129, 33, 200]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("hq,hkv,d,window", [(8, 2, 32, None), (6, 2, 16, 40), (4, 4, 64, None), (3, 1, 32, 7)])
+@pytest.mark.parametrize("num_kv_splits", [2, 3, 16])
+def test_merge_in_kernel_matches_reference(dtype, hq, hkv, d, window, num_kv_splits):
+    args = make_batch(FUSED_Q, FUSED_CTX, hq, hkv, d, 16, dtype, seed=hq + d + num_kv_splits)
+    check(args, FUSED_Q, FUSED_CTX, sliding_window=window, num_kv_splits=num_kv_splits,
+          merge_in_kernel=True)
+    assert _counters_of(args[0].device).count_nonzero() == 0
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_merge_in_kernel_on_a_mixed_batch(window):
+    # Prompt tiles too: a counter per (sequence, query tile, kv head).
+    args = make_batch(MIXED_Q, MIXED_CTX, 4, 2, 16, 16, torch.float32, seed=15)
+    check(args, MIXED_Q, MIXED_CTX, sliding_window=window, num_kv_splits=3, merge_in_kernel=True)
+    assert _counters_of(args[0].device).count_nonzero() == 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_kv_splits,window", [(2, None), (5, None), (8, 50), (16, None)])
+def test_merge_in_kernel_is_bitwise_the_merge_kernel(dtype, num_kv_splits, window):
+    """With the same tiling the two paths store the same partials, and both merge them with
+    `_merge_splits` (the same operations in the same split order; the max is exact): bitwise
+    equal, not only within fp32 rounding. (The public call tiles a fused decode 64 keys a step,
+    the separate merge 128, so there they agree to rounding only: compared in the test above.)"""
+    q_lens, ctx = [1, 1, 1, 1, 0, 1], [300, 1, 47, 129, 5, 64]
+    q, k_cache, v_cache, table, cu, lens = make_batch(q_lens, ctx, 8, 2, 32, 16, dtype, seed=num_kv_splits)
+    cfg = pa._pick_config(1, 32, dtype, fused_splits=True)
+    got = {}
+    for fused in (True, False):       # fused first: its workspace holds no partials of the other
+        out = torch.full(q.shape, float("nan"), dtype=dtype, device=q.device)
+        pa._launch(q, k_cache, v_cache, table, cu, lens, out, 0.2, window, 1, num_kv_splits, fused, cfg)
+        got[fused] = out
+    assert torch.equal(got[True], got[False])
+    torch.testing.assert_close(got[True], paged_attention_ref(q, k_cache, v_cache, table, cu, lens, 0.2, window),
+                               atol=TOLS[dtype][0], rtol=TOLS[dtype][1])
+
+
+def test_merge_in_kernel_leaves_counters_at_zero_and_repeats_bitwise():
+    """The last program of each head sets its counter back to 0: the next call (a graph replay)
+    finds every counter zeroed and merges again; the same inputs give the same bits, new values
+    new results. (The interpreter runs programs one after another, so which program is last is
+    fixed here; scripts/gpu_check_decode_kernels.py repeats graph replays on the GPU.)"""
+    q_lens, ctx = [1, 1, 1], [200, 33, 1]
+    q, k_cache, v_cache, table, cu, lens = make_batch(q_lens, ctx, 8, 2, 32, 16, torch.float32, seed=12)
+    run = lambda: paged_attention(q, k_cache, v_cache, table, cu, lens, 0.3, max_seqlen_q=1,  # noqa: E731
+                                  max_seqlen_k=200, num_kv_splits=4, merge_in_kernel=True)
+    first = run()
+    counters = _counters_of(q.device)
+    assert counters.count_nonzero() == 0
+    assert torch.equal(run(), first)
+    v_cache[int(table[0, 5])] += 1.0             # positions 80..95 of sequence 0
+    again = run()
+    assert not torch.allclose(again[0], first[0]) and torch.equal(again[1:], first[1:])
+    torch.testing.assert_close(again, paged_attention_ref(q, k_cache, v_cache, table, cu, lens, 0.3),
+                               atol=1e-4, rtol=1.3e-6)
+    assert counters.count_nonzero() == 0
+
+
+def test_merge_in_kernel_picks_its_splits_itself():
+    q_lens, ctx = [1], [300]
+    assert choose_fused_kv_splits(1, 2, 300) == 5         # cdiv(300, 64)
+    args = make_batch(q_lens, ctx, 4, 2, 16, 16, torch.float16, seed=13)
+    check(args, q_lens, ctx, merge_in_kernel=True)
+
+
+def test_choose_fused_kv_splits():
+    # Batch 1 of a Llama-3.1-8B-shaped model (8 KV heads): many splits even at short contexts.
+    assert choose_fused_kv_splits(1, 8, 300) == 5           # one 64-key step each
+    assert choose_fused_kv_splits(1, 8, 511) == 8
+    assert choose_fused_kv_splits(1, 8, 1023) == 16
+    assert choose_fused_kv_splits(1, 8, 32767) == 16        # the last program merges them all
+    assert choose_fused_kv_splits(4, 8, 4000) == 9          # cdiv(264, 32): two programs per SM
+    assert choose_fused_kv_splits(16, 8, 4000) == 3
+    assert choose_fused_kv_splits(64, 8, 4000) == 1         # 512 programs fill the SMs already
+    assert choose_fused_kv_splits(1, 8, 1) == 1 and choose_fused_kv_splits(1, 8, 64) == 1
+    assert choose_fused_kv_splits(1, 8, 65) == 2            # two 64-key steps
+    for b in (1, 2, 3, 4, 8, 16, 24, 32, 40):
+        for ctx in (1, 100, 300, 511, 1000, 4000, 32767):
+            s = choose_fused_kv_splits(b, 8, ctx)
+            assert 1 <= s <= min(16, -(-ctx // 64))
+            # never fewer than the separate merge picks, but where that wants more than 16
+            assert s >= choose_num_kv_splits(b, 8, ctx) or s == 16
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_merge_in_kernel_graph_replays_agree_bitwise():
+    """On the GPU the last program of a head is whichever finishes last: replays of one graph
+    (the programs racing differently each time) give the same bits and the separate merge's."""
+    q_lens, ctx = [1] * 4, [300, 1000, 77, 1]
+    q, k_cache, v_cache, table, cu, lens = make_batch(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16, seed=14)
+    cfg = pa._pick_config(1, 128, torch.bfloat16, fused_splits=True)
+    want = torch.empty_like(q)
+    pa._launch(q, k_cache, v_cache, table, cu, lens, want, 0.088, None, 1, 16, False, cfg)
+    out = torch.empty_like(q)
+    call = lambda: pa._launch(q, k_cache, v_cache, table, cu, lens, out, 0.088, None, 1, 16, True, cfg)  # noqa: E731
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        call()
+    for _ in range(200):
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+    assert _counters_of(q.device).count_nonzero() == 0
