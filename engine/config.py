@@ -39,6 +39,11 @@ class EngineConfig:
     # GPU: rotary embedding and the KV-cache write as one kernel (kernels/rotary_write_kv.py);
     # false: the two kernels (kernels/rotary.py, kernels/kv_cache.py). Same numbers either way.
     fuse_rope_kv_write: bool = True
+    # GPU decode graphs: split-KV attention merges its splits in the same kernel (the last
+    # program of a head merges; kernels/paged_attention.py), so small batches take many splits
+    # even at short contexts (choose_fused_kv_splits); false: the separate merge kernel and its
+    # split rule (one split under 512 keys). Same numbers to fp32 rounding.
+    fuse_kv_split_merge: bool = True
     # GPU, projections of up to 16 rows (decode): "auto" times cuBLAS against the Triton skinny
     # GEMM (kernels/skinny_gemm.py) per shape and row count at start-up and runs the faster
     # (engine/gemm_tuning.py); "off": cuBLAS only.
@@ -131,7 +136,7 @@ class EngineConfig:
         if self.cpu_threads is not None:
             _int_at_least("cpu_threads", self.cpu_threads, 1)
         for name in ("enable_prefix_caching", "enable_prefix_groups", "enable_cascade_attention",
-                     "async_scheduling", "fuse_rope_kv_write"):
+                     "async_scheduling", "fuse_rope_kv_write", "fuse_kv_split_merge"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)

@@ -23,8 +23,12 @@ Split-KV: at small batches attention cuts each sequence's keys into pieces to fi
 lone 300-token sequence ran 32 splits and a merge in every layer (5.13 ms/token at
 max_model_len 8192 against 4.72 at 320 on the H200). So a size gets a plain graph per split
 count that the context lengths in KV_SPLIT_CONTEXTS (and max_model_len) call for, and a step
-replays the one its longest sequence calls for. From about 33 rows (8 KV heads) up every
-length gets one split: one graph.
+replays the one its longest sequence calls for (`decode_kv_splits`). With kv_merge_in_kernel
+(EngineConfig.fuse_kv_split_merge, the default) the splits merge inside the attention kernel
+and `choose_fused_kv_splits` counts them: about two programs per SM, one 64-key step a split
+at least, 16 at most (8 KV heads: batch 1 replays 8 splits up to 511 keys and 16 beyond, batch 4
+8 or 9, batch 16 three, from 33 rows one). Without it `choose_num_kv_splits` does, for the
+separate merge kernel: one split under 512 keys, from about 33 rows every length one split.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ import torch
 
 from engine.host_copy import copy_into
 from engine.models.attention import AttentionMetadata
-from kernels.paged_attention import choose_num_kv_splits
+from kernels.paged_attention import choose_fused_kv_splits, choose_num_kv_splits
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +48,19 @@ CASCADE_GROUP_ROWS = 16
 # Longest contexts of each plain-graph variant: one under 512 * 2^k, the most keys for which
 # choose_num_kv_splits (256 keys a split at least) still picks the smaller count.
 KV_SPLIT_CONTEXTS = tuple(512 * 2**k - 1 for k in range(7))       # 511 ... 32767
+
+
+def split_contexts(max_seqlen_k: int) -> list[int]:
+    """The context bounds plain decode graphs are captured for, under max_seqlen_k."""
+    return [c for c in KV_SPLIT_CONTEXTS if c < max_seqlen_k] + [max_seqlen_k]
+
+
+def decode_kv_splits(size: int, num_kv_heads: int, context: int, merge_in_kernel: bool) -> int:
+    """The split-KV count of the plain graph for `size` rows whose longest sequence has up to
+    `context` keys (one of split_contexts)."""
+    if merge_in_kernel:
+        return choose_fused_kv_splits(size, num_kv_heads, context)
+    return choose_num_kv_splits(size, num_kv_heads, context)
 
 
 def cascade_max_groups(size: int) -> int:
@@ -58,9 +75,11 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
 class DecodeGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int,
                  max_seqlen_k: int, device: torch.device, use_graphs: bool,
-                 cascade_splits: dict[int, tuple[int, ...]] | None = None) -> None:
+                 cascade_splits: dict[int, tuple[int, ...]] | None = None,
+                 kv_merge_in_kernel: bool = False) -> None:
         """cascade_splits: per batch size, the prefix split counts to capture cascade graphs
-        for; None: no cascade graphs."""
+        for; None: no cascade graphs. kv_merge_in_kernel: plain graphs merge attention's
+        splits inside its kernel (and count them by that rule)."""
         self.model = model
         self.kv_caches = kv_caches
         self.max_batch = max_batch
@@ -78,7 +97,8 @@ class DecodeGraphs:
         # (size, KV splits) -> graph and its logits
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_kv_heads = model.config.num_key_value_heads
-        self.contexts = [c for c in KV_SPLIT_CONTEXTS if c < max_seqlen_k] + [max_seqlen_k]
+        self.kv_merge_in_kernel = kv_merge_in_kernel
+        self.contexts = split_contexts(max_seqlen_k)
         self._pool = None
         self.cascade_splits = {b: s for b, s in (cascade_splits or {}).items()
                                if b in self.sizes and b >= 2}
@@ -97,7 +117,7 @@ class DecodeGraphs:
         """The split-KV count of the plain graph a step of `size` rows replays when its longest
         sequence has max_seqlen_k keys: what the next captured context length calls for."""
         context = next(c for c in self.contexts if c >= max_seqlen_k)
-        return choose_num_kv_splits(size, self.num_kv_heads, context)
+        return decode_kv_splits(size, self.num_kv_heads, context, self.kv_merge_in_kernel)
 
     def kv_split_variants(self, size: int) -> list[int]:
         """The split-KV counts captured for a size, largest first."""
@@ -108,7 +128,8 @@ class DecodeGraphs:
         meta = AttentionMetadata(
             slot_mapping=self.slot_mapping[:batch], block_table=self.block_table[:batch],
             cu_seqlens_q=self.cu_seqlens_q[:batch + 1], seq_lens=self.seq_lens[:batch],
-            max_seqlen_q=1, max_seqlen_k=max_seqlen_k, num_kv_splits=kv_splits)
+            max_seqlen_q=1, max_seqlen_k=max_seqlen_k, num_kv_splits=kv_splits,
+            kv_merge_in_kernel=self.kv_merge_in_kernel and splits is None)
         if splits is not None:
             meta.prefix_lens = self.prefix_lens[:batch]
             meta.cu_group_seqs = self.cu_group_seqs[:cascade_max_groups(batch) + 1]

@@ -224,7 +224,8 @@ class ModelRunner:
                 self.model, self.kv_caches, self.config.max_num_seqs,
                 -(-max_model_len // self.block_size), max_model_len, self.device,
                 use_graphs=self.device.type == "cuda",
-                cascade_splits=self.cascade.graph_splits(self.config.max_num_seqs))
+                cascade_splits=self.cascade.graph_splits(self.config.max_num_seqs),
+                kv_merge_in_kernel=self.config.fuse_kv_split_merge)
             self.decode_graphs.capture()
             if self.device.type == "cuda":
                 self.piecewise = PiecewiseGraphs(

@@ -70,10 +70,13 @@ def test_short_contexts_replay_a_graph_with_fewer_kv_splits(model_dir):
     """A graph fixes attention's split-KV count. Each size has a plain graph per count that a
     context length up to max_model_len calls for; a step replays the one for its longest
     sequence: a short context gets what an eager step would pick (one split: no merge), the
-    longest what the single graph per size had."""
+    longest what the single graph per size had. (With the separate merge kernel:
+    fuse_kv_split_merge=False.)"""
     from kernels.paged_attention import choose_num_kv_splits
-    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=512, max_num_seqs=8)
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=512, max_num_seqs=8,
+              fuse_kv_split_merge=False)
     g = llm.core.runner.decode_graphs
+    assert not g.kv_merge_in_kernel
     assert g.contexts == [511, 1023, 1024]        # the tiny model's max_model_len: 1024
     for size in g.sizes:
         variants = g.kv_split_variants(size)
@@ -86,25 +89,55 @@ def test_short_contexts_replay_a_graph_with_fewer_kv_splits(model_dir):
     assert len(g.kv_split_variants(1)) > 1 and g.kv_splits(1, 300) == 1
 
 
+def test_splits_merged_in_kernel_give_small_batches_many_splits(model_dir):
+    """The default (fuse_kv_split_merge): attention merges its splits in its own kernel, so a
+    lone sequence takes many even at short contexts (choose_fused_kv_splits at the captured
+    context bound): the tiny model's 2 KV heads want 132 splits, 511 keys allow 8, 1023 keys 16.
+    Batch 8 (16 programs a split) takes 16 too: the rule counts programs, not rows."""
+    from engine.cuda_graphs import decode_kv_splits
+    from kernels.paged_attention import choose_fused_kv_splits
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=512, max_num_seqs=8)
+    g = llm.core.runner.decode_graphs
+    assert g.kv_merge_in_kernel and g.contexts == [511, 1023, 1024]
+    assert g.kv_splits(1, 300) == 8 and g.kv_splits(1, 511) == 8
+    assert g.kv_splits(1, 600) == 16 and g.kv_splits(1, 1024) == 16
+    assert g.kv_split_variants(1) == [16, 8]
+    for size in g.sizes:
+        for length in (1, 300, 600, 1024):
+            context = next(c for c in g.contexts if c >= length)
+            assert g.kv_splits(size, length) == choose_fused_kv_splits(size, g.num_kv_heads, context)
+            assert g.kv_splits(size, length) == decode_kv_splits(size, g.num_kv_heads, context, True)
+    # An 8B-shaped model (8 KV heads): 8 splits at batch 1 up to 511 keys, 3 at batch 16, 1 at 40.
+    assert [decode_kv_splits(b, 8, 511, True) for b in (1, 4, 16, 40)] == [8, 8, 3, 1]
+    assert [decode_kv_splits(b, 8, 4095, True) for b in (1, 4, 16, 40)] == [16, 9, 3, 1]
+    assert decode_kv_splits(1, 8, 511, False) == 1
+
+
 class _CountedKernel:
     """Stands in for a @triton.jit kernel: counts launches and their NUM_SPLITS."""
 
     def __init__(self, kernel):
-        self.kernel, self.splits = kernel, []
+        self.kernel, self.splits, self.merged_in_kernel = kernel, [], []
 
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.splits.append(kwargs.get("NUM_SPLITS"))
+            self.merged_in_kernel.append(kwargs.get("MERGE_IN_KERNEL"))
             return self.kernel[grid](*args, **kwargs)
         return launch
 
 
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-def test_batch1_short_context_step_runs_one_attention_kernel_per_layer(model_dir, monkeypatch):
-    """Issue 13: a lone sequence of ~300 tokens replays the one-split plain graph, whose layers
-    each launch one attention kernel (one program per KV head over the whole context, no split
-    workspace) and no _reduce_splits_kernel; at 600 tokens the 3-split graph merges per layer.
-    The Triton kernels run interpreted through the padded decode path (what a graph captures)."""
+@pytest.mark.parametrize("merge_in_kernel", [False, True])
+def test_batch1_short_context_step_runs_one_attention_kernel_per_layer(model_dir, monkeypatch,
+                                                                       merge_in_kernel):
+    """Issue 13: with the separate merge kernel, a lone sequence of ~300 tokens replays the
+    one-split plain graph, whose layers each launch one attention kernel (one program per KV
+    head over the whole context, no split workspace) and no _reduce_splits_kernel; at 600
+    tokens the 3-split graph merges per layer. With the splits merged in the kernel it replays
+    8 splits at 300 tokens and 16 at 600, still one attention launch per layer and no merge
+    kernel, and the logits agree with the separate merge's. The Triton kernels run interpreted
+    through the padded decode path (what a graph captures)."""
     import torch
 
     from engine.cuda_graphs import DecodeGraphs
@@ -118,8 +151,9 @@ def test_batch1_short_context_step_runs_one_attention_kernel_per_layer(model_dir
     shape = (64, 16, config.num_key_value_heads, config.head_dim)
     caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
     graphs = DecodeGraphs(model, caches, max_batch=1, max_blocks_per_seq=64, max_seqlen_k=1024,
-                          device=torch.device("cpu"), use_graphs=False)
-    for context, want_splits in ((300, 1), (600, 3)):
+                          device=torch.device("cpu"), use_graphs=False,
+                          kv_merge_in_kernel=merge_in_kernel)
+    for context, want_splits in (((300, 8), (600, 16)) if merge_in_kernel else ((300, 1), (600, 3))):
         assert graphs.kv_splits(1, context) == want_splits
         attention = _CountedKernel(pa._paged_attention_kernel)
         merge = _CountedKernel(pa._reduce_splits_kernel)
@@ -131,4 +165,13 @@ def test_batch1_short_context_step_runs_one_attention_kernel_per_layer(model_dir
         monkeypatch.undo()
         assert logits.shape == (1, config.vocab_size) and logits.isfinite().all()
         assert attention.splits == [want_splits] * config.num_hidden_layers
-        assert len(merge.splits) == (0 if want_splits == 1 else config.num_hidden_layers)
+        assert attention.merged_in_kernel == [merge_in_kernel] * config.num_hidden_layers
+        separate_merges = 0 if want_splits == 1 or merge_in_kernel else config.num_hidden_layers
+        assert len(merge.splits) == separate_merges
+        if merge_in_kernel:     # the same step with the separate merge kernel's graph
+            graphs.kv_merge_in_kernel = False
+            apart = graphs.run(np.array([5]), np.array([context - 1]), np.array([context - 1]),
+                               np.arange(num_blocks, dtype=np.int32)[None],
+                               np.array([context], dtype=np.int32))
+            graphs.kv_merge_in_kernel = True
+            torch.testing.assert_close(logits, apart, atol=1e-4, rtol=1.3e-6)

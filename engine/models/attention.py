@@ -30,6 +30,7 @@ class AttentionMetadata:
     max_seqlen_q: int
     max_seqlen_k: int
     num_kv_splits: int | None = None  # decode split-KV count, fixed for a CUDA graph
+    kv_merge_in_kernel: bool = False  # the splits merge in the attention kernel (no second launch)
     # The first num_decodes sequences have one query row each. In a mixed step (prompt chunks
     # too) the GPU kernel runs them apart: a prompt chunk's tiles are 32 positions tall, and a
     # decode row in one would waste most of it (measured on the H200: 282 us a layer for 256
@@ -118,7 +119,8 @@ def triton_backend() -> AttentionBackend:
         return paged_attention(q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q,
                                attn.seq_lens, scale, sliding_window,
                                max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k,
-                               num_kv_splits=attn.num_kv_splits, out=out)
+                               num_kv_splits=attn.num_kv_splits,
+                               merge_in_kernel=attn.kv_merge_in_kernel, out=out)
     return AttentionBackend("triton", write_kv, run, rotary_write_kv)
 
 
