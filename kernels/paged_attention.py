@@ -450,12 +450,12 @@ def paged_attention(
     merge_in_kernel = merge_in_kernel and num_kv_splits > 1
     cfg = _pick_config(max_seqlen_q, head_dim, q.dtype, fused_splits=merge_in_kernel)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
-            out, scale, sliding_window, max_seqlen_q, num_kv_splits, merge_in_kernel, cfg)
+            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel)
     return out
 
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale, sliding_window,
-            max_seqlen_q, num_kv_splits, merge_in_kernel, cfg: _TileConfig) -> None:
+            max_seqlen_q, num_kv_splits, cfg: _TileConfig, merge_in_kernel: bool = False) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]

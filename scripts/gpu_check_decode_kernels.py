@@ -8,11 +8,16 @@
    down and down with SiLU-and-mul folded in (against silu_and_mul + F.linear): error of both
    against the fp32 product, time per row count for the engine's candidate configs (and with
    --sweep a wider set at one row).
-3. Batch-1 decode attention at 300/1000/4000 tokens of context per split-KV count.
+3. Decode attention at batch 1, 4, 16 and 300/1000/4000 tokens of context: the split-KV
+   count the engine picks with the separate merge kernel against the splits merged in the
+   kernel (fuse_kv_split_merge) and other fused counts (and key steps at batch 1); error
+   against the fp32 reference, --replays graph replays of each fused call bitwise equal (the
+   last-arriving program races), fused vs the merge kernel at the same tiling bitwise.
 4. The engine (scripts/gpu_decode_step.py; Llama-3.1-8B preset, dummy weights, max_num_seqs 1):
-   the start-up GEMM choice, then per variant (new kernels on; both off; fused RoPE + KV write
-   only) the GPU time of one batch-1 decode step replayed from its CUDA graph at --context
-   tokens, ms/token of a greedy generation, and the step's kernels (torch.profiler).
+   the start-up GEMM choice, then per variant (new kernels on; on but the splits merged by the
+   separate kernel; all off; fused RoPE + KV write only) the GPU time of one batch-1 decode step
+   replayed from its CUDA graph at --context tokens, ms/token of a greedy generation, and the
+   step's kernels (torch.profiler).
 Sections run in the order 1, 4, 2, 3; the JSON is rewritten after each.
 
 Timing: each measured call is captured --rotate times (one weight tensor / buffer set each, so
@@ -40,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from kernels import skinny_gemm as sg  # noqa: E402
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.kv_cache import write_kv  # noqa: E402
-from kernels.paged_attention import choose_num_kv_splits, paged_attention, paged_attention_ref  # noqa: E402
+from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
 from kernels.rotary import build_cos_sin_cache, rotary_embedding  # noqa: E402
 from kernels.rotary_write_kv import rotary_write_kv, rotary_write_kv_ref  # noqa: E402
 
@@ -49,6 +54,7 @@ DTYPE, DEV = torch.bfloat16, "cuda"
 PROJECTIONS = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (2 * INTER, 4096),
                "down_proj": (4096, INTER)}
 # --sweep: (block_n, block_k, num_warps, num_stages, programs per SM) beyond the engine's own
+ATTENTION_BATCHES, ATTENTION_CONTEXTS = (1, 4, 16), (300, 1000, 4000)
 SWEEP_TILES = [(64, 64, 4, 4, 4), (64, 256, 4, 4, 1), (128, 64, 4, 4, 2), (16, 512, 4, 2, 2), (32, 128, 4, 4, 4),
                (128, 128, 4, 4, 1)]
 
@@ -219,30 +225,106 @@ def check_skinny(args, out: dict) -> None:
     out["skinny_gemm"] = rows
 
 
+def _attention_case(batch: int, context: int, num_blocks: int, gen) -> tuple:
+    """q [B, Hq, D] and one decode row per sequence over `context` keys each (the sequences'
+    blocks drawn at random from the pool, so they are scattered as in a served cache)."""
+    need = triton.cdiv(context, BLOCK)
+    table = torch.randperm(num_blocks, device=DEV, generator=gen)[:batch * need].int().view(batch, need)
+    cu = torch.arange(batch + 1, dtype=torch.int32, device=DEV)
+    lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+    q = torch.randn(batch, HQ, D, device=DEV, generator=gen).to(DTYPE)
+    return q, table, cu, lens
+
+
+def _replays_bitwise(call, out: torch.Tensor, replays: int) -> int:
+    """Replays of one captured call (its last program racing anew each time) whose output
+    differs from the first replay's: 0 if the in-kernel merge is race-free."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        call()
+    graph.replay()
+    first = out.clone()
+    differing = 0
+    for _ in range(replays):
+        out.fill_(float("nan"))
+        graph.replay()
+        differing += int(not torch.equal(out, first))
+    del graph
+    return differing
+
+
 def check_attention(args, out: dict) -> None:
+    """Decode attention as the engine's graphs run it, per (batch, context): the separate merge
+    kernel at choose_num_kv_splits' count (the engine before fuse_kv_split_merge; 1 split is
+    the single-program path) against the splits merged in the kernel at choose_fused_kv_splits'
+    count, plus other fused counts, and at batch 1 other key steps (BLOCK_N) for the fused
+    count. Counts are those of the captured context bound (engine/cuda_graphs.py), as a graph
+    of an 8B engine with max_model_len 8192 would replay."""
+    from engine.cuda_graphs import decode_kv_splits, split_contexts
+    from kernels import paged_attention as pa
+    from kernels.arrival_counters import arrival_counters
     gen = torch.Generator(device=DEV).manual_seed(2)
-    num_blocks = 4096 // BLOCK + 8
+    batches, contexts = ATTENTION_BATCHES, ATTENTION_CONTEXTS
+    num_blocks = max(batches) * triton.cdiv(max(contexts), BLOCK) + 8
     caches = [(torch.randn(num_blocks, BLOCK, HKV, D, device=DEV, generator=gen).to(DTYPE),
                torch.randn(num_blocks, BLOCK, HKV, D, device=DEV, generator=gen).to(DTYPE)) for _ in range(args.rotate)]
+    bounds = split_contexts(8192)
+    scale = D ** -0.5
     rows = []
-    for context in (300, 1000, 4000):
-        table = torch.randperm(num_blocks, device=DEV, generator=gen)[:triton.cdiv(context, BLOCK)].int()[None]
-        cu = torch.tensor([0, 1], dtype=torch.int32, device=DEV)
-        lens = torch.tensor([context], dtype=torch.int32, device=DEV)
-        q = torch.randn(1, HQ, D, device=DEV, generator=gen).to(DTYPE)
-        ref = paged_attention_ref(q.float(), caches[0][0].float(), caches[0][1].float(), table, cu, lens, D ** -0.5)
-        row = {"context": context, "engine_splits": choose_num_kv_splits(1, HKV, context), "by_splits": {}}
-        for splits in sorted({1, 2, 4, 8, 16, row["engine_splits"]}):
-            def call(kc, vc, splits=splits):
-                return paged_attention(q, kc, vc, table, cu, lens, D ** -0.5, max_seqlen_q=1, max_seqlen_k=context,
-                                       num_kv_splits=splits)
-            us = graph_us([lambda kc=kc, vc=vc: call(kc, vc) for kc, vc in caches])
-            row["by_splits"][splits] = {**err(call(*caches[0]), ref), "us": us,
-                                        "GB_per_s": context * HKV * D * 2 * 2 / us / 1e3}
-        rows.append(row)
-        print(f"decode attention B=1 context {context:5d} (engine: {row['engine_splits']} splits): " + ", ".join(
-            f"{s} splits {r['us']:.2f} us" for s, r in row["by_splits"].items()))
-    out["attention_batch1"] = rows
+    for batch in batches:
+        for context in contexts:
+            q, table, cu, lens = _attention_case(batch, context, num_blocks, gen)
+            bound = next(c for c in bounds if c >= context)
+            apart = decode_kv_splits(batch, HKV, bound, merge_in_kernel=False)
+            fused = decode_kv_splits(batch, HKV, bound, merge_in_kernel=True)
+            ref = paged_attention_ref(q.float(), caches[0][0].float(), caches[0][1].float(), table, cu, lens, scale)
+            row = {"batch": batch, "context": context, "context_bound": bound, "engine_splits_apart": apart,
+                   "engine_splits_fused": fused, "variants": {}}
+            variants = [(f"apart_s{s}", s, False, None) for s in sorted({1, apart})]
+            variants += [(f"fused_s{s}", s, True, None) for s in sorted({fused, 4, 8, 16}) if s > 1]
+            if batch == 1:
+                variants += [(f"fused_s{fused}_n{n}", fused, True, n) for n in (32, 128)]
+            for name, splits, merge, block_n in variants:
+                def call(kc, vc, o=None, splits=splits, merge=merge, block_n=block_n):
+                    if block_n is None:
+                        return paged_attention(q, kc, vc, table, cu, lens, scale, max_seqlen_q=1, max_seqlen_k=bound,
+                                               num_kv_splits=splits, merge_in_kernel=merge, out=o)
+                    o = torch.empty_like(q) if o is None else o
+                    cfg = pa._TileConfig(16, block_n, 4, 3)
+                    pa._launch(q, kc, vc, table, cu, lens, o, scale, None, 1, splits, cfg, merge)
+                    return o
+                us = graph_us([lambda kc=kc, vc=vc: call(kc, vc) for kc, vc in caches])
+                r = {**err(call(*caches[0]), ref), "splits": splits, "merge_in_kernel": merge,
+                     "block_n": block_n or pa._pick_config(1, D, DTYPE, merge and splits > 1).block_n, "us": us,
+                     "GB_per_s": batch * context * HKV * D * 2 * 2 / us / 1e3}
+                if merge:
+                    o = torch.empty_like(q)
+                    r["replays_differing"] = _replays_bitwise(lambda o=o: call(*caches[0], o), o, args.replays)
+                    r["counters_zero"] = arrival_counters("paged_attention", q.device, 0).count_nonzero().item() == 0
+                row["variants"][name] = r
+            # Same tiling, the two merges: bitwise (both run _merge_splits), or how far apart.
+            cfg = pa._pick_config(1, D, DTYPE, fused_splits=True)
+            two = [torch.empty_like(q) for _ in range(2)]
+            for o, merge in zip(two, (False, True)):
+                pa._launch(q, *caches[0], table, cu, lens, o, scale, None, 1, fused, cfg, merge)
+            row["fused_vs_merge_kernel_same_tiling"] = {"bitwise": torch.equal(*two), **err(two[1], two[0])}
+            v = row["variants"]
+            row["engine_us_apart"] = v[f"apart_s{apart}"]["us"]
+            row["engine_us_fused"] = v[f"fused_s{fused}"]["us"] if fused > 1 else v["apart_s1"]["us"]
+            rows.append(row)
+            fz = v.get(f"fused_s{fused}", v["apart_s1"])
+            print(f"decode attention B={batch:2d} ctx {context:4d}: engine apart {apart:2d} splits "
+                  f"{row['engine_us_apart']:6.2f} us | fused {fused:2d} splits {row['engine_us_fused']:6.2f} us "
+                  f"(err {fz['max_abs_err']:.3g}, rel {fz['rel_err']:.2g}, replays differing "
+                  f"{fz.get('replays_differing', '-')}, bitwise vs merge kernel "
+                  f"{row['fused_vs_merge_kernel_same_tiling']['bitwise']})")
+            print("    " + ", ".join(f"{k} {r['us']:.2f}" for k, r in v.items()))
+    out["attention_decode"] = rows
 
 
 def main() -> None:
@@ -255,6 +337,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300, help="engine: context of the timed decode step")
     ap.add_argument("--output-len", type=int, default=128, help="engine: tokens per timed generation")
     ap.add_argument("--top-kernels", type=int, default=16, help="engine: kernels listed per variant")
+    ap.add_argument("--replays", type=int, default=50, help="attention: replays checked bitwise per fused call")
     ap.add_argument("--budget-s", type=float, default=290, help="seconds the whole run should take at most")
     args = ap.parse_args()
     args.rows = [int(m) for m in args.rows.split(",")]

@@ -2,11 +2,16 @@
 kernels of issue 13 on and off, in one engine (the weights are built once).
 
 Variants, each with the decode CUDA graphs captured afresh:
-  on       what the engine runs by default: fused RoPE + KV write, skinny GEMMs where the
-           start-up timing chose them (engine/gemm_tuning.py; its table is reported)
-  off      rotary_embedding + write_kv, cuBLAS for every projection (the engine before issue 13:
-           EngineConfig(fuse_rope_kv_write=False, skinny_gemm="off"))
-  rope_kv  fused RoPE + KV write only
+  on          what the engine runs by default: fused RoPE + KV write, skinny GEMMs where the
+              start-up timing chose them (engine/gemm_tuning.py; its table is reported),
+              attention's splits merged in its kernel (fuse_kv_split_merge: 8 splits at batch 1
+              up to 511 keys)
+  merge_apart on, but attention's splits by choose_num_kv_splits and merged by the separate
+              kernel (fuse_kv_split_merge=False: one split at batch 1 up to 511 keys)
+  off         rotary_embedding + write_kv, cuBLAS for every projection, the separate merge (the
+              engine before issue 13: EngineConfig(fuse_rope_kv_write=False, skinny_gemm="off",
+              fuse_kv_split_merge=False))
+  rope_kv     fused RoPE + KV write only
 Per variant: the GPU time of one replay of the batch-1 graph at --context tokens (median of
 replays back to back), ms/token of a greedy generation (128-token prompt, as
 scripts/bench_latency.py), the step's kernels (torch.profiler over 3 replays), and the logits'
@@ -37,7 +42,7 @@ def _linears(model) -> list[Linear]:
     return [m for m in model.modules() if isinstance(m, Linear)]
 
 
-def _set_variant(runner, fuse_rope: bool, tables: dict | None) -> None:
+def _set_variant(runner, fuse_rope: bool, tables: dict | None, kv_merge_in_kernel: bool) -> None:
     """Switch the model's kernels and capture its decode graphs again."""
     from engine.cuda_graphs import DecodeGraphs
     runner.model.fuse_rope_kv_write = fuse_rope
@@ -46,7 +51,8 @@ def _set_variant(runner, fuse_rope: bool, tables: dict | None) -> None:
     old = runner.decode_graphs
     runner.decode_graphs = None
     graphs = DecodeGraphs(runner.model, runner.kv_caches, old.max_batch, old.block_table.shape[1],
-                          old.max_seqlen_k, runner.device, use_graphs=True, cascade_splits=old.cascade_splits)
+                          old.max_seqlen_k, runner.device, use_graphs=True, cascade_splits=old.cascade_splits,
+                          kv_merge_in_kernel=kv_merge_in_kernel)
     del old
     gc.collect()
     torch.cuda.empty_cache()
@@ -72,7 +78,7 @@ def _step_graph(runner, context: int):
     logits = g.run(np.array([11]), np.array([pos]), np.array([slot]), blocks,
                    np.array([context], dtype=np.int32)).clone()
     graph, _ = g.graphs[1, g.kv_splits(1, context)]
-    return graph, logits
+    return graph, logits, g.kv_splits(1, context)
 
 
 def _replay_ms(graph, replays: int = 30) -> float:
@@ -138,29 +144,41 @@ def check_engine(args, out: dict) -> None:
     vocab = PRESETS["llama-3.1-8b"]["vocab_size"]
     prompt = [(i * 7919) % vocab for i in range(128)]
     logits_off = None
-    for name, fuse_rope, tab in (("on", True, tables), ("off", False, None), ("rope_kv", True, None)):
+    assert runner.decode_graphs.kv_merge_in_kernel, "the engine's default merges attention's splits in its kernel"
+    for name, fuse_rope, tab, kv_merge in (("on", True, tables, True), ("merge_apart", True, tables, False),
+                                           ("off", False, None, False), ("rope_kv", True, None, False)):
         if name != "on":
-            _set_variant(runner, fuse_rope, tab)
-        graph, logits = _step_graph(runner, args.context)
+            _set_variant(runner, fuse_rope, tab, kv_merge)
+        graph, logits, kv_splits = _step_graph(runner, args.context)
         row = {"step_ms": _replay_ms(graph), "ms_per_token": _ms_per_token(llm, name, prompt, args.output_len),
-               "kernels": _kernel_table(graph)}
+               "kv_splits": kv_splits, "kv_merge_in_kernel": kv_merge, "kernels": _kernel_table(graph)}
         row["kernel_us_per_step"] = sum(r["us_per_step"] for r in row["kernels"])
         row["kernel_launches_per_step"] = sum(r["per_step"] for r in row["kernels"])
         if name == "on":
             logits_on = logits
+        if name == "merge_apart":
+            diff = (logits_on - logits).abs().max().item()
+            report["logits_on_vs_merge_apart"] = {"max_abs_diff": diff, "max_abs": logits.abs().max().item(),
+                                                  "same_argmax": bool(logits_on.argmax() == logits.argmax())}
         if name == "off":
             logits_off = logits
             diff = (logits_on - logits_off).abs().max().item()
             report["logits_on_vs_off"] = {"max_abs_diff": diff, "max_abs": logits_off.abs().max().item(),
                                           "same_argmax": bool(logits_on.argmax() == logits_off.argmax())}
         report["variants"][name] = row
-        print(f"\n[{name}] step (graph replay) {row['step_ms']:.3f} ms, generation {row['ms_per_token']:.3f} "
+        print(f"\n[{name}] ({kv_splits} KV splits, merged {'in the kernel' if kv_merge else 'apart'}) "
+              f"step (graph replay) {row['step_ms']:.3f} ms, generation {row['ms_per_token']:.3f} "
               f"ms/token; kernels {row['kernel_us_per_step'] / 1e3:.3f} ms in "
               f"{row['kernel_launches_per_step']:.0f} launches per step")
         for r in row["kernels"][:getattr(args, "top_kernels", 16)]:
             print(f"  {r['us_per_step']:8.1f} us/step {r['per_step']:5.0f} x {r['us_each']:7.2f} us  {r['kernel']}")
     if "logits_on_vs_off" in report:
         print(f"\nlogits on vs off: {report['logits_on_vs_off']}")
+    if "logits_on_vs_merge_apart" in report:
+        v = report["variants"]
+        print(f"logits on vs merge_apart: {report['logits_on_vs_merge_apart']}; step on {v['on']['step_ms']:.3f} ms "
+              f"vs merge_apart {v['merge_apart']['step_ms']:.3f} ms "
+              f"({1e3 * (v['merge_apart']['step_ms'] - v['on']['step_ms']):+.1f} us saved)")
     llm.core.shutdown()
 
 

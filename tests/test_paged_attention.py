@@ -308,7 +308,7 @@ def test_merge_in_kernel_is_bitwise_the_merge_kernel(dtype, num_kv_splits, windo
     got = {}
     for fused in (True, False):       # fused first: its workspace holds no partials of the other
         out = torch.full(q.shape, float("nan"), dtype=dtype, device=q.device)
-        pa._launch(q, k_cache, v_cache, table, cu, lens, out, 0.2, window, 1, num_kv_splits, fused, cfg)
+        pa._launch(q, k_cache, v_cache, table, cu, lens, out, 0.2, window, 1, num_kv_splits, cfg, fused)
         got[fused] = out
     assert torch.equal(got[True], got[False])
     torch.testing.assert_close(got[True], paged_attention_ref(q, k_cache, v_cache, table, cu, lens, 0.2, window),
@@ -370,9 +370,9 @@ def test_merge_in_kernel_graph_replays_agree_bitwise():
     q, k_cache, v_cache, table, cu, lens = make_batch(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16, seed=14)
     cfg = pa._pick_config(1, 128, torch.bfloat16, fused_splits=True)
     want = torch.empty_like(q)
-    pa._launch(q, k_cache, v_cache, table, cu, lens, want, 0.088, None, 1, 16, False, cfg)
+    pa._launch(q, k_cache, v_cache, table, cu, lens, want, 0.088, None, 1, 16, cfg)
     out = torch.empty_like(q)
-    call = lambda: pa._launch(q, k_cache, v_cache, table, cu, lens, out, 0.088, None, 1, 16, True, cfg)  # noqa: E731
+    call = lambda: pa._launch(q, k_cache, v_cache, table, cu, lens, out, 0.088, None, 1, 16, cfg, True)  # noqa: E731
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
