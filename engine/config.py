@@ -66,6 +66,10 @@ class EngineConfig:
     # server; while every sender is busy, a stream's new tokens wait and leave together in its
     # next response (engine/outbox.py).
     response_senders: int = 4
+    # Served: sys.setswitchinterval of the serving process, in microseconds. A thread that
+    # wants the GIL (Triton's call of `execute`, a sender back from its round trip) waits up to
+    # this long for the thread holding it; Python's default is 5000.
+    gil_switch_interval_us: int = 500
 
     def __post_init__(self) -> None:
         self.validate()
@@ -151,6 +155,7 @@ class EngineConfig:
             raise ValueError(f"tokenizer_process must be true or false, "
                              f"got {self.tokenizer_process!r}")
         _int_at_least("response_senders", self.response_senders, 1)
+        _int_at_least("gil_switch_interval_us", self.gil_switch_interval_us, 1)
         _one_of("tokenizer_process_priority", self.tokenizer_process_priority,
                 TOKENIZER_PRIORITIES)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):

@@ -63,7 +63,6 @@ Inputs = dict[str, np.ndarray] | Callable[[], dict[str, np.ndarray]]
 HOUSEKEEPING_S = 0.1
 CANCEL_CHECKS_PER_ROUND = 64    # is_cancelled() is a server round trip: bounded per round
 LAG_PROBE_S = 0.01
-GIL_SWITCH_INTERVAL_S = 0.0005
 STATS_POLL_S = 0.5
 PENDING_ABORT_S = 10.0      # an abort that came before its request is kept this long
 STOP_WAIT_S = 10.0          # shutdown: for the answers to go out and the threads to end
@@ -101,7 +100,7 @@ class ServingEngine:
         `num_senders` (default: config.response_senders) threads send the responses."""
         # The loop, reader, sender and tokenizer threads share one GIL; by default a thread
         # that wants it waits up to 5 ms, so each hand-off would cost milliseconds.
-        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
+        sys.setswitchinterval(config.gil_switch_interval_us * 1e-6)
         self.metrics = ServingMetrics()
         self._publisher = publisher
         self._on_dead = on_dead

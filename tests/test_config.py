@@ -33,6 +33,7 @@ def test_defaults_are_valid(model_dir):
     ("tokenizer_process_priority", "high", "idle"),
     ("tokenizer_process_priority", 10, "normal"),
     ("response_senders", 0, ">= 1"),
+    ("gil_switch_interval_us", 0, ">= 1"),
 ])
 def test_bad_setting_names_field_and_range(model_dir, field, value, allowed):
     with pytest.raises(ValueError) as e:
