@@ -11,6 +11,11 @@ busy, a stream's steps pile up while the others are served and leave as one resp
 them all. No timer: latency is unchanged where there is headroom, and throughput holds where
 there is not (the response rate is what the server can take, however many tokens that is).
 
+A stream's first response goes before every stream already under way: under load each stream
+waits its turn behind all the others (a few steps at 256 streams), which costs a running
+stream's tokens nothing (they leave together in its next response) but would add those steps
+to a new request's time to first token.
+
 A stream's `lock` is held while its response is sent: whoever asks the server about the
 request (e.g. `is_cancelled()`) takes it too and checks `done` first, because once the final
 response is out the server frees the request.
@@ -32,7 +37,7 @@ SendItems = Callable[[list], bool]
 
 class Stream:
     __slots__ = ("send_items", "on_failed", "coalesce", "pending", "queued", "done", "lock",
-                 "context")
+                 "context", "started")
 
     def __init__(self, send_items: SendItems, on_failed: Callable[[BaseException], None],
                  coalesce: bool, context: Any) -> None:
@@ -42,6 +47,7 @@ class Stream:
         self.pending: list = []
         self.queued = False           # in the ready FIFO, or being sent
         self.done = False             # the final response is out (or sending failed)
+        self.started = False          # a sender has taken it once (its first response)
         self.lock = threading.Lock()
         self.context = context        # the owner's per-request state
 
@@ -53,6 +59,7 @@ class Outbox:
         self._cond = threading.Condition()
         self._batching = threading.local()     # .items: puts held by this thread's batch()
         self._ready: deque[Stream] = deque()
+        self._first: deque[Stream] = deque()   # ready, never sent: these go first
         self._closing = False
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                          for i in range(num_senders)]
@@ -101,7 +108,7 @@ class Outbox:
         if stream.queued:
             return False
         stream.queued = True
-        self._ready.append(stream)
+        (self._ready if stream.started else self._first).append(stream)
         return True
 
     def close(self, timeout_s: float = 5.0) -> None:
@@ -114,16 +121,17 @@ class Outbox:
 
     @property
     def num_ready(self) -> int:
-        return len(self._ready)
+        return len(self._ready) + len(self._first)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not self._ready and not self._closing:
+                while not (self._first or self._ready) and not self._closing:
                     self._cond.wait()
-                if not self._ready:
+                if not (self._first or self._ready):
                     return
-                s = self._ready.popleft()
+                s = self._first.popleft() if self._first else self._ready.popleft()
+                s.started = True
                 if s.coalesce:
                     items, s.pending = s.pending, []
                 else:

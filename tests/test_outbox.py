@@ -207,3 +207,31 @@ def test_puts_from_another_thread_during_a_batch_go_out_at_once():
     a.wait_for(1)
     box.close()
     assert a.responses == [["held"]] and b.responses == [["now"]]
+
+
+def test_a_new_streams_first_response_goes_before_streams_under_way():
+    box = Outbox(1)
+    order = []
+    gate = threading.Event()
+    recs = {name: Recorder(gate if name == "a" else None) for name in ("a", "b", "c", "n", "m")}
+    streams = {}
+    for name, rec in recs.items():
+        def send(items, rec=rec, name=name):
+            order.append(name)
+            return rec(items)
+        streams[name] = box.stream(send, _never_fails)
+    for name in ("b", "c"):                  # b and c under way: each has sent a response
+        box.put(streams[name], f"{name}0")
+        recs[name].wait_for(1)
+    box.put(streams["a"], "a0")
+    assert recs["a"].entered.wait(WAIT_S)    # the only sender is held inside a's first send
+    box.put(streams["b"], "b1")
+    box.put(streams["c"], "c1")
+    box.put(streams["n"], "n0")              # new streams arrive after b and c were ready
+    box.put(streams["m"], "m0")
+    box.put(streams["a"], "a1")
+    gate.set()
+    for name, n in (("a", 2), ("b", 2), ("c", 2), ("n", 1), ("m", 1)):
+        recs[name].wait_for(n)
+    box.close()
+    assert order == ["b", "c", "a", "n", "m", "b", "c", "a"]
