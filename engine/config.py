@@ -64,8 +64,10 @@ class EngineConfig:
     tokenizer_process_priority: str = "idle"
     # Served (engine/serving.py): threads that send responses. A send is a round trip to the
     # server; while every sender is busy, a stream's new tokens wait and leave together in its
-    # next response (engine/outbox.py).
-    response_senders: int = 4
+    # next response (engine/outbox.py). One measured best on the H200 at 256 streams (Triton's
+    # queue in front of execute 10 ms against 25-69 with 4, the stub at 0.6 of a core against
+    # 1.0, TTFT lower, throughput the same: benchmarks/h200/serving_senders.md).
+    response_senders: int = 1
     # Served: sys.setswitchinterval of the serving process, in microseconds. A thread that
     # wants the GIL (Triton's call of `execute`, a sender back from its round trip) waits up to
     # this long for the thread holding it; Python's default is 5000.
