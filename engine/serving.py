@@ -34,7 +34,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import logging
+import os
 import queue
 import sys
 import threading
@@ -67,6 +69,11 @@ STATS_POLL_S = 0.5
 PENDING_ABORT_S = 10.0      # an abort that came before its request is kept this long
 STOP_WAIT_S = 10.0          # shutdown: for the answers to go out and the threads to end
 ON_DEAD_WAIT_S = 5.0        # shutdown: for an on_dead call under way to return
+# A file to which every streamed request's first-token timeline is appended, a JSON line each
+# (time.monotonic() seconds): submitted (execute), serving (the loop took it), in_engine
+# (tokenized, sent to the core), first_output (its first step came back), first_sent (its
+# first tokens handed to the server). For finding where time to first token goes.
+TRACE_ENV = "LLM_SERVING_TRACE"
 
 
 @dataclass
@@ -85,6 +92,9 @@ class _Request:
     client_id: str | None = None
     start: float = field(default_factory=time.monotonic)
     last_sent: float | None = None      # when its last response with tokens went out
+    submitted: float = 0.0              # when submit() took it (Triton's execute)
+    in_engine: float | None = None      # when the engine had it (tokenized, sent to the core)
+    first_output: float | None = None   # when its first step's output came back
     num_out: int = 0
     cancelled: bool = False
     stream: Stream | None = None        # its way back
@@ -102,6 +112,9 @@ class ServingEngine:
         # that wants it waits up to 5 ms, so each hand-off would cost milliseconds.
         sys.setswitchinterval(config.gil_switch_interval_us * 1e-6)
         self.metrics = ServingMetrics()
+        trace = os.environ.get(TRACE_ENV)
+        self._trace = open(trace, "a") if trace else None
+        self._trace_lock = threading.Lock()
         self._publisher = publisher
         self._on_dead = on_dead
         self._lock = threading.Lock()
@@ -150,7 +163,8 @@ class ServingEngine:
         with self._admit_lock:
             closed = self._stop_reason is not None or self._admissions_closed
             if not closed:
-                self._admissions.append((rid, inputs, send, is_cancelled, request_id))
+                self._admissions.append((rid, inputs, send, is_cancelled, request_id,
+                                         time.monotonic()))
                 if self._admit_scheduled:
                     return
                 self._admit_scheduled = True
@@ -203,6 +217,10 @@ class ServingEngine:
         self._stopping.set()
         self._housekeeper.join(STOP_WAIT_S)
         self.outbox.close(STOP_WAIT_S)
+        with self._trace_lock:
+            if self._trace is not None:
+                self._trace.close()
+                self._trace = None
         if self._thread.is_alive():
             try:
                 asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self.loop).result(
@@ -224,7 +242,7 @@ class ServingEngine:
                 with self._admit_lock:
                     waiting, self._admissions = self._admissions, []
                     self._admit_scheduled = False
-                for _, _, send, _, _ in waiting:
+                for _, _, send, _, _, _ in waiting:
                     send(None, self._stop_reason or "the engine was shut down", True)
 
     def _admit_rest(self) -> None:
@@ -242,7 +260,7 @@ class ServingEngine:
                 logger.exception("admitting the last requests")
         with self._admit_lock:
             waiting, self._admissions = self._admissions, []
-        for _, _, send, _, _ in waiting:
+        for _, _, send, _, _, _ in waiting:
             send(None, self._stop_reason or "the engine was shut down", True)
 
     # ------------------------------------------------------------------ the loop
@@ -279,8 +297,9 @@ class ServingEngine:
             self._max_lag = max(self._max_lag, lag)
 
     async def _serve(self, rid: str, inputs: Inputs, send: SendFn,
-                     is_cancelled: Callable[[], bool], client_id: str | None) -> None:
-        r = _Request(rid, is_cancelled=is_cancelled, client_id=client_id)
+                     is_cancelled: Callable[[], bool], client_id: str | None,
+                     submitted: float) -> None:
+        r = _Request(rid, is_cancelled=is_cancelled, client_id=client_id, submitted=submitted)
         answer = self.outbox.stream(lambda items: self._send_answer(r, send, items),
                                     lambda e: self._send_failed(r, e), context=r)
         r.stream = answer
@@ -316,6 +335,7 @@ class ServingEngine:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
                                      lambda out: self._on_output(r, out), stream=r.req.stream,
                                      pull=True)
+            r.in_engine = time.monotonic()
         except (ValueError, EngineDeadError) as e:  # e.g. prompt too long, or the engine died
             self.outbox.put(r.stream, _Failure(str(e)))
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
@@ -324,6 +344,8 @@ class ServingEngine:
 
     def _on_output(self, r: _Request, out) -> None:
         """The engine's reader thread: one step of the request (or the engine's failure)."""
+        if r.first_output is None:
+            r.first_output = time.monotonic()
         self.outbox.put(r.stream, _Failure(str(out)) if isinstance(out, BaseException) else out)
 
     # ------------------------------------------------------------------ sender threads
@@ -361,6 +383,8 @@ class ServingEngine:
         if token_ids and r.req.stream:
             if r.last_sent is None:
                 self.metrics.on_first_token(now - r.start)
+                if self._trace is not None:
+                    self._trace_first_token(r, now)
             else:
                 self.metrics.on_inter_token((now - r.last_sent) / len(token_ids),
                                             len(token_ids))
@@ -373,6 +397,15 @@ class ServingEngine:
         if last.finished:
             self._forget(r)
         return last.finished
+
+    def _trace_first_token(self, r: _Request, now: float) -> None:
+        line = json.dumps({"rid": r.rid, "submitted": r.submitted, "serving": r.start,
+                           "in_engine": r.in_engine, "first_output": r.first_output,
+                           "first_sent": now})
+        with self._trace_lock:
+            if self._trace is not None:
+                self._trace.write(line + "\n")
+                self._trace.flush()
 
     def _timed_send(self, send: SendFn, tensors, final: bool, num_tokens: int) -> None:
         t0 = time.perf_counter()
