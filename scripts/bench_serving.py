@@ -194,14 +194,29 @@ def reissue_gaps(starts, ends, c: int) -> dict:
 
 
 # ---------------------------------------------------------------------------- direct
-async def _closed_loop(engine, prompts: list[str], params, c: int, total: int, tag: str):
-    """`prompts` holds at least `total`."""
-    """`c` workers send `total` requests back to back; per request (start, first, last, end)."""
-    times: list[tuple[float, float, float, float]] = []
-    counter = iter(range(total))
+def start_delay_s(worker: int, c: int, groups: int, stagger_s: float) -> float:
+    """When worker `worker` of `c` starts: the workers form `groups` groups of consecutive
+    indices (sizes differing by at most one), the g-th starting g x stagger_s late."""
+    return (worker * groups // c) * stagger_s
 
-    async def worker():
-        for i in counter:
+
+async def _closed_loop(engine, prompts: list[str], params, c: int, total: int, tag: str,
+                       groups: int = 1, stagger_s: float = 0.0):
+    """`c` workers send `total` requests back to back (`prompts` holds at least `total`); per
+    request (start, first, last, end). With `stagger_s`, the workers form `groups` groups, the
+    g-th starting g x stagger_s late (as separate client processes start), each with its
+    share of the requests."""
+    times: list[tuple[float, float, float, float]] = []
+    groups = max(1, min(groups, c)) if stagger_s else 1
+    # Each group sends its own share of the requests, as each perf_analyzer process does.
+    sizes = [sum(1 for w in range(c) if w * groups // c == g) for g in range(groups)]
+    shares = [total * sum(sizes[:g]) // c for g in range(groups + 1)]
+    counters = [iter(range(shares[g], shares[g + 1])) for g in range(groups)]
+
+    async def worker(w: int):
+        if stagger_s:
+            await asyncio.sleep(start_delay_s(w, c, groups, stagger_s))
+        for i in counters[w * groups // c]:
             start = time.time()
             first = last = None
             async for out in engine.generate(prompts[i], params, f"{tag}-{i}"):
@@ -209,13 +224,13 @@ async def _closed_loop(engine, prompts: list[str], params, c: int, total: int, t
                     last = time.time()
                     first = first or last
             times.append((start, first, last, time.time()))
-    await asyncio.gather(*(worker() for _ in range(c)))
+    await asyncio.gather(*(worker(w) for w in range(c)))
     return times
 
 
 def direct_worker(spec: dict) -> None:
-    """One GPU's (or the CPU's) AsyncEngine. Reads commands on stdin ("run C N TAG FIRST":
-    c at a time, n requests with prompts FIRST.., or "quit"),
+    """One GPU's (or the CPU's) AsyncEngine. Reads commands on stdin ("run C N TAG FIRST
+    GROUPS STAGGER_S": c at a time, n requests with prompts FIRST.., or "quit"),
     answers each with a JSON line of per-request times; says "ready" once the engine is up."""
     from engine import AsyncEngine, SamplingParams
     from engine.config import EngineConfig
@@ -231,9 +246,11 @@ def direct_worker(spec: dict) -> None:
             if not cmd or cmd[0] == "quit":
                 break
             c, n, tag, first = int(cmd[1]), int(cmd[2]), cmd[3], int(cmd[4])
+            groups, stagger_s = int(cmd[5]), float(cmd[6])
             before = engine.get_stats()
             times = loop.run_until_complete(
-                _closed_loop(engine, prompts[first:first + n], params, c, n, tag))
+                _closed_loop(engine, prompts[first:first + n], params, c, n, tag, groups,
+                             stagger_s))
             after = engine.get_stats()
             print(json.dumps({"times": times, "steps": after.num_steps - before.num_steps,
                               "graph_steps": after.num_graph_steps - before.num_graph_steps}),
@@ -248,6 +265,7 @@ class DirectEngines:
 
     def __init__(self, args, settings: dict, prompts: list[str], gpus: int) -> None:
         self.procs = []
+        self.groups, self.stagger_s = args.clients, args.direct_stagger_ms / 1e3
         spec = {"settings": settings, "prompts": prompts, "output_tokens": args.output_tokens}
         spec_path = tempfile.mkstemp(prefix="bench-serving-", suffix=".json")[1]
         with open(spec_path, "w") as f:
@@ -272,7 +290,8 @@ class DirectEngines:
         for i, p in enumerate(self.procs):
             ci = c // k + (i < c % k)
             ni = n // k + (i < n % k)
-            p.stdin.write(f"run {max(ci, 1)} {max(ni, 1)} {tag} {start}\n")
+            p.stdin.write(f"run {max(ci, 1)} {max(ni, 1)} {tag} {start} "
+                          f"{min(self.groups, max(ci, 1))} {self.stagger_s}\n")
             start += max(ni, 1)
             p.stdin.flush()
         times, steps, graph_steps = [], 0, 0
@@ -730,6 +749,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="processes for the python driver, the concurrency shared among them")
     ap.add_argument("--server-arg", action="append", default=[],
                     help="an extra tritonserver flag (e.g. --server-arg=--log-verbose=1)")
+    ap.add_argument("--direct-stagger-ms", type=float, default=0.0,
+                    help="the direct engine's closed loop starts as --clients groups, each this "
+                         "much after the last (as perf_analyzer's processes do; default: all at "
+                         "once)")
     ap.add_argument("--skip-direct", action="store_true")
     ap.add_argument("--skip-served", action="store_true")
     ap.add_argument("--out", default=None, help="results prefix (.json and .md)")

@@ -83,3 +83,20 @@ def test_reuse_prompts_sends_the_warm_up_prompts_in_every_round():
     rounds = bench_serving.PromptRounds(args)
     assert {rounds.direct(2), rounds.direct(8), rounds.served(8), rounds.served(8)} == {
         rounds.warm()}
+
+
+def test_direct_stagger_starts_the_closed_loop_in_groups(tmp_path):
+    """--direct-stagger-ms: the direct engine's workers start as --clients groups, each this
+    much after the last (perf_analyzer's processes start apart too)."""
+    model = make_tiny_model(tmp_path / "m", arch="llama", seed=2)
+    bench_serving.main(["--model", str(model), "--concurrency", "4", "--output-tokens", "4",
+                        "--prompt-tokens", "12", "--waves", "1", "--clients", "2",
+                        "--direct-stagger-ms", "300", "--skip-served",
+                        "--out", str(tmp_path / "s")])
+    rows = json.loads((tmp_path / "s.json").read_text())["results"]
+    for r in rows:                   # the second group's first request is 300 ms late
+        assert max(send for send, _, _ in r["timeline_ms"]) >= 300, r["round"]
+    delays = [bench_serving.start_delay_s(w, 256, 4, 1.0) for w in range(256)]
+    assert [delays.count(d) for d in (0.0, 1.0, 2.0, 3.0)] == [64, 64, 64, 64]
+    assert delays == sorted(delays)
+    assert [bench_serving.start_delay_s(w, 5, 2, 1.0) for w in range(5)] == [0, 0, 0, 1, 1]
