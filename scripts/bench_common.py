@@ -109,6 +109,18 @@ def kv_bytes_per_token(cfg: dict, elem_bytes: int = 2) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * elem_bytes
 
 
+def process_cmdlines():
+    """(pid, command line) of every process on this machine (Linux /proc); gone ones skipped."""
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                yield int(pid), f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+
+
 def hardware() -> dict:
     info = {"python": platform.python_version(), "host": platform.node()}
     try:

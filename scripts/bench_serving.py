@@ -43,7 +43,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from scripts.bench_common import PRESETS, git_commit, hardware, preset_dir, write_results  # noqa: E402
+from scripts.bench_common import (PRESETS, git_commit, hardware, preset_dir,  # noqa: E402
+                                  process_cmdlines, write_results)
 
 MIN_REQUESTS = 8
 SERVER_START_S = 900.0
@@ -529,19 +530,16 @@ def cpu_times() -> dict[str, float]:
              "perf_analyzer": "perf_analyzer", "--py-client-worker": "python clients",
              "--direct-worker": "direct engine"}
     out: dict[str, float] = {}
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
+    for pid, cmd in process_cmdlines():
+        kind = next((v for k, v in kinds.items() if k in cmd), None)
+        if not kind:
             continue
         try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
             with open(f"/proc/{pid}/stat") as f:
                 fields = f.read().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        kind = next((v for k, v in kinds.items() if k in cmd), None)
-        if kind:
-            out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
     return out
 
 

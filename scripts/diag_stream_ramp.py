@@ -22,7 +22,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from scripts.bench_common import preset_dir  # noqa: E402
+from scripts.bench_common import preset_dir, process_cmdlines  # noqa: E402
 from scripts.bench_serving import (engine_settings, make_prompts, make_repository,  # noqa: E402
                                    perf_analyzer_path, write_input_data)
 
@@ -39,17 +39,8 @@ def triton_metrics(url: str) -> dict:
 
 
 def stub_pid(model: str) -> int | None:
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if "triton_python_backend_stub" in cmd and f"/{model}/1/model.py" in cmd:
-            return int(pid)
-    return None
+    return next((pid for pid, cmd in process_cmdlines()
+                 if "triton_python_backend_stub" in cmd and f"/{model}/1/model.py" in cmd), None)
 
 
 def run_pa(server, work, prompts, model, c, n, procs, env_extra, extra_args=(), host="localhost"):
