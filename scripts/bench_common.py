@@ -109,6 +109,23 @@ def kv_bytes_per_token(cfg: dict, elem_bytes: int = 2) -> int:
     return 2 * cfg["num_hidden_layers"] * cfg["num_key_value_heads"] * d * elem_bytes
 
 
+def capture_graph(call):
+    """`call` captured in a CUDA graph after one warm-up call on a side stream (Triton compiles,
+    allocations and autotuning happen outside the capture); returns (graph, what the captured
+    call returned)."""
+    import torch
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    torch.cuda.synchronize()
+    return graph, out
+
+
 def process_cmdlines():
     """(pid, command line) of every process on this machine (Linux /proc); gone ones skipped."""
     for pid in os.listdir("/proc"):

@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels.paged_attention as pa  # noqa: E402
 from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
+from scripts.bench_common import capture_graph  # noqa: E402
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 HBM_BYTES_PER_S = 4.8e12
@@ -145,14 +146,7 @@ def check_correctness(pool: Pool, gen: torch.Generator) -> list[dict]:
     args = pool.batch(q_lens, [8192] * 16)
     args[5].copy_(torch.tensor(lens, dtype=torch.int32))
     call = lambda: paged_attention(*args, D ** -0.5, max_seqlen_q=1, max_seqlen_k=8192)  # noqa: E731
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        call()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture_graph(call)
     args[5].add_(100)
     graph.replay()
     torch.cuda.synchronize()

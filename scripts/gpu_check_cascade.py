@@ -42,6 +42,7 @@ import kernels.cascade_attention as ca  # noqa: E402
 from kernels.cascade_attention import (  # noqa: E402
     CascadeCostRule, PrefixGroup, cascade_attention, cascade_attention_ref)
 from kernels.paged_attention import paged_attention  # noqa: E402
+from scripts.bench_common import capture_graph  # noqa: E402
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
 DTYPE = torch.bfloat16
@@ -176,20 +177,6 @@ def decode_groups(group_size: int, prefix_len: int, num_rows: int = NUM_ROWS, ow
     return [(prefix_len, [(1, own_len)] * group_size) for _ in range(num_rows // group_size)]
 
 
-def capture(fn):
-    """fn captured in a CUDA graph (after a warm-up call on a side stream); returns (graph, out)."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
-    torch.cuda.synchronize()
-    return graph, out
-
-
 def check_correctness() -> list[dict]:
     rows = []
     for size, prefix_len in ((16, 2000), (4, 496), (64, 8000)):
@@ -218,7 +205,7 @@ def check_correctness() -> list[dict]:
     finally:
         torch.cuda.set_sync_debug_mode(0)
     out = torch.empty_like(batch.q)
-    graph, _ = capture(lambda: batch.cascade(out=out, **limits))
+    graph, _ = capture_graph(lambda: batch.cascade(out=out, **limits))
     batch.lens.add_(1)                       # every sequence one token on (own blocks have room)
     batch.prefix_lens[first:last] = 0        # the 496-prefix group dissolves into lone requests
     batch.cu_groups[len(big) + 1:] = first
@@ -230,7 +217,7 @@ def check_correctness() -> list[dict]:
 
 
 def bench_graph(fn, warmup_ms: int, rep_ms: int) -> float:
-    graph, _ = capture(fn)
+    graph, _ = capture_graph(fn)
     return triton.testing.do_bench(graph.replay, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 

@@ -43,6 +43,7 @@ import triton
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels import skinny_gemm as sg  # noqa: E402
+from scripts.bench_common import capture_graph  # noqa: E402
 from kernels.activation import silu_and_mul  # noqa: E402
 from kernels.kv_cache import write_kv  # noqa: E402
 from kernels.paged_attention import paged_attention, paged_attention_ref  # noqa: E402
@@ -239,14 +240,7 @@ def _attention_case(batch: int, context: int, num_blocks: int, gen) -> tuple:
 def _replays_bitwise(call, out: torch.Tensor, replays: int) -> int:
     """Replays of one captured call (its last program racing anew each time) whose output
     differs from the first replay's: 0 if the in-kernel merge is race-free."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        call()
+    graph, _ = capture_graph(call)
     graph.replay()
     first = out.clone()
     differing = 0

@@ -7,6 +7,7 @@ bf16 included, plus the CUDA-graph check. The cost rule: tests/test_cascade_cost
 import pytest
 import torch
 
+from scripts.bench_common import capture_graph
 from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
 ca = load_kernels("kernels.cascade_attention")
@@ -276,14 +277,7 @@ def test_cuda_graph_replay_follows_new_groups():
         call()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture_graph(call)
     # Next step: every sequence one token longer; the second group dissolves into lone requests.
     lens.add_(1)
     prefix_lens[3:5] = 0

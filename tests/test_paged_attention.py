@@ -7,6 +7,7 @@ GPU, bf16 included, plus the CUDA-graph checks.
 import pytest
 import torch
 
+from scripts.bench_common import capture_graph
 from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
 pa = load_kernels("kernels.paged_attention")
@@ -247,14 +248,7 @@ def test_cuda_graph_replay_follows_new_lengths(num_kv_splits, merge_in_kernel):
         call()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = call()
+    graph, out = capture_graph(call)
     # Next step: sequence 0 decodes again, sequence 2 now runs a 2-token chunk, 3 is gone.
     lens.copy_(torch.tensor([301, 41, 131, 5], dtype=torch.int32))
     cu.copy_(torch.tensor([0, 1, 2, 4, 4], dtype=torch.int32))
@@ -373,14 +367,7 @@ def test_merge_in_kernel_graph_replays_agree_bitwise():
     pa._launch(q, k_cache, v_cache, table, cu, lens, want, 0.088, None, 1, 16, cfg)
     out = torch.empty_like(q)
     call = lambda: pa._launch(q, k_cache, v_cache, table, cu, lens, out, 0.088, None, 1, 16, cfg, True)  # noqa: E731
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
+    graph, _ = capture_graph(call)
     for _ in range(200):
         out.fill_(float("nan"))
         graph.replay()
