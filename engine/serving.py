@@ -43,6 +43,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,6 +75,16 @@ ON_DEAD_WAIT_S = 5.0        # shutdown: for an on_dead call under way to return
 # (tokenized, sent to the core), first_output (its first step came back), first_sent (its
 # first tokens handed to the server). For finding where time to first token goes.
 TRACE_ENV = "LLM_SERVING_TRACE"
+
+
+class _Admission(NamedTuple):
+    """A request submitted and not yet started on the loop: _serve's arguments."""
+    rid: str
+    inputs: Inputs
+    send: SendFn
+    is_cancelled: Callable[[], bool]
+    client_id: str | None
+    submitted: float                    # time.monotonic() when submit() took it
 
 
 @dataclass
@@ -130,7 +141,7 @@ class ServingEngine:
         self._closing = False
         self._max_lag = 0.0
         self._admit_lock = threading.Lock()
-        self._admissions: list[tuple] = []     # submitted, not yet started on the loop
+        self._admissions: list[_Admission] = []     # submitted, not yet started on the loop
         self._admit_scheduled = False           # a call of _admit is on its way to the loop
         self._admissions_closed = False         # shutdown: submit() refuses
         self._wakeups: queue.SimpleQueue = queue.SimpleQueue()     # True: wake; False: end
@@ -140,6 +151,8 @@ class ServingEngine:
                                       sink_batch=self.outbox.batch)
         except BaseException:
             self.outbox.close()
+            if self._trace is not None:
+                self._trace.close()
             raise
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run_loop, name="serving-loop", daemon=True)
@@ -163,8 +176,8 @@ class ServingEngine:
         with self._admit_lock:
             closed = self._stop_reason is not None or self._admissions_closed
             if not closed:
-                self._admissions.append((rid, inputs, send, is_cancelled, request_id,
-                                         time.monotonic()))
+                self._admissions.append(_Admission(rid, inputs, send, is_cancelled, request_id,
+                                                   time.monotonic()))
                 if self._admit_scheduled:
                     return
                 self._admit_scheduled = True
@@ -242,8 +255,8 @@ class ServingEngine:
                 with self._admit_lock:
                     waiting, self._admissions = self._admissions, []
                     self._admit_scheduled = False
-                for _, _, send, _, _, _ in waiting:
-                    send(None, self._stop_reason or "the engine was shut down", True)
+                for a in waiting:
+                    a.send(None, self._stop_reason or "the engine was shut down", True)
 
     def _admit_rest(self) -> None:
         """Shutdown: requests submitted but not yet started get their final (error) answer
@@ -260,8 +273,8 @@ class ServingEngine:
                 logger.exception("admitting the last requests")
         with self._admit_lock:
             waiting, self._admissions = self._admissions, []
-        for _, _, send, _, _, _ in waiting:
-            send(None, self._stop_reason or "the engine was shut down", True)
+        for a in waiting:
+            a.send(None, self._stop_reason or "the engine was shut down", True)
 
     # ------------------------------------------------------------------ the loop
     def _admit(self) -> None:
