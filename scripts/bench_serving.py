@@ -292,7 +292,7 @@ class DirectEngines:
             ci = c // k + (i < c % k)
             ni = n // k + (i < n % k)
             p.stdin.write(f"run {max(ci, 1)} {max(ni, 1)} {tag} {start} "
-                          f"{min(self.groups, max(ci, 1))} {self.stagger_s}\n")
+                          f"{self.groups} {self.stagger_s}\n")
             start += max(ni, 1)
             p.stdin.flush()
         times, steps, graph_steps = [], 0, 0
