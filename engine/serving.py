@@ -106,6 +106,7 @@ class _Request:
     submitted: float = 0.0              # when submit() took it (Triton's execute)
     in_engine: float | None = None      # when the engine had it (tokenized, sent to the core)
     first_output: float | None = None   # when its first step's output came back
+    first_sent: float | None = None     # when its first tokens went to the server (traced)
     num_out: int = 0
     cancelled: bool = False
     stream: Stream | None = None        # its way back
@@ -348,7 +349,7 @@ class ServingEngine:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
                                      lambda out: self._on_output(r, out), stream=r.req.stream,
                                      pull=True)
-            r.in_engine = time.monotonic()
+            self._trace_in_engine(r, time.monotonic())
         except (ValueError, EngineDeadError) as e:  # e.g. prompt too long, or the engine died
             self.outbox.put(r.stream, _Failure(str(e)))
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
@@ -397,7 +398,7 @@ class ServingEngine:
             if r.last_sent is None:
                 self.metrics.on_first_token(now - r.start)
                 if self._trace is not None:
-                    self._trace_first_token(r, now)
+                    self._trace_first_sent(r, now)
             else:
                 self.metrics.on_inter_token((now - r.last_sent) / len(token_ids),
                                             len(token_ids))
@@ -411,14 +412,32 @@ class ServingEngine:
             self._forget(r)
         return last.finished
 
-    def _trace_first_token(self, r: _Request, now: float) -> None:
-        line = json.dumps({"rid": r.rid, "submitted": r.submitted, "serving": r.start,
-                           "in_engine": r.in_engine, "first_output": r.first_output,
-                           "first_sent": now})
+    # A request's trace line goes out once it has both its in_engine time (the loop, after
+    # the engine took it) and its first_sent time (a sender): the first output can come back
+    # and be sent before the loop gets round to noting in_engine, so whichever is last writes.
+    def _trace_in_engine(self, r: _Request, now: float) -> None:
+        if self._trace is None:
+            r.in_engine = now
+            return
         with self._trace_lock:
-            if self._trace is not None:
-                self._trace.write(line + "\n")
-                self._trace.flush()
+            r.in_engine = now
+            if r.first_sent is not None:
+                self._write_trace(r)
+
+    def _trace_first_sent(self, r: _Request, now: float) -> None:
+        with self._trace_lock:
+            r.first_sent = now
+            if r.in_engine is not None:
+                self._write_trace(r)
+
+    def _write_trace(self, r: _Request) -> None:
+        """Under the trace lock."""
+        if self._trace is not None:
+            self._trace.write(json.dumps({
+                "rid": r.rid, "submitted": r.submitted, "serving": r.start,
+                "in_engine": r.in_engine, "first_output": r.first_output,
+                "first_sent": r.first_sent}) + "\n")
+            self._trace.flush()
 
     def _timed_send(self, send: SendFn, tensors, final: bool, num_tokens: int) -> None:
         t0 = time.perf_counter()
