@@ -75,7 +75,7 @@ def engine_settings(args, on_gpu: bool) -> dict[str, str]:
     """Over the repository's llm parameters (the CPU defaults): these, then --set."""
     settings = {"max_num_seqs": str(max(max(args.concurrency), 16)),
                 "max_model_len": str(args.prompt_tokens + args.output_tokens + 64)}
-    if on_gpu:      # "" keeps the engine's default: KV sized from memory, torch's threads
+    if on_gpu:      # "" keeps the engine's default: KV sized from memory
         settings.update(dtype="bfloat16", num_kv_blocks="", cpu_threads="",
                         max_num_batched_tokens="2048")
     if args.preset:

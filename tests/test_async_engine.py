@@ -334,7 +334,20 @@ def test_loop_keeps_ticking_while_a_1m_character_prompt_is_tokenized(model_dir,
     # whole of it (the next test); here no gap comes near that.
     assert max(gaps_ms) < tokenize_ms / 5, (
         f"the loop stalled {max(gaps_ms):.0f} ms of a {tokenize_ms:.0f} ms tokenization")
-    assert min(tokens_during) >= 3, tokens_during       # and the streams kept going
+    assert min(tokens_during) >= 3, (                   # and the streams kept going
+        f"{tokens_during} tokens in a {tokenize_ms:.0f} ms tokenization")
+
+
+def test_core_process_on_cpu_leaves_cores_to_the_rest(model_dir, capfd):
+    # torch's default (a thread per core) stalled the streams of the test above for whole
+    # tokenizations on a busy CI machine: a step every ~250 ms.
+    from engine.core_process import default_cpu_threads
+
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+    engine.shutdown()
+    want = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert default_cpu_threads() == want
+    assert f"on cpu, {want} threads (torch.float32)" in capfd.readouterr().err
 
 
 def test_the_tick_test_sees_a_stall_when_tokenizing_inline(model_dir):
