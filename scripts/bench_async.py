@@ -14,7 +14,8 @@ import statistics
 import sys
 import time
 
-from bench_common import PRESETS, git_commit, hardware, preset_dir, write_results
+from bench_common import (add_model_args, git_commit, hardware, model_and_config,
+                          write_results)
 
 from engine import LLM, AsyncEngine, SamplingParams
 
@@ -65,20 +66,14 @@ def served(settings: dict, prompts, params) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
-    ap.add_argument("--model", help="a local model folder instead of the preset (e.g. the "
-                    "tiny model, to try this on CPU)")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--num-prompts", type=int, default=256)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--out", default="benchmarks/async_overhead")
     args = ap.parse_args()
-    import json
-    import os
-    model = args.model or preset_dir(args.preset)
-    with open(os.path.join(model, "config.json")) as f:
-        vocab = json.load(f)["vocab_size"]
+    model, cfg = model_and_config(args.preset, args.model)
+    vocab = cfg["vocab_size"]
     settings = dict(model=model, load_format="dummy", dtype=args.dtype,
                     skip_tokenizer_init=True, max_num_seqs=args.num_prompts,
                     max_model_len=args.input_len + args.output_len + 16)

@@ -52,6 +52,15 @@ def add_scheduling_arg(ap) -> None:
                     help="each step waits for its tokens before the next is planned")
 
 
+def add_model_args(ap) -> None:
+    """The benches' `--preset`, `--model` and `--dtype`; `model_and_config` reads the first two."""
+    ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
+    ap.add_argument("--model", default=None,
+                    help="a local model folder instead of the preset (e.g. the tiny model, to try "
+                         "the script on CPU with --dtype float32)")
+    ap.add_argument("--dtype", default="bfloat16")
+
+
 def model_and_config(preset: str, model: str | None) -> tuple[str, dict]:
     """The benches' `--preset` / `--model`: a local model folder (e.g. the tiny model) and its
     config.json, or the preset's folder (dummy weights) and config."""

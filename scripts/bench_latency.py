@@ -7,20 +7,16 @@ import statistics
 import sys
 import time
 
-from bench_common import (HBM_BYTES_PER_S, PRESETS, add_scheduling_arg, git_commit, hardware,
-                          kv_bytes_per_token, model_and_config, param_count, step_table,
-                          write_results)
+from bench_common import (HBM_BYTES_PER_S, add_model_args, add_scheduling_arg, git_commit,
+                          hardware, kv_bytes_per_token, model_and_config, param_count,
+                          step_table, write_results)
 
 from engine import LLM, SamplingParams
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
-    ap.add_argument("--model", default=None,
-                    help="a local model folder instead of the preset (e.g. the tiny model, to try "
-                         "the script on CPU with --dtype float32)")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--iters", type=int, default=3)

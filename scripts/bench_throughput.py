@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS, add_scheduling_arg,
+from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, add_model_args, add_scheduling_arg,
                           git_commit, hardware, kv_bytes_per_token, model_and_config,
                           param_count, step_table, write_results)
 
@@ -203,11 +203,7 @@ def tables(rows: list[dict], workloads: list[str], sweep: list[int]) -> list[str
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__)
-    ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
-    ap.add_argument("--model", default=None,
-                    help="a local model folder instead of the preset (e.g. the tiny model, to try "
-                         "the script on CPU with --dtype float32)")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--workloads", nargs="+", default=["1000x1000", "128x128", "2048x128"],
                     help="INPUTxOUTPUT lengths")
     ap.add_argument("--num-prompts", type=int, default=1000)

@@ -21,8 +21,8 @@ import random
 import sys
 import time
 
-from bench_common import (PRESETS, add_scheduling_arg, git_commit, hardware, model_and_config,
-                          step_table, write_results)
+from bench_common import (add_model_args, add_scheduling_arg, git_commit, hardware,
+                          model_and_config, step_table, write_results)
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -92,9 +92,7 @@ def closed_loop(core: EngineCore, sc: dict, vocab: int, num_steps: int, warm_ste
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
-    ap.add_argument("--model", default=None, help="a local model folder instead of the preset")
-    ap.add_argument("--dtype", default="bfloat16")
+    add_model_args(ap)
     ap.add_argument("--scenarios", nargs="+", default=["1x128x128", "256x215x128",
                                                        "256x215x128j"])
     ap.add_argument("--steps", type=int, default=300, help="measured steps per scenario")
