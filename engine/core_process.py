@@ -151,7 +151,9 @@ def default_cpu_threads() -> int:
     descheduled one costs a scheduler slice. Measured on 2 cores beside two busy processes, two
     streams of the tiny model: 2 threads, one step per ~250 ms; 1 thread, ~0.8 ms, as when idle.
     The rest is left to the front end, the tokenizer process and, when serving, the server."""
-    return max(1, len(os.sched_getaffinity(0)) // 2)
+    cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count() or 1)           # no affinity call outside Linux
+    return max(1, cpus // 2)
 
 
 def main(argv: list[str] | None = None) -> int:
