@@ -18,7 +18,11 @@ Where the work happens, so that a response costs what the server takes and nothi
   busy a stream's steps pile up and leave as one response (text, ids and logprobs of them all);
 - a housekeeping thread asks the server which requests were cancelled (a bounded number per
   round: each question is a round trip) and publishes the metrics (counted locally,
-  engine/metrics.py) twice a second.
+  engine/metrics.py) twice a second;
+- with several instances of the model (one per GPU), each keeps its count of open requests on
+  the instances' shared board (engine/instance_board.py), which the model's execute uses to
+  steer requests to the least-loaded instance, and an abort for a request this instance does
+  not hold is passed on to the others there.
 
 A request whose only input is `abort_request_id` aborts the request the caller started with
 that id (how llm_bls passes on a cancellation) and gets an empty answer.
@@ -49,6 +53,7 @@ import numpy as np
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
+from engine.instance_board import InstanceBoard
 from engine.metrics import ServingMetrics
 from engine.output_processor import PullOutput
 from engine.outbox import Outbox, Stream
@@ -115,11 +120,12 @@ class _Request:
 class ServingEngine:
     def __init__(self, config: EngineConfig, publisher=None,
                  on_dead: Callable[[str], None] | None = None,
-                 num_senders: int | None = None) -> None:
+                 num_senders: int | None = None, board: InstanceBoard | None = None) -> None:
         """Builds the engine (raises if it cannot start) and starts the threads. `publisher`
         (e.g. engine.metrics.TritonMetrics) gets the metrics twice a second. `on_dead(reason)`
         runs once if the engine core process dies, after every request has its error.
-        `num_senders` (default: config.response_senders) threads send the responses."""
+        `num_senders` (default: config.response_senders) threads send the responses. `board`:
+        the board shared with the model's other instances (its owner closes it)."""
         # The loop, reader, sender and tokenizer threads share one GIL; by default a thread
         # that wants it waits up to 5 ms, so each hand-off would cost milliseconds.
         sys.setswitchinterval(config.gil_switch_interval_us * 1e-6)
@@ -129,6 +135,9 @@ class ServingEngine:
         self._trace_lock = threading.Lock()
         self._publisher = publisher
         self._on_dead = on_dead
+        self._board = board
+        self._open_lock = threading.Lock()
+        self._num_open = 0                  # submitted and not yet answered for good
         self._lock = threading.Lock()
         self._inflight: dict[str, _Request] = {}
         self._client_ids: dict[str, str] = {}     # caller's request id -> engine request id
@@ -179,6 +188,7 @@ class ServingEngine:
             if not closed:
                 self._admissions.append(_Admission(rid, inputs, send, is_cancelled, request_id,
                                                    time.monotonic()))
+                self._count_open(1)
                 if self._admit_scheduled:
                     return
                 self._admit_scheduled = True
@@ -199,6 +209,17 @@ class ServingEngine:
         for r in requests:
             self.engine.abort_nowait(r.rid)
             self.outbox.put(r.stream, _Failure(self._stop_reason))
+
+    @property
+    def num_open(self) -> int:
+        """Requests submitted whose final answer has not gone out (or failed) yet."""
+        return self._num_open
+
+    def _count_open(self, delta: int) -> None:
+        with self._open_lock:
+            self._num_open += delta
+            if self._board is not None:
+                self._board.set_load(self._num_open)
 
     def stats(self) -> EngineStats:
         """Blocking; not from the loop thread."""
@@ -257,7 +278,14 @@ class ServingEngine:
                     waiting, self._admissions = self._admissions, []
                     self._admit_scheduled = False
                 for a in waiting:
-                    a.send(None, self._stop_reason or "the engine was shut down", True)
+                    self._refuse(a)
+
+    def _refuse(self, a: _Admission) -> None:
+        """A submitted request that will not start: its final answer is the stop reason."""
+        try:
+            a.send(None, self._stop_reason or "the engine was shut down", True)
+        finally:
+            self._count_open(-1)
 
     def _admit_rest(self) -> None:
         """Shutdown: requests submitted but not yet started get their final (error) answer
@@ -275,7 +303,7 @@ class ServingEngine:
         with self._admit_lock:
             waiting, self._admissions = self._admissions, []
         for a in waiting:
-            a.send(None, self._stop_reason or "the engine was shut down", True)
+            self._refuse(a)
 
     # ------------------------------------------------------------------ the loop
     def _admit(self) -> None:
@@ -314,7 +342,7 @@ class ServingEngine:
                      is_cancelled: Callable[[], bool], client_id: str | None,
                      submitted: float) -> None:
         r = _Request(rid, is_cancelled=is_cancelled, client_id=client_id, submitted=submitted)
-        answer = self.outbox.stream(lambda items: self._send_answer(r, send, items),
+        answer = self.outbox.stream(lambda items: self._send_items(r, send, items),
                                     lambda e: self._send_failed(r, e), context=r)
         r.stream = answer
         if self._stop_reason is not None:
@@ -363,6 +391,13 @@ class ServingEngine:
         self.outbox.put(r.stream, _Failure(str(out)) if isinstance(out, BaseException) else out)
 
     # ------------------------------------------------------------------ sender threads
+    def _send_items(self, r: _Request, send: SendFn, items: list) -> bool:
+        """The outbox's send: True once the final answer is out (the request is closed)."""
+        final = self._send_answer(r, send, items)
+        if final:
+            self._count_open(-1)
+        return final
+
     def _send_answer(self, r: _Request, send: SendFn, items: list) -> bool:
         """One response for everything pending on a client's stream; True once final."""
         first = items[0]
@@ -451,6 +486,7 @@ class ServingEngine:
         if r.req is not None and r.rid in self._inflight:
             self.metrics.on_finish("abort")
         self._forget(r)
+        self._count_open(-1)
 
     def _count_finished(self, r: _Request, out: RequestOutput, num_out: int,
                         reason: str | None = None) -> None:
@@ -485,9 +521,10 @@ class ServingEngine:
             if not self._inflight:
                 self._idle.set()
 
-    def _abort_client(self, client_id: str) -> None:
+    def _abort_client(self, client_id: str, pass_on: bool = True) -> None:
         """Aborts the caller's request; one that has not arrived yet (llm_bls can cancel within
-        the moment before) is refused when it does."""
+        the moment before) is refused when it does. One this instance does not hold may be
+        another instance's: with `pass_on` the abort goes on the board for them too."""
         with self._lock:
             rid = self._client_ids.get(client_id)
             if rid is None:
@@ -495,8 +532,10 @@ class ServingEngine:
                 self._early_aborts = {k: t for k, t in self._early_aborts.items()
                                       if now - t < PENDING_ABORT_S}
                 self._early_aborts[client_id] = now
-                return
-        self.engine.abort_nowait(rid)
+        if rid is not None:
+            self.engine.abort_nowait(rid)
+        elif pass_on and self._board is not None:
+            self._board.post_abort(client_id)
 
     # ------------------------------------------------------------------ housekeeping thread
     def _housekeep(self) -> None:
@@ -505,6 +544,9 @@ class ServingEngine:
         while not self._stopping.wait(HOUSEKEEPING_S):
             try:
                 cursor = self._check_cancellations(cursor)
+                if self._board is not None:
+                    for client_id in self._board.take_aborts():
+                        self._abort_client(client_id, pass_on=False)
                 now = time.monotonic()
                 if now - last_stats >= STATS_POLL_S:
                     last_stats = now

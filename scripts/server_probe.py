@@ -29,20 +29,29 @@ def scrape(metrics_url: str) -> dict[str, float]:
 
 
 def _buckets(values: dict[str, float], name: str) -> list[tuple[float, float]]:
-    """[(le, cumulative count)] ascending, +Inf last."""
+    """[(le, cumulative count)] ascending, +Inf last, summed over the other labels (each
+    instance of the model publishes its own series)."""
     pat = re.compile(re.escape(name) + r'_bucket\{.*le="([^"]+)".*\}$')
-    return sorted((float(m.group(1)), v) for k, v in values.items() if (m := pat.match(k)))
+    counts: dict[float, float] = {}
+    for k, v in values.items():
+        if m := pat.match(k):
+            counts[float(m.group(1))] = counts.get(float(m.group(1)), 0.0) + v
+    return sorted(counts.items())
+
+
+def _sum(values: dict[str, float], name: str) -> float:
+    return sum(v for k, v in values.items() if k.startswith(name + "{"))
 
 
 def hist_delta(before: dict[str, float], after: dict[str, float], name: str) -> dict:
-    """What histogram `name` (in seconds) observed between two scrapes, in ms. A quantile that
-    falls in the +Inf bucket is reported as the last finite bound (a floor); `max_bucket_ms`
-    is [lower, upper] of the highest non-empty bucket, upper None for +Inf."""
+    """What histogram `name` (in seconds) observed between two scrapes, in ms, over all the
+    model's instances. A quantile that falls in the +Inf bucket is reported as the last finite
+    bound (a floor); `max_bucket_ms` is [lower, upper] of the highest non-empty bucket, upper
+    None for +Inf."""
     start = dict(_buckets(before, name))
     cum = [(le, c - start.get(le, 0.0)) for le, c in _buckets(after, name)]
     total = cum[-1][1] if cum else 0.0
-    sum_key = next((k for k in after if k.startswith(name + "_sum")), None)
-    total_s = after[sum_key] - before.get(sum_key, 0.0) if sum_key else 0.0
+    total_s = _sum(after, name + "_sum") - _sum(before, name + "_sum")
 
     def quantile_ms(q: float) -> float | None:
         if total <= 0:

@@ -35,6 +35,21 @@ def test_hist_delta_beyond_the_last_bound_is_a_floor_and_empty_is_none():
     assert empty["count"] == 0 and empty["p99_ms"] is None and empty["max_bucket_ms"] is None
 
 
+def test_hist_delta_sums_the_instances_series():
+    """Each instance of the model publishes its own series (label `instance`)."""
+    a = 'model="llm",version="1",instance="llm_0_0"'
+    b = 'model="llm",version="1",instance="llm_0_1"'
+    before = {**hist({"0.001": 0, "0.01": 0, "+Inf": 0}, 0.0, a),
+              **hist({"0.001": 0, "0.01": 0, "+Inf": 0}, 0.0, b)}
+    after = {**hist({"0.001": 10, "0.01": 10, "+Inf": 10}, 0.005, a),      # 10 x 0.5 ms
+             **hist({"0.001": 0, "0.01": 30, "+Inf": 30}, 0.15, b)}        # 30 x 5 ms
+    d = hist_delta(before, after, LAG)
+    assert d["count"] == 40
+    assert d["mean_ms"] == pytest.approx(1e3 * 0.155 / 40)
+    assert d["p50_ms"] == pytest.approx(1 + 9 * 10 / 30)        # 20th of 40: 10th in (1, 10]
+    assert d["max_bucket_ms"] == [1.0, 10.0]
+
+
 def test_gauge_takes_the_largest_label_set():
     values = {'llm_event_loop_lag_max_seconds{model="a"}': 0.2,
               'llm_event_loop_lag_max_seconds{model="b"}': 0.7}

@@ -1,6 +1,7 @@
 """engine/serving.py's ServingEngine without a server: what reaches `send`. Through a real
 tritonserver: tests/test_serving.py."""
 import json
+import os
 import threading
 import time
 
@@ -9,6 +10,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from engine.config import EngineConfig
+from engine.instance_board import InstanceBoard
 from engine.serving import ServingEngine
 from scripts.make_tiny_model import make_tiny_model
 
@@ -282,3 +284,77 @@ def test_trace_file_has_each_streams_first_token_timeline_in_order(model_dir, tm
         # reader may in principle see its first output before that: not ordered against it.
         assert t["submitted"] <= t["serving"] <= t["in_engine"], t
         assert t["serving"] <= t["first_output"] <= t["first_sent"], t
+
+
+def _wait_open(serving, n):
+    """num_open drops just after a final answer's send returns."""
+    deadline = time.monotonic() + WAIT_S
+    while serving.num_open != n:
+        assert time.monotonic() < deadline, serving.num_open
+        time.sleep(0.01)
+
+
+def test_open_requests_are_counted_on_the_board_until_their_final_answer(model_dir, tmp_path):
+    board = InstanceBoard(os.getpid(), "llm", directory=str(tmp_path))
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS), board=board)
+    try:
+        running = Recorder()
+        serving.submit(_inputs("runs a while", 200), running, request_id="bls-long")
+        assert running.entered.wait(WAIT_S)
+        assert serving.num_open == board.load == 1
+        endings = [Recorder() for _ in range(4)]
+        serving.submit(_inputs("answered", 3), endings[0])
+        serving.submit({"text_input": _str("x"), "sampling_parameters": _str("{bad json")},
+                       endings[1])
+        serving.submit({"abort_request_id": _str("bls-long")}, endings[2])
+        serving.submit(lambda: 1 / 0, endings[3])             # its inputs cannot be read
+        for rec in endings + [running]:
+            assert rec.final.wait(WAIT_S)
+        assert running.responses[-1][1] is None          # it ended by the abort, answered
+        _wait_open(serving, 0)
+        assert board.load == 0
+        serving.stop_serving("going away")
+        refused = Recorder()
+        serving.submit(_inputs("refused", 3), refused)
+        assert refused.responses == [(None, "going away", True)]
+        assert serving.num_open == board.load == 0
+    finally:
+        serving.shutdown()
+        board.close()
+
+
+def test_an_abort_reaching_the_wrong_instance_is_passed_on_to_the_right_one(model_dir,
+                                                                           tmp_path):
+    """Two instances of a model (two engines, one board): llm_bls's abort of a request that
+    instance B runs reaches instance A, as Triton may route it; B aborts it."""
+    config = EngineConfig(model=model_dir, dtype="float32", device="cpu", **SETTINGS)
+    boards = [InstanceBoard(os.getpid(), "llm", directory=str(tmp_path)) for _ in range(2)]
+    a = ServingEngine(config, board=boards[0])
+    b = ServingEngine(config, board=boards[1])
+    try:
+        running = Recorder()
+        b.submit(_inputs("on b", 250) | {"return_finish_reason": np.array([True])}, running,
+                 request_id="bls-on-b")
+        assert running.entered.wait(WAIT_S)
+        ack = Recorder()
+        a.submit({"abort_request_id": _str("bls-on-b")}, ack)
+        assert ack.final.wait(WAIT_S) and ack.responses == [({}, None, True)]
+        assert running.final.wait(WAIT_S)
+        assert running.responses[-1][0]["finish_reason"][0] == b"abort"
+        assert sum(len(t["output_ids"]) for t, _, _ in running.responses) < 250
+        # Passed on before the request arrived: refused where it lands.
+        a.submit({"abort_request_id": _str("bls-not-yet")}, Recorder())
+        late = Recorder()
+        deadline = time.monotonic() + WAIT_S
+        while not b._early_aborts:              # B has read the board (a housekeeping round)
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        b.submit(_inputs("too late", 200), late, request_id="bls-not-yet")
+        assert late.final.wait(WAIT_S) and late.responses == [(None, "request cancelled", True)]
+        _wait_idle(b)
+    finally:
+        a.shutdown()
+        b.shutdown()
+        for board in boards:
+            board.close()

@@ -6,6 +6,7 @@ import signal
 import triton_python_backend_utils as pb_utils
 
 from engine.config import EngineConfig, settings_from_triton
+from engine.instance_board import InstanceBoard
 from engine.metrics import TritonMetrics
 from engine.protocol import CONTROL_INPUT_NAMES, INPUT_NAMES
 from engine.serving import ServingEngine
@@ -23,10 +24,18 @@ class TritonPythonModel:
             device = f"cuda:{args['model_instance_device_id']}"
         repository = os.path.dirname(args["model_repository"].rstrip("/"))
         config = EngineConfig.from_strings(settings_from_triton(model_config, repository, device))
-        labels = {"model": args["model_name"], "version": args["model_version"]}
+        # Each instance publishes its own series (one instance per GPU): sum them by model.
+        labels = {"model": args["model_name"], "version": args["model_version"],
+                  "instance": args["model_instance_name"]}
         self.model_name = args["model_name"]
-        self.serving = ServingEngine(config, publisher=TritonMetrics(pb_utils, labels),
-                                     on_dead=self._engine_died)
+        self.board = _open_board(args["model_name"])
+        try:
+            self.serving = ServingEngine(config, publisher=TritonMetrics(pb_utils, labels),
+                                         on_dead=self._engine_died, board=self.board)
+        except BaseException:
+            if self.board is not None:
+                self.board.close()
+            raise
         # The stub ignores SIGINT and SIGTERM; one reaches it only as a signal to the server's
         # whole process group (Ctrl-C): the server is stopping, and it unloads this model only
         # once every stream has ended. So end them (engine/signal_watch.py).
@@ -40,6 +49,10 @@ class TritonPythonModel:
         for request in requests:
             self.serving.submit(_inputs_of(request), _sender(request.get_response_sender()),
                                 request.is_cancelled, request.request_id() or None)
+        if self.board is not None:
+            # Holding this call a moment while this instance has more requests than another
+            # makes Triton give the next ones to the others (engine/instance_board.py).
+            self.board.wait_turn()
         return None
 
     def _engine_died(self, reason):
@@ -47,6 +60,8 @@ class TritonPythonModel:
         ourselves so that Triton reports the model not ready (readiness in this Triton version
         follows load state only); that needs --model-control-mode=explicit."""
         self.logger.log_error(f"llm: the engine core died ({reason}); unloading the model")
+        if self.board is not None:
+            self.board.close()              # no instance waits for this one any more
         try:
             pb_utils.unload_model(self.model_name)
         except Exception as e:  # noqa: BLE001 - e.g. model control mode NONE
@@ -65,7 +80,20 @@ class TritonPythonModel:
         # way as the stub exits can leave the server a lock held by a dead process (README).
         self.signal_watch.close()
         self.serving.shutdown()
+        if self.board is not None:
+            self.board.close()
         self.logger.log_info("llm: engine stopped")
+
+
+def _open_board(model_name):
+    """The board this model's instances in this server share (the stub's parent is the
+    server), or None, with a warning, if there can be none."""
+    try:
+        return InstanceBoard(os.getppid(), model_name)
+    except (OSError, RuntimeError) as e:
+        pb_utils.Logger.log_warn(f"llm: no instance board ({e}): each request goes to the "
+                                 f"instance Triton picks, and llm_bls's aborts reach only it")
+        return None
 
 
 def _inputs_of(request):

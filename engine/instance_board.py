@@ -1,0 +1,252 @@
+"""What the instances of one served model share: their loads, and aborts meant for another.
+
+Triton gives each request of a model to whichever of its instances is free, and an `llm`
+instance is free again as soon as `execute` has queued the request: with one instance per GPU,
+which GPU gets a request is chance (on CPU, 64 streams split 16/48, 26/38, 99/157 of 256 over
+two instances). And a request that only names another request (llm_bls's `abort_request_id`)
+reaches an arbitrary instance, not the one running its target: with two instances about half of
+llm_bls's cancellations never reached their request.
+
+The board is a small file in shared memory (`/dev/shm`) that every instance of the model in one
+tritonserver maps (the key is the server's pid and the model's name), no syscalls to read it:
+
+- each instance has a slot (its pid, its load: requests it holds). `wait_turn`, called at the end
+  of `execute`, keeps the instance busy while it holds more than `margin` requests over the
+  least-loaded live instance, for at most `max_wait_s`: Triton then hands the next requests to
+  the others (the least-loaded one never waits, so two can never wait for each other);
+- an abort that reached an instance which does not hold its target is posted to a ring of
+  aborts that every instance reads on its housekeeping round.
+
+Slots of processes that are gone are taken back when found; the file of a server that is gone
+is removed by the next board opened on the machine, and the last instance to close a board
+removes its file.
+"""
+from __future__ import annotations
+
+import fcntl
+import glob
+import logging
+import mmap
+import os
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+MAGIC = 0x54524C4C4D42        # "TRLLMB"
+NUM_SLOTS = 64
+NUM_ABORTS = 256              # the ring: a reader more than this far behind loses the oldest
+MAX_ABORT_ID_BYTES = 56
+_HEADER = 4                   # int64s: magic, abort sequence, two spare
+_SLOT = 2                     # int64s per slot: pid, load
+_ABORT = 8                    # int64s per ring entry: its sequence number, then the id's bytes
+_SIZE_BYTES = 8 * (_HEADER + NUM_SLOTS * _SLOT + NUM_ABORTS * _ABORT)
+PREFIX = "tritonllm-board-"
+
+MARGIN = 1                    # requests an instance may hold over the least-loaded one
+MAX_WAIT_S = 0.01             # the longest an execute call is held for the others
+POLL_S = 0.0005
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def board_dir() -> str:
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+
+
+class InstanceBoard:
+    def __init__(self, server_pid: int, model_name: str, directory: str | None = None) -> None:
+        """Maps the board of `model_name` in the server `server_pid` (creating it) and takes a
+        free slot. Raises OSError if the file cannot be made, RuntimeError if no slot is free."""
+        directory = directory or board_dir()
+        _remove_boards_of_dead_servers(directory)
+        self.path = os.path.join(directory, f"{PREFIX}{server_pid}-{_safe(model_name)}")
+        self._lock = threading.Lock()       # this process's writers of its load
+        self._load = 0
+        self._fd = -1
+        while True:                         # until the file we lock is the one at the path
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            try:
+                if os.fstat(fd).st_ino == os.stat(self.path).st_ino:
+                    break
+            except FileNotFoundError:
+                pass                         # its last owner removed it: make it again
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        try:
+            if os.fstat(fd).st_size < _SIZE_BYTES:
+                os.ftruncate(fd, _SIZE_BYTES)
+            self._mm = mmap.mmap(fd, _SIZE_BYTES)
+            words = np.frombuffer(self._mm, dtype=np.int64)
+            self._header = words[:_HEADER]
+            self._slots = words[_HEADER:_HEADER + NUM_SLOTS * _SLOT].reshape(NUM_SLOTS, _SLOT)
+            self._ring = words[_HEADER + NUM_SLOTS * _SLOT:].reshape(NUM_ABORTS, _ABORT)
+            if self._header[0] != MAGIC:
+                words[:] = 0
+                self._header[0] = MAGIC
+            self.slot = self._take_slot()
+            self._abort_cursor = int(self._header[1])   # aborts posted before we came are old
+        except BaseException:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+            raise
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        self._fd = fd
+
+    def _take_slot(self) -> int:
+        """Under the file lock."""
+        pids = self._slots[:, 0]
+        for i in range(NUM_SLOTS):
+            if pids[i] == 0 or not _alive(int(pids[i])):
+                self._slots[i] = (os.getpid(), 0)
+                return i
+        raise RuntimeError(f"all {NUM_SLOTS} instance slots of {self.path} are taken")
+
+    # ------------------------------------------------------------------ loads
+    def set_load(self, num_requests: int) -> None:
+        """The requests this instance holds now. Any thread; no system call."""
+        with self._lock:
+            if self._fd >= 0:
+                self._load = num_requests
+                self._slots[self.slot, 1] = num_requests
+
+    @property
+    def load(self) -> int:
+        return self._load
+
+    def peer_loads(self) -> dict[int, int]:
+        """{pid: load} of the other instances with a slot."""
+        with self._lock:
+            if self._fd < 0:
+                return {}
+            return {int(pid): int(load) for i, (pid, load) in enumerate(self._slots)
+                    if pid != 0 and i != self.slot}
+
+    def wait_turn(self, margin: int = MARGIN, max_wait_s: float = MAX_WAIT_S,
+                  poll_s: float = POLL_S) -> float:
+        """Returns once this instance holds at most `margin` requests more than the least-loaded
+        other live instance, or after `max_wait_s`; returns the seconds waited."""
+        start = None
+        checked: set[int] = set()
+        while True:
+            least = self._least_loaded_peer(checked)
+            if least is None or self._load <= least + margin:
+                break
+            now = time.monotonic()
+            if start is None:
+                start = now
+            elif now - start >= max_wait_s:
+                break
+            time.sleep(poll_s)
+        return 0.0 if start is None else time.monotonic() - start
+
+    def _least_loaded_peer(self, checked: set[int]) -> int | None:
+        """The lowest load among the other slots; a slot whose process is gone is freed (each
+        pid is checked once per wait_turn: a system call)."""
+        with self._lock:
+            if self._fd < 0:
+                return None
+            while True:
+                pids, loads = self._slots[:, 0], self._slots[:, 1]
+                others = pids != 0
+                others[self.slot] = False
+                if not others.any():
+                    return None
+                i = int(np.flatnonzero(others)[np.argmin(loads[others])])
+                pid, load = int(pids[i]), int(loads[i])
+                if pid in checked or _alive(pid):
+                    checked.add(pid)
+                    return load
+                logger.info("instance board: process %d is gone, freeing its slot", pid)
+                self._slots[i] = (0, 0)
+
+    # ------------------------------------------------------------------ aborts
+    def post_abort(self, request_id: str) -> bool:
+        """Tells the other instances to abort `request_id` (which this one does not hold).
+        False if the id is too long for the ring."""
+        data = request_id.encode()
+        if len(data) > MAX_ABORT_ID_BYTES:
+            logger.warning("instance board: abort id %r too long to pass on", request_id)
+            return False
+        padded = np.frombuffer(data.ljust(MAX_ABORT_ID_BYTES, b"\0"), dtype=np.int64)
+        with self._lock:
+            if self._fd < 0:
+                return False
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                seq = int(self._header[1])
+                entry = self._ring[seq % NUM_ABORTS]
+                entry[0] = seq + 1
+                entry[1:] = padded
+                self._header[1] = seq + 1
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        return True             # read back by this instance too: aborting it again is harmless
+
+    def take_aborts(self) -> list[str]:
+        """The aborts posted since the last call (a memory read when there are none)."""
+        with self._lock:
+            if self._fd < 0 or int(self._header[1]) == self._abort_cursor:
+                return []
+            fcntl.flock(self._fd, fcntl.LOCK_SH)
+            try:
+                end = int(self._header[1])
+                start = max(self._abort_cursor, end - NUM_ABORTS)
+                ids = [self._ring[seq % NUM_ABORTS, 1:].tobytes().rstrip(b"\0").decode(
+                    errors="replace") for seq in range(start, end)
+                    if self._ring[seq % NUM_ABORTS, 0] == seq + 1]
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            lost = start - self._abort_cursor
+            self._abort_cursor = end
+        if lost > 0:
+            logger.warning("instance board: %d aborts were passed on before they were read", lost)
+        return ids
+
+    # ------------------------------------------------------------------ the end
+    def close(self) -> None:
+        """Gives the slot back; the last instance removes the file. Safe to call twice; the
+        other methods do nothing afterwards."""
+        with self._lock:
+            if self._fd < 0:
+                return
+            fcntl.flock(self._fd, fcntl.LOCK_EX)
+            try:
+                self._slots[self.slot] = (0, 0)
+                if not self._slots[:, 0].any():
+                    try:
+                        os.unlink(self.path)
+                    except FileNotFoundError:
+                        pass
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+            del self._header, self._slots, self._ring     # views of the mapping
+            self._mm.close()
+            os.close(self._fd)
+            self._fd = -1
+
+
+def _safe(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _remove_boards_of_dead_servers(directory: str) -> None:
+    for path in glob.glob(os.path.join(directory, PREFIX + "*")):
+        pid = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            try:
+                os.unlink(path)
+            except OSError:
+                pass

@@ -1,0 +1,178 @@
+"""Two instances of `llm` in one tritonserver (as one per GPU, here on CPU): requests spread
+evenly, each instance publishes its own metrics, and llm_bls's aborts reach the instance that
+runs their request (engine/instance_board.py)."""
+import concurrent.futures
+import queue
+
+import pytest
+import tritonclient.grpc as grpcclient
+
+from engine import LLM, SamplingParams
+from scripts.make_tiny_model import make_tiny_model
+from scripts.tritonserver_env import copy_repository
+from tests.test_serving import (SETTINGS, endless, finished, greedy, grpc_inputs,
+                                metrics, stream_request, text_of, wait_for, wait_pool_whole)
+from tests.tritonserver import start_server
+
+NUM_INSTANCES = 2
+# Streams that outlast the tests (until cancelled, without preemption): a context of 16k
+# tokens, with room for every stream on one instance.
+MAX_MODEL_LEN = 16384
+INSTANCE_SETTINGS = {**SETTINGS, "max_model_len": MAX_MODEL_LEN, "num_kv_blocks": 8192}
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "llama", arch="llama", seed=4,
+                               max_position_embeddings=MAX_MODEL_LEN))
+
+
+@pytest.fixture(scope="module")
+def server(model_dir, tmp_path_factory):
+    repo = tmp_path_factory.mktemp("repo")
+    copy_repository(repo, model_dir, {"dtype": "float32", **INSTANCE_SETTINGS},
+                    keep_params=False)
+    cfg = repo / "llm" / "config.pbtxt"
+    text = cfg.read_text()
+    assert "count: 1 kind: KIND_CPU" in text
+    cfg.write_text(text.replace("count: 1 kind: KIND_CPU",
+                                f"count: {NUM_INSTANCES} kind: KIND_CPU"))
+    with start_server(repo, log_dir=tmp_path_factory.mktemp("log")) as s:
+        yield s
+
+
+def per_instance(server, name, values=None):
+    """{instance label: value} of one llm_* family."""
+    out = {}
+    for key, v in (values if values is not None else metrics(server)).items():
+        if key.startswith(name + "{"):
+            instance = key.split('instance="', 1)[1].split('"', 1)[0]
+            out[instance] = out.get(instance, 0.0) + v
+    return out
+
+
+def test_each_instance_publishes_its_own_series(server):
+    wait_pool_whole(server)
+    total = per_instance(server, "llm_kv_blocks_total")
+    assert sorted(total) == ["llm_0_0", "llm_0_1"]
+    assert set(total.values()) == {INSTANCE_SETTINGS["num_kv_blocks"]}
+
+
+def _running(server):
+    return per_instance(server, "llm_num_requests_running")
+
+
+@pytest.mark.parametrize("round_", [1, 2])
+def test_streams_sent_at_once_spread_evenly_over_the_instances(server, round_):
+    """Triton alone gives each request to whichever instance is free: 48 sent at once split
+    18/30, 19/29, 21/27, 22/26 here; an instance with more than one over the other now waits
+    in execute, so the next ones go to the other."""
+    wait_pool_whole(server)
+    n = 48
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: None)
+    try:
+        for i in range(n):
+            client.async_stream_infer("llm", grpc_inputs(f"spread {round_} {i}", endless()))
+        wait_for(lambda: sum(_running(server).values()) == n, f"{n} requests running",
+                 timeout_s=60)
+        running = _running(server)
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+    assert max(running.values()) - min(running.values()) <= 2, running
+    wait_pool_whole(server, timeout_s=60)
+
+
+def test_cancelled_bls_requests_are_aborted_on_whichever_instance_runs_them(server):
+    """Each abort (a BLS call to llm) reaches an instance Triton picks; the one that does not
+    hold the request passes it on. Without that, about half would run on to max_model_len."""
+    wait_pool_whole(server)
+    n = 6
+    aborted = finished(server, "abort")
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    errors: queue.Queue = queue.Queue()
+    calls = [client.async_infer("llm_bls", grpc_inputs(f"cancel {i}", endless(), stream=False),
+                                callback=lambda result, error: errors.put(error))
+             for i in range(n)]
+    try:
+        wait_for(lambda: sum(_running(server).values()) == n, f"{n} inner requests running",
+                 timeout_s=60)
+        assert all(v > 0 for v in _running(server).values())    # both instances run some
+        for call in calls:
+            call.cancel()
+        for _ in range(n):
+            assert "CANCELLED" in str(errors.get(timeout=60)).upper()
+        # One not aborted would run on to max_model_len: minutes.
+        wait_for(lambda: finished(server, "abort") >= aborted + n, "the inner requests' aborts",
+                 timeout_s=60)
+    finally:
+        client.close()
+    wait_pool_whole(server, timeout_s=60)
+
+
+def test_both_instances_answer_as_the_direct_engine(server, model_dir):
+    """Six at once: the instances share them, and each answers as the direct engine."""
+    expected = LLM(model_dir, dtype="float32", device="cpu", **INSTANCE_SETTINGS).generate(
+        "Same prompt", SamplingParams(**greedy(12)))[0].outputs[0].text
+    before = per_instance(server, "llm_requests_finished_total")
+    with concurrent.futures.ThreadPoolExecutor(6) as pool:
+        texts = list(pool.map(lambda _: text_of(stream_request(server, "Same prompt",
+                                                                greedy(12))), range(6)))
+    assert texts == [expected] * 6
+    wait_for(lambda: sum(per_instance(server, "llm_requests_finished_total").values())
+             >= sum(before.values()) + 6, "the finishes to be published")
+    after = per_instance(server, "llm_requests_finished_total")
+    assert all(after[k] > before.get(k, 0) for k in after) and len(after) == NUM_INSTANCES
+
+
+def _start_stream(server, prompt):
+    """A client with one endless stream; returns it once its first tokens came back."""
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    results: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: results.put(error))
+    client.async_stream_infer("llm", grpc_inputs(prompt, endless()))
+    assert results.get(timeout=60) is None
+    return client
+
+
+def _running(server):
+    return per_instance(server, "llm_num_requests_running")
+
+
+def test_new_requests_go_to_the_instance_with_fewer(server):
+    """One instance is left idle while the other runs 6 streams (streams sent one by one,
+    each instance's own are then cancelled): a burst of 6 new ones all go to the idle one.
+    Triton alone would split the burst between them."""
+    wait_pool_whole(server)
+    clients = {}                    # instance -> the clients whose stream it runs
+    try:
+        for i in range(12):
+            before = _running(server)
+            client = _start_stream(server, f"placed {i}")
+            wait_for(lambda: sum(_running(server).values()) == i + 1, "the gauge to move")
+            after = _running(server)
+            grown = [k for k in after if after[k] > before.get(k, 0)]
+            assert len(grown) == 1, (before, after)
+            clients.setdefault(grown[0], []).append(client)
+        emptied, kept = sorted(clients, key=lambda k: len(clients[k]))
+        n = len(clients[emptied])
+        assert n >= 5, {k: len(v) for k, v in clients.items()}     # as even as they came
+        for client in clients.pop(emptied):
+            client.stop_stream(cancel_requests=True)
+            client.close()
+        wait_for(lambda: _running(server).get(emptied) == 0, "the cancelled streams to end")
+        burst = grpcclient.InferenceServerClient(server.grpc_url)
+        clients["burst"] = [burst]
+        burst.start_stream(callback=lambda result, error: None)
+        for i in range(n):
+            burst.async_stream_infer("llm", grpc_inputs(f"burst {i}", endless()))
+        wait_for(lambda: sum(_running(server).values()) == 12, "the burst to run", 60)
+        running = _running(server)
+        assert abs(running[emptied] - running[kept]) <= 2, running
+    finally:
+        for group in clients.values():
+            for client in group:
+                client.stop_stream(cancel_requests=True)
+                client.close()
+    wait_pool_whole(server, timeout_s=60)
