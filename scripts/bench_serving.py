@@ -24,6 +24,10 @@ llm_bls has one response per request, so its TTFT and ITL are the server's own h
 (llm_time_to_first_token_seconds, llm_inter_token_latency_seconds; quantiles interpolated
 within their buckets). Also recorded: the server's responses and tokens per response, the
 serving loop's lag, and Triton's queue time.
+
+Here: the workload, the direct engine, the served rounds and the report. The load generators
+and the client's figures of a run: scripts/serving_clients.py; what is read from the server
+and the machine: scripts/server_probe.py.
 """
 from __future__ import annotations
 
@@ -37,14 +41,15 @@ import sys
 import tempfile
 import time
 
-import numpy as np
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from scripts.bench_common import (PRESETS, git_commit, hardware, preset_dir,  # noqa: E402
-                                  process_cmdlines, write_results)
+                                  write_results)
+from scripts.server_probe import (children_cpu, cpu_times, cpu_use, scrape,  # noqa: E402
+                                  scrape_published, server_side, triton_queue_us)
+from scripts.serving_clients import run_perf_analyzer, run_py_client, summarize  # noqa: E402
 
 MIN_REQUESTS = 8
 SERVER_START_S = 900.0
@@ -127,71 +132,6 @@ class PromptRounds:
             return self.offsets[c]
         self._next += self.n[c]
         return self._next - self.n[c]
-
-
-def summarize(starts, firsts, lasts, ends, output_tokens: int, concurrency: int = 0) -> dict:
-    """Client-side figures of one run (times in seconds, one entry per request)."""
-    starts, firsts, lasts, ends = (np.asarray(a, dtype=np.float64)
-                                   for a in (starts, firsts, lasts, ends))
-    span = float(ends.max() - starts.min())
-    ttft = (firsts - starts) * 1e3
-    itl = (lasts - firsts) * 1e3 / max(output_tokens - 1, 1)
-
-    def pct(a, q):
-        return round(float(np.percentile(a, q)), 3)
-    t0 = float(starts.min())
-    return {"requests": int(len(starts)), "seconds": round(span, 3),
-            # each request's (send, first response, last response) in ms from the first send:
-            # where the time between a request and its context's next one goes
-            "timeline_ms": [[round(1e3 * (a - t0), 1), round(1e3 * (b - t0), 1),
-                             round(1e3 * (c - t0), 1)]
-                            for a, b, c in zip(starts.tolist(), firsts.tolist(),
-                                               lasts.tolist())],
-            "output_tok_s": round(len(starts) * output_tokens / span, 1),
-            **full_load(starts, firsts, lasts, output_tokens, concurrency),
-            # requests in flight on average: below the concurrency, the client left gaps
-            "mean_in_flight": round(float((ends - starts).sum()) / span, 1),
-            "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
-            "itl_p50_ms": pct(itl, 50), "itl_p99_ms": pct(itl, 99),
-            **reissue_gaps(starts, ends, concurrency)}
-
-
-def full_load(starts, firsts, lasts, output_tokens: int, c: int) -> dict:
-    """Output tok/s while the client has all its slots in use: from the c-th send (every slot
-    filled once) to the last send (after it, slots empty as the run drains). The whole-run
-    figure also charges the server with the client's ramp-up (perf_analyzer's processes and
-    threads start over seconds) and the drain. A request's tokens are counted where they
-    came: the first at its first response, the rest spread evenly to its last response (one
-    response: over the time it was out)."""
-    if c <= 0 or len(starts) <= c:
-        return {}
-    sends = np.sort(starts)
-    t0, t1 = sends[c - 1], sends[-1]
-    if t1 <= t0:
-        return {}
-    single = (lasts - firsts) < 1e-6
-    # one response (llm_bls): its tokens were made while it was out, spread over that time
-    begin = np.where(single, starts, firsts)
-    spread = np.clip(np.minimum(lasts, t1) - np.maximum(begin, t0), 0, None) / np.maximum(
-        lasts - begin, 1e-9)
-    tokens = np.where(single, output_tokens * spread,
-                      ((firsts >= t0) & (firsts <= t1)) + (output_tokens - 1) * spread)
-    busy = np.clip(np.minimum(lasts, t1) - np.maximum(starts, t0), 0, None)
-    return {"full_load_tok_s": round(float(tokens.sum()) / (t1 - t0), 1),
-            "full_load_s": round(float(t1 - t0), 3),
-            "full_load_in_flight": round(float(busy.sum()) / (t1 - t0), 1)}
-
-
-def reissue_gaps(starts, ends, c: int) -> dict:
-    """In a closed loop of c, the k-th request to end frees the slot of the (c+k)-th to be
-    sent: the time between the two is what the client (or the server's answer path) adds
-    between requests. Matched in order of time, so per slot only on average."""
-    if c <= 0 or len(starts) <= c:
-        return {}
-    gaps = (np.sort(starts)[c:] - np.sort(ends)[:len(starts) - c]) * 1e3
-    return {"reissue_gap_p50_ms": round(float(np.percentile(gaps, 50)), 3),
-            "reissue_gap_p90_ms": round(float(np.percentile(gaps, 90)), 3),
-            "reissue_gap_max_ms": round(float(gaps.max()), 3)}
 
 
 # ---------------------------------------------------------------------------- direct
@@ -340,273 +280,6 @@ def run_direct(args, settings, prompts, rounds: PromptRounds, gpus, on_row) -> l
 
 
 # ---------------------------------------------------------------------------- served
-def perf_analyzer_path() -> str:
-    for cand in (os.path.join(os.path.dirname(sys.executable), "perf_analyzer"),
-                 shutil.which("perf_analyzer")):
-        if cand and os.access(cand, os.X_OK):
-            return cand
-    raise FileNotFoundError("perf_analyzer not found (make venv; on the GPU machine "
-                            "bash .gpu-kit/install.sh)")
-
-
-def grpc_address(server) -> str:
-    """The server's gRPC address by IP. gRPC resolves "localhost" through DNS; on the GPU
-    machine (no reachable DNS server) that made each perf_analyzer start 3.2-3.4 s late and
-    open its streams over seconds, in steps as earlier requests finished
-    (scripts/diag_stream_ramp.py): a client artifact charged to the server."""
-    return f"127.0.0.1:{server.grpc_port}"
-
-
-def write_input_data(path: str, prompts: list[str], output_tokens: int, stream: bool) -> None:
-    params = json.dumps({"max_tokens": output_tokens, "temperature": 0, "ignore_eos": True})
-    entries = [{"text_input": [p], "sampling_parameters": [params]} for p in prompts]
-    if stream:
-        for e in entries:
-            e["stream"] = [True]
-    with open(path, "w") as f:
-        json.dump({"data": entries}, f)
-
-
-def client_prompts(prompts: list[str], n: int, clients: int) -> list[list[str]]:
-    """The prompts each of `clients` perf_analyzer processes cycles through for n requests:
-    client k gets prompts k, k + clients, ... of the first n (never none)."""
-    return [prompts[k:n:clients] or prompts[k % len(prompts):][:1] for k in range(clients)]
-
-
-def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], work: str,
-                      output_tokens: int, clients: int = 1) -> dict:
-    """`clients` perf_analyzer processes at once, c and n shared among them: one process
-    handles about 5,000 streamed responses/s (seen on the H200 host: beyond that it lets its
-    requests in flight drop), so a fast server needs several to be kept busy. Client k sends
-    prompts k, k + clients, ... of the first n: together the n prompts the direct engine and
-    the python client send. (Each used to read the whole list from its start: 4 clients sent
-    the first quarter 4 times, so a later round with all n prompts found 3/4 of them outside
-    the prefix cache, and prefilled them, where the direct engine's steady round did not.)"""
-    clients = max(1, min(clients, c))
-    procs, exports = [], []
-    for k in range(clients):
-        ck, nk = c // clients + (k < c % clients), n // clients + (k < n % clients)
-        data = os.path.join(work, f"input-{model}-{c}-{k}.json")
-        write_input_data(data, client_prompts(prompts, n, clients)[k], output_tokens,
-                         stream=model == "llm")
-        exports.append(os.path.join(work, f"export-{model}-{c}-{k}.json"))
-        cmd = [perf_analyzer_path(), "-m", model, "-i", "grpc", "-u", grpc_address(server),
-               "--input-data", data, "--concurrency-range", str(ck),
-               "--request-count", str(max(nk, 1)),
-               # A thread per request in flight: with fewer, the threads, busy with many
-               # streamed responses each, kept only about half of 64 requests in flight.
-               "--max-threads", str(max(ck, 4)), "--profile-export-file", exports[-1]]
-        if model == "llm":
-            cmd.append("--streaming")
-        procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
-    reqs = []
-    for proc, export in zip(procs, exports):
-        out, _ = proc.communicate(timeout=3600)
-        if proc.returncode != 0:
-            raise RuntimeError(f"perf_analyzer failed ({proc.returncode}):\n{out[-3000:]}")
-        with open(export) as f:
-            exp = json.load(f)
-        os.remove(export)
-        reqs += [r for e in exp["experiments"] for r in e["requests"]
-                 if r["response_timestamps"]]
-    starts = [r["timestamp"] / 1e9 for r in reqs]
-    firsts = [r["response_timestamps"][0] / 1e9 for r in reqs]
-    lasts = [r["response_timestamps"][-1] / 1e9 for r in reqs]
-    out = summarize(starts, firsts, lasts, lasts, output_tokens, c)
-    out["responses_per_request"] = round(
-        sum(len(r["response_timestamps"]) for r in reqs) / max(len(reqs), 1), 2)
-    out["clients"] = clients
-    return out
-
-
-def py_client_worker(spec: dict) -> None:
-    """A closed loop of Python gRPC clients (tritonclient.grpc.aio), one stream per context: a
-    second client beside perf_analyzer, to tell the client's gaps from the server's. Reads
-    "go" on stdin once connected; prints a JSON list of per-request (send, first, last)."""
-    import tritonclient.grpc.aio as grpcclient
-    import tritonclient.grpc as grpcsync
-    model, stream_mode = spec["model"], spec["model"] == "llm"
-    params = json.dumps({"max_tokens": spec["output_tokens"], "temperature": 0,
-                         "ignore_eos": True})
-
-    def make_inputs(prompt: str) -> list:
-        arrays = {"text_input": np.array([prompt.encode()], dtype=np.object_),
-                  "sampling_parameters": np.array([params.encode()], dtype=np.object_),
-                  "return_finish_reason": np.array([True])}
-        if stream_mode:
-            arrays["stream"] = np.array([True])
-        out = []
-        for name, a in arrays.items():
-            t = grpcsync.InferInput(name, list(a.shape), "BYTES" if a.dtype == object else "BOOL")
-            t.set_data_from_numpy(a)
-            out.append(t)
-        return out
-
-    counter = iter(range(spec["first"], spec["first"] + spec["n"]))
-    times: list = []
-
-    async def context(client) -> None:
-        if not stream_mode:
-            for i in counter:
-                start = time.time()
-                await client.infer(model, make_inputs(spec["prompts"][i % len(spec["prompts"])]))
-                now = time.time()
-                times.append((start, now, now))
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def requests():
-            while (item := await queue.get()) is not None:
-                yield item
-        responses = client.stream_infer(requests())
-        for i in counter:
-            start, first, last = time.time(), None, None
-            await queue.put({"model_name": model, "request_id": f"py-{i}",
-                             "inputs": make_inputs(spec["prompts"][i % len(spec["prompts"])])})
-            while True:
-                result, error = await responses.__anext__()
-                if error is not None:
-                    raise RuntimeError(str(error))
-                last = time.time()
-                first = first or last
-                if result.as_numpy("finish_reason") is not None:
-                    break
-            times.append((start, first, last))
-        await queue.put(None)
-
-    async def main() -> None:
-        clients = [grpcclient.InferenceServerClient(spec["url"]) for _ in range(spec["c"])]
-        for cl in clients:
-            await cl.is_server_ready()
-        print("ready", flush=True)
-        await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-        await asyncio.gather(*(context(cl) for cl in clients))
-        for cl in clients:
-            await cl.close()
-    asyncio.run(main())
-    print(json.dumps(times), flush=True)
-
-
-def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output_tokens: int,
-                  procs: int) -> dict:
-    """`procs` processes of py_client_worker share c and n."""
-    procs = max(1, min(procs, c))
-    workers, first = [], 0
-    for k in range(procs):
-        ck, nk = c // procs + (k < c % procs), n // procs + (k < n % procs)
-        spec_path = tempfile.mkstemp(prefix="bench-pyclient-", suffix=".json")[1]
-        with open(spec_path, "w") as f:
-            json.dump({"url": grpc_address(server), "model": model, "c": ck, "n": nk, "first": first,
-                       "prompts": prompts, "output_tokens": output_tokens}, f)
-        first += nk
-        workers.append(subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--py-client-worker", spec_path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
-    for w in workers:
-        if w.stdout.readline().strip() != "ready":
-            raise RuntimeError("python client did not start")
-    for w in workers:
-        w.stdin.write("go\n")
-        w.stdin.flush()
-    times = []
-    for w in workers:
-        out, _ = w.communicate(timeout=3600)
-        if w.returncode != 0:
-            raise RuntimeError(f"python client failed ({w.returncode})")
-        times += json.loads(out.strip().splitlines()[-1])
-    starts, firsts, lasts = zip(*times)
-    out = summarize(starts, firsts, lasts, lasts, output_tokens, c)
-    out["clients"] = procs
-    return out
-
-
-def cpu_times() -> dict[str, float]:
-    """CPU seconds used so far by each kind of process on this machine (Linux /proc): the
-    server, its stubs, the engine's core and tokenizer processes, the load generators."""
-    tick = os.sysconf("SC_CLK_TCK")
-    kinds = {"engine.core_process": "engine core", "engine.tokenizer_process": "tokenizer",
-             "triton_python_backend_stub": "python stubs", "tritonserver": "tritonserver",
-             "perf_analyzer": "perf_analyzer", "--py-client-worker": "python clients",
-             "--direct-worker": "direct engine"}
-    out: dict[str, float] = {}
-    for pid, cmd in process_cmdlines():
-        kind = next((v for k, v in kinds.items() if k in cmd), None)
-        if not kind:
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
-    return out
-
-
-def cpu_use(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """Cores busy on average per kind of process between two cpu_times()."""
-    return {k: round((after[k] - before.get(k, 0.0)) / seconds, 2) for k in sorted(after)
-            if seconds > 0 and after[k] - before.get(k, 0.0) > 0}
-
-
-def children_cpu() -> float:
-    """CPU seconds of this process's finished children (the load generators, once waited)."""
-    t = os.times()
-    return t.children_user + t.children_system
-
-
-def server_side(before: dict, after: dict) -> dict:
-    from scripts.server_probe import hist_delta
-    out = {}
-    for name, key in (("llm_time_to_first_token_seconds", "server_ttft"),
-                      ("llm_inter_token_latency_seconds", "server_itl"),
-                      ("llm_event_loop_lag_seconds", "loop_lag")):
-        h = hist_delta(before, after, name)
-        out[key] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in h.items()
-                    if k in ("count", "p50_ms", "p99_ms", "mean_ms")}
-
-    def delta(prefix):
-        return sum(v for k, v in after.items() if k.startswith(prefix + "{")) - sum(
-            v for k, v in before.items() if k.startswith(prefix + "{"))
-    steps = delta("llm_engine_steps_total")
-    if steps:       # the rest ran eagerly: prompt chunks in the step (or no graph, or CPU)
-        out["graph_step_fraction"] = round(delta("llm_engine_graph_steps_total") / steps, 3)
-    responses, tokens = delta("llm_responses_total"), delta("llm_response_tokens_total")
-    if responses:
-        out["server_tokens_per_response"] = round(tokens / responses, 2)
-    return out
-
-
-def scrape_published(metrics_url: str, before: dict, requests: int,
-                     timeout_s: float = 30.0) -> dict:
-    """The server's metrics once they include a run's `requests` finished requests (the model
-    publishes them twice a second, so a scrape right after the last answer can miss some)."""
-    from scripts.server_probe import scrape
-
-    def finished(m):
-        return sum(v for k, v in m.items() if k.startswith("llm_requests_finished_total{"))
-    deadline = time.monotonic() + timeout_s
-    while True:
-        after = scrape(metrics_url)
-        if finished(after) - finished(before) >= requests or time.monotonic() > deadline:
-            return after
-        time.sleep(0.1)     # polling the published state, not standing in for it
-
-
-def triton_queue_us(metrics_url: str) -> dict[str, float]:
-    """Triton's own cumulative queue time and request count per model."""
-    import urllib.request
-    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
-        text = r.read().decode()
-    out = {}
-    for line in text.splitlines():
-        for name in ("nv_inference_queue_duration_us", "nv_inference_request_success"):
-            if line.startswith(name + "{"):
-                model = line.split('model="', 1)[1].split('"', 1)[0]
-                out[f"{name}:{model}"] = out.get(f"{name}:{model}", 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: int
                     ) -> dict[str, str]:
     """The repository copy the server runs (llm KIND_GPU with GPUs); returns llm's parameters,
@@ -624,7 +297,6 @@ def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: i
 
 def run_served(args, repo, prompts, rounds: PromptRounds, gpus, work, on_row) -> list[dict]:
     """The served rounds, each model and driver; `on_row(row)` as each ends."""
-    from scripts.server_probe import scrape
     from tests.tritonserver import start_server
     env_before = os.environ.get("CUDA_VISIBLE_DEVICES")
     if gpus:
@@ -718,7 +390,6 @@ def table(rows: list[dict]) -> list[str]:
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--direct-worker", help=argparse.SUPPRESS)
-    ap.add_argument("--py-client-worker", help=argparse.SUPPRESS)
     ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
                     help="a real architecture with dummy weights (default on GPU: llama-3.1-8b)")
     ap.add_argument("--model", help="a local model folder (default on CPU: the tiny model)")
@@ -758,10 +429,6 @@ def main(argv: list[str] | None = None) -> dict:
     if args.direct_worker:
         with open(args.direct_worker) as f:
             direct_worker(json.load(f))
-        return {}
-    if args.py_client_worker:
-        with open(args.py_client_worker) as f:
-            py_client_worker(json.load(f))
         return {}
 
     import torch

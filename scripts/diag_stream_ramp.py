@@ -23,8 +23,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from scripts.bench_common import preset_dir, process_cmdlines  # noqa: E402
-from scripts.bench_serving import (engine_settings, make_prompts, make_repository,  # noqa: E402
-                                   perf_analyzer_path, write_input_data)
+from scripts.bench_serving import (engine_settings, make_prompts,  # noqa: E402
+                                   make_repository)
+from scripts.serving_clients import perf_analyzer_path, write_input_data  # noqa: E402
 
 
 def triton_metrics(url: str) -> dict:

@@ -4,7 +4,10 @@
   the bucket as Prometheus' histogram_quantile does, the highest non-empty bucket), gauges, and
   a thread that polls one gauge;
 - CPU seconds of the machine, of this process and of each server process (the llm stub's
-  threads one by one), and the kernel's CPU pressure (time some runnable task waited for a CPU).
+  threads one by one), and the kernel's CPU pressure (time some runnable task waited for a CPU);
+- for scripts/bench_serving.py: CPU seconds by kind of process (server, stubs, engine core,
+  load generators), the server-side figures of a run from two scrapes, a scrape once a run's
+  finishes are published, and Triton's own queue time per model.
 """
 from __future__ import annotations
 
@@ -14,6 +17,8 @@ import re
 import threading
 import time
 import urllib.request
+
+from scripts.bench_common import process_cmdlines
 
 
 def scrape(metrics_url: str) -> dict[str, float]:
@@ -180,3 +185,87 @@ def _role(cmd: str, pid: int) -> str:
     if "tritonserver" in cmd:
         return "tritonserver"
     return f"{os.path.basename(cmd.split(' ')[0])}[{pid}]"
+
+
+# ---------------------------------------------------------------------------- bench_serving's
+def cpu_times() -> dict[str, float]:
+    """CPU seconds used so far by each kind of process on this machine (Linux /proc): the
+    server, its stubs, the engine's core and tokenizer processes, the load generators."""
+    tick = os.sysconf("SC_CLK_TCK")
+    kinds = {"engine.core_process": "engine core", "engine.tokenizer_process": "tokenizer",
+             "triton_python_backend_stub": "python stubs", "tritonserver": "tritonserver",
+             "perf_analyzer": "perf_analyzer", "--py-client-worker": "python clients",
+             "--direct-worker": "direct engine"}
+    out: dict[str, float] = {}
+    for pid, cmd in process_cmdlines():
+        kind = next((v for k, v in kinds.items() if k in cmd), None)
+        if not kind:
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_use(before: dict, after: dict, seconds: float) -> dict[str, float]:
+    """Cores busy on average per kind of process between two cpu_times()."""
+    return {k: round((after[k] - before.get(k, 0.0)) / seconds, 2) for k in sorted(after)
+            if seconds > 0 and after[k] - before.get(k, 0.0) > 0}
+
+
+def children_cpu() -> float:
+    """CPU seconds of this process's finished children (the load generators, once waited)."""
+    t = os.times()
+    return t.children_user + t.children_system
+
+
+def server_side(before: dict, after: dict) -> dict:
+    """What the server's metrics say of a run between two scrapes: its TTFT, ITL and loop lag
+    histograms, the share of steps run as CUDA graphs, the tokens per response."""
+    out = {}
+    for name, key in (("llm_time_to_first_token_seconds", "server_ttft"),
+                      ("llm_inter_token_latency_seconds", "server_itl"),
+                      ("llm_event_loop_lag_seconds", "loop_lag")):
+        h = hist_delta(before, after, name)
+        out[key] = {k: (round(v, 3) if isinstance(v, float) else v) for k, v in h.items()
+                    if k in ("count", "p50_ms", "p99_ms", "mean_ms")}
+
+    def delta(name):
+        return _sum(after, name) - _sum(before, name)
+    steps = delta("llm_engine_steps_total")
+    if steps:       # the rest ran eagerly: prompt chunks in the step (or no graph, or CPU)
+        out["graph_step_fraction"] = round(delta("llm_engine_graph_steps_total") / steps, 3)
+    responses, tokens = delta("llm_responses_total"), delta("llm_response_tokens_total")
+    if responses:
+        out["server_tokens_per_response"] = round(tokens / responses, 2)
+    return out
+
+
+def scrape_published(metrics_url: str, before: dict, requests: int,
+                     timeout_s: float = 30.0) -> dict:
+    """The server's metrics once they include a run's `requests` finished requests (the model
+    publishes them twice a second, so a scrape right after the last answer can miss some)."""
+    def finished(m):
+        return sum(v for k, v in m.items() if k.startswith("llm_requests_finished_total{"))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        after = scrape(metrics_url)
+        if finished(after) - finished(before) >= requests or time.monotonic() > deadline:
+            return after
+        time.sleep(0.1)     # polling the published state, not standing in for it
+
+
+def triton_queue_us(metrics_url: str) -> dict[str, float]:
+    """Triton's own cumulative queue time and request count per model."""
+    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for line in text.splitlines():
+        for name in ("nv_inference_queue_duration_us", "nv_inference_request_success"):
+            if line.startswith(name + "{"):
+                model = line.split('model="', 1)[1].split('"', 1)[0]
+                out[f"{name}:{model}"] = out.get(f"{name}:{model}", 0.0) + float(line.rsplit(" ", 1)[1])
+    return out

@@ -3,7 +3,7 @@ works (direct engine, tritonserver, perf_analyzer and the python client, both mo
 two clients each), not a timing."""
 import json
 
-from scripts import bench_serving
+from scripts import bench_serving, serving_clients
 from scripts.make_tiny_model import make_tiny_model
 
 
@@ -50,11 +50,11 @@ def test_perf_analyzer_clients_share_the_rounds_prompts():
     python client send, each once (they used to send the first n / clients prompts each, so a
     later round met prompts the prefix cache had never seen)."""
     prompts = [f"p{i}" for i in range(12)]
-    split = bench_serving.client_prompts(prompts, 10, 4)
+    split = serving_clients.client_prompts(prompts, 10, 4)
     assert sorted(p for part in split for p in part) == sorted(prompts[:10])
     assert [len(part) for part in split] == [3, 3, 2, 2]
-    assert bench_serving.client_prompts(prompts, 10, 1) == [prompts[:10]]
-    assert all(bench_serving.client_prompts(prompts, 2, 4))      # more clients than requests
+    assert serving_clients.client_prompts(prompts, 10, 1) == [prompts[:10]]
+    assert all(serving_clients.client_prompts(prompts, 2, 4))      # more clients than requests
 
 
 def test_every_round_sends_prompts_new_to_its_engine():
