@@ -137,12 +137,13 @@ class InstanceBoard:
     def wait_turn(self, margin: int = MARGIN, max_wait_s: float = MAX_WAIT_S,
                   poll_s: float = POLL_S) -> float:
         """Returns once this instance holds at most `margin` requests more than the least-loaded
-        other live instance, or after `max_wait_s`; returns the seconds waited."""
+        other live instance, or after `max_wait_s`; returns the seconds waited. No system call
+        unless it waits (Triton's next request waits for this call)."""
         start = None
         checked: set[int] = set()
         while True:
-            least = self._least_loaded_peer(checked)
-            if least is None or self._load <= least + margin:
+            least = self._least_loaded_peer(self._load - margin, checked)
+            if least is None:
                 break
             now = time.monotonic()
             if start is None:
@@ -152,9 +153,10 @@ class InstanceBoard:
             time.sleep(poll_s)
         return 0.0 if start is None else time.monotonic() - start
 
-    def _least_loaded_peer(self, checked: set[int]) -> int | None:
-        """The lowest load among the other slots; a slot whose process is gone is freed (each
-        pid is checked once per wait_turn: a system call)."""
+    def _least_loaded_peer(self, below: int, checked: set[int]) -> int | None:
+        """The lowest load among the other slots if it is below `below`, else None. Before it
+        is waited for, its process is checked once per wait_turn (a system call); a slot
+        whose process is gone is freed."""
         with self._lock:
             if self._fd < 0:
                 return None
@@ -166,6 +168,8 @@ class InstanceBoard:
                     return None
                 i = int(np.flatnonzero(others)[np.argmin(loads[others])])
                 pid, load = int(pids[i]), int(loads[i])
+                if load >= below:
+                    return None
                 if pid in checked or _alive(pid):
                     checked.add(pid)
                     return load
