@@ -9,6 +9,7 @@ DTYPES = ("auto", "float32", "float16", "bfloat16")
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 TOKENIZER_PRIORITIES = ("idle", "low", "normal")
 SKINNY_GEMM = ("auto", "off")
+CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")
 
 
 @dataclass
@@ -20,6 +21,10 @@ class EngineConfig:
     max_model_len: int | None = None      # None: the model's max_position_embeddings
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
+    # max_utilization: admit while the blocks for what is computed now last, preempt when the
+    # pool runs out (vLLM); guaranteed_no_evict: admit only with room for every running request
+    # to reach its max_tokens, never preempt (TensorRT-LLM's names; engine/scheduler.py).
+    capacity_scheduler_policy: str = "max_utilization"
     block_size: int = 16
     num_kv_blocks: int | None = None      # None: sized from memory
     gpu_memory_utilization: float = 0.9
@@ -150,6 +155,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)
         _one_of("skinny_gemm", self.skinny_gemm, SKINNY_GEMM)
+        _one_of("capacity_scheduler_policy", self.capacity_scheduler_policy, CAPACITY_POLICIES)
         if not isinstance(self.enforce_eager, bool):
             raise ValueError(f"enforce_eager must be true or false, got {self.enforce_eager!r}")
         if not isinstance(self.skip_tokenizer_init, bool):

@@ -40,6 +40,9 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
+    def num_blocks_held(self, request_id: str) -> int:
+        return len(self._blocks.get(request_id, ()))
+
     def block_ids(self, request_id: str) -> list[int]:
         return [b.block_id for b in self._blocks.get(request_id, ())]
 

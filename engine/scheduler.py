@@ -6,6 +6,14 @@ prompt being prefilled in chunks takes what the budget leaves. When the pool is 
 newest running request is preempted (its blocks freed, recomputed later). Waiting requests
 are admitted FCFS while budget, seats and blocks last; a long prompt is split over steps.
 
+Capacity policy (TensorRT-LLM's names): `max_utilization` (the default, as vLLM) admits while
+the blocks for what is computed now last, and preempts when running requests outgrow the pool;
+`guaranteed_no_evict` admits a request only if the pool also keeps room for every running
+request, and this one, to reach its max_tokens (or max_model_len): nothing is ever preempted,
+at the price of fewer requests running while outputs are still short. Where outputs run to
+their max_tokens (benchmarks with ignore_eos, long generations) and max_num_seqs is larger
+than the pool holds at full length, max_utilization preempts and recomputes over and over.
+
 Prefix groups (`add_group`, from LLM.generate): requests known to share a prefix of whole blocks.
 The first member is admitted like any request and computes the prefix; the others are held back
 until it has been scheduled through the prefix. Then the group pins the prefix's blocks (its own
@@ -21,6 +29,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass, field
 
+from engine.config import CAPACITY_POLICIES
 from engine.kv_cache_manager import KVCacheManager
 from engine.request import Request, RequestStatus
 from engine.sampling_params import SamplingParams
@@ -113,7 +122,11 @@ class _Group:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, capacity_policy: str = "max_utilization") -> None:
+        if capacity_policy not in CAPACITY_POLICIES:
+            raise ValueError(f"capacity_policy must be one of {CAPACITY_POLICIES}, "
+                             f"got {capacity_policy!r}")
+        self.no_evict = capacity_policy == "guaranteed_no_evict"
         self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -300,6 +313,8 @@ class Scheduler:
                new_reqs: list[NewRequestData]) -> int:
         """Admits ready group members, then waiting requests, FCFS while budget, seats and
         blocks last; returns the budget left."""
+        # guaranteed_no_evict: blocks the running requests may still take
+        reserved = sum(map(self._blocks_to_finish, self.running)) if self.no_evict else 0
         while budget > 0 and len(self.running) < self.max_num_seqs:
             queue = self._ready or self.waiting
             if not queue:
@@ -310,10 +325,17 @@ class Scheduler:
             group = self._group_of.get(req.request_id) if self._group_of else None
             prefix = group.blocks if group is not None and group.blocks is not None else ()
             computed_blocks, num_cached = self.kv.get_computed_blocks(req, prefix)
+            if self.no_evict:
+                # Hits held by other requests cost nothing; free cached ones leave the pool.
+                need = self._final_blocks(req) - sum(b.ref_cnt > 0 for b in computed_blocks)
+                if need > self.kv.num_free_blocks - reserved:
+                    break
             num_new = min(req.num_tokens - num_cached, budget)
             block_ids = self.kv.allocate_slots(req, num_new, computed_blocks)
             if block_ids is None:
                 break
+            if self.no_evict:
+                reserved += self._blocks_to_finish(req)
             queue.popleft()
             self.running.append(req)
             req.status = RequestStatus.RUNNING
@@ -331,6 +353,15 @@ class Scheduler:
             if self._leaders:
                 self._pin_if_computed(req)
         return budget
+
+    def _final_blocks(self, req: Request) -> int:
+        """The blocks `req` holds once it has run to max_tokens (or max_model_len)."""
+        final_len = min(req.num_prompt_tokens + req.sampling_params.max_tokens,
+                        self.max_model_len)
+        return -(-final_len // self.kv.block_size)
+
+    def _blocks_to_finish(self, req: Request) -> int:
+        return max(0, self._final_blocks(req) - self.kv.num_blocks_held(req.request_id))
 
     def _advance(self, req: Request, num_new: int) -> None:
         """The scheduled tokens count as computed from now on: the runner executes this step

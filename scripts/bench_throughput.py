@@ -26,6 +26,8 @@ from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, add_model_args, add
                           git_commit, hardware, kv_bytes_per_token, model_and_config,
                           param_count, step_table, write_results)
 
+from engine.config import CAPACITY_POLICIES  # noqa: E402 - bench_common puts the root on the path
+
 # A child reports on stdout in lines of this prefix, a kind ("row", "hardware"), ": " and JSON.
 MESSAGE_PREFIX = "bench_throughput "
 STDERR_TAIL_LINES = 20
@@ -74,7 +76,8 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
               skip_tokenizer_init=True, max_num_seqs=max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=max(i + o for i, o in workloads), enable_prefix_caching=False,
-              async_scheduling=not args.sync_scheduling)
+              async_scheduling=not args.sync_scheduling,
+              capacity_scheduler_policy=args.capacity_policy)
     llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
     for inp, out in workloads:
         prompts = prompts_of[(inp, out)]
@@ -211,6 +214,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="one engine per value, each in its own process (e.g. 128 256 512 1024: "
                          "does a bigger batch pay?)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    ap.add_argument("--capacity-policy", default="max_utilization", choices=CAPACITY_POLICIES,
+                    help="the engine's capacity_scheduler_policy: guaranteed_no_evict admits a "
+                         "request only with room for all to reach max_tokens (no preemption "
+                         "when max_num_seqs is more than the KV cache holds at full length)")
     ap.add_argument("--hf-prompts", type=int, default=256,
                     help="prompts through HF generate (a subset: it is slow), after the engines")
     ap.add_argument("--hf-batch", type=int, default=128)
@@ -232,6 +239,7 @@ def main(argv: list[str] | None = None) -> None:
                      f"({args.dtype}, dummy weights)",
             "hardware": None, "commit": git_commit(),       # hardware: the children say
             "command": " ".join(["python"] + sys.argv),
+            "capacity_scheduler_policy": args.capacity_policy,
             "targets": "1000x1000: >= 75% of roofline and >= 10x HF generate"}
     rows: list[dict] = []
 

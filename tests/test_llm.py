@@ -100,6 +100,21 @@ def test_greedy_matches_hf_chunked_prefill_and_preemption(tiny_models, hf_output
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_greedy_matches_hf_with_guaranteed_no_evict_in_a_small_pool(tiny_models, hf_outputs):
+    """The pool of the test above: requests wait for room to finish instead of being
+    preempted; the same tokens."""
+    prompts, expected = hf_outputs("llama")
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", block_size=16,
+              max_num_batched_tokens=64, num_kv_blocks=30, max_model_len=400,
+              capacity_scheduler_policy="guaranteed_no_evict")
+    outs = llm.generate(prompts, GREEDY)
+    stats = llm.get_stats()
+    assert stats.num_preemptions == 0
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == e, f"prompt {i} (len {len(prompts[i])}) differs"
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
 def test_prefix_caching_skips_shared_prefix_with_identical_output(tiny_models):
     model = tiny_models["llama"]
     rng = random.Random(5)

@@ -70,9 +70,9 @@ class FakeRunner:
 
 
 def make(num_blocks=1000, block_size=4, max_num_seqs=64, max_tokens_step=512,
-         max_model_len=4096, caching=True):
+         max_model_len=4096, caching=True, policy="max_utilization"):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, max_num_seqs, max_tokens_step, max_model_len)
+    return Scheduler(kv, max_num_seqs, max_tokens_step, max_model_len, policy)
 
 
 def run_all(sched, prompts, max_tokens=8, min_tokens=0):
@@ -150,6 +150,51 @@ def test_preemption_with_prefix_caching():
     outs, _ = run_all(sched, ps, max_tokens=24)
     assert sched.stats.num_preemptions > 0
     assert outs == [expected(p, 24) for p in ps]
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_guaranteed_no_evict_never_preempts_and_gives_identical_output(caching):
+    ps = prompts(12, seed=1, lo=20, hi=40)
+    ps += [ps[0][:16] + p for p in prompts(4, seed=3, lo=4, hi=8)]      # cache hits
+    ref = [expected(p, 24) for p in ps]
+    evicting = make(num_blocks=40, block_size=4, caching=caching)
+    outs, runner = run_all(evicting, ps, max_tokens=24)
+    assert outs == ref and evicting.stats.num_preemptions > 0
+    sched = make(num_blocks=40, block_size=4, caching=caching, policy="guaranteed_no_evict")
+    outs, careful = run_all(sched, ps, max_tokens=24)
+    assert outs == ref
+    assert sched.stats.num_preemptions == 0
+    assert careful.max_seqs_in_step < runner.max_seqs_in_step    # what it costs
+
+
+def test_guaranteed_no_evict_admits_only_with_room_to_finish():
+    """Blocks of 4; 8-token prompts with max_tokens 40 end at 48 tokens: 12 blocks each. A pool
+    of 20 holds one such request at full length, not two: the second waits for the first."""
+    for policy, together in (("max_utilization", True), ("guaranteed_no_evict", False)):
+        sched = make(num_blocks=20, block_size=4, policy=policy)
+        for rid in ("a", "b"):
+            sched.add_request(Request(rid, list(range(1, 9)), SamplingParams(max_tokens=40), []))
+        runner = FakeRunner(sched)
+        out, _ = runner.step()
+        assert (set(out.num_scheduled_tokens) == {"a", "b"}) == together, policy
+        while sched.has_unfinished_requests():
+            runner.step()
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks
+    assert sched.stats.num_preemptions == 0
+
+
+def test_guaranteed_no_evict_reserves_up_to_max_model_len():
+    """max_tokens beyond the context ends at max_model_len: that is what is reserved."""
+    sched = make(num_blocks=24, block_size=4, max_model_len=40, policy="guaranteed_no_evict")
+    for rid in ("a", "b"):
+        sched.add_request(Request(rid, list(range(1, 9)), SamplingParams(max_tokens=10**6), []))
+    out, _ = FakeRunner(sched).step()
+    assert set(out.num_scheduled_tokens) == {"a", "b"}       # 10 + 10 blocks of 24
+
+
+def test_unknown_capacity_policy_is_refused():
+    with pytest.raises(ValueError, match="capacity_policy must be one of"):
+        make(policy="guaranteed")
 
 
 def test_preempts_newest_first():
