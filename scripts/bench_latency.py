@@ -71,7 +71,7 @@ def main() -> None:
            "achieved_hbm_tb_per_s": (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e12,
            # mean per step over the measured runs (their first, prefill, steps included)
            "step_ms": core.times.since(before).per_step_ms()}
-    meta = {"title": f"Single-stream decode, {args.preset} ({args.dtype}, dummy weights)",
+    meta = {"title": f"Single-stream decode, {args.model or args.preset} ({args.dtype}, dummy weights)",
             "hardware": hardware(), "commit": git_commit(),
             "command": " ".join(["python"] + sys.argv),
             "roofline": "weights + KV bytes / 4.8 TB/s (H200 spec); target >= 80%"}

@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if "profile" in row:
             print(row["profile"]["cuda"], flush=True)
             print(row["profile"]["cpu"], flush=True)
-    meta = {"title": f"Steady-state steps, {args.preset} ({args.dtype}, dummy weights)",
+    meta = {"title": f"Steady-state steps, {args.model or args.preset} ({args.dtype}, dummy weights)",
             "hardware": hardware(), "commit": git_commit(),
             "command": " ".join(["python"] + sys.argv)}
     table = ["| scenario | output tok/s |", "| --- | ---: |"]
