@@ -38,9 +38,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
-import os
 import queue
 import sys
 import threading
@@ -60,6 +58,7 @@ from engine.outbox import Outbox, Stream
 from engine.outputs import EngineStats, RequestOutput
 from engine.protocol import (BLS_REQUEST_ID_PREFIX, GenerateRequest, make_response,
                              parse_request)
+from engine.serving_trace import FirstTokenTrace
 
 logger = logging.getLogger(__name__)
 
@@ -75,11 +74,6 @@ STATS_POLL_S = 0.5
 PENDING_ABORT_S = 10.0      # an abort that came before its request is kept this long
 STOP_WAIT_S = 10.0          # shutdown: for the answers to go out and the threads to end
 ON_DEAD_WAIT_S = 5.0        # shutdown: for an on_dead call under way to return
-# A file to which every streamed request's first-token timeline is appended, a JSON line each
-# (time.monotonic() seconds): submitted (execute), serving (the loop took it), in_engine
-# (tokenized, sent to the core), first_output (its first step came back), first_sent (its
-# first tokens handed to the server). For finding where time to first token goes.
-TRACE_ENV = "LLM_SERVING_TRACE"
 
 
 class _Admission(NamedTuple):
@@ -109,9 +103,10 @@ class _Request:
     start: float = field(default_factory=time.monotonic)
     last_sent: float | None = None      # when its last response with tokens went out
     submitted: float = 0.0              # when submit() took it (Triton's execute)
+    # traced (LLM_SERVING_TRACE, engine/serving_trace.py):
     in_engine: float | None = None      # when the engine had it (tokenized, sent to the core)
     first_output: float | None = None   # when its first step's output came back
-    first_sent: float | None = None     # when its first tokens went to the server (traced)
+    first_sent: float | None = None     # when its first tokens went to the server
     num_out: int = 0
     cancelled: bool = False
     stream: Stream | None = None        # its way back
@@ -130,9 +125,7 @@ class ServingEngine:
         # that wants it waits up to 5 ms, so each hand-off would cost milliseconds.
         sys.setswitchinterval(config.gil_switch_interval_us * 1e-6)
         self.metrics = ServingMetrics()
-        trace = os.environ.get(TRACE_ENV)
-        self._trace = open(trace, "a") if trace else None
-        self._trace_lock = threading.Lock()
+        self._trace = FirstTokenTrace.from_env()          # LLM_SERVING_TRACE
         self._publisher = publisher
         self._on_dead = on_dead
         self._board = board
@@ -252,10 +245,8 @@ class ServingEngine:
         self._stopping.set()
         self._housekeeper.join(STOP_WAIT_S)
         self.outbox.close(STOP_WAIT_S)
-        with self._trace_lock:
-            if self._trace is not None:
-                self._trace.close()
-                self._trace = None
+        if self._trace is not None:
+            self._trace.close()
         if self._thread.is_alive():
             try:
                 asyncio.run_coroutine_threadsafe(self._cancel_tasks(), self.loop).result(
@@ -377,7 +368,8 @@ class ServingEngine:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
                                      lambda out: self._on_output(r, out), stream=r.req.stream,
                                      pull=True)
-            self._trace_in_engine(r, time.monotonic())
+            if self._trace is not None:
+                self._trace.in_engine(r, time.monotonic())
         except (ValueError, EngineDeadError) as e:  # e.g. prompt too long, or the engine died
             self.outbox.put(r.stream, _Failure(str(e)))
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
@@ -433,7 +425,7 @@ class ServingEngine:
             if r.last_sent is None:
                 self.metrics.on_first_token(now - r.start)
                 if self._trace is not None:
-                    self._trace_first_sent(r, now)
+                    self._trace.first_sent(r, now)
             else:
                 self.metrics.on_inter_token((now - r.last_sent) / len(token_ids),
                                             len(token_ids))
@@ -446,33 +438,6 @@ class ServingEngine:
         if last.finished:
             self._forget(r)
         return last.finished
-
-    # A request's trace line goes out once it has both its in_engine time (the loop, after
-    # the engine took it) and its first_sent time (a sender): the first output can come back
-    # and be sent before the loop gets round to noting in_engine, so whichever is last writes.
-    def _trace_in_engine(self, r: _Request, now: float) -> None:
-        if self._trace is None:
-            r.in_engine = now
-            return
-        with self._trace_lock:
-            r.in_engine = now
-            if r.first_sent is not None:
-                self._write_trace(r)
-
-    def _trace_first_sent(self, r: _Request, now: float) -> None:
-        with self._trace_lock:
-            r.first_sent = now
-            if r.in_engine is not None:
-                self._write_trace(r)
-
-    def _write_trace(self, r: _Request) -> None:
-        """Under the trace lock."""
-        if self._trace is not None:
-            self._trace.write(json.dumps({
-                "rid": r.rid, "submitted": r.submitted, "serving": r.start,
-                "in_engine": r.in_engine, "first_output": r.first_output,
-                "first_sent": r.first_sent}) + "\n")
-            self._trace.flush()
 
     def _timed_send(self, send: SendFn, tensors, final: bool, num_tokens: int) -> None:
         t0 = time.perf_counter()

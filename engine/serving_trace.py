@@ -1,0 +1,57 @@
+"""`LLM_SERVING_TRACE=<file>` in the server's environment: every streamed request's first-token
+timeline is appended to the file, a JSON line each (time.monotonic() seconds): submitted
+(Triton's execute), serving (the loop took it), in_engine (tokenized, sent to the core),
+first_output (its first step came back), first_sent (its first tokens handed to the server).
+For finding where time to first token goes (scripts/ttft_trace.py reads it).
+"""
+from __future__ import annotations
+
+import json
+import os
+import threading
+
+TRACE_ENV = "LLM_SERVING_TRACE"
+
+
+class FirstTokenTrace:
+    """The trace file; the request records passed in carry the times (`rid`, `submitted`,
+    `start` for serving, `in_engine`, `first_output`, `first_sent`)."""
+
+    def __init__(self, path: str) -> None:
+        self._file = open(path, "a")
+        self._lock = threading.Lock()
+
+    @classmethod
+    def from_env(cls) -> FirstTokenTrace | None:
+        path = os.environ.get(TRACE_ENV)
+        return cls(path) if path else None
+
+    # A request's line goes out once it has both its in_engine time (the loop, after the
+    # engine took it) and its first_sent time (a sender): the first output can come back and
+    # be sent before the loop gets round to noting in_engine, so whichever is last writes.
+    def in_engine(self, r, now: float) -> None:
+        with self._lock:
+            r.in_engine = now
+            if r.first_sent is not None:
+                self._write(r)
+
+    def first_sent(self, r, now: float) -> None:
+        with self._lock:
+            r.first_sent = now
+            if r.in_engine is not None:
+                self._write(r)
+
+    def _write(self, r) -> None:
+        """Under the lock."""
+        if self._file is not None:
+            self._file.write(json.dumps({
+                "rid": r.rid, "submitted": r.submitted, "serving": r.start,
+                "in_engine": r.in_engine, "first_output": r.first_output,
+                "first_sent": r.first_sent}) + "\n")
+            self._file.flush()
+
+    def close(self) -> None:
+        with self._lock:
+            if self._file is not None:
+                self._file.close()
+                self._file = None
