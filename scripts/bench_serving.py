@@ -19,7 +19,9 @@ Every run sends `waves * c` requests (at least MIN_REQUESTS) of `--prompt-tokens
 answered from the prefix cache; the direct and the served round at a concurrency send the
 same ones) and exactly `--output-tokens` output tokens (greedy, ignore_eos), `c` at a time. Output tok/s = requests * output tokens / (last answer -
 first send). Per request: TTFT = first response - send; ITL = (last response - first
-response) / (output tokens - 1), as genai-perf counts it (a response may carry several tokens).
+response) / (output tokens - 1), as genai-perf counts it (a response may carry several tokens);
+TTFT also without the first c sends (`ttft_after_first_wave_*`: the opening burst queues for
+its prefills all at once and is a quarter of a 4-wave run).
 llm_bls has one response per request, so its TTFT and ITL are the server's own histograms
 (llm_time_to_first_token_seconds, llm_inter_token_latency_seconds; quantiles interpolated
 within their buckets). Also recorded: the server's responses and tokens per response, the
@@ -342,6 +344,8 @@ def run_served(args, repo, prompts, rounds: PromptRounds, gpus, work, on_row) ->
                         for k in ("ttft", "itl"):
                             h = r.get(f"server_{k}", {})
                             r[f"{k}_p50_ms"], r[f"{k}_p99_ms"] = h.get("p50_ms"), h.get("p99_ms")
+                        for q in ("p50", "p99"):    # the client's: its whole request
+                            r.pop(f"ttft_after_first_wave_{q}_ms", None)
                     path = model if driver == "perf_analyzer" else f"{model} ({driver} client)"
                     rows.append({"path": path, "round": rnd, "concurrency": c, **r})
                     print({k: v for k, v in rows[-1].items() if k != "timeline_ms"}, flush=True)

@@ -3,6 +3,8 @@ works (direct engine, tritonserver, perf_analyzer and the python client, both mo
 two clients each), not a timing."""
 import json
 
+import numpy as np
+
 from scripts import bench_serving, serving_clients
 from scripts.make_tiny_model import make_tiny_model
 
@@ -27,6 +29,8 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     for r in rows:
         assert r["requests"] == bench_serving.MIN_REQUESTS and r["output_tok_s"] > 0, r
         assert r["ttft_p50_ms"] is not None and r["itl_p50_ms"] is not None, r
+        # one response per llm_bls request: no client-side first token to speak of
+        assert ("ttft_after_first_wave_p50_ms" in r) == (not r["path"].startswith("llm_bls")), r
         assert len(r["timeline_ms"]) == r["requests"]
         assert all(send <= first <= last for send, first, last in r["timeline_ms"])
     streamed = next(r for r in rows if r["path"] == "llm" and r["round"] == "steady")
@@ -100,3 +104,12 @@ def test_direct_stagger_starts_the_closed_loop_in_groups(tmp_path):
     assert [delays.count(d) for d in (0.0, 1.0, 2.0, 3.0)] == [64, 64, 64, 64]
     assert delays == sorted(delays)
     assert [bench_serving.start_delay_s(w, 5, 2, 1.0) for w in range(5)] == [0, 0, 0, 1, 1]
+
+
+def test_ttft_after_the_first_wave_leaves_out_the_first_c_sends():
+    # c = 2: the first two sends are the opening burst (slow first tokens), the rest steady.
+    starts = [0.0, 0.001, 1.0, 1.5, 2.0]
+    ttft_ms = np.array([700.0, 650.0, 10.0, 30.0, 20.0])
+    r = serving_clients.after_first_wave(starts, ttft_ms, 2)
+    assert r["ttft_after_first_wave_p50_ms"] == 20.0
+    assert serving_clients.after_first_wave(starts, ttft_ms, 5) == {}
