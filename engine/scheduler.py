@@ -313,8 +313,7 @@ class Scheduler:
                new_reqs: list[NewRequestData]) -> int:
         """Admits ready group members, then waiting requests, FCFS while budget, seats and
         blocks last; returns the budget left."""
-        # guaranteed_no_evict: blocks the running requests may still take
-        reserved = sum(map(self._blocks_to_finish, self.running)) if self.no_evict else 0
+        reserved = None     # guaranteed_no_evict: blocks the running requests may still take
         while budget > 0 and len(self.running) < self.max_num_seqs:
             queue = self._ready or self.waiting
             if not queue:
@@ -326,6 +325,8 @@ class Scheduler:
             prefix = group.blocks if group is not None and group.blocks is not None else ()
             computed_blocks, num_cached = self.kv.get_computed_blocks(req, prefix)
             if self.no_evict:
+                if reserved is None:    # summed once a request is in line, not every step
+                    reserved = sum(map(self._blocks_to_finish, self.running))
                 # Hits held by other requests cost nothing; free cached ones leave the pool.
                 need = self._final_blocks(req) - sum(b.ref_cnt > 0 for b in computed_blocks)
                 if need > self.kv.num_free_blocks - reserved:
