@@ -5,7 +5,6 @@ import multiprocessing
 import os
 import subprocess
 import sys
-import threading
 
 import pytest
 
@@ -46,18 +45,20 @@ def test_only_an_instance_above_the_least_loaded_by_more_than_the_margin_waits(b
     assert waited >= 0.05
 
 
-def test_a_waiting_instance_goes_on_once_the_others_have_caught_up(boards):
+def test_a_waiting_instance_goes_on_once_the_others_have_caught_up(boards, monkeypatch):
+    """While A waits, the other instance takes one request per poll (as Triton hands them
+    over): A goes on at the poll that brings B within the margin, long before max_wait_s."""
     a, b = boards(), boards()
     a.set_load(10)
     b.set_load(0)
-    result = []
-    waiter = threading.Thread(target=lambda: result.append(a.wait_turn(margin=1,
-                                                                       max_wait_s=60)))
-    waiter.start()
-    for n in range(1, 10):          # the other instance takes requests, as Triton gives them
-        b.set_load(n)
-    waiter.join(30)
-    assert not waiter.is_alive() and result[0] < 30
+    polls = []
+
+    def poll(seconds):
+        polls.append(seconds)
+        b.set_load(len(polls))
+    monkeypatch.setattr("engine.instance_board.time.sleep", poll)
+    a.wait_turn(margin=1, max_wait_s=60)
+    assert len(polls) == 9                  # B at 9: 10 <= 9 + 1
 
 
 def test_an_instance_alone_or_whose_peers_closed_never_waits(boards):
