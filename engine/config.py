@@ -56,6 +56,11 @@ class EngineConfig:
     # GEMM (kernels/skinny_gemm.py) per shape and row count at start-up and runs the faster
     # (engine/gemm_tuning.py); "off": cuBLAS only.
     skinny_gemm: str = "auto"
+    # GPU (compute capability 9.0 and up), decode CUDA graphs of up to 16 rows: the Triton
+    # kernels launch with programmatic dependent launch and every projection runs as the skinny
+    # GEMM, which starts pulling its weights into L2 while the norm / attention kernel ahead of
+    # it runs (kernels/pdl.py). Same numbers as without (the skinny GEMM's own rounding).
+    decode_pdl: bool = False
     # Plan and launch step N+1 while the GPU runs step N (engine/engine_core.py); its tokens
     # come back one step later. False: each step waits for its tokens before the next is planned.
     async_scheduling: bool = True
@@ -150,7 +155,7 @@ class EngineConfig:
         if self.cpu_threads is not None:
             _int_at_least("cpu_threads", self.cpu_threads, 1)
         for name in ("enable_prefix_caching", "enable_prefix_groups", "enable_cascade_attention",
-                     "async_scheduling", "fuse_rope_kv_write", "fuse_kv_split_merge"):
+                     "async_scheduling", "fuse_rope_kv_write", "fuse_kv_split_merge", "decode_pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)

@@ -29,6 +29,10 @@ and `choose_fused_kv_splits` counts them: about two programs per SM, one 64-key 
 at least, 16 at most (8 KV heads: batch 1 replays 8 splits up to 511 keys and 16 beyond, batch 4
 8 or 9, batch 16 three, from 33 rows one). Without it `choose_num_kv_splits` does, for the
 separate merge kernel: one split under 512 keys, from about 33 rows every length one split.
+
+PDL (EngineConfig.decode_pdl, kernels/pdl.py): graphs of up to PDL_MAX_ROWS rows launch the
+model's Triton kernels with programmatic dependent launch and run every projection as the
+skinny GEMM, which pulls its first weights into L2 while the kernel ahead of it runs.
 """
 from __future__ import annotations
 
@@ -40,6 +44,7 @@ import torch
 from engine.host_copy import copy_into
 from engine.models.attention import AttentionMetadata
 from kernels.paged_attention import choose_fused_kv_splits, choose_num_kv_splits
+from kernels.skinny_gemm import MAX_ROWS as PDL_MAX_ROWS
 
 logger = logging.getLogger(__name__)
 
@@ -76,10 +81,11 @@ class DecodeGraphs:
     def __init__(self, model, kv_caches, max_batch: int, max_blocks_per_seq: int,
                  max_seqlen_k: int, device: torch.device, use_graphs: bool,
                  cascade_splits: dict[int, tuple[int, ...]] | None = None,
-                 kv_merge_in_kernel: bool = False) -> None:
+                 kv_merge_in_kernel: bool = False, pdl: bool = False) -> None:
         """cascade_splits: per batch size, the prefix split counts to capture cascade graphs
         for; None: no cascade graphs. kv_merge_in_kernel: plain graphs merge attention's
-        splits inside its kernel (and count them by that rule)."""
+        splits inside its kernel (and count them by that rule). pdl: sizes up to PDL_MAX_ROWS
+        launch with programmatic dependent launch (the caller checks the GPU has it)."""
         self.model = model
         self.kv_caches = kv_caches
         self.max_batch = max_batch
@@ -98,6 +104,7 @@ class DecodeGraphs:
         self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_kv_heads = model.config.num_key_value_heads
         self.kv_merge_in_kernel = kv_merge_in_kernel
+        self.pdl = pdl
         self.contexts = split_contexts(max_seqlen_k)
         self._pool = None
         self.cascade_splits = {b: s for b, s in (cascade_splits or {}).items()
@@ -129,7 +136,8 @@ class DecodeGraphs:
             slot_mapping=self.slot_mapping[:batch], block_table=self.block_table[:batch],
             cu_seqlens_q=self.cu_seqlens_q[:batch + 1], seq_lens=self.seq_lens[:batch],
             max_seqlen_q=1, max_seqlen_k=max_seqlen_k, num_kv_splits=kv_splits,
-            kv_merge_in_kernel=self.kv_merge_in_kernel and splits is None)
+            kv_merge_in_kernel=self.kv_merge_in_kernel and splits is None,
+            launch_pdl=self.pdl and batch <= PDL_MAX_ROWS)
         if splits is not None:
             meta.prefix_lens = self.prefix_lens[:batch]
             meta.cu_group_seqs = self.cu_group_seqs[:cascade_max_groups(batch) + 1]

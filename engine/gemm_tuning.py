@@ -1,6 +1,7 @@
 """Start-up choice, per decoder projection and row bucket, between cuBLAS and the Triton skinny
 GEMM (kernels/skinny_gemm.py) for decode-sized inputs (up to 16 rows); fills the projections'
-`skinny` / `skinny_silu` tables (engine/models/linear.py).
+`skinny` / `skinny_silu` tables (engine/models/linear.py), and `skinny_chain` with the fastest
+Triton config whether or not it won (what a decode graph launched with PDL runs).
 
 Why a start-up timing rather than a per-shape table: which kernel wins depends on the GPU, on
 the cuBLAS version torch ships (its kernel choice for skinny shapes changes between releases),
@@ -29,7 +30,7 @@ from kernels.skinny_gemm import SkinnyConfig, candidate_configs, skinny_gemm
 logger = logging.getLogger(__name__)
 
 MARGIN = 0.03           # the Triton kernel must be this much faster than cuBLAS to be chosen
-_CHOICES: dict[tuple, tuple[dict, dict, list]] = {}
+_CHOICES: dict[tuple, tuple[dict, dict, dict, list]] = {}
 
 
 def pick(baseline_us: float, candidates_us: dict[SkinnyConfig, float],
@@ -86,9 +87,9 @@ def tune_skinny_gemms(model, device: torch.device) -> list[dict]:
                bias is not None, len(linears), ROW_BUCKETS)
         if key not in _CHOICES:
             _CHOICES[key] = _tune(name, linears, n, k, weight.dtype, device, num_sms)
-        skinny, skinny_silu, rows = _CHOICES[key]
+        skinny, skinny_silu, chain, rows = _CHOICES[key]
         for lin in linears:
-            lin.skinny, lin.skinny_silu = dict(skinny), dict(skinny_silu)
+            lin.skinny, lin.skinny_silu, lin.skinny_chain = dict(skinny), dict(skinny_silu), dict(chain)
         report += rows
     for r in report:
         logger.info("GEMM %s %s N=%d K=%d rows=%d: cuBLAS %.1f us, best Triton %s %.1f us -> %s",
@@ -98,11 +99,12 @@ def tune_skinny_gemms(model, device: torch.device) -> list[dict]:
 
 
 def _tune(name: str, linears: list[Linear], n: int, k: int, dtype: torch.dtype, device: torch.device,
-          num_sms: int) -> tuple[dict, dict, list]:
+          num_sms: int) -> tuple[dict, dict, dict, list]:
     configs = candidate_configs(n, k, num_sms)
     gen = torch.Generator(device=device).manual_seed(0)
     skinny: dict[int, SkinnyConfig] = {}
     skinny_silu: dict[int, SkinnyConfig] = {}
+    chain: dict[int, SkinnyConfig] = {}
     rows_out = []
     for rows in ROW_BUCKETS:
         x = torch.randn(rows, k, device=device, dtype=dtype, generator=gen)
@@ -112,6 +114,7 @@ def _tune(name: str, linears: list[Linear], n: int, k: int, dtype: torch.dtype, 
         choice = pick(baseline, times)
         if choice is not None:
             skinny[rows] = choice
+        chain[rows] = min(times, key=times.get)
         rows_out.append(_row(name, n, k, rows, False, "cuBLAS", baseline, times, choice))
     if name == "down_proj":       # SiLU-and-mul in the prologue vs its own kernel before the GEMM
         for lin in linears:
@@ -125,7 +128,7 @@ def _tune(name: str, linears: list[Linear], n: int, k: int, dtype: torch.dtype, 
             if choice is not None:
                 skinny_silu[rows] = choice
             rows_out.append(_row(name, n, k, rows, True, "silu_and_mul + chosen GEMM", baseline, times, choice))
-    return skinny, skinny_silu, rows_out
+    return skinny, skinny_silu, chain, rows_out
 
 
 def _row(name, n, k, rows, silu_mul, baseline_name, baseline, times, choice) -> dict:

@@ -36,6 +36,7 @@ from engine.sampler import Sampler, SamplingMetadata
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from engine.step_timing import StepTimes
+from kernels.pdl import supported as pdl_supported
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +226,8 @@ class ModelRunner:
                 -(-max_model_len // self.block_size), max_model_len, self.device,
                 use_graphs=self.device.type == "cuda",
                 cascade_splits=self.cascade.graph_splits(self.config.max_num_seqs),
-                kv_merge_in_kernel=self.config.fuse_kv_split_merge)
+                kv_merge_in_kernel=self.config.fuse_kv_split_merge,
+                pdl=self.config.decode_pdl and pdl_supported(self.device))
             self.decode_graphs.capture()
             if self.device.type == "cuda":
                 self.piecewise = PiecewiseGraphs(

@@ -16,6 +16,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import check as check_pdl, launch_options
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _BLOCK = 1024
 
@@ -26,7 +28,11 @@ def _silu_and_mul_kernel(
     out_ptr, stride_out,
     inter_size,
     BLOCK: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # grid: (T, column blocks of the output)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -42,10 +48,11 @@ def _silu_and_mul_kernel(
 _INTERPRETED = not isinstance(_silu_and_mul_kernel, triton.runtime.JITFunction)
 
 
-def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None, pdl: bool = False) -> torch.Tensor:
     """silu(x[:, :I]) * x[:, I:] for x [T, 2I]; returns [T, I] in x's dtype.
 
     `out` is an optional preallocated [T, I] output (e.g. a static CUDA-graph buffer).
+    pdl: launch with programmatic dependent launch (kernels/pdl.py).
     """
     if x.dim() != 2 or x.shape[1] % 2 != 0:
         raise ValueError(f"x must be [T, 2I] with an even number of columns, got shape {list(x.shape)}")
@@ -56,6 +63,7 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
             f"x is on {x.device}: silu_and_mul needs CUDA tensors (CPU only with TRITON_INTERPRET=1 "
             f"set before kernels.activation is imported)"
         )
+    check_pdl(pdl, x.device, "silu_and_mul")
     if x.shape[1] > 0 and x.stride(1) != 1:
         raise ValueError(f"x must have unit column stride, got strides {x.stride()}")
     num_tokens, inter_size = x.shape[0], x.shape[1] // 2
@@ -72,7 +80,8 @@ def silu_and_mul(x: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.T
         return out
 
     grid = (num_tokens, triton.cdiv(inter_size, _BLOCK))
-    _silu_and_mul_kernel[grid](x, x.stride(0), out, out.stride(0), inter_size, BLOCK=_BLOCK, num_warps=4)
+    _silu_and_mul_kernel[grid](x, x.stride(0), out, out.stride(0), inter_size, BLOCK=_BLOCK,
+                               USE_PDL=pdl, num_warps=4, **launch_options(pdl))
     return out
 
 

@@ -61,6 +61,7 @@ import triton.language as tl
 
 from kernels.arrival_counters import arrival_counters
 from kernels.attention_ref import paged_attention_ref
+from kernels.pdl import check as check_pdl, launch_options
 
 __all__ = ["paged_attention", "paged_attention_ref", "choose_num_kv_splits", "choose_fused_kv_splits"]
 
@@ -177,8 +178,11 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Longest-running tiles (last positions of a prompt see the most keys) start first.
     pid_m = num_m_tiles - 1 - tl.program_id(0).to(tl.int64)
     seq = tl.program_id(1).to(tl.int64)
@@ -419,6 +423,7 @@ def paged_attention(
     num_kv_splits: int | None = None,
     merge_in_kernel: bool = False,
     out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention of the new query rows, as `paged_attention_ref`. Returns [T, Hq, D].
 
@@ -427,9 +432,11 @@ def paged_attention(
     for decode calls (max_seqlen_q == 1) by `choose_num_kv_splits` (`choose_fused_kv_splits` with
     merge_in_kernel), none otherwise; any S >= 1 works for any batch. merge_in_kernel: the last
     program of each (sequence, tile, kv head) merges the splits, no second launch (same bits).
-    out: optional [T, Hq, D] buffer (any strides) to write into.
+    out: optional [T, Hq, D] buffer (any strides) to write into. pdl: launch with programmatic
+    dependent launch (kernels/pdl.py); the separate merge kernel, if any, is launched without.
     """
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
+    check_pdl(pdl, q.device, "paged_attention")
     if max_seqlen_q < 1 or max_seqlen_k < 1:
         raise ValueError(f"max_seqlen_q and max_seqlen_k must be >= 1, got {max_seqlen_q}, {max_seqlen_k}")
     if sliding_window is not None and sliding_window < 1:
@@ -450,12 +457,13 @@ def paged_attention(
     merge_in_kernel = merge_in_kernel and num_kv_splits > 1
     cfg = _pick_config(max_seqlen_q, head_dim, q.dtype, fused_splits=merge_in_kernel)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
-            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel)
+            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl)
     return out
 
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale, sliding_window,
-            max_seqlen_q, num_kv_splits, cfg: _TileConfig, merge_in_kernel: bool = False) -> None:
+            max_seqlen_q, num_kv_splits, cfg: _TileConfig, merge_in_kernel: bool = False,
+            pdl: bool = False) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -485,8 +493,8 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:
         rows = max(16 // g_pad, 1)

@@ -19,6 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.pdl import check as check_pdl, launch_options
+
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HIDDEN = 65536  # one row is one block in registers
 
@@ -33,7 +35,11 @@ def _rms_norm_kernel(
     hidden_size, eps,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
@@ -78,12 +84,14 @@ def rms_norm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
+    pdl: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [T, H] (see the module docstring). Returns out, or (out, new_residual).
 
     `out` and `residual_out` are optional preallocated outputs (e.g. static CUDA-graph buffers).
     In-place use is allowed: `out` may be `x` itself and `residual_out` may be `residual` itself,
     since each row is read completely before it is written. Other overlaps are not checked.
+    pdl: launch with programmatic dependent launch (kernels/pdl.py).
     """
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {list(x.shape)}")
@@ -94,6 +102,7 @@ def rms_norm(
             f"x is on {x.device}: rms_norm needs CUDA tensors (CPU only with TRITON_INTERPRET=1 "
             f"set before kernels.rmsnorm is imported)"
         )
+    check_pdl(pdl, x.device, "rms_norm")
     num_tokens, hidden_size = x.shape
     if not 0 < hidden_size <= _MAX_HIDDEN:
         raise ValueError(f"H must be in 1..{_MAX_HIDDEN}, got {hidden_size}")
@@ -135,7 +144,9 @@ def rms_norm(
             hidden_size, eps,
             HAS_RESIDUAL=has_residual,
             BLOCK_H=block_h,
+            USE_PDL=pdl,
             num_warps=min(max(block_h // 512, 1), 16),
+            **launch_options(pdl),
         )
     return out if residual is None else (out, residual_out)
 

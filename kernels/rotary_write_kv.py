@@ -34,6 +34,7 @@ import triton.language as tl
 from kernels.attention_ref import write_kv_ref
 # The rotation itself is rotary.py's: one @triton.jit function, with explicit FMAs, so that the
 # compiler cannot contract the two kernels' arithmetic differently.
+from kernels.pdl import check as check_pdl, launch_options
 from kernels.rotary import _rotate_heads, rotary_embedding_ref
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -50,7 +51,11 @@ def _rotary_write_kv_kernel(
     num_q_heads, num_kv_heads, half_dim, block_size,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     dims = tl.arange(0, BLOCK_D)
@@ -136,11 +141,15 @@ def rotary_write_kv(
     positions: torch.Tensor,
     cos_cache: torch.Tensor,
     sin_cache: torch.Tensor,
+    *,
+    pdl: bool = False,
 ) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place and store the rotated k and v [T, Hkv, D]
     in the paged caches at slot_mapping (see the module docstring). q, k and v must not overlap
-    each other (disjoint slices of one qkv buffer are fine)."""
+    each other (disjoint slices of one qkv buffer are fine). pdl: launch with programmatic
+    dependent launch (kernels/pdl.py)."""
     _check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_cache, sin_cache)
+    check_pdl(pdl, q.device, "rotary_write_kv")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
     if num_tokens == 0:
@@ -160,7 +169,9 @@ def rotary_write_kv(
         num_q_heads, num_kv_heads, half_dim, k_cache.shape[1],
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        USE_PDL=pdl,
         num_warps=4,
+        **launch_options(pdl),
     )
 
 

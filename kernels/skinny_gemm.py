@@ -26,6 +26,12 @@ time (one stream).
 
 Layouts: x [M, K] (or [M, 2K] with silu_mul) with unit column stride, any row stride; W [N, K]
 with unit column stride, any row stride; bias [N]; y [M, N] contiguous, x's dtype.
+
+With pdl=True (programmatic dependent launch, kernels/pdl.py) a program first asks L2 for the
+first `prefetch_k` columns of its weight rows (one `prefetch.global.L2::evict_last` per 128-byte
+line), then waits for the kernel ahead: the weights start to arrive while that kernel (a norm,
+the attention, SiLU-and-mul) still runs. Weights are read-only, so nothing before the wait
+reads what another kernel writes.
 """
 from __future__ import annotations
 
@@ -36,6 +42,8 @@ import triton
 import triton.language as tl
 
 from kernels.arrival_counters import arrival_counters
+from kernels import pdl as pdl_rules
+from kernels.pdl import check as check_pdl, launch_options, prefetch_columns
 
 __all__ = ["SkinnyConfig", "candidate_configs", "default_config", "skinny_gemm", "skinny_gemm_ref",
            "MAX_ROWS"]
@@ -48,10 +56,11 @@ _H200_NUM_SMS = 132
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, k_per_split, num_splits,
+    M, N, K, k_per_split, num_splits, prefetch_k,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_SPLITS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr, LINE: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -60,9 +69,17 @@ def _skinny_gemm_kernel(
     n_in = offs_n < N
     m_in = offs_m < M
     # Rows past N read row N - 1 (in bounds, never stored): the weight loads need no mask.
-    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
+    w_row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
+    w_rows = w_row[:, None]
     x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm            # a^T tile: [BLOCK_K, BLOCK_M]
     k_lo = pid_k * k_per_split
+    if USE_PDL:
+        # The weights before the wait (kernels/pdl.py): one L2 prefetch per line of each row.
+        for c in range(0, tl.minimum(prefetch_k, K - k_lo), LINE):
+            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                      [w_row + k_lo + c], dtype=tl.int32, is_pure=False, pack=1)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.full([BLOCK_N, BLOCK_M], 0.0, dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -161,9 +178,14 @@ def skinny_gemm(
     *,
     silu_mul: bool = False,
     config: SkinnyConfig | None = None,
+    pdl: bool = False,
+    prefetch_bytes: int | None = None,
 ) -> torch.Tensor:
     """y [M, N] = a @ weight^T (+ bias), a = x [M, K] or silu_and_mul(x) for x [M, 2K] (see the
-    module docstring). config: the tiling; None: `default_config`."""
+    module docstring). config: the tiling; None: `default_config`. pdl: launch with programmatic
+    dependent launch, prefetching up to prefetch_bytes of the weights (over all programs; None:
+    kernels.pdl.L2_PREFETCH_BYTES as it is at the call) into L2 before waiting for the kernel
+    ahead."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     num_rows, num_cols = x.shape
@@ -185,6 +207,7 @@ def skinny_gemm(
         raise ValueError(f"weight and bias must be on {device} like x")
     if bias is not None and (bias.shape != (n,) or bias.dtype not in _DTYPES or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float [{n}] tensor, got {bias.dtype} {list(bias.shape)}")
+    check_pdl(pdl, device, "skinny_gemm")
     y = torch.empty(num_rows, n, dtype=x.dtype, device=device)
     if num_rows == 0 or n == 0:
         return y
@@ -199,14 +222,19 @@ def skinny_gemm(
         counters = arrival_counters("skinny_gemm", device, num_tiles)
     else:
         part = counters = y                             # unused
+    line = 128 // weight.element_size()                 # elements per 128-byte L2 line
+    if prefetch_bytes is None:
+        prefetch_bytes = pdl_rules.L2_PREFETCH_BYTES
+    prefetch_k = prefetch_columns(prefetch_bytes, num_tiles * num_splits, cfg.block_n, k_per_split,
+                                  weight.element_size()) if pdl else 0
     _skinny_gemm_kernel[(num_tiles, num_splits)](
         x, weight, bias if bias is not None else weight, y, part, counters,
-        num_rows, n, k, k_per_split, num_splits,
+        num_rows, n, k, k_per_split, num_splits, prefetch_k,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_SPLITS=num_splits > 1, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl, LINE=line,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return y
 

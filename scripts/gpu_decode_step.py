@@ -12,6 +12,11 @@ Variants, each with the decode CUDA graphs captured afresh:
               engine before issue 13: EngineConfig(fuse_rope_kv_write=False, skinny_gemm="off",
               fuse_kv_split_merge=False))
   rope_kv     fused RoPE + KV write only
+  pdl         on, with programmatic dependent launch (EngineConfig.decode_pdl, kernels/pdl.py):
+              every projection the skinny GEMM, each prefetching its first weights into L2
+              (kernels.pdl.L2_PREFETCH_BYTES in all) while the kernel ahead runs
+  pdl_nopf    pdl without the prefetch (what PDL's early launch alone gives)
+  pdl_48mb    pdl with 48 MB of prefetch
 Per variant: the GPU time of one replay of the batch-1 graph at --context tokens (median of
 replays back to back), ms/token of a greedy generation (128-token prompt, as
 scripts/bench_latency.py), the step's kernels (torch.profiler over 3 replays), and the logits'
@@ -42,17 +47,19 @@ def _linears(model) -> list[Linear]:
     return [m for m in model.modules() if isinstance(m, Linear)]
 
 
-def _set_variant(runner, fuse_rope: bool, tables: dict | None, kv_merge_in_kernel: bool) -> None:
+def _set_variant(runner, fuse_rope: bool, tables: dict | None, kv_merge_in_kernel: bool,
+                 pdl: bool = False) -> None:
     """Switch the model's kernels and capture its decode graphs again."""
     from engine.cuda_graphs import DecodeGraphs
     runner.model.fuse_rope_kv_write = fuse_rope
     for lin in _linears(runner.model):
-        lin.skinny, lin.skinny_silu = (dict(t) for t in (tables or {}).get(id(lin), ({}, {})))
+        lin.skinny, lin.skinny_silu, lin.skinny_chain = (
+            dict(t) for t in (tables or {}).get(id(lin), ({}, {}, {})))
     old = runner.decode_graphs
     runner.decode_graphs = None
     graphs = DecodeGraphs(runner.model, runner.kv_caches, old.max_batch, old.block_table.shape[1],
                           old.max_seqlen_k, runner.device, use_graphs=True, cascade_splits=old.cascade_splits,
-                          kv_merge_in_kernel=kv_merge_in_kernel)
+                          kv_merge_in_kernel=kv_merge_in_kernel, pdl=pdl)
     del old
     gc.collect()
     torch.cuda.empty_cache()
@@ -140,18 +147,33 @@ def check_engine(args, out: dict) -> None:
     for r in runner.gemm_report:
         print(f"  {r['proj']:>12}{' +silu' if r['silu_mul'] else '':6} M={r['rows']:2d}: {r['baseline']} "
               f"{r['baseline_us']:6.2f} | Triton {r['best']} {r['best_us']:6.2f} -> {r['chosen']}")
-    tables = {id(lin): (dict(lin.skinny), dict(lin.skinny_silu)) for lin in _linears(runner.model)}
+    tables = {id(lin): (dict(lin.skinny), dict(lin.skinny_silu), dict(lin.skinny_chain))
+              for lin in _linears(runner.model)}
     vocab = PRESETS["llama-3.1-8b"]["vocab_size"]
     prompt = [(i * 7919) % vocab for i in range(128)]
     logits_off = None
     assert runner.decode_graphs.kv_merge_in_kernel, "the engine's default merges attention's splits in its kernel"
-    for name, fuse_rope, tab, kv_merge in (("on", True, tables, True), ("merge_apart", True, tables, False),
-                                           ("off", False, None, False), ("rope_kv", True, None, False)):
+    from kernels import pdl as pdl_rules
+    default_prefetch = pdl_rules.L2_PREFETCH_BYTES
+    variants = (("on", True, tables, True, False, None), ("merge_apart", True, tables, False, False, None),
+                ("off", False, None, False, False, None), ("rope_kv", True, None, False, False, None),
+                ("pdl", True, tables, True, True, default_prefetch), ("pdl_nopf", True, tables, True, True, 0),
+                ("pdl_48mb", True, tables, True, True, 48 << 20))
+    logits_on = None
+    for name, fuse_rope, tab, kv_merge, pdl, prefetch in variants:
+        if name not in getattr(args, "variants", [v[0] for v in variants]):
+            continue
         if name != "on":
-            _set_variant(runner, fuse_rope, tab, kv_merge)
+            pdl_rules.L2_PREFETCH_BYTES = default_prefetch if prefetch is None else prefetch
+            _set_variant(runner, fuse_rope, tab, kv_merge, pdl)
         graph, logits, kv_splits = _step_graph(runner, args.context)
         row = {"step_ms": _replay_ms(graph), "ms_per_token": _ms_per_token(llm, name, prompt, args.output_len),
-               "kv_splits": kv_splits, "kv_merge_in_kernel": kv_merge, "kernels": _kernel_table(graph)}
+               "kv_splits": kv_splits, "kv_merge_in_kernel": kv_merge, "kernels": _kernel_table(graph),
+               "pdl": pdl, "l2_prefetch_bytes": prefetch if pdl else None}
+        if pdl and logits_on is not None:
+            diff = (logits_on - logits).abs().max().item()
+            row["logits_vs_on"] = {"max_abs_diff": diff, "max_abs": logits_on.abs().max().item(),
+                                   "same_argmax": bool(logits_on.argmax() == logits.argmax())}
         row["kernel_us_per_step"] = sum(r["us_per_step"] for r in row["kernels"])
         row["kernel_launches_per_step"] = sum(r["per_step"] for r in row["kernels"])
         if name == "on":
@@ -169,7 +191,8 @@ def check_engine(args, out: dict) -> None:
         print(f"\n[{name}] ({kv_splits} KV splits, merged {'in the kernel' if kv_merge else 'apart'}) "
               f"step (graph replay) {row['step_ms']:.3f} ms, generation {row['ms_per_token']:.3f} "
               f"ms/token; kernels {row['kernel_us_per_step'] / 1e3:.3f} ms in "
-              f"{row['kernel_launches_per_step']:.0f} launches per step")
+              f"{row['kernel_launches_per_step']:.0f} launches per step"
+              + (f"; logits vs on: {row['logits_vs_on']}" if "logits_vs_on" in row else ""))
         for r in row["kernels"][:getattr(args, "top_kernels", 16)]:
             print(f"  {r['us_per_step']:8.1f} us/step {r['per_step']:5.0f} x {r['us_each']:7.2f} us  {r['kernel']}")
     if "logits_on_vs_off" in report:
@@ -188,6 +211,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top-kernels", type=int, default=16)
+    ap.add_argument("--variants", nargs="+", default=["on", "merge_apart", "off", "rope_kv", "pdl", "pdl_nopf",
+                                                      "pdl_48mb"])
     args = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name()}
     check_engine(args, out)

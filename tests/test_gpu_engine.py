@@ -33,16 +33,21 @@ def hf_greedy_cuda(model_dir, prompts, max_tokens=32):
     return outs
 
 
+@pytest.mark.parametrize("decode_pdl", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_engine_on_gpu_equals_hf(tiny_models, arch):
+def test_engine_on_gpu_equals_hf(tiny_models, arch, decode_pdl):
+    """decode_pdl: the decode graphs (all of them here: max_num_seqs 16) launch their Triton
+    kernels with programmatic dependent launch and run every projection as the skinny GEMM."""
     import json
     vocab = json.load(open(f"{tiny_models[arch]}/config.json"))["vocab_size"]
     prompts = mixed_prompts(vocab)
     expected = hf_greedy_cuda(tiny_models[arch], prompts)
     llm = LLM(tiny_models[arch], dtype="float32", device="cuda", block_size=16,
-              max_num_batched_tokens=64, num_kv_blocks=30, max_model_len=400, max_num_seqs=16)
+              max_num_batched_tokens=64, num_kv_blocks=30, max_model_len=400, max_num_seqs=16,
+              decode_pdl=decode_pdl)
     graphs = llm.core.runner.decode_graphs
     assert graphs.graphs, "CUDA graphs were not captured"
+    assert graphs.pdl == (decode_pdl and torch.cuda.get_device_capability() >= (9, 0))
     # One logits buffer for every captured size (not one each, held by the graph pool).
     assert all(out.data_ptr() == graphs.logits.data_ptr() for _, out in graphs.graphs.values())
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))

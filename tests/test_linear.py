@@ -35,11 +35,13 @@ def make_linear(n, k, bias, seed=0):
 
 @pytest.fixture
 def counted(monkeypatch):
-    """Calls to the skinny GEMM from engine/models/linear.py: (rows, silu_mul, config)."""
+    """Calls to the skinny GEMM from engine/models/linear.py: (rows, silu_mul, config), and
+    (rows, silu_mul, config, pdl) for calls with pdl=True, which the interpreter cannot launch:
+    those run without it (what they compute is the same)."""
     calls = []
 
-    def run(x, weight, bias=None, *, silu_mul=False, config=None):
-        calls.append((x.shape[0], silu_mul, config))
+    def run(x, weight, bias=None, *, silu_mul=False, config=None, pdl=False):
+        calls.append((x.shape[0], silu_mul, config) + ((True,) if pdl else ()))
         return sg.skinny_gemm(x, weight, bias, silu_mul=silu_mul, config=config)
     monkeypatch.setattr(linear_module, "skinny_gemm", run)
     monkeypatch.setattr(linear_module, "silu_and_mul", activation.silu_and_mul)
@@ -79,3 +81,31 @@ def test_silu_table_folds_silu_and_mul_into_the_kernel(counted):
     assert torch.equal(got, sg.skinny_gemm(activation.silu_and_mul(g), lin.weight, config=cfg))
     lin.forward_silu_mul(g[:1])                          # bucket 1 not chosen: kernel + F.linear
     assert len(counted) == 1
+
+
+def test_a_pdl_call_runs_the_chain_table_and_passes_pdl_on(counted, monkeypatch):
+    """In a PDL chain (kernels/pdl.py) every projection with a skinny_chain config runs the skinny
+    GEMM launched with PDL, also where cuBLAS won the start-up timing (no `skinny` entry); the
+    SiLU-and-mul kernel before down_proj is launched with PDL too."""
+    lin = make_linear(37, 48, bias=True, seed=3)
+    plain, chain = sg.SkinnyConfig(16, 16, 2), sg.SkinnyConfig(32, 16, 1)
+    lin.skinny, lin.skinny_chain = {1: plain}, {1: chain, 2: chain}
+    x = torch.randn(2, 48, device=DEVICE)
+    torch.testing.assert_close(lin(x, pdl=True), F.linear(x, lin.weight, lin.bias), atol=1e-4, rtol=1.3e-6)
+    lin(x[:1], pdl=True)
+    lin(x[:1])
+    lin(x, pdl=False)                                   # bucket 2: cuBLAS won, F.linear
+    torch.testing.assert_close(lin(torch.randn(17, 48, device=DEVICE), pdl=True).shape, torch.Size([17, 37]))
+    assert counted == [(2, False, chain, True), (1, False, chain, True), (1, False, plain)]
+    silu_calls = []
+
+    def silu(g, *, out=None, pdl=False):
+        silu_calls.append(pdl)
+        return activation.silu_and_mul(g, out=out)
+    monkeypatch.setattr(linear_module, "silu_and_mul", silu)
+    down = make_linear(37, 24, bias=False, seed=4)
+    down.skinny_chain = {2: chain}
+    g = torch.randn(2, 48, device=DEVICE)
+    got = down.forward_silu_mul(g, pdl=True)
+    assert silu_calls == [True] and counted[-1] == (2, False, chain, True)
+    torch.testing.assert_close(got, F.linear(activation.silu_and_mul(g), down.weight), atol=1e-4, rtol=1.3e-6)

@@ -375,9 +375,9 @@ def test_fused_rope_kv_write_path_equals_two_kernel_path(hf_and_path_d16):
         calls = {"write_kv": 0, "rotary_write_kv": 0}
 
         def counted(name, fn):
-            def run(*args):
+            def run(*args, **kwargs):
                 calls[name] += 1
-                return fn(*args)
+                return fn(*args, **kwargs)
             return run
         backend = triton_backend()
         backend = dataclasses.replace(backend, write_kv=counted("write_kv", backend.write_kv),

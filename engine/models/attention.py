@@ -50,6 +50,10 @@ class AttentionMetadata:
     max_group_rows: int = 1                    # host ints, fixed for a CUDA graph
     max_prefix_len: int = 0
     num_prefix_splits: int = 1
+    # The step's Triton kernels (norms, projections, rotary, attention) are launched with
+    # programmatic dependent launch (kernels/pdl.py): decode graphs of up to 16 rows with
+    # EngineConfig.decode_pdl, on a GPU that has it.
+    launch_pdl: bool = False
 
     @property
     def is_cascade(self) -> bool:
@@ -120,7 +124,8 @@ def triton_backend() -> AttentionBackend:
                                attn.seq_lens, scale, sliding_window,
                                max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k,
                                num_kv_splits=attn.num_kv_splits,
-                               merge_in_kernel=attn.kv_merge_in_kernel, out=out)
+                               merge_in_kernel=attn.kv_merge_in_kernel, out=out,
+                               pdl=attn.launch_pdl)
     return AttentionBackend("triton", write_kv, run, rotary_write_kv)
 
 
@@ -183,7 +188,8 @@ class Attention(nn.Module):
         if rope_tables is None:
             self.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         else:
-            self.backend.rotary_write_kv(q, k, v, k_cache, v_cache, attn.slot_mapping, *rope_tables)
+            self.backend.rotary_write_kv(q, k, v, k_cache, v_cache, attn.slot_mapping, *rope_tables,
+                                         pdl=attn.launch_pdl)
         return self.backend.paged_attention(q, k_cache, v_cache, attn, self.scale,
                                             self.sliding_window)
 

@@ -6,6 +6,11 @@ kernels.skinny_gemm.MAX_ROWS) to the SkinnyConfig to run; inputs of any other ro
 F.linear. It starts empty (CPU, tests, EngineConfig.skinny_gemm = "off"): the start-up timing in
 engine/gemm_tuning.py fills it. `skinny_silu` is the same for `forward_silu_mul` (down_proj with
 SiLU-and-mul folded into the kernel's prologue).
+
+`skinny_chain` holds the fastest skinny config per bucket whether or not it beat cuBLAS: a call
+with pdl=True (a decode graph's chain of kernels launched with programmatic dependent launch,
+kernels/pdl.py) runs it, because there the skinny GEMM streams its first weights while the
+kernel ahead still runs, which a cuBLAS kernel does not.
 """
 from __future__ import annotations
 
@@ -29,25 +34,27 @@ class Linear(nn.Linear):
         super().__init__(in_features, out_features, bias, **kwargs)
         self.skinny: dict[int, SkinnyConfig] = {}
         self.skinny_silu: dict[int, SkinnyConfig] = {}
+        self.skinny_chain: dict[int, SkinnyConfig] = {}
 
     def _config(self, table: dict[int, SkinnyConfig], x: torch.Tensor) -> SkinnyConfig | None:
         if not table or x.dim() != 2 or x.stride(-1) != 1:
             return None
         return table.get(row_bucket(x.shape[0]))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        cfg = self._config(self.skinny, x)
+    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        """pdl: the call is in a chain launched with programmatic dependent launch."""
+        cfg = self._config(self.skinny_chain if pdl else self.skinny, x)
         if cfg is None:
             return F.linear(x, self.weight, self.bias)
-        return skinny_gemm(x, self.weight, self.bias, config=cfg)
+        return skinny_gemm(x, self.weight, self.bias, config=cfg, pdl=pdl)
 
-    def forward_silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def forward_silu_mul(self, gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
         """self(silu_and_mul(gate_up)) for gate_up [T, 2 * in_features] (the Triton SiLU-and-mul:
         the fused path's numerics either way)."""
         cfg = self._config(self.skinny_silu, gate_up)
         if cfg is None:
-            return self(silu_and_mul(gate_up))
-        return skinny_gemm(gate_up, self.weight, self.bias, silu_mul=True, config=cfg)
+            return self(silu_and_mul(gate_up, pdl=pdl), pdl=pdl)
+        return skinny_gemm(gate_up, self.weight, self.bias, silu_mul=True, config=cfg, pdl=pdl)
 
     def extra_repr(self) -> str:
         chosen = ", ".join(f"{b} rows: {c}" for b, c in sorted(self.skinny.items()))

@@ -32,9 +32,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = fused
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, pdl: bool = False):
         if self.fused:
-            return rms_norm(x, self.weight, self.eps, residual)
+            return rms_norm(x, self.weight, self.eps, residual, pdl=pdl)
         if residual is not None:
             x = x + residual
             return self._norm(x), x
@@ -174,7 +174,7 @@ class LlamaAttention(nn.Module):
         attn: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x)  # [T, (Hq + 2Hkv) * D]
+        qkv = self.qkv_proj(x, pdl=attn.launch_pdl)  # [T, (Hq + 2Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -184,7 +184,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = rope.apply(q, k)
             out = self.attn(q, k, v, kv_cache, attn)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size))
+        return self.o_proj(out.reshape(num_tokens, self.q_size), pdl=attn.launch_pdl)
 
 
 class LlamaMLP(nn.Module):
@@ -194,10 +194,10 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.fused = fused
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)  # [T, 2I]
+    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, pdl=pdl)  # [T, 2I]
         if self.fused:  # SiLU-and-mul, maybe inside down_proj's kernel (engine/models/linear.py)
-            return self.down_proj.forward_silu_mul(gate_up)
+            return self.down_proj.forward_silu_mul(gate_up, pdl=pdl)
         gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, I]
         return self.down_proj(F.silu(gate) * up)
 
@@ -215,13 +215,14 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, fused)
 
     def forward(self, x, residual, rope: Rope, kv_cache, attn: AttentionMetadata):
+        pdl = attn.launch_pdl
         if residual is None:
-            residual, x = x, self.input_layernorm(x)
+            residual, x = x, self.input_layernorm(x, pdl=pdl)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, pdl=pdl)
         x = self.self_attn(x, rope, kv_cache, attn)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.post_attention_layernorm(x, residual, pdl=pdl)
+        return self.mlp(x, pdl=pdl), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -267,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn)
-        x, _ = self.norm(x, residual)
+        x, _ = self.norm(x, residual, pdl=attn.launch_pdl)
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

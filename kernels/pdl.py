@@ -1,0 +1,66 @@
+"""Programmatic dependent launch (PDL) for a chain of small kernels: a decode step of a few rows.
+
+A decode step of one sequence is ~330 kernels one after another; the weight GEMMs move nearly all
+the bytes, and between two of them the RMSNorm, rotary + KV write, attention and SiLU kernels
+(2-9 us each, bound by latency, not bandwidth) leave the memory idle: ~0.6 ms of a 4.6 ms step
+on the H200 (benchmarks/h200/decode_kernels.md).
+
+With PDL (CUDA, compute capability 9.0 and up) the GPU may start a kernel before the one ahead
+of it in the stream has finished. Each kernel launched so (`launch_pdl=True`) begins with
+`griddepcontrol.wait`, which returns once the kernel ahead has finished and its writes are
+visible, and then at once `griddepcontrol.launch_dependents`, which lets the next kernel start.
+Nothing a kernel reads or writes before its wait may be written by another kernel: the skinny
+GEMM (kernels/skinny_gemm.py) uses that window to pull the first columns of its weight rows
+into L2 (weights are read-only), so the weight stream goes on while the small kernel ahead runs.
+
+Why the chain stays ordered: a kernel passes its wait only after the kernel ahead finished, and
+that one finished only after passing its own wait; so every earlier kernel has finished too.
+Kernels launched without PDL (cuBLAS, torch) wait for the one ahead to finish, as always.
+
+The engine launches with PDL only inside decode CUDA graphs of up to 16 rows
+(EngineConfig.decode_pdl, engine/cuda_graphs.py); each kernel's Python function takes `pdl`.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+__all__ = ["L2_PREFETCH_BYTES", "check", "launch_options", "prefetch_columns", "supported"]
+
+# Weight bytes the skinny GEMMs of a PDL chain pull into L2 ahead of their wait, over all their
+# programs: what HBM delivers in a few microseconds (the small kernels' time), well under the
+# H200's 60 MB L2 so the lines are still there when the GEMM reaches them.
+L2_PREFETCH_BYTES = 16 << 20
+
+
+def _interpreted() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def supported(device: torch.device) -> bool:
+    """PDL can be used for kernels on `device`: CUDA, compute capability >= 9.0, compiled
+    (the Triton interpreter has no griddepcontrol)."""
+    return (device.type == "cuda" and not _interpreted()
+            and torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+def check(pdl: bool, device: torch.device, kernel: str) -> None:
+    if pdl and not supported(device):
+        raise ValueError(f"{kernel}: pdl=True needs a CUDA device of compute capability >= 9.0 and "
+                         f"compiled Triton kernels (not TRITON_INTERPRET), got {device}")
+
+
+def launch_options(pdl: bool) -> dict:
+    """Keyword arguments of a Triton launch: with PDL or as usual."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+def prefetch_columns(budget_bytes: int, num_programs: int, rows_per_program: int, columns: int,
+                     elem_bytes: int, line_bytes: int = 128) -> int:
+    """Columns of its weight rows each GEMM program prefetches: the budget shared by all
+    programs, whole L2 lines, at most the program's own columns."""
+    line = max(line_bytes // elem_bytes, 1)
+    per_program = budget_bytes // max(num_programs * rows_per_program * elem_bytes, 1)
+    return max(0, min(columns, per_program // line * line))
+
