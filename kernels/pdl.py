@@ -11,7 +11,9 @@ of it in the stream has finished. Each kernel launched so (`launch_pdl=True`) be
 visible, and then at once `griddepcontrol.launch_dependents`, which lets the next kernel start.
 Nothing a kernel reads or writes before its wait may be written by another kernel: the skinny
 GEMM (kernels/skinny_gemm.py) uses that window to pull the first columns of its weight rows
-into L2 (weights are read-only), so the weight stream goes on while the small kernel ahead runs.
+into L2 (weights are read-only) if L2_PREFETCH_BYTES asks it to. What PDL buys without that: the
+next kernel is launched and its programs placed while the one ahead still runs, so the gap
+between two kernels (launch, ramp-up, tail) shrinks.
 
 Why the chain stays ordered: a kernel passes its wait only after the kernel ahead finished, and
 that one finished only after passing its own wait; so every earlier kernel has finished too.
@@ -29,9 +31,10 @@ import torch
 __all__ = ["L2_PREFETCH_BYTES", "check", "launch_options", "prefetch_columns", "supported"]
 
 # Weight bytes the skinny GEMMs of a PDL chain pull into L2 ahead of their wait, over all their
-# programs: what HBM delivers in a few microseconds (the small kernels' time), well under the
-# H200's 60 MB L2 so the lines are still there when the GEMM reaches them.
-L2_PREFETCH_BYTES = 16 << 20
+# programs. None by default: on the H200 (Llama-3.1-8B, batch 1, benchmarks/h200/decode_pdl.md)
+# PDL alone took a step from 4.666 to 4.470 ms, with 16 MB of prefetch 4.777 and with 48 MB 5.636:
+# the prefetches cost the weight stream more than they hide.
+L2_PREFETCH_BYTES = 0
 
 
 def _interpreted() -> bool:

@@ -52,6 +52,17 @@ def add_scheduling_arg(ap) -> None:
                     help="each step waits for its tokens before the next is planned")
 
 
+def add_pdl_arg(ap) -> None:
+    """The step benches' `--decode-pdl true|false` (EngineConfig.decode_pdl; unset: the engine's
+    default); `pdl_setting(args)` gives the engine keyword for it."""
+    ap.add_argument("--decode-pdl", choices=["true", "false"], default=None,
+                    help="decode graphs of up to 16 rows with programmatic dependent launch")
+
+
+def pdl_setting(args) -> dict:
+    return {} if args.decode_pdl is None else {"decode_pdl": args.decode_pdl == "true"}
+
+
 def add_model_args(ap) -> None:
     """The benches' `--preset`, `--model` and `--dtype`; `model_and_config` reads the first two."""
     ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))

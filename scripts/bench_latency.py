@@ -7,9 +7,9 @@ import statistics
 import sys
 import time
 
-from bench_common import (HBM_BYTES_PER_S, add_model_args, add_scheduling_arg, git_commit,
-                          hardware, kv_bytes_per_token, model_and_config, param_count,
-                          step_table, write_results)
+from bench_common import (HBM_BYTES_PER_S, add_model_args, add_pdl_arg, add_scheduling_arg,
+                          git_commit, hardware, kv_bytes_per_token, model_and_config, param_count,
+                          pdl_setting, step_table, write_results)
 
 from engine import LLM, SamplingParams
 
@@ -22,6 +22,7 @@ def main() -> None:
     ap.add_argument("--iters", type=int, default=3)
     ap.add_argument("--enforce-eager", action="store_true")
     add_scheduling_arg(ap)
+    add_pdl_arg(ap)
     ap.add_argument("--out", default="benchmarks/latency")
     args = ap.parse_args()
 
@@ -30,7 +31,8 @@ def main() -> None:
     llm = LLM(model_dir, load_format="dummy", dtype=args.dtype,
               skip_tokenizer_init=True, max_num_seqs=8,
               max_model_len=min(8192, cfg.get("max_position_embeddings", 8192)),
-              enforce_eager=args.enforce_eager, async_scheduling=not args.sync_scheduling)
+              enforce_eager=args.enforce_eager, async_scheduling=not args.sync_scheduling,
+              **pdl_setting(args))
     core = llm.core
     core.times.gpu_events = True        # where each step's time goes, the GPU's part included
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -63,7 +65,7 @@ def main() -> None:
     roofline_ms = 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
     row = {"preset": args.preset, "dtype": args.dtype, "input_len": args.input_len,
            "output_len": args.output_len, "enforce_eager": args.enforce_eager,
-           "async_scheduling": not args.sync_scheduling,
+           "async_scheduling": not args.sync_scheduling, "decode_pdl": llm.config.decode_pdl,
            "ms_per_token_median": ms, "ms_per_token_p90": statistics.quantiles(step_ms, n=10)[8],
            "tokens_per_s": 1e3 / ms, "ttft_ms_median": statistics.median(ttft_ms),
            "weight_bytes": weight_bytes, "roofline_ms_per_token": roofline_ms,

@@ -13,10 +13,10 @@ Variants, each with the decode CUDA graphs captured afresh:
               fuse_kv_split_merge=False))
   rope_kv     fused RoPE + KV write only
   pdl         on, with programmatic dependent launch (EngineConfig.decode_pdl, kernels/pdl.py):
-              every projection the skinny GEMM, each prefetching its first weights into L2
-              (kernels.pdl.L2_PREFETCH_BYTES in all) while the kernel ahead runs
+              every projection the skinny GEMM (prefetching kernels.pdl.L2_PREFETCH_BYTES of
+              weights into L2 in all while the kernel ahead runs: none by default)
   pdl_nopf    pdl without the prefetch (what PDL's early launch alone gives)
-  pdl_48mb    pdl with 48 MB of prefetch
+  pdl_2mb ... pdl_48mb  pdl with 2, 4, 16 or 48 MB of prefetch
 Per variant: the GPU time of one replay of the batch-1 graph at --context tokens (median of
 replays back to back), ms/token of a greedy generation (128-token prompt, as
 scripts/bench_latency.py), the step's kernels (torch.profiler over 3 replays), and the logits'
@@ -158,7 +158,8 @@ def check_engine(args, out: dict) -> None:
     variants = (("on", True, tables, True, False, None), ("merge_apart", True, tables, False, False, None),
                 ("off", False, None, False, False, None), ("rope_kv", True, None, False, False, None),
                 ("pdl", True, tables, True, True, default_prefetch), ("pdl_nopf", True, tables, True, True, 0),
-                ("pdl_48mb", True, tables, True, True, 48 << 20))
+                ("pdl_2mb", True, tables, True, True, 2 << 20), ("pdl_4mb", True, tables, True, True, 4 << 20),
+                ("pdl_16mb", True, tables, True, True, 16 << 20), ("pdl_48mb", True, tables, True, True, 48 << 20))
     logits_on = None
     for name, fuse_rope, tab, kv_merge, pdl, prefetch in variants:
         if name not in getattr(args, "variants", [v[0] for v in variants]):
@@ -211,8 +212,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top-kernels", type=int, default=16)
-    ap.add_argument("--variants", nargs="+", default=["on", "merge_apart", "off", "rope_kv", "pdl", "pdl_nopf",
-                                                      "pdl_48mb"])
+    ap.add_argument("--variants", nargs="+", default=["on", "merge_apart", "off", "rope_kv", "pdl", "pdl_4mb"])
     args = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name()}
     check_engine(args, out)

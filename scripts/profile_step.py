@@ -21,8 +21,8 @@ import random
 import sys
 import time
 
-from bench_common import (add_model_args, add_scheduling_arg, git_commit, hardware,
-                          model_and_config, step_table, write_results)
+from bench_common import (add_model_args, add_pdl_arg, add_scheduling_arg, git_commit, hardware,
+                          model_and_config, pdl_setting, step_table, write_results)
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -103,6 +103,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
     add_scheduling_arg(ap)
+    add_pdl_arg(ap)
     ap.add_argument("--out", default="benchmarks/profile_step")
     args = ap.parse_args(argv)
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                           skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
                           max_model_len=max_len, enable_prefix_caching=False,
                           enforce_eager=args.enforce_eager,
-                          async_scheduling=not args.sync_scheduling)
+                          async_scheduling=not args.sync_scheduling, **pdl_setting(args))
     core = EngineCore(config)
     rng = random.Random(0)
     rows = []

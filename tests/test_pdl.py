@@ -67,6 +67,8 @@ def model_dir(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("m") / "llama", arch="llama", seed=3))
 
 
+@pytest.mark.skipif(ON_GPU, reason="the kernels run interpreted on CPU tensors here; on the GPU "
+                    "test_gpu_engine.py runs the PDL chain")
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 def test_decode_steps_of_up_to_16_rows_launch_every_triton_kernel_with_pdl(model_dir, monkeypatch):
     """DecodeGraphs(pdl=True): a step of up to 16 rows (what the graphs of those sizes capture)
