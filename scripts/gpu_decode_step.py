@@ -5,7 +5,8 @@ Variants, each with the decode CUDA graphs captured afresh:
   on          what the engine runs by default: fused RoPE + KV write, skinny GEMMs where the
               start-up timing chose them (engine/gemm_tuning.py; its table is reported),
               attention's splits merged in its kernel (fuse_kv_split_merge: 8 splits at batch 1
-              up to 511 keys)
+              up to 511 keys), PDL (decode_pdl: every projection the skinny GEMM)
+  no_pdl      on without PDL (decode_pdl=False: cuBLAS where it won the timing)
   merge_apart on, but attention's splits by choose_num_kv_splits and merged by the separate
               kernel (fuse_kv_split_merge=False: one split at batch 1 up to 511 keys)
   off         rotary_embedding + write_kv, cuBLAS for every projection, the separate merge (the
@@ -155,7 +156,9 @@ def check_engine(args, out: dict) -> None:
     assert runner.decode_graphs.kv_merge_in_kernel, "the engine's default merges attention's splits in its kernel"
     from kernels import pdl as pdl_rules
     default_prefetch = pdl_rules.L2_PREFETCH_BYTES
-    variants = (("on", True, tables, True, False, None), ("merge_apart", True, tables, False, False, None),
+    pdl_on = runner.decode_graphs.pdl
+    variants = (("on", True, tables, True, pdl_on, None), ("no_pdl", True, tables, True, False, None),
+                ("merge_apart", True, tables, False, False, None),
                 ("off", False, None, False, False, None), ("rope_kv", True, None, False, False, None),
                 ("pdl", True, tables, True, True, default_prefetch), ("pdl_nopf", True, tables, True, True, 0),
                 ("pdl_2mb", True, tables, True, True, 2 << 20), ("pdl_4mb", True, tables, True, True, 4 << 20),
@@ -171,7 +174,7 @@ def check_engine(args, out: dict) -> None:
         row = {"step_ms": _replay_ms(graph), "ms_per_token": _ms_per_token(llm, name, prompt, args.output_len),
                "kv_splits": kv_splits, "kv_merge_in_kernel": kv_merge, "kernels": _kernel_table(graph),
                "pdl": pdl, "l2_prefetch_bytes": prefetch if pdl else None}
-        if pdl and logits_on is not None:
+        if name != "on" and logits_on is not None:
             diff = (logits_on - logits).abs().max().item()
             row["logits_vs_on"] = {"max_abs_diff": diff, "max_abs": logits_on.abs().max().item(),
                                    "same_argmax": bool(logits_on.argmax() == logits.argmax())}
@@ -212,7 +215,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top-kernels", type=int, default=16)
-    ap.add_argument("--variants", nargs="+", default=["on", "merge_apart", "off", "rope_kv", "pdl", "pdl_4mb"])
+    ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv", "pdl_4mb"])
     args = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name()}
     check_engine(args, out)
