@@ -1,9 +1,10 @@
 """Start-up choice, per decoder projection and row bucket, between cuBLAS and the Triton skinny
 GEMM (kernels/skinny_gemm.py) for decode-sized inputs (up to 16 rows); fills the projections'
 `skinny` / `skinny_silu` tables (engine/models/linear.py), and `skinny_chain` with the fastest
-Triton config whether or not it won (what a decode graph launched with PDL runs), timed with
-PDL itself where the engine uses it (kernels/pdl.py: a launch overlaps the tail of the one ahead,
-which favours other tilings than a lone launch does).
+Triton config whether or not it won (what a decode graph launched with PDL runs). The chain's
+configs are chosen by these timings without PDL: timed in a chain of PDL launches of the same
+projection, other configs won, and the decode step with them was slower (H200: 4.68 against
+4.51 ms/token; benchmarks/h200/decode_pdl.md).
 
 Why a start-up timing rather than a per-shape table: which kernel wins depends on the GPU, on
 the cuBLAS version torch ships (its kernel choice for skinny shapes changes between releases),
@@ -77,19 +78,18 @@ def _projections(model) -> dict[str, list[Linear]]:
 
 
 @torch.inference_mode()
-def tune_skinny_gemms(model, device: torch.device, pdl: bool = False) -> list[dict]:
+def tune_skinny_gemms(model, device: torch.device) -> list[dict]:
     """Times cuBLAS and every candidate config for each projection and row bucket, sets the
-    projections' tables to the winners and returns one report row per (projection, rows).
-    pdl: the chain table is chosen by timings with PDL launches."""
+    projections' tables to the winners and returns one report row per (projection, rows)."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     report: list[dict] = []
     for name, linears in _projections(model).items():
         weight, bias = linears[0].weight, linears[0].bias
         n, k = weight.shape
         key = (torch.cuda.get_device_name(device), torch.__version__, name, n, k, weight.dtype,
-               bias is not None, len(linears), ROW_BUCKETS, pdl)
+               bias is not None, len(linears), ROW_BUCKETS)
         if key not in _CHOICES:
-            _CHOICES[key] = _tune(name, linears, n, k, weight.dtype, device, num_sms, pdl)
+            _CHOICES[key] = _tune(name, linears, n, k, weight.dtype, device, num_sms)
         skinny, skinny_silu, chain, rows = _CHOICES[key]
         for lin in linears:
             lin.skinny, lin.skinny_silu, lin.skinny_chain = dict(skinny), dict(skinny_silu), dict(chain)
@@ -98,14 +98,11 @@ def tune_skinny_gemms(model, device: torch.device, pdl: bool = False) -> list[di
         logger.info("GEMM %s %s N=%d K=%d rows=%d: cuBLAS %.1f us, best Triton %s %.1f us -> %s",
                     r["proj"], "(silu_mul)" if r["silu_mul"] else "", r["n"], r["k"], r["rows"],
                     r["baseline_us"], r["best"], r["best_us"], r["chosen"])
-        if "chain" in r:
-            logger.info("GEMM %s N=%d K=%d rows=%d in a PDL chain: %s %.1f us", r["proj"], r["n"], r["k"],
-                        r["rows"], r["chain"], r["chain_pdl_us"])
     return report
 
 
 def _tune(name: str, linears: list[Linear], n: int, k: int, dtype: torch.dtype, device: torch.device,
-          num_sms: int, pdl: bool) -> tuple[dict, dict, dict, list]:
+          num_sms: int) -> tuple[dict, dict, dict, list]:
     configs = candidate_configs(n, k, num_sms)
     gen = torch.Generator(device=device).manual_seed(0)
     skinny: dict[int, SkinnyConfig] = {}
@@ -120,14 +117,8 @@ def _tune(name: str, linears: list[Linear], n: int, k: int, dtype: torch.dtype, 
         choice = pick(baseline, times)
         if choice is not None:
             skinny[rows] = choice
-        chain_times = times if not pdl else {
-            c: _time_us(lambda lin, c=c: skinny_gemm(x, lin.weight, lin.bias, config=c, pdl=True), linears, device)
-            for c in configs}
-        chain[rows] = min(chain_times, key=chain_times.get)
+        chain[rows] = min(times, key=times.get)
         rows_out.append(_row(name, n, k, rows, False, "cuBLAS", baseline, times, choice))
-        if pdl:
-            rows_out[-1].update({"triton_pdl_us": {str(c): t for c, t in chain_times.items()},
-                                 "chain": str(chain[rows]), "chain_pdl_us": chain_times[chain[rows]]})
     if name == "down_proj":       # SiLU-and-mul in the prologue vs its own kernel before the GEMM
         for lin in linears:
             lin.skinny = dict(skinny)

@@ -234,7 +234,8 @@ def test_cascade_engine_equals_plain_engine_fp32(tiny_models, arch):
     llm.core.shutdown()
 
 
-def test_cascade_engine_near_plain_engine_bf16(tiny_models):
+@pytest.mark.parametrize("decode_pdl", [False, True])
+def test_cascade_engine_near_plain_engine_bf16(tiny_models, decode_pdl):
     """bf16: the two paths round differently (prefix and own parts merged in fp32 vs one
     softmax), so greedy tokens may part where the top two logits are about equal. Most
     sequences must match whole, and every parting must be at a near-tie of the plain run."""
@@ -242,7 +243,7 @@ def test_cascade_engine_near_plain_engine_bf16(tiny_models):
     prompts = shared_prefix_workload(seed=4) + shared_prefix_workload(seed=5)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     want, got, llm = _cascade_vs_plain(tiny_models["llama"], prompts, params, "bfloat16",
-                                       num_kv_blocks=512, max_num_seqs=64)
+                                       num_kv_blocks=512, max_num_seqs=64, decode_pdl=decode_pdl)
     assert llm.get_stats().num_cascade_rows > 0
     same = 0
     for g, w in zip(got, want):
@@ -253,6 +254,7 @@ def test_cascade_engine_near_plain_engine_bf16(tiny_models):
         k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
         top = sorted((lp.logprob for lp in w.outputs[0].logprobs[k].values()), reverse=True)
         assert top[0] - top[1] < 0.25, f"parted at token {k} with a top-2 gap of {top[0] - top[1]}"
+    print(f"decode_pdl={decode_pdl}: {same} of {len(prompts)} sequences match whole")
     assert same >= 0.75 * len(prompts), f"only {same} of {len(prompts)} sequences match"
     llm.core.shutdown()
 
