@@ -10,10 +10,11 @@ of it in the stream has finished. Each kernel launched so (`launch_pdl=True`) be
 `griddepcontrol.wait`, which returns once the kernel ahead has finished and its writes are
 visible, and then at once `griddepcontrol.launch_dependents`, which lets the next kernel start.
 Nothing a kernel reads or writes before its wait may be written by another kernel: the skinny
-GEMM (kernels/skinny_gemm.py) uses that window to pull the first columns of its weight rows
-into L2 (weights are read-only) if L2_PREFETCH_BYTES asks it to. What PDL buys without that: the
-next kernel is launched and its programs placed while the one ahead still runs, so the gap
-between two kernels (launch, ramp-up, tail) shrinks.
+GEMM (kernels/skinny_gemm.py) loads its first weight step there (weights are read-only). What PDL
+buys: the next kernel is launched and its programs placed while the one ahead still runs, so the
+gap between two kernels (launch, ramp-up, tail) shrinks. (Pulling more of the weights into L2
+before the wait, with prefetch instructions, made the step slower on the H200: 2 MB in all as
+fast as none, 16 MB +0.3 ms, 48 MB +1.2 ms; benchmarks/h200/decode_pdl.md.)
 
 Why the chain stays ordered: a kernel passes its wait only after the kernel ahead finished, and
 that one finished only after passing its own wait; so every earlier kernel has finished too.
@@ -28,13 +29,7 @@ import os
 
 import torch
 
-__all__ = ["L2_PREFETCH_BYTES", "check", "launch_options", "prefetch_columns", "supported"]
-
-# Weight bytes the skinny GEMMs of a PDL chain pull into L2 ahead of their wait, over all their
-# programs. None by default: on the H200 (Llama-3.1-8B, batch 1, benchmarks/h200/decode_pdl.md)
-# PDL alone took a step from 4.666 to 4.470 ms, with 16 MB of prefetch 4.777 and with 48 MB 5.636:
-# the prefetches cost the weight stream more than they hide.
-L2_PREFETCH_BYTES = 0
+__all__ = ["check", "launch_options", "supported"]
 
 
 def _interpreted() -> bool:
@@ -58,12 +53,4 @@ def launch_options(pdl: bool) -> dict:
     """Keyword arguments of a Triton launch: with PDL or as usual."""
     return {"launch_pdl": True} if pdl else {}
 
-
-def prefetch_columns(budget_bytes: int, num_programs: int, rows_per_program: int, columns: int,
-                     elem_bytes: int, line_bytes: int = 128) -> int:
-    """Columns of its weight rows each GEMM program prefetches: the budget shared by all
-    programs, whole L2 lines, at most the program's own columns."""
-    line = max(line_bytes // elem_bytes, 1)
-    per_program = budget_bytes // max(num_programs * rows_per_program * elem_bytes, 1)
-    return max(0, min(columns, per_program // line * line))
 

@@ -27,11 +27,11 @@ time (one stream).
 Layouts: x [M, K] (or [M, 2K] with silu_mul) with unit column stride, any row stride; W [N, K]
 with unit column stride, any row stride; bias [N]; y [M, N] contiguous, x's dtype.
 
-With pdl=True (programmatic dependent launch, kernels/pdl.py) a program first asks L2 for the
-first `prefetch_k` columns of its weight rows (one `prefetch.global.L2::evict_last` per 128-byte
-line), then waits for the kernel ahead: the weights start to arrive while that kernel (a norm,
-the attention, SiLU-and-mul) still runs. Weights are read-only, so nothing before the wait
-reads what another kernel writes.
+With pdl=True (programmatic dependent launch, kernels/pdl.py) a program loads its first
+BLOCK_K columns of weights, then waits for the kernel ahead (a norm, the attention, SiLU-and-mul)
+to finish before it reads x: the weight stream has begun while that kernel still ran. Weights
+are read-only, so nothing before the wait reads what another kernel writes. The steps are the
+same as without PDL, in the same order: the same bits.
 """
 from __future__ import annotations
 
@@ -42,8 +42,7 @@ import triton
 import triton.language as tl
 
 from kernels.arrival_counters import arrival_counters
-from kernels import pdl as pdl_rules
-from kernels.pdl import check as check_pdl, launch_options, prefetch_columns
+from kernels.pdl import check as check_pdl, launch_options
 
 __all__ = ["SkinnyConfig", "candidate_configs", "default_config", "skinny_gemm", "skinny_gemm_ref",
            "MAX_ROWS"]
@@ -56,11 +55,11 @@ _H200_NUM_SMS = 132
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
-    M, N, K, k_per_split, num_splits, prefetch_k,
+    M, N, K, k_per_split, num_splits,
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_SPLITS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, LINE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -69,20 +68,22 @@ def _skinny_gemm_kernel(
     n_in = offs_n < N
     m_in = offs_m < M
     # Rows past N read row N - 1 (in bounds, never stored): the weight loads need no mask.
-    w_row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
-    w_rows = w_row[:, None]
+    w_rows = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64)[:, None] * stride_wn
     x_cols = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm            # a^T tile: [BLOCK_K, BLOCK_M]
     k_lo = pid_k * k_per_split
-    if USE_PDL:
-        # The weights before the wait (kernels/pdl.py): one L2 prefetch per line of each row.
-        for c in range(0, tl.minimum(prefetch_k, K - k_lo), LINE):
-            tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];\n\tmov.u32 $0, 0;", "=r,l",
-                                      [w_row + k_lo + c], dtype=tl.int32, is_pure=False, pack=1)
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.full([BLOCK_N, BLOCK_M], 0.0, dtype=tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    k_first = k_lo
+    if USE_PDL:
+        # The first weight step before the wait (kernels/pdl.py), x after it.
+        offs_k = k_lo + tl.arange(0, BLOCK_K)
+        w = tl.load(w_rows + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+        a = _load_a(x_cols, offs_k, m_in[None, :] & (offs_k[:, None] < k_hi), K, SILU_MUL)
+        acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
+        k_first = k_lo + BLOCK_K
+    for k0 in range(k_first, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:          # every step is a whole BLOCK_K inside [k_lo, k_hi)
             w = tl.load(w_rows + offs_k[None, :])
@@ -90,13 +91,7 @@ def _skinny_gemm_kernel(
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
             x_mask = m_in[None, :] & (offs_k[:, None] < k_hi)
-        x_ptrs = x_cols + offs_k[:, None]
-        if SILU_MUL:        # kernels/activation.py's expression and rounding
-            gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
-            up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
-            a = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty)
-        else:
-            a = tl.load(x_ptrs, mask=x_mask, other=0.0)
+        a = _load_a(x_cols, offs_k, x_mask, K, SILU_MUL)
         acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
 
     if HAS_SPLITS:
@@ -113,6 +108,17 @@ def _skinny_gemm_kernel(
             _store_y(acc, bias_ptr, y_ptr, offs_n, offs_m, n_in, m_in, stride_ym, HAS_BIAS)
     else:
         _store_y(acc, bias_ptr, y_ptr, offs_n, offs_m, n_in, m_in, stride_ym, HAS_BIAS)
+
+
+@triton.jit
+def _load_a(x_cols, offs_k, x_mask, K, SILU_MUL: tl.constexpr):
+    """a^T [BLOCK_K, BLOCK_M] for the columns offs_k: x's, or silu_and_mul's of x."""
+    x_ptrs = x_cols + offs_k[:, None]
+    if SILU_MUL:        # kernels/activation.py's expression and rounding
+        gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+        return (gate / (1.0 + tl.exp(-gate)) * up).to(x_cols.dtype.element_ty)
+    return tl.load(x_ptrs, mask=x_mask, other=0.0)
 
 
 @triton.jit
@@ -179,13 +185,10 @@ def skinny_gemm(
     silu_mul: bool = False,
     config: SkinnyConfig | None = None,
     pdl: bool = False,
-    prefetch_bytes: int | None = None,
 ) -> torch.Tensor:
     """y [M, N] = a @ weight^T (+ bias), a = x [M, K] or silu_and_mul(x) for x [M, 2K] (see the
     module docstring). config: the tiling; None: `default_config`. pdl: launch with programmatic
-    dependent launch, prefetching up to prefetch_bytes of the weights (over all programs; None:
-    kernels.pdl.L2_PREFETCH_BYTES as it is at the call) into L2 before waiting for the kernel
-    ahead."""
+    dependent launch, the first weights loaded before waiting for the kernel ahead."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     num_rows, num_cols = x.shape
@@ -222,18 +225,13 @@ def skinny_gemm(
         counters = arrival_counters("skinny_gemm", device, num_tiles)
     else:
         part = counters = y                             # unused
-    line = 128 // weight.element_size()                 # elements per 128-byte L2 line
-    if prefetch_bytes is None:
-        prefetch_bytes = pdl_rules.L2_PREFETCH_BYTES
-    prefetch_k = prefetch_columns(prefetch_bytes, num_tiles * num_splits, cfg.block_n, k_per_split,
-                                  weight.element_size()) if pdl else 0
     _skinny_gemm_kernel[(num_tiles, num_splits)](
         x, weight, bias if bias is not None else weight, y, part, counters,
-        num_rows, n, k, k_per_split, num_splits, prefetch_k,
+        num_rows, n, k, k_per_split, num_splits,
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_SPLITS=num_splits > 1, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl, LINE=line,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return y

@@ -13,11 +13,6 @@ Variants, each with the decode CUDA graphs captured afresh:
               engine before issue 13: EngineConfig(fuse_rope_kv_write=False, skinny_gemm="off",
               fuse_kv_split_merge=False))
   rope_kv     fused RoPE + KV write only
-  pdl         on, with programmatic dependent launch (EngineConfig.decode_pdl, kernels/pdl.py):
-              every projection the skinny GEMM (prefetching kernels.pdl.L2_PREFETCH_BYTES of
-              weights into L2 in all while the kernel ahead runs: none by default)
-  pdl_nopf    pdl without the prefetch (what PDL's early launch alone gives)
-  pdl_2mb ... pdl_48mb  pdl with 2, 4, 16 or 48 MB of prefetch
 Per variant: the GPU time of one replay of the batch-1 graph at --context tokens (median of
 replays back to back), ms/token of a greedy generation (128-token prompt, as
 scripts/bench_latency.py), the step's kernels (torch.profiler over 3 replays), and the logits'
@@ -154,26 +149,20 @@ def check_engine(args, out: dict) -> None:
     prompt = [(i * 7919) % vocab for i in range(128)]
     logits_off = None
     assert runner.decode_graphs.kv_merge_in_kernel, "the engine's default merges attention's splits in its kernel"
-    from kernels import pdl as pdl_rules
-    default_prefetch = pdl_rules.L2_PREFETCH_BYTES
     pdl_on = runner.decode_graphs.pdl
-    variants = (("on", True, tables, True, pdl_on, None), ("no_pdl", True, tables, True, False, None),
-                ("merge_apart", True, tables, False, False, None),
-                ("off", False, None, False, False, None), ("rope_kv", True, None, False, False, None),
-                ("pdl", True, tables, True, True, default_prefetch), ("pdl_nopf", True, tables, True, True, 0),
-                ("pdl_2mb", True, tables, True, True, 2 << 20), ("pdl_4mb", True, tables, True, True, 4 << 20),
-                ("pdl_16mb", True, tables, True, True, 16 << 20), ("pdl_48mb", True, tables, True, True, 48 << 20))
+    variants = (("on", True, tables, True, pdl_on), ("no_pdl", True, tables, True, False),
+                ("merge_apart", True, tables, False, False), ("off", False, None, False, False),
+                ("rope_kv", True, None, False, False))
     logits_on = None
-    for name, fuse_rope, tab, kv_merge, pdl, prefetch in variants:
+    for name, fuse_rope, tab, kv_merge, pdl in variants:
         if name not in getattr(args, "variants", [v[0] for v in variants]):
             continue
         if name != "on":
-            pdl_rules.L2_PREFETCH_BYTES = default_prefetch if prefetch is None else prefetch
             _set_variant(runner, fuse_rope, tab, kv_merge, pdl)
         graph, logits, kv_splits = _step_graph(runner, args.context)
         row = {"step_ms": _replay_ms(graph), "ms_per_token": _ms_per_token(llm, name, prompt, args.output_len),
                "kv_splits": kv_splits, "kv_merge_in_kernel": kv_merge, "kernels": _kernel_table(graph),
-               "pdl": pdl, "l2_prefetch_bytes": prefetch if pdl else None}
+               "pdl": pdl}
         if name != "on" and logits_on is not None:
             diff = (logits_on - logits).abs().max().item()
             row["logits_vs_on"] = {"max_abs_diff": diff, "max_abs": logits_on.abs().max().item(),
@@ -215,7 +204,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top-kernels", type=int, default=16)
-    ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv", "pdl_4mb"])
+    ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv"])
     args = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name()}
     check_engine(args, out)
