@@ -9,12 +9,12 @@ With PDL (CUDA, compute capability 9.0 and up) the GPU may start a kernel before
 of it in the stream has finished. Each kernel launched so (`launch_pdl=True`) begins with
 `griddepcontrol.wait`, which returns once the kernel ahead has finished and its writes are
 visible, and then at once `griddepcontrol.launch_dependents`, which lets the next kernel start.
-Nothing a kernel reads or writes before its wait may be written by another kernel: the skinny
-GEMM (kernels/skinny_gemm.py) loads its first weight step there (weights are read-only). What PDL
-buys: the next kernel is launched and its programs placed while the one ahead still runs, so the
-gap between two kernels (launch, ramp-up, tail) shrinks. (Pulling more of the weights into L2
-before the wait, with prefetch instructions, made the step slower on the H200: 2 MB in all as
-fast as none, 16 MB +0.3 ms, 48 MB +1.2 ms; benchmarks/h200/decode_pdl.md.)
+What PDL buys: the next kernel is launched and its programs placed while the one ahead still
+runs, so the gap between two kernels (launch, ramp-up, tail) shrinks. Our kernels do nothing but
+address arithmetic before their wait. Starting the skinny GEMM's weight stream before it (weights
+are read-only) was tried on the H200 and made the step slower: prefetching into L2 (2 MB in all
+as fast as none, 16 MB +0.3 ms, 48 MB +1.2 ms a step) and loading the first weight step (PDL's
+gain fell from 0.22 to 0.08 ms a step); benchmarks/h200/decode_pdl.md.
 
 Why the chain stays ordered: a kernel passes its wait only after the kernel ahead finished, and
 that one finished only after passing its own wait; so every earlier kernel has finished too.

@@ -27,11 +27,10 @@ time (one stream).
 Layouts: x [M, K] (or [M, 2K] with silu_mul) with unit column stride, any row stride; W [N, K]
 with unit column stride, any row stride; bias [N]; y [M, N] contiguous, x's dtype.
 
-With pdl=True (programmatic dependent launch, kernels/pdl.py) a program loads its first
-BLOCK_K columns of weights, then waits for the kernel ahead (a norm, the attention, SiLU-and-mul)
-to finish before it reads x: the weight stream has begun while that kernel still ran. Weights
-are read-only, so nothing before the wait reads what another kernel writes. The steps are the
-same as without PDL, in the same order: the same bits.
+With pdl=True (programmatic dependent launch, kernels/pdl.py) the kernel is launched while the
+kernel ahead still runs and waits for it before anything else. Loading the first weight step
+before the wait (weights are read-only) made the H200's decode step slower, not faster
+(benchmarks/h200/decode_pdl.md), as did prefetching weights into L2 there.
 """
 from __future__ import annotations
 
@@ -73,17 +72,10 @@ def _skinny_gemm_kernel(
     k_lo = pid_k * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.full([BLOCK_N, BLOCK_M], 0.0, dtype=tl.float32)
-    k_first = k_lo
-    if USE_PDL:
-        # The first weight step before the wait (kernels/pdl.py), x after it.
-        offs_k = k_lo + tl.arange(0, BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
+    if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-        a = _load_a(x_cols, offs_k, m_in[None, :] & (offs_k[:, None] < k_hi), K, SILU_MUL)
-        acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
-        k_first = k_lo + BLOCK_K
-    for k0 in range(k_first, k_hi, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:          # every step is a whole BLOCK_K inside [k_lo, k_hi)
             w = tl.load(w_rows + offs_k[None, :])
