@@ -25,7 +25,7 @@ def sweep(tmp_path_factory):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_throughput.py"),
                         "--model", str(model), "--dtype", "float32", "--workloads", "8x4",
                         "16x4", "--num-prompts", "4", "--max-num-seqs", "2", "0", "4",
-                        "--hf-prompts", "2", "--hf-batch", "2", "--out", str(out)],
+                        "--hf-prompts", "2", "--hf-batch", "1", "2", "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = json.loads(out.with_suffix(".json").read_text())["results"]
@@ -42,10 +42,14 @@ def test_a_row_per_workload_and_max_num_seqs(sweep):
     for r in ok:
         assert r["engine_output_tok_s"] > 0 and r["engine_total_tok_s"] > r["engine_output_tok_s"]
         assert r["hf_output_tok_s"] > 0 and r["speedup_vs_hf"] > 0 and r["hf_prompts"] == 2
+        # HF at each batch asked for; the baseline is the best of them
+        assert sorted(r["hf_by_batch"]) == ["1", "2"] and r["hf_batch"] in (1, 2)
+        assert r["hf_output_tok_s"] == max(r["hf_by_batch"].values())
         ms = r["step_ms"]
         assert all(ms[p] > 0 for p in PHASES) and ms["graph_step_share"] == 0.0, ms
         assert r["preemptions"] == 0 and r["kv_blocks"] > 0     # a pool that holds them all
     assert "Where a step's time goes" in md and "| 16/4 | 4 | 4" in md
+    assert "- HF generate on 8/4 by batch: 1: " in md
 
 
 def test_a_failing_child_is_a_failed_row(sweep):

@@ -21,15 +21,19 @@ def test_cpu_has_no_pdl_and_asking_for_it_names_the_need():
     assert pdl.launch_options(True) == {"launch_pdl": True} and pdl.launch_options(False) == {}
 
 
+def _kernel_modules():
+    """The kernel modules of a decode step's PDL chain, runnable here (interpreted on CPU):
+    rmsnorm, activation, rotary_write_kv, paged_attention, skinny_gemm."""
+    modules = [load_kernels(f"kernels.{name}") for name in
+               ("rmsnorm", "activation", "rotary_write_kv", "paged_attention", "skinny_gemm")]
+    for m in modules:
+        require_runnable(m)
+    return modules
+
+
 @pytest.mark.skipif(ON_GPU, reason="the refusal is for devices without PDL; the GPU runs it (test_gpu_engine.py)")
 def test_every_kernel_refuses_pdl_where_it_cannot_launch():
-    rms = load_kernels("kernels.rmsnorm")
-    act = load_kernels("kernels.activation")
-    rot = load_kernels("kernels.rotary_write_kv")
-    pa = load_kernels("kernels.paged_attention")
-    sg = load_kernels("kernels.skinny_gemm")
-    for m in (rms, act, rot, pa, sg):
-        require_runnable(m)
+    rms, act, rot, pa, sg = _kernel_modules()
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="rms_norm: pdl=True"):
         rms.rms_norm(x, torch.ones(64), 1e-6, pdl=True)
@@ -70,13 +74,7 @@ def test_decode_steps_of_up_to_16_rows_launch_every_triton_kernel_with_pdl(model
     from engine.models.attention import triton_backend
     from engine.models.linear import Linear
     from engine.models.loader import load_model
-    rms = load_kernels("kernels.rmsnorm")
-    act = load_kernels("kernels.activation")
-    sg = load_kernels("kernels.skinny_gemm")
-    rot = load_kernels("kernels.rotary_write_kv")
-    pa = load_kernels("kernels.paged_attention")
-    for m in (rms, act, sg, rot, pa):
-        require_runnable(m)
+    rms, act, rot, pa, sg = _kernel_modules()
     calls: list[tuple[str, bool]] = []
 
     def recorded(name, fn):
