@@ -57,9 +57,9 @@ class EngineConfig:
     # (engine/gemm_tuning.py); "off": cuBLAS only.
     skinny_gemm: str = "auto"
     # GPU (compute capability 9.0 and up), decode CUDA graphs of up to 16 rows: the Triton
-    # kernels launch with programmatic dependent launch and every projection runs as the skinny
-    # GEMM, which starts pulling its weights into L2 while the norm / attention kernel ahead of
-    # it runs (kernels/pdl.py). The skinny GEMM's own rounding. H200, Llama-3.1-8B, one stream:
+    # kernels launch with programmatic dependent launch, each placed while the one ahead still
+    # runs, and every projection runs as the skinny GEMM (cuBLAS takes no part in PDL;
+    # kernels/pdl.py). The skinny GEMM's own rounding. H200, Llama-3.1-8B, one stream:
     # 4.72 -> 4.51 ms/token (benchmarks/h200/decode_pdl.md).
     decode_pdl: bool = True
     # Plan and launch step N+1 while the GPU runs step N (engine/engine_core.py); its tokens

@@ -31,8 +31,8 @@ at least, 16 at most (8 KV heads: batch 1 replays 8 splits up to 511 keys and 16
 separate merge kernel: one split under 512 keys, from about 33 rows every length one split.
 
 PDL (EngineConfig.decode_pdl, kernels/pdl.py): graphs of up to PDL_MAX_ROWS rows launch the
-model's Triton kernels with programmatic dependent launch and run every projection as the
-skinny GEMM, which pulls its first weights into L2 while the kernel ahead of it runs.
+model's Triton kernels with programmatic dependent launch (each placed while the one ahead
+still runs) and run every projection as the skinny GEMM (a cuBLAS kernel would break the chain).
 """
 from __future__ import annotations
 

@@ -9,8 +9,8 @@ SiLU-and-mul folded into the kernel's prologue).
 
 `skinny_chain` holds the fastest skinny config per bucket whether or not it beat cuBLAS: a call
 with pdl=True (a decode graph's chain of kernels launched with programmatic dependent launch,
-kernels/pdl.py) runs it, because there the skinny GEMM streams its first weights while the
-kernel ahead still runs, which a cuBLAS kernel does not.
+kernels/pdl.py) runs it, because a cuBLAS kernel takes no part in PDL: it starts only when the
+kernel ahead has finished, and so does the kernel after it.
 """
 from __future__ import annotations
 
