@@ -113,3 +113,16 @@ def test_ttft_after_the_first_wave_leaves_out_the_first_c_sends():
     r = serving_clients.after_first_wave(starts, ttft_ms, 2)
     assert r["ttft_after_first_wave_p50_ms"] == 20.0
     assert serving_clients.after_first_wave(starts, ttft_ms, 5) == {}
+
+
+def test_arrival_spread_tells_even_sends_from_bursts():
+    """Sends after the first wave: one every 10 ms fill every 50 ms bin alike (cv 0, the busiest
+    fifth of the bins holds a fifth); the same number in bursts of 20 every second do not."""
+    first = [0.0] * 4
+    even = first + [0.01 * i for i in range(200)]
+    r = serving_clients.arrival_spread(even, 4)
+    assert r == {"arrivals_cv_50ms": 0.0, "arrivals_in_busiest_fifth": 0.2}
+    bursts = first + [float(i // 20) for i in range(200)]
+    b = serving_clients.arrival_spread(bursts, 4)
+    assert b["arrivals_cv_50ms"] > 3 and b["arrivals_in_busiest_fifth"] == 1.0
+    assert serving_clients.arrival_spread(first, 4) == {}
