@@ -66,19 +66,20 @@ def after_first_wave(starts, ttft_ms, c: int) -> dict:
             "ttft_after_first_wave_p99_ms": round(float(np.percentile(later, 99)), 3)}
 
 
-def arrival_spread(starts, c: int, bin_s: float = 0.05) -> dict:
-    """How bunched the sends after the first c are (issue 11's TTFT: a closed loop's requests
-    come back in bursts, and a burst queues for its prefills): the sends counted per `bin_s`,
-    their coefficient of variation and the share of them in the busiest fifth of the bins.
-    Evenly spread sends give cv 0 and a share of 0.2."""
+ARRIVAL_BIN_S = 0.05
+
+
+def arrival_spread(starts, c: int) -> dict:
+    """How bunched the sends after the first c are (issue 11's TTFT: do the clients' arrival
+    patterns differ?): the sends counted per 50 ms, their coefficient of variation and the share
+    of them in the busiest fifth of those bins. Evenly spread sends give cv 0 and a share of 0.2."""
     if c <= 0 or len(starts) <= c + 1:
         return {}
     later = np.sort(np.asarray(starts, dtype=np.float64))[c:]
     # + 1e-6 (50 ns): a send on a bin's edge goes into that bin ((0.09 - 0.04) / 0.05 is 0.99999...)
-    counts = np.bincount(np.floor((later - later[0]) / bin_s + 1e-6).astype(np.int64))
+    counts = np.bincount(np.floor((later - later[0]) / ARRIVAL_BIN_S + 1e-6).astype(np.int64))
     busiest = np.sort(counts)[::-1][:max(1, len(counts) // 5)]
-    return {"arrivals_cv_50ms" if bin_s == 0.05 else f"arrivals_cv_{bin_s * 1e3:g}ms":
-            round(float(counts.std() / counts.mean()), 3),
+    return {"arrivals_cv_50ms": round(float(counts.std() / counts.mean()), 3),
             "arrivals_in_busiest_fifth": round(float(busiest.sum() / counts.sum()), 3)}
 
 
