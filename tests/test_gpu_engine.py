@@ -245,16 +245,22 @@ def test_cascade_engine_near_plain_engine_bf16(tiny_models, decode_pdl):
     want, got, llm = _cascade_vs_plain(tiny_models["llama"], prompts, params, "bfloat16",
                                        num_kv_blocks=512, max_num_seqs=64, decode_pdl=decode_pdl)
     assert llm.get_stats().num_cascade_rows > 0
-    same = 0
+    same, drift, gaps = 0, 0.0, []
     for g, w in zip(got, want):
         a, b = g.outputs[0].token_ids, w.outputs[0].token_ids
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        # Up to the parting both chose the same token: how far apart are their logprobs?
+        for i in range(k):
+            drift = max(drift, abs(g.outputs[0].logprobs[i][a[i]].logprob
+                                   - w.outputs[0].logprobs[i][b[i]].logprob))
         if a == b:
             same += 1
             continue
-        k = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
         top = sorted((lp.logprob for lp in w.outputs[0].logprobs[k].values()), reverse=True)
+        gaps.append((k, round(top[0] - top[1], 4)))
         assert top[0] - top[1] < 0.25, f"parted at token {k} with a top-2 gap of {top[0] - top[1]}"
-    print(f"decode_pdl={decode_pdl}: {same} of {len(prompts)} sequences match whole")
+    print(f"decode_pdl={decode_pdl}: {same} of {len(prompts)} sequences match whole; largest "
+          f"logprob difference before a parting {drift:.4f}; partings (token, top-2 gap) {gaps}")
     assert same >= 0.75 * len(prompts), f"only {same} of {len(prompts)} sequences match"
     llm.core.shutdown()
 
