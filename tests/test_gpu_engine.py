@@ -237,8 +237,17 @@ def test_cascade_engine_equals_plain_engine_fp32(tiny_models, arch):
 @pytest.mark.parametrize("decode_pdl", [False, True])
 def test_cascade_engine_near_plain_engine_bf16(tiny_models, decode_pdl):
     """bf16: the two paths round differently (prefix and own parts merged in fp32 vs one
-    softmax), so greedy tokens may part where the top two logits are about equal. Most
-    sequences must match whole, and every parting must be at a near-tie of the plain run."""
+    softmax), so greedy tokens may part where the top two logits are about equal. Up to where
+    a sequence parts, every token's logprob stays within 0.25 of the plain run's, and every
+    parting is at a near-tie (a top-2 gap under 0.25) of the plain run.
+
+    No count of whole matches is asked: in this tiny bf16 model the top two logprobs are often
+    exactly equal (gap 0 or one bf16 step, 0.0625), so which sequences part is tie-breaking.
+    The plain engine against itself at max_num_seqs 16 or 8 instead of 64 parts 7 of these 44
+    sequences, all at gaps 0 / 0.0625, with logprobs 0.104 apart before the parting; cascade
+    against plain: 12 partings at the same gaps, 0.107 apart (H200, a2dfe4e,
+    benchmarks/h200/cascade_bf16_a2dfe4e.log). The fp32 tests above ask token-for-token
+    equality."""
     from tests.test_prefix_sharing import shared_prefix_workload
     prompts = shared_prefix_workload(seed=4) + shared_prefix_workload(seed=5)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
@@ -258,10 +267,10 @@ def test_cascade_engine_near_plain_engine_bf16(tiny_models, decode_pdl):
             continue
         top = sorted((lp.logprob for lp in w.outputs[0].logprobs[k].values()), reverse=True)
         gaps.append((k, round(top[0] - top[1], 4)))
-        assert top[0] - top[1] < 0.25, f"parted at token {k} with a top-2 gap of {top[0] - top[1]}"
     print(f"decode_pdl={decode_pdl}: {same} of {len(prompts)} sequences match whole; largest "
           f"logprob difference before a parting {drift:.4f}; partings (token, top-2 gap) {gaps}")
-    assert same >= 0.75 * len(prompts), f"only {same} of {len(prompts)} sequences match"
+    assert drift < 0.25, f"a chosen token's logprob differs by {drift} from the plain run's"
+    assert all(gap < 0.25 for _, gap in gaps), f"a parting away from a near-tie: {gaps}"
     llm.core.shutdown()
 
 
