@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.serving import ServingEngine
 from scripts.make_tiny_model import make_tiny_model
 from scripts.tritonserver_env import copy_repository
-from tests.tritonserver import Processes, start_server
+from tests.tritonserver import Processes, shm_regions, start_server
 
 NUM_STREAMS = 16
 # 16 streams of 8,000 tokens each take minutes here: none can end by itself during a test.
@@ -121,6 +121,7 @@ def _engine_processes(server):
 def test_a_signal_to_the_process_group_ends_every_stream_and_stops_quietly(model_dir, tmp_path,
                                                                            signum):
     repo = _repo_with(tmp_path, model=model_dir, **SETTINGS)
+    regions_before = shm_regions()
     with start_server(repo, log_dir=tmp_path) as server:
         _engine_processes(server)                       # the stub, core and tokenizer run
         started = Processes(server.descendant_pids())
@@ -142,11 +143,13 @@ def test_a_signal_to_the_process_group_ends_every_stream_and_stops_quietly(model
         started.close()
         for needle in NOT_IN_LOG:
             assert needle not in log, f"{needle!r} in {server.log_path}"
+    assert not shm_regions() - regions_before, "shared-memory regions left in /dev/shm"
 
 
 def test_the_engine_processes_exit_by_themselves_when_their_stub_is_killed(model_dir,
                                                                           tmp_path):
     repo = _repo_with(tmp_path, model=model_dir, **SETTINGS)
+    regions_before = shm_regions()
     # The server cannot unload a model whose stub died with responses owed: it gives up after
     # the exit timeout.
     with start_server(repo, log_dir=tmp_path, extra_args=["--exit-timeout-secs=5"]) as server:
@@ -162,6 +165,8 @@ def test_the_engine_processes_exit_by_themselves_when_their_stub_is_killed(model
         finally:
             _close(streams)
             server.stop(timeout_s=20)
+    # The dead stub's shared memory is not the server's to free: stop() removes it.
+    assert not shm_regions() - regions_before, "shared-memory regions left in /dev/shm"
 
 
 # ---------------------------------------------------------------------------- without a server

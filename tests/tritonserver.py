@@ -20,6 +20,12 @@ stub itself is stuck. The engine's own processes (core, tokenizer) run in sessio
 own, outside the group: they exit when their stub is gone, and `stop()` waits for that (and
 kills any still there after 10 s). Servers still running when the interpreter exits are
 stopped too.
+
+A server that stops cleanly removes the shared-memory regions it made for its Python models
+(`/dev/shm/triton_python_backend_shm_region_*`, ~1.6 MB each); one whose stub was killed, or
+that was stopped by a signal with streams in flight, leaves some (test_server_signals.py left 10
+per run). `stop()` removes those this server made that no live process maps: on a machine with
+a small /dev/shm (Docker's default is 64 MB) they would pile up until a server cannot start.
 """
 from __future__ import annotations
 
@@ -46,7 +52,8 @@ class TritonServer:
     """A started server. `http_url`, `grpc_url`, `metrics_url` are "localhost:PORT"."""
 
     def __init__(self, proc: subprocess.Popen, http_port: int, grpc_port: int,
-                 metrics_port: int, log_path: str, metrics: bool = True):
+                 metrics_port: int, log_path: str, metrics: bool = True,
+                 shm_before: set[str] = frozenset()):
         self._proc = proc
         self.metrics = metrics          # the metrics endpoint is served (not --allow-metrics=false)
         self.pid = proc.pid
@@ -55,6 +62,7 @@ class TritonServer:
         self.grpc_url = f"localhost:{grpc_port}"
         self.metrics_url = f"localhost:{metrics_port}"
         self.log_path = log_path
+        self._shm_before = shm_before       # the regions there before it started: not its
         _live_servers.add(self)
 
     def __enter__(self) -> TritonServer:
@@ -145,6 +153,7 @@ class TritonServer:
                 **{pid: "" for pid in self.group_pids()}}
         descendants.close()
         _live_servers.discard(self)
+        remove_orphan_regions(shm_regions() - self._shm_before)
         if left:
             raise RuntimeError(f"tritonserver {self.pid}: processes {left} survived SIGKILL")
         if outlived:
@@ -184,13 +193,14 @@ def _launch(model_repository: str, extra_args: list[str], log_dir: str) -> Trito
     log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log", dir=log_dir)[1]
     http_port, grpc_port, metrics_port = _free_ports(3)
     cmd = server_command(model_repository, http_port, grpc_port, metrics_port, extra_args)
+    shm_before = shm_regions()
     with open(log_path, "wb") as log:
         # stdin closed, output to a file: the stubs inherit these, and a pipe held open by
         # a stub would outlive the server.
         proc = subprocess.Popen(cmd, env=server_env(), stdin=subprocess.DEVNULL, stdout=log,
                                 stderr=subprocess.STDOUT, start_new_session=True)
     return TritonServer(proc, http_port, grpc_port, metrics_port, log_path,
-                        metrics="--allow-metrics=false" not in extra_args)
+                        metrics="--allow-metrics=false" not in extra_args, shm_before=shm_before)
 
 
 def _wait_ready(server: TritonServer, timeout_s: float) -> None:
@@ -299,6 +309,59 @@ class Processes:
         for fd, _ in self.fds.values():
             os.close(fd)
         self.fds.clear()
+
+
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "triton_python_backend_shm_region_"
+
+
+def shm_regions() -> set[str]:
+    """The names of the Python backend's shared-memory regions now in /dev/shm."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:           # no /dev/shm (not Linux): nothing to clean
+        return set()
+
+
+def shm_names_in_use() -> set[str]:
+    """The /dev/shm names some live process has open or maps (of the processes this user can
+    read). Per process its open files are read before its maps: a region being made is open
+    from its creation until it is mapped, so one of the two shows it."""
+    prefix = SHM_DIR + "/"
+    names = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith(prefix):
+                    names.add(target[len(prefix):].split()[0])
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        names.add(line[at + len(prefix):].split()[0])
+        except OSError:                 # gone meanwhile, or not ours to read
+            continue
+    return names
+
+
+def remove_orphan_regions(candidates: set[str]) -> list[str]:
+    """Removes those of `candidates` that no live process has open or maps; returns them."""
+    if not candidates:
+        return []
+    removed = []
+    for name in sorted(candidates - shm_names_in_use()):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            continue
+        removed.append(name)
+    return removed
 
 
 @atexit.register
