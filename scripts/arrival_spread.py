@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from scripts.bench_common import dump_rows  # noqa: E402
 from scripts.serving_clients import after_first_wave, arrival_spread  # noqa: E402
 
 
@@ -44,9 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         print(f"| {r['file']} | {r['path']} | {r['round']} | {r['concurrency']} | "
               f"{r.get('arrivals_cv_50ms', '-')} | {r.get('arrivals_in_busiest_fifth', '-')} | "
               f"{r.get('ttft_after_first_wave_p50_ms', '-')} |")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    dump_rows(args.out, rows)
     return rows
 
 

@@ -181,6 +181,13 @@ def git_commit() -> str:
         return "unknown"
 
 
+def dump_rows(path: str | None, rows: list[dict]) -> None:
+    """The rows as JSON at `path` (a tool's optional --out); nothing when None."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
 def write_results(out_prefix: str, meta: dict, rows: list[dict], table: list[str],
                   echo: bool = True) -> None:
     """`out_prefix`.json (everything) and `out_prefix`.md (the table with its provenance), and

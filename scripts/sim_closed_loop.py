@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import heapq
-import json
 import os
 import statistics
 import sys
@@ -30,6 +29,7 @@ from engine.kv_cache_manager import KVCacheManager  # noqa: E402
 from engine.request import Request  # noqa: E402
 from engine.sampling_params import SamplingParams  # noqa: E402
 from engine.scheduler import ModelRunnerOutput, Scheduler  # noqa: E402
+from scripts.bench_common import dump_rows  # noqa: E402
 
 
 def simulate(c: int, prompt: int, output: int, num_requests: int, send_ms: float, reply_ms: float,
@@ -127,9 +127,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 rows.append(r)
                 print(f"| {lag} | {send_ms:g} | {reply_ms:g} | {r['steps']} | {r['output_tok_s']} | "
                       f"{r['ttft_p50_ms']} | {r['ttft_mean_ms']} | {r['itl_p50_ms']} |", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    dump_rows(args.out, rows)
     return rows
 
 
