@@ -13,6 +13,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine import LLM, SamplingParams
 from scripts.make_tiny_model import make_tiny_model
+from tests.test_gpu_engine import greedy_partings
 from tests.test_prefix_sharing import shared_prefix_workload
 
 root = tempfile.mkdtemp()
@@ -27,15 +28,6 @@ for seqs in (64, 16, 8):
     runs[seqs] = llm.generate(prompts, params)
     llm.core.shutdown()
 for other in (16, 8):
-    same, drift, gaps = 0, 0.0, []
-    for g, w in zip(runs[other], runs[64]):
-        a, b = g.outputs[0].token_ids, w.outputs[0].token_ids
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        for i in range(k):
-            drift = max(drift, abs(g.outputs[0].logprobs[i][a[i]].logprob - w.outputs[0].logprobs[i][b[i]].logprob))
-        if a == b:
-            same += 1
-            continue
-        top = sorted((lp.logprob for lp in w.outputs[0].logprobs[k].values()), reverse=True)
-        gaps.append((k, round(top[0] - top[1], 4)))
-    print(f"plain max_num_seqs={other} vs 64: {same} of {len(prompts)} match whole; drift {drift:.4f}; partings {gaps}")
+    same, drift, gaps = greedy_partings(runs[other], runs[64])
+    print(f"plain max_num_seqs={other} vs 64: {same} of {len(prompts)} match whole; "
+          f"drift {drift:.4f}; partings {gaps}")

@@ -234,6 +234,25 @@ def test_cascade_engine_equals_plain_engine_fp32(tiny_models, arch):
     llm.core.shutdown()
 
 
+def greedy_partings(got, want) -> tuple[int, float, list[tuple[int, float]]]:
+    """Two greedy runs of the same prompts (outputs with logprobs >= 2): how many sequences
+    match whole; the largest difference of a chosen token's logprob up to where its sequence
+    parts; and per parted sequence (token index, top-2 logprob gap of `want` there)."""
+    same, drift, gaps = 0, 0.0, []
+    for g, w in zip(got, want):
+        a, b = g.outputs[0].token_ids, w.outputs[0].token_ids
+        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
+        for i in range(k):          # both chose the same token here
+            drift = max(drift, abs(g.outputs[0].logprobs[i][a[i]].logprob
+                                   - w.outputs[0].logprobs[i][b[i]].logprob))
+        if a == b:
+            same += 1
+            continue
+        top = sorted((lp.logprob for lp in w.outputs[0].logprobs[k].values()), reverse=True)
+        gaps.append((k, round(top[0] - top[1], 4)))
+    return same, drift, gaps
+
+
 @pytest.mark.parametrize("decode_pdl", [False, True])
 def test_cascade_engine_near_plain_engine_bf16(tiny_models, decode_pdl):
     """bf16: the two paths round differently (prefix and own parts merged in fp32 vs one
@@ -254,19 +273,7 @@ def test_cascade_engine_near_plain_engine_bf16(tiny_models, decode_pdl):
     want, got, llm = _cascade_vs_plain(tiny_models["llama"], prompts, params, "bfloat16",
                                        num_kv_blocks=512, max_num_seqs=64, decode_pdl=decode_pdl)
     assert llm.get_stats().num_cascade_rows > 0
-    same, drift, gaps = 0, 0.0, []
-    for g, w in zip(got, want):
-        a, b = g.outputs[0].token_ids, w.outputs[0].token_ids
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        # Up to the parting both chose the same token: how far apart are their logprobs?
-        for i in range(k):
-            drift = max(drift, abs(g.outputs[0].logprobs[i][a[i]].logprob
-                                   - w.outputs[0].logprobs[i][b[i]].logprob))
-        if a == b:
-            same += 1
-            continue
-        top = sorted((lp.logprob for lp in w.outputs[0].logprobs[k].values()), reverse=True)
-        gaps.append((k, round(top[0] - top[1], 4)))
+    same, drift, gaps = greedy_partings(got, want)
     print(f"decode_pdl={decode_pdl}: {same} of {len(prompts)} sequences match whole; largest "
           f"logprob difference before a parting {drift:.4f}; partings (token, top-2 gap) {gaps}")
     assert drift < 0.25, f"a chosen token's logprob differs by {drift} from the plain run's"
