@@ -11,10 +11,11 @@ busy, a stream's steps pile up while the others are served and leave as one resp
 them all. No timer: latency is unchanged where there is headroom, and throughput holds where
 there is not (the response rate is what the server can take, however many tokens that is).
 
-A stream's first response goes before every stream already under way: under load each stream
-waits its turn behind all the others (a few steps at 256 streams), which costs a running
-stream's tokens nothing (they leave together in its next response) but would add those steps
-to a new request's time to first token.
+A stream's first response and its final one go before every stream merely under way: under
+load each stream waits its turn behind all the others (a few steps at 256 streams), which costs
+a running stream's tokens nothing (they leave together in its next response) but would add those
+steps to a new request's time to first token, and to the time its client waits for the end of a
+request before it sends the next one (in a closed loop, that delay is the next request's).
 
 A stream's `lock` is held while its response is sent: whoever asks the server about the
 request (e.g. `is_cancelled()`) takes it too and checks `done` first, because once the final
@@ -37,7 +38,7 @@ SendItems = Callable[[list], bool]
 
 class Stream:
     __slots__ = ("send_items", "on_failed", "coalesce", "pending", "queued", "done", "lock",
-                 "context", "started")
+                 "context", "started", "urgent", "sending", "final_pending")
 
     def __init__(self, send_items: SendItems, on_failed: Callable[[BaseException], None],
                  coalesce: bool, context: Any) -> None:
@@ -48,6 +49,9 @@ class Stream:
         self.queued = False           # in the ready FIFO, or being sent
         self.done = False             # the final response is out (or sending failed)
         self.started = False          # a sender has taken it once (its first response)
+        self.urgent = False           # in the FIFO ahead of the streams under way
+        self.sending = False          # a sender has it
+        self.final_pending = False    # its last item is in `pending`
         self.lock = threading.Lock()
         self.context = context        # the owner's per-request state
 
@@ -59,7 +63,7 @@ class Outbox:
         self._cond = threading.Condition()
         self._batching = threading.local()     # .items: puts held by this thread's batch()
         self._ready: deque[Stream] = deque()
-        self._first: deque[Stream] = deque()   # ready, never sent: these go first
+        self._urgent: deque[Stream] = deque()  # ready with a first or final response: first
         self._closing = False
         self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True)
                          for i in range(num_senders)]
@@ -70,15 +74,15 @@ class Outbox:
                coalesce: bool = True, context: Any = None) -> Stream:
         return Stream(send_items, on_failed, coalesce, context)
 
-    def put(self, stream: Stream, item) -> None:
-        """Any thread; never blocks on a send. Inside batch() on this thread, the item waits
-        for the batch's end."""
+    def put(self, stream: Stream, item, final: bool = False) -> None:
+        """Any thread; never blocks on a send. `final`: the stream's last item (its response
+        jumps the queue). Inside batch() on this thread, the item waits for the batch's end."""
         held = getattr(self._batching, "items", None)
         if held is not None:
-            held.append((stream, item))
+            held.append((stream, item, final))
             return
         with self._cond:
-            if self._add(stream, item):
+            if self._add(stream, item, final):
                 self._cond.notify()
 
     @contextmanager
@@ -96,20 +100,29 @@ class Outbox:
             self._batching.items = None
             if held:
                 with self._cond:
-                    woken = sum(self._add(stream, item) for stream, item in held)
+                    woken = sum(self._add(*put) for put in held)
                     if woken:
                         self._cond.notify(woken)
 
-    def _add(self, stream: Stream, item) -> bool:
-        """Under the lock; True if the stream joined the ready FIFO."""
+    def _add(self, stream: Stream, item, final: bool) -> bool:
+        """Under the lock; True if the stream joined a ready FIFO."""
         if stream.done:
             return False
         stream.pending.append(item)
+        stream.final_pending |= final
         if stream.queued:
+            if final and not (stream.urgent or stream.sending):   # a sender's: see _run
+                self._ready.remove(stream)
+                self._urgent.append(stream)
+                stream.urgent = True
             return False
         stream.queued = True
-        (self._ready if stream.started else self._first).append(stream)
+        self._enqueue(stream)
         return True
+
+    def _enqueue(self, stream: Stream) -> None:
+        stream.urgent = stream.final_pending or not stream.started
+        (self._urgent if stream.urgent else self._ready).append(stream)
 
     def close(self, timeout_s: float = 5.0) -> None:
         """Sends what is pending, then stops the senders."""
@@ -121,21 +134,22 @@ class Outbox:
 
     @property
     def num_ready(self) -> int:
-        return len(self._ready) + len(self._first)
+        return len(self._ready) + len(self._urgent)
 
     def _run(self) -> None:
         while True:
             with self._cond:
-                while not (self._first or self._ready) and not self._closing:
+                while not (self._urgent or self._ready) and not self._closing:
                     self._cond.wait()
-                if not (self._first or self._ready):
+                if not (self._urgent or self._ready):
                     return
-                s = self._first.popleft() if self._first else self._ready.popleft()
-                s.started = True
+                s = self._urgent.popleft() if self._urgent else self._ready.popleft()
+                s.started = s.sending = True
                 if s.coalesce:
                     items, s.pending = s.pending, []
                 else:
                     items = [s.pending.pop(0)]
+                s.final_pending &= bool(s.pending)
             try:
                 with s.lock:
                     if not s.done and s.send_items(items):
@@ -147,8 +161,9 @@ class Outbox:
                 except Exception:  # noqa: BLE001 - a sender thread must survive its callbacks
                     logger.exception("outbox: on_failed")
             with self._cond:
-                if s.pending and not s.done:
-                    self._ready.append(s)      # to the back: the others go first
+                s.sending = False
+                if s.pending and not s.done:   # to the back: the others go first
+                    self._enqueue(s)
                     self._cond.notify()
                 else:
                     s.queued = False

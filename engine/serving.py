@@ -58,7 +58,7 @@ from engine.outbox import Outbox, Stream
 from engine.outputs import EngineStats, RequestOutput
 from engine.protocol import (BLS_REQUEST_ID_PREFIX, GenerateRequest, make_response,
                              parse_request)
-from engine.serving_trace import FirstTokenTrace
+from engine.serving_trace import RequestTrace
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +107,8 @@ class _Request:
     in_engine: float | None = None      # when the engine had it (tokenized, sent to the core)
     first_output: float | None = None   # when its first step's output came back
     first_sent: float | None = None     # when its first tokens went to the server
+    final_output: float | None = None   # when its last step's output came back
+    final_sent: float | None = None     # when its final response went to the server
     num_out: int = 0
     cancelled: bool = False
     stream: Stream | None = None        # its way back
@@ -125,7 +127,7 @@ class ServingEngine:
         # that wants it waits up to 5 ms, so each hand-off would cost milliseconds.
         sys.setswitchinterval(config.gil_switch_interval_us * 1e-6)
         self.metrics = ServingMetrics()
-        self._trace = FirstTokenTrace.from_env()          # LLM_SERVING_TRACE
+        self._trace = RequestTrace.from_env()             # LLM_SERVING_TRACE
         self._publisher = publisher
         self._on_dead = on_dead
         self._board = board
@@ -201,7 +203,7 @@ class ServingEngine:
             requests = list(self._inflight.values())
         for r in requests:
             self.engine.abort_nowait(r.rid)
-            self.outbox.put(r.stream, _Failure(self._stop_reason))
+            self._fail(r.stream, self._stop_reason)
 
     @property
     def num_open(self) -> int:
@@ -337,32 +339,32 @@ class ServingEngine:
                                     lambda e: self._send_failed(r, e), context=r)
         r.stream = answer
         if self._stop_reason is not None:
-            self.outbox.put(answer, _Failure(self._stop_reason))
+            self._fail(answer, self._stop_reason)
             return
         if callable(inputs):
             try:
                 inputs = inputs()
             except Exception as e:  # noqa: BLE001 - the client must always get a final answer
                 logger.exception("request %s: reading its inputs failed", rid)
-                self.outbox.put(answer, _Failure(f"internal error reading the inputs: {e}"))
+                self._fail(answer, f"internal error reading the inputs: {e}")
                 return
         if inputs.get("abort_request_id") is not None:
             target = _text(inputs["abort_request_id"])
             if not target.startswith(BLS_REQUEST_ID_PREFIX):
-                self.outbox.put(answer, _Failure(
-                    f"abort_request_id: only the requests llm_bls starts (ids "
-                    f"'{BLS_REQUEST_ID_PREFIX}...') can be aborted this way, got {target!r}"))
+                self._fail(answer,
+                           f"abort_request_id: only the requests llm_bls starts (ids "
+                           f"'{BLS_REQUEST_ID_PREFIX}...') can be aborted this way, got {target!r}")
                 return
             self._abort_client(target)
-            self.outbox.put(answer, _EMPTY)
+            self.outbox.put(answer, _EMPTY, final=True)
             return
         try:
             r.req = parse_request(inputs)
         except ValueError as e:
-            self.outbox.put(answer, _Failure(str(e)))
+            self._fail(answer, str(e))
             return
         if not self._track(r):
-            self.outbox.put(answer, _Failure("request cancelled"))
+            self._fail(answer, "request cancelled")
             return
         try:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
@@ -371,16 +373,25 @@ class ServingEngine:
             if self._trace is not None:
                 self._trace.in_engine(r, time.monotonic())
         except (ValueError, EngineDeadError) as e:  # e.g. prompt too long, or the engine died
-            self.outbox.put(r.stream, _Failure(str(e)))
+            self._fail(r.stream, str(e))
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
             logger.exception("request %s failed", rid)
-            self.outbox.put(r.stream, _Failure(f"internal error: {e}"))
+            self._fail(r.stream, f"internal error: {e}")
+
+    def _fail(self, stream: Stream, message: str) -> None:
+        """The stream's final answer is this error."""
+        self.outbox.put(stream, _Failure(message), final=True)
 
     def _on_output(self, r: _Request, out) -> None:
         """The engine's reader thread: one step of the request (or the engine's failure)."""
         if r.first_output is None:
             r.first_output = time.monotonic()
-        self.outbox.put(r.stream, _Failure(str(out)) if isinstance(out, BaseException) else out)
+        if self._trace is not None and getattr(out, "finished", False):
+            r.final_output = time.monotonic()
+        if isinstance(out, BaseException):
+            self._fail(r.stream, str(out))
+        else:
+            self.outbox.put(r.stream, out, final=out.finished)
 
     # ------------------------------------------------------------------ sender threads
     def _send_items(self, r: _Request, send: SendFn, items: list) -> bool:
@@ -424,8 +435,7 @@ class ServingEngine:
         if token_ids and r.req.stream:
             if r.last_sent is None:
                 self.metrics.on_first_token(now - r.start)
-                if self._trace is not None:
-                    self._trace.first_sent(r, now)
+                r.first_sent = now
             else:
                 self.metrics.on_inter_token((now - r.last_sent) / len(token_ids),
                                             len(token_ids))
@@ -436,6 +446,8 @@ class ServingEngine:
         self._timed_send(send, make_response(r.req, last, text, token_ids, logprobs, r.num_out),
                          last.finished, len(token_ids))
         if last.finished:
+            if self._trace is not None and r.req.stream:
+                self._trace.final_sent(r, time.monotonic())
             self._forget(r)
         return last.finished
 

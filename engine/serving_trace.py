@@ -1,8 +1,10 @@
-"""`LLM_SERVING_TRACE=<file>` in the server's environment: every streamed request's first-token
-timeline is appended to the file, a JSON line each (time.monotonic() seconds): submitted
-(Triton's execute), serving (the loop took it), in_engine (tokenized, sent to the core),
-first_output (its first step came back), first_sent (its first tokens handed to the server).
-For finding where time to first token goes (scripts/ttft_trace.py reads it).
+"""`LLM_SERVING_TRACE=<file>` in the server's environment: every streamed request's timeline is
+appended to the file, a JSON line each once its final response is out (time.monotonic()
+seconds): submitted (Triton's execute), serving (the loop took it), in_engine (tokenized, sent
+to the core), first_output (its first step came back), first_sent (its first tokens handed to
+the server), final_output (its last step came back), final_sent (its final response handed to
+the server). For finding where time to first token goes, and how long a closed-loop client
+takes from one request's end to its next (scripts/ttft_trace.py reads it).
 """
 from __future__ import annotations
 
@@ -13,31 +15,32 @@ import threading
 TRACE_ENV = "LLM_SERVING_TRACE"
 
 
-class FirstTokenTrace:
+class RequestTrace:
     """The trace file; the request records passed in carry the times (`rid`, `submitted`,
-    `start` for serving, `in_engine`, `first_output`, `first_sent`)."""
+    `start` for serving, `in_engine`, `first_output`, `first_sent`, `final_output`,
+    `final_sent`)."""
 
     def __init__(self, path: str) -> None:
         self._file = open(path, "a")
         self._lock = threading.Lock()
 
     @classmethod
-    def from_env(cls) -> FirstTokenTrace | None:
+    def from_env(cls) -> RequestTrace | None:
         path = os.environ.get(TRACE_ENV)
         return cls(path) if path else None
 
     # A request's line goes out once it has both its in_engine time (the loop, after the
-    # engine took it) and its first_sent time (a sender): the first output can come back and
-    # be sent before the loop gets round to noting in_engine, so whichever is last writes.
+    # engine took it) and its final_sent time (a sender): its outputs can come back and be
+    # sent before the loop gets round to noting in_engine, so whichever is last writes.
     def in_engine(self, r, now: float) -> None:
         with self._lock:
             r.in_engine = now
-            if r.first_sent is not None:
+            if r.final_sent is not None:
                 self._write(r)
 
-    def first_sent(self, r, now: float) -> None:
+    def final_sent(self, r, now: float) -> None:
         with self._lock:
-            r.first_sent = now
+            r.final_sent = now
             if r.in_engine is not None:
                 self._write(r)
 
@@ -47,7 +50,8 @@ class FirstTokenTrace:
             self._file.write(json.dumps({
                 "rid": r.rid, "submitted": r.submitted, "serving": r.start,
                 "in_engine": r.in_engine, "first_output": r.first_output,
-                "first_sent": r.first_sent}) + "\n")
+                "first_sent": r.first_sent, "final_output": r.final_output,
+                "final_sent": r.final_sent}) + "\n")
             self._file.flush()
 
     def close(self) -> None:

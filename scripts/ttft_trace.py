@@ -1,13 +1,18 @@
-"""Where time to first token goes inside the server, from an LLM_SERVING_TRACE file.
+"""Where time to first token goes inside the server, and how long a closed-loop client takes
+from one request's end to its next, from an LLM_SERVING_TRACE file.
 
     LLM_SERVING_TRACE=/tmp/trace.jsonl python scripts/bench_serving.py ...
     python scripts/ttft_trace.py /tmp/trace.jsonl [--rounds N]
 
 Each line is one streamed request (engine/serving.py); the stages, in milliseconds:
 execute -> loop (the serving loop takes it), tokenize + to core, engine (until its first
-step's output comes back: the scheduler's queue and the prefill), outbox + send. `--rounds N`
-splits the requests, by arrival, into N equal rounds (e.g. bench_serving's warm-up and steady
-round at one concurrency: 2).
+step's output comes back: the scheduler's queue and the prefill), outbox + send; then the
+final response's outbox + send (its last step back -> handed to the server), and the client's
+turn-around: from a final response handed to the server to the `execute` of the request that
+replaced it (gRPC both ways, the client, Triton's queue). A closed loop of c clients has c
+requests submitted before the first final response; the i-th final response (in time) is
+paired with the (c + i)-th request submitted. `--rounds N` splits the requests, by arrival,
+into N equal rounds (e.g. bench_serving's warm-up and steady round at one concurrency: 2).
 """
 from __future__ import annotations
 
@@ -19,7 +24,20 @@ STAGES = (("execute -> loop", "submitted", "serving"),
           ("tokenize + to core", "serving", "in_engine"),
           ("engine", "in_engine", "first_output"),
           ("outbox + send", "first_output", "first_sent"),
-          ("execute -> first sent", "submitted", "first_sent"))
+          ("execute -> first sent", "submitted", "first_sent"),
+          ("final: outbox + send", "final_output", "final_sent"))
+
+
+def turnarounds(rows: list[dict]) -> list[float | None]:
+    """Per row: ms from its final response handed to the server to the execute of the request
+    that replaced it (closed loop; None where none did)."""
+    sent = sorted(r["submitted"] for r in rows)
+    by_final = sorted(range(len(rows)), key=lambda j: rows[j]["final_sent"])
+    c = sum(1 for t in sent if t < rows[by_final[0]]["final_sent"]) if rows else 0
+    out: list[float | None] = [None] * len(rows)
+    for i, j in enumerate(by_final[:len(rows) - c]):
+        out[j] = (sent[c + i] - rows[j]["final_sent"]) * 1e3
+    return out
 
 
 def _quantile(values: list[float], p: float) -> float:
@@ -44,6 +62,7 @@ def main(argv: list[str] | None = None) -> None:
     with open(args.trace) as f:
         rows = sorted((json.loads(line) for line in f if line.strip()),
                       key=lambda r: r["submitted"])
+    around = turnarounds(rows)
     per = -(-len(rows) // args.rounds)
     for i in range(args.rounds):
         part = rows[i * per:(i + 1) * per]
@@ -53,6 +72,10 @@ def main(argv: list[str] | None = None) -> None:
         for name, q in summarize(part).items():
             print(f"  {name:22s} p50 {q['p50_ms']:8.1f}  p90 {q['p90_ms']:8.1f}  "
                   f"mean {q['mean_ms']:8.1f} ms")
+        turns = [t for t in around[i * per:(i + 1) * per] if t is not None]
+        if turns:
+            print(f"  {'client turn-around':22s} p50 {_quantile(turns, 0.5):8.1f}  "
+                  f"p90 {_quantile(turns, 0.9):8.1f}  mean {statistics.fmean(turns):8.1f} ms")
 
 
 if __name__ == "__main__":

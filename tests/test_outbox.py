@@ -235,3 +235,79 @@ def test_a_new_streams_first_response_goes_before_streams_under_way():
         recs[name].wait_for(n)
     box.close()
     assert order == ["b", "c", "a", "n", "m", "b", "c", "a"]
+
+
+def _held_outbox(names):
+    """One sender, held inside stream a's first send; {name: (stream, recorder)}, order of sends."""
+    box = Outbox(1)
+    order = []
+    gate = threading.Event()
+    recs = {name: Recorder(gate if name == "a" else None) for name in names}
+    streams = {}
+    for name, rec in recs.items():
+        def send(items, rec=rec, name=name):
+            order.append(name)
+            return rec(items)
+        streams[name] = box.stream(send, _never_fails)
+    return box, streams, recs, order, gate
+
+
+def test_a_final_response_goes_before_streams_under_way():
+    box, streams, recs, order, gate = _held_outbox(("a", "b", "c", "d"))
+    for name in ("b", "c", "d"):             # under way: each has sent a response
+        box.put(streams[name], f"{name}0")
+        recs[name].wait_for(1)
+    box.put(streams["a"], "a0")
+    assert recs["a"].entered.wait(WAIT_S)    # the only sender is held inside a's first send
+    for name in ("b", "c", "d"):
+        box.put(streams[name], f"{name}1")
+    box.put(streams["d"], "END", final=True)  # d was queued behind b and c: it moves ahead
+    gate.set()
+    for name, n in (("a", 1), ("b", 2), ("c", 2), ("d", 3)):
+        recs[name].wait_for(n)
+    box.close()
+    assert order == ["b", "c", "d", "a", "d", "b", "c"]
+    assert recs["d"].responses[-1] == ["d1", "END"] and streams["d"].done
+
+
+def test_a_final_put_while_its_stream_is_being_sent_goes_first_after_that_send():
+    box, streams, recs, order, gate = _held_outbox(("a", "b", "c"))
+    for name in ("b", "c"):
+        box.put(streams[name], f"{name}0")
+        recs[name].wait_for(1)
+    box.put(streams["a"], "a0")
+    assert recs["a"].entered.wait(WAIT_S)
+    box.put(streams["b"], "b1")
+    box.put(streams["c"], "c1")
+    box.put(streams["a"], "a1")
+    box.put(streams["a"], "END", final=True)
+    gate.set()
+    for name, n in (("a", 3), ("b", 2), ("c", 2)):
+        recs[name].wait_for(n)
+    box.close()
+    assert order == ["b", "c", "a", "a", "b", "c"]
+    assert recs["a"].responses == [["a0"], ["a1", "END"]]
+
+
+def test_without_coalescing_a_final_keeps_its_place_ahead_until_it_is_sent():
+    box = Outbox(1)
+    order = []
+    gate = threading.Event()
+    recs = {name: Recorder(gate if name == "a" else None) for name in ("a", "b")}
+    streams = {"a": box.stream(lambda items: (order.append("a"), recs["a"](items))[1],
+                               _never_fails, coalesce=False),
+               "b": box.stream(lambda items: (order.append("b"), recs["b"](items))[1],
+                               _never_fails)}
+    box.put(streams["b"], "b0")
+    recs["b"].wait_for(1)
+    box.put(streams["a"], "a0")
+    assert recs["a"].entered.wait(WAIT_S)
+    box.put(streams["b"], "b1")
+    box.put(streams["a"], "a1")
+    box.put(streams["a"], "END", final=True)
+    gate.set()
+    recs["a"].wait_for(3)
+    recs["b"].wait_for(2)
+    box.close()
+    assert order == ["b", "a", "a", "a", "b"]
+    assert recs["a"].responses == [["a0"], ["a1"], ["END"]]

@@ -261,8 +261,7 @@ def test_shutdown_answers_requests_submitted_but_not_yet_started(model_dir):
         assert rec.responses == [(None, "the engine was shut down", True)]
 
 
-def test_trace_file_has_each_streams_first_token_timeline_in_order(model_dir, tmp_path,
-                                                                    monkeypatch):
+def test_trace_file_has_each_streams_timeline_in_order(model_dir, tmp_path, monkeypatch):
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv("LLM_SERVING_TRACE", str(trace))
     serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
@@ -279,11 +278,13 @@ def test_trace_file_has_each_streams_first_token_timeline_in_order(model_dir, tm
     assert len(lines) == 3 and len({t["rid"] for t in lines}) == 3
     for t in lines:
         assert all(isinstance(t[k], float) for k in
-                   ("submitted", "serving", "in_engine", "first_output", "first_sent")), t
+                   ("submitted", "serving", "in_engine", "first_output", "first_sent",
+                    "final_output", "final_sent")), t
         # in_engine is taken on the loop just after the request went to the core, so the
         # reader may in principle see its first output before that: not ordered against it.
         assert t["submitted"] <= t["serving"] <= t["in_engine"], t
-        assert t["serving"] <= t["first_output"] <= t["first_sent"], t
+        assert t["serving"] <= t["first_output"] <= t["first_sent"] <= t["final_sent"], t
+        assert t["first_output"] < t["final_output"] <= t["final_sent"], t   # 4 steps
 
 
 def _wait_open(serving, n):

@@ -1,9 +1,11 @@
-from scripts.ttft_trace import main, summarize
+from scripts.ttft_trace import main, summarize, turnarounds
 
 
-def _row(t0, loop, tok, engine, send):
+def _row(t0, loop, tok, engine, send, decode=0.5, final_send=0.004):
+    first = t0 + loop + tok + engine
     return {"submitted": t0, "serving": t0 + loop, "in_engine": t0 + loop + tok,
-            "first_output": t0 + loop + tok + engine, "first_sent": t0 + loop + tok + engine + send}
+            "first_output": first, "first_sent": first + send,
+            "final_output": first + decode, "final_sent": first + decode + final_send}
 
 
 def test_summary_splits_the_time_to_first_token_into_its_stages():
@@ -14,6 +16,22 @@ def test_summary_splits_the_time_to_first_token_into_its_stages():
     assert s["engine"] == {"p50_ms": 200.0, "p90_ms": 200.0, "mean_ms": 200.0}
     assert s["outbox + send"]["mean_ms"] == 2.0
     assert s["execute -> first sent"]["p50_ms"] == 206.0
+    assert s["final: outbox + send"]["mean_ms"] == 4.0
+
+
+def test_turn_around_pairs_each_final_response_with_the_request_after_the_first_c():
+    # A closed loop of 2 clients: each sends its next request 10 / 30 ms after its last
+    # final response was handed to the server.
+    rows, t = [], {0: 0.0, 1: 0.001}
+    for n in range(3):
+        for client, gap in ((0, 0.010), (1, 0.030)):
+            row = _row(t[client], 0.001, 0.001, 0.1, 0.001)
+            rows.append(row)
+            t[client] = row["final_sent"] + gap
+    around = turnarounds(rows)
+    order = sorted(range(len(rows)), key=lambda j: rows[j]["submitted"])
+    assert [None if around[j] is None else round(around[j], 3) for j in order] == \
+        [10.0, 30.0, 10.0, 30.0, None, None]
 
 
 def test_main_prints_each_round(tmp_path, capsys):
