@@ -2,7 +2,7 @@
 from one request's end to its next, from an LLM_SERVING_TRACE file.
 
     LLM_SERVING_TRACE=/tmp/trace.jsonl python scripts/bench_serving.py ...
-    python scripts/ttft_trace.py /tmp/trace.jsonl [--rounds N]
+    python scripts/ttft_trace.py /tmp/trace.jsonl [--rounds N]      (or a .jsonl.gz)
 
 Each line is one streamed request (engine/serving.py); the stages, in milliseconds:
 execute -> loop (the serving loop takes it), tokenize + to core, engine (until its first
@@ -17,6 +17,7 @@ into N equal rounds (e.g. bench_serving's warm-up and steady round at one concur
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import statistics
 
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("trace")
     ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args(argv)
-    with open(args.trace) as f:
+    with (gzip.open(args.trace, "rt") if args.trace.endswith(".gz") else open(args.trace)) as f:
         rows = sorted((json.loads(line) for line in f if line.strip()),
                       key=lambda r: r["submitted"])
     around = turnarounds(rows)

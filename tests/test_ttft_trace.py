@@ -1,3 +1,8 @@
+import gzip
+import json
+
+import pytest
+
 from scripts.ttft_trace import main, summarize, turnarounds
 
 
@@ -34,11 +39,16 @@ def test_turn_around_pairs_each_final_response_with_the_request_after_the_first_
         [10.0, 30.0, 10.0, 30.0, None, None]
 
 
-def test_main_prints_each_round(tmp_path, capsys):
-    import json
-    path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps(_row(float(i), 0.001, 0.001, 0.01 * (i + 1), 0.001)) + "\n"
-                            for i in range(4)))
+@pytest.mark.parametrize("name", ["t.jsonl", "t.jsonl.gz"])
+def test_main_prints_each_round(tmp_path, capsys, name):
+    text = "".join(json.dumps(_row(float(i), 0.001, 0.001, 0.01 * (i + 1), 0.001)) + "\n"
+                   for i in range(4))
+    path = tmp_path / name
+    if name.endswith(".gz"):
+        with gzip.open(path, "wt") as f:
+            f.write(text)
+    else:
+        path.write_text(text)
     main([str(path), "--rounds", "2"])
     out = capsys.readouterr().out
     assert "round 1: 2 requests" in out and "round 2: 2 requests" in out
