@@ -209,17 +209,24 @@ def test_puts_from_another_thread_during_a_batch_go_out_at_once():
     assert a.responses == [["held"]] and b.responses == [["now"]]
 
 
-def test_a_new_streams_first_response_goes_before_streams_under_way():
+def _held_outbox(names):
+    """One sender that stream a's first send will hold until `gate` is set: the outbox, the
+    streams and recorders by name, the order of sends, the gate."""
     box = Outbox(1)
     order = []
     gate = threading.Event()
-    recs = {name: Recorder(gate if name == "a" else None) for name in ("a", "b", "c", "n", "m")}
+    recs = {name: Recorder(gate if name == "a" else None) for name in names}
     streams = {}
     for name, rec in recs.items():
         def send(items, rec=rec, name=name):
             order.append(name)
             return rec(items)
         streams[name] = box.stream(send, _never_fails)
+    return box, streams, recs, order, gate
+
+
+def test_a_new_streams_first_response_goes_before_streams_under_way():
+    box, streams, recs, order, gate = _held_outbox(("a", "b", "c", "n", "m"))
     for name in ("b", "c"):                  # b and c under way: each has sent a response
         box.put(streams[name], f"{name}0")
         recs[name].wait_for(1)
@@ -235,21 +242,6 @@ def test_a_new_streams_first_response_goes_before_streams_under_way():
         recs[name].wait_for(n)
     box.close()
     assert order == ["b", "c", "a", "n", "m", "b", "c", "a"]
-
-
-def _held_outbox(names):
-    """One sender, held inside stream a's first send; {name: (stream, recorder)}, order of sends."""
-    box = Outbox(1)
-    order = []
-    gate = threading.Event()
-    recs = {name: Recorder(gate if name == "a" else None) for name in names}
-    streams = {}
-    for name, rec in recs.items():
-        def send(items, rec=rec, name=name):
-            order.append(name)
-            return rec(items)
-        streams[name] = box.stream(send, _never_fails)
-    return box, streams, recs, order, gate
 
 
 def test_a_final_response_goes_before_streams_under_way():
