@@ -254,3 +254,16 @@ def _remove_boards_of_dead_servers(directory: str) -> None:
                 os.unlink(path)
             except OSError:
                 pass
+
+
+def remove_boards_of(server_pid: int, directory: str | None = None) -> list[str]:
+    """Removes the boards of server `server_pid`, which must be gone (e.g. its stubs were
+    killed, so no instance closed its board); returns their paths."""
+    removed = []
+    for path in glob.glob(os.path.join(directory or board_dir(), f"{PREFIX}{server_pid}-*")):
+        try:
+            os.unlink(path)
+        except OSError:
+            continue
+        removed.append(path)
+    return removed

@@ -7,6 +7,10 @@ libraries and this interpreter's libpython.
 
     python scripts/tritonserver_env.py [--http-port 8000] [--grpc-port 8001]
         [--metrics-port 8002] [--model-repository model_repository] [extra tritonserver args]
+
+Before it starts the server it removes the Python backend's shared-memory regions in /dev/shm
+that no live process has open or maps: what servers killed with SIGKILL (or whose stubs were)
+left behind.
 """
 from __future__ import annotations
 
@@ -151,6 +155,62 @@ def copy_repository(dst: str | os.PathLike, model_dir: str | os.PathLike,
     return params
 
 
+# The Python backend's shared-memory regions, one per model instance (~1.6 MB each). A server
+# that stops cleanly removes its own; one that was killed (or whose stub was) leaves them, and
+# on a small /dev/shm (Docker's default is 64 MB) they pile up until a server cannot start.
+SHM_DIR = "/dev/shm"
+SHM_PREFIX = "triton_python_backend_shm_region_"
+
+
+def shm_regions() -> set[str]:
+    """The names of the Python backend's shared-memory regions now in /dev/shm."""
+    try:
+        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
+    except FileNotFoundError:           # no /dev/shm (not Linux): nothing to clean
+        return set()
+
+
+def shm_names_in_use() -> set[str]:
+    """The /dev/shm names some live process has open or maps (of the processes this user can
+    read). Per process its open files are read before its maps: a region being made is open
+    from its creation until it is mapped, so one of the two shows it."""
+    prefix = SHM_DIR + "/"
+    names = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if target.startswith(prefix):
+                    names.add(target[len(prefix):].split()[0])
+            with open(f"/proc/{pid}/maps") as f:
+                for line in f:
+                    at = line.find(prefix)
+                    if at >= 0:
+                        names.add(line[at + len(prefix):].split()[0])
+        except OSError:                 # gone meanwhile, or not ours to read
+            continue
+    return names
+
+
+def remove_orphan_regions(candidates: set[str]) -> list[str]:
+    """Removes those of `candidates` that no live process has open or maps; returns them."""
+    if not candidates:
+        return []
+    removed = []
+    for name in sorted(candidates - shm_names_in_use()):
+        try:
+            os.unlink(os.path.join(SHM_DIR, name))
+        except FileNotFoundError:
+            continue
+        removed.append(name)
+    return removed
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--model-repository", default=os.path.join(ROOT, "model_repository"))
@@ -160,6 +220,10 @@ def main() -> None:
     args, extra = ap.parse_known_args()
     cmd = server_command(args.model_repository, args.http_port, args.grpc_port,
                          args.metrics_port, extra)
+    removed = remove_orphan_regions(shm_regions())
+    if removed:
+        print(f"removed {len(removed)} shared-memory regions that dead servers left in {SHM_DIR}",
+              flush=True)
     print(shlex.join(cmd), flush=True)
     os.execve(cmd[0], cmd, server_env())
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.instance_board import NUM_ABORTS, PREFIX, InstanceBoard
+from engine.instance_board import NUM_ABORTS, PREFIX, InstanceBoard, remove_boards_of
 
 SERVER_PID = os.getpid()        # any live pid: the boards' key
 
@@ -139,3 +139,13 @@ def test_boards_of_servers_that_are_gone_are_removed(tmp_path, boards):
     boards()
     assert not stale.exists() and live.exists()
     live.unlink()
+
+
+def test_remove_boards_of_takes_only_that_servers_boards(tmp_path):
+    mine = [tmp_path / f"{PREFIX}4242-llm", tmp_path / f"{PREFIX}4242-llm_2"]
+    other = tmp_path / f"{PREFIX}42421-llm"           # another pid that starts the same
+    for path in mine + [other]:
+        path.write_bytes(b"\0" * 64)
+    removed = remove_boards_of(4242, directory=str(tmp_path))
+    assert sorted(removed) == sorted(str(p) for p in mine)
+    assert other.exists() and not any(p.exists() for p in mine)

@@ -17,6 +17,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from engine.config import EngineConfig
+from engine.instance_board import PREFIX as BOARD_PREFIX, board_dir
 from engine.serving import ServingEngine
 from scripts.make_tiny_model import make_tiny_model
 from scripts.tritonserver_env import copy_repository
@@ -105,6 +106,11 @@ def _close(streams):
         s.close()
 
 
+def _shm_files():
+    """The Python backend's regions and the `llm` instance boards in /dev/shm."""
+    return shm_regions() | {n for n in os.listdir(board_dir()) if n.startswith(BOARD_PREFIX)}
+
+
 def _engine_processes(server):
     """{pid: command line} of the llm stub, the engine core and the tokenizer process."""
     started = server.descendant_pids()
@@ -121,7 +127,7 @@ def _engine_processes(server):
 def test_a_signal_to_the_process_group_ends_every_stream_and_stops_quietly(model_dir, tmp_path,
                                                                            signum):
     repo = _repo_with(tmp_path, model=model_dir, **SETTINGS)
-    regions_before = shm_regions()
+    regions_before = _shm_files()
     with start_server(repo, log_dir=tmp_path) as server:
         _engine_processes(server)                       # the stub, core and tokenizer run
         started = Processes(server.descendant_pids())
@@ -143,13 +149,13 @@ def test_a_signal_to_the_process_group_ends_every_stream_and_stops_quietly(model
         started.close()
         for needle in NOT_IN_LOG:
             assert needle not in log, f"{needle!r} in {server.log_path}"
-    assert not shm_regions() - regions_before, "shared-memory regions left in /dev/shm"
+    assert not _shm_files() - regions_before, "shared-memory files left in /dev/shm"
 
 
 def test_the_engine_processes_exit_by_themselves_when_their_stub_is_killed(model_dir,
                                                                           tmp_path):
     repo = _repo_with(tmp_path, model=model_dir, **SETTINGS)
-    regions_before = shm_regions()
+    regions_before = _shm_files()
     # The server cannot unload a model whose stub died with responses owed: it gives up after
     # the exit timeout.
     with start_server(repo, log_dir=tmp_path, extra_args=["--exit-timeout-secs=5"]) as server:
@@ -166,7 +172,7 @@ def test_the_engine_processes_exit_by_themselves_when_their_stub_is_killed(model
             _close(streams)
             server.stop(timeout_s=20)
     # The dead stub's shared memory is not the server's to free: stop() removes it.
-    assert not shm_regions() - regions_before, "shared-memory regions left in /dev/shm"
+    assert not _shm_files() - regions_before, "shared-memory files left in /dev/shm"
 
 
 # ---------------------------------------------------------------------------- without a server

@@ -7,6 +7,7 @@ at most `max_tokens` of them), so these tests do not depend on the engine.
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import pathlib
 import socket
@@ -14,12 +15,14 @@ import subprocess
 import sys
 import textwrap
 import time
+import uuid
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
+from scripts.tritonserver_env import SHM_DIR, SHM_PREFIX, remove_orphan_regions, shm_regions
 from tests import tritonserver
 from tests.tritonserver import start_server
 
@@ -258,3 +261,44 @@ def test_start_retries_when_a_port_is_taken(tmp_path, monkeypatch):
     logs = sorted(tmp_path.glob("tritonserver-*.log"))
     assert len(logs) == 2
     assert any("already in use" in log.read_text() for log in logs)
+
+
+def test_orphan_regions_are_removed_and_regions_in_use_kept():
+    tag = uuid.uuid4().hex
+    names = {kind: f"{SHM_PREFIX}test_{tag}_{kind}" for kind in ("orphan", "open", "mapped")}
+    paths = {kind: os.path.join(SHM_DIR, name) for kind, name in names.items()}
+    for path in paths.values():
+        with open(path, "wb") as f:
+            f.write(b"\0" * 4096)
+    held = open(paths["open"], "rb")                     # open, as a region being made is
+    with open(paths["mapped"], "r+b") as f:             # mapped, its file closed, as in a stub
+        mapped = mmap.mmap(f.fileno(), 4096)
+    try:
+        assert set(names.values()) <= shm_regions()
+        removed = remove_orphan_regions(set(names.values()))
+        assert removed == [names["orphan"]]
+        assert not os.path.exists(paths["orphan"])
+        assert os.path.exists(paths["open"]) and os.path.exists(paths["mapped"])
+    finally:
+        held.close()
+        mapped.close()
+        for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_serving_entry_point_removes_orphan_regions_before_it_starts_the_server(tmp_path):
+    # The entry point execs tritonserver: give it a repository that fails at once.
+    path = os.path.join(SHM_DIR, f"{SHM_PREFIX}test_{uuid.uuid4().hex}_left")
+    with open(path, "wb") as f:
+        f.write(b"\0" * 4096)
+    try:
+        out = subprocess.run([sys.executable, "scripts/tritonserver_env.py", "--model-repository",
+                              str(tmp_path / "none"), "--http-port", "0", "--grpc-port", "0",
+                              "--metrics-port", "0"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert "shared-memory regions that dead servers left" in out.stdout, out.stdout
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)

@@ -26,6 +26,8 @@ A server that stops cleanly removes the shared-memory regions it made for its Py
 that was stopped by a signal with streams in flight, leaves some (test_server_signals.py left 10
 per run). `stop()` removes those this server made that no live process maps: on a machine with
 a small /dev/shm (Docker's default is 64 MB) they would pile up until a server cannot start.
+It removes the server's `llm` instance board too (engine/instance_board.py), which a killed
+stub leaves (the next board opened on the machine would remove it).
 """
 from __future__ import annotations
 
@@ -41,7 +43,9 @@ import urllib.error
 import urllib.request
 from typing import Sequence
 
-from scripts.tritonserver_env import server_command, server_env
+from engine.instance_board import remove_boards_of
+from scripts.tritonserver_env import (remove_orphan_regions, server_command, server_env,
+                                      shm_regions)
 
 _POLL_INTERVAL_S = 0.1
 _MAX_PORT_ATTEMPTS = 3
@@ -154,6 +158,8 @@ class TritonServer:
         descendants.close()
         _live_servers.discard(self)
         remove_orphan_regions(shm_regions() - self._shm_before)
+        if not left:
+            remove_boards_of(self.pid)      # its llm instances' board, if none could close it
         if left:
             raise RuntimeError(f"tritonserver {self.pid}: processes {left} survived SIGKILL")
         if outlived:
@@ -309,59 +315,6 @@ class Processes:
         for fd, _ in self.fds.values():
             os.close(fd)
         self.fds.clear()
-
-
-SHM_DIR = "/dev/shm"
-SHM_PREFIX = "triton_python_backend_shm_region_"
-
-
-def shm_regions() -> set[str]:
-    """The names of the Python backend's shared-memory regions now in /dev/shm."""
-    try:
-        return {n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX)}
-    except FileNotFoundError:           # no /dev/shm (not Linux): nothing to clean
-        return set()
-
-
-def shm_names_in_use() -> set[str]:
-    """The /dev/shm names some live process has open or maps (of the processes this user can
-    read). Per process its open files are read before its maps: a region being made is open
-    from its creation until it is mapped, so one of the two shows it."""
-    prefix = SHM_DIR + "/"
-    names = set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            for fd in os.listdir(f"/proc/{pid}/fd"):
-                try:
-                    target = os.readlink(f"/proc/{pid}/fd/{fd}")
-                except OSError:
-                    continue
-                if target.startswith(prefix):
-                    names.add(target[len(prefix):].split()[0])
-            with open(f"/proc/{pid}/maps") as f:
-                for line in f:
-                    at = line.find(prefix)
-                    if at >= 0:
-                        names.add(line[at + len(prefix):].split()[0])
-        except OSError:                 # gone meanwhile, or not ours to read
-            continue
-    return names
-
-
-def remove_orphan_regions(candidates: set[str]) -> list[str]:
-    """Removes those of `candidates` that no live process has open or maps; returns them."""
-    if not candidates:
-        return []
-    removed = []
-    for name in sorted(candidates - shm_names_in_use()):
-        try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
-            continue
-        removed.append(name)
-    return removed
 
 
 @atexit.register
