@@ -398,3 +398,41 @@ def test_fused_rope_kv_write_path_equals_two_kernel_path(hf_and_path_d16):
     for (k0, v0), (k1, v1) in zip(unfused_kv, fused_kv):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     torch.testing.assert_close(fused, hf_logits(hf, tokens), atol=ATOL, rtol=RTOL)
+
+
+def test_norms_in_the_skinny_gemm_equal_the_norm_then_the_gemm(hf_and_path_d16, monkeypatch):
+    """model.norm_in_gemm (EngineConfig.decode_norm_in_gemm): where qkv_proj and gate_up_proj
+    run the skinny GEMM (kernels interpreted on CPU, every projection given a skinny config for
+    every row bucket), the RMSNorm and residual add before each run in its prologue: 2 norms a
+    layer fewer, logits those of the norm then the GEMM to fp32 rounding, and HF's. Steps of
+    more than 16 rows (the prompt chunks) take the norm's own path either way."""
+    import engine.models.linear as linear_module
+    from engine.models.linear import ROW_BUCKETS, Linear
+    from tests.kernel_support import load_kernels, require_runnable
+    sg = load_kernels("kernels.skinny_gemm")
+    require_runnable(sg)
+    calls = []
+
+    def skinny(x, weight, bias=None, **kw):
+        calls.append(x.shape[0] if kw.get("norm_weight") is not None else None)
+        return sg.skinny_gemm(x, weight, bias, **kw)
+    monkeypatch.setattr(linear_module, "skinny_gemm", skinny)
+    hf, config, path = hf_and_path_d16
+    tokens = random_tokens(26, seed=10)
+    results = {}
+    for fuse in (False, True):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"))
+        for lin in model.modules():
+            if isinstance(lin, Linear):
+                lin.skinny = {b: sg.SkinnyConfig(16, 16, 2) for b in ROW_BUCKETS}
+        model.norm_in_gemm = fuse
+        calls.clear()
+        kv = PagedKV(config, block_size=16, seed=11)
+        got = run_step(model, kv, [(0, tokens[:20]), (1, tokens[:3])])[:1]    # 23 rows
+        for token in tokens[20:]:
+            got += run_step(model, kv, [(0, [token]), (1, [token])])[:1]       # 2 rows
+        results[fuse] = torch.cat(got)
+        fused_calls = 2 * config.num_hidden_layers * len(tokens[20:]) if fuse else 0
+        assert calls.count(2) == fused_calls and calls.count(23) == 0
+    torch.testing.assert_close(results[True], results[False], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[True], hf_logits(hf, tokens), atol=ATOL, rtol=RTOL)
