@@ -64,8 +64,9 @@ class EngineConfig:
     decode_pdl: bool = True
     # Projections that run the skinny GEMM (decode, up to 16 rows) do the RMSNorm and residual
     # add before them in the kernel's prologue (qkv_proj, gate_up_proj: kernels/skinny_gemm.py),
-    # 64 launches a step fewer at 32 layers. fp32 rounding of the norm's mean may differ. Off
-    # until measured on the GPU.
+    # 64 launches a step fewer at 32 layers. fp32 rounding of the norm's mean may differ.
+    # Slower as built (H200, 8B, one stream: 6.48 vs 4.48 ms/token; each program sums its rows'
+    # squares before its weight stream starts: benchmarks/h200/decode_pdl.md): off.
     decode_norm_in_gemm: bool = False
     # Plan and launch step N+1 while the GPU runs step N (engine/engine_core.py); its tokens
     # come back one step later. False: each step waits for its tokens before the next is planned.
