@@ -62,12 +62,6 @@ class EngineConfig:
     # kernels/pdl.py). The skinny GEMM's own rounding. H200, Llama-3.1-8B, one stream:
     # 4.72 -> 4.51 ms/token (benchmarks/h200/decode_pdl.md).
     decode_pdl: bool = True
-    # Projections that run the skinny GEMM (decode, up to 16 rows) do the RMSNorm and residual
-    # add before them in the kernel's prologue (qkv_proj, gate_up_proj: kernels/skinny_gemm.py),
-    # 64 launches a step fewer at 32 layers. fp32 rounding of the norm's mean may differ.
-    # Slower as built (H200, 8B, one stream: 6.48 vs 4.48 ms/token; each program sums its rows'
-    # squares before its weight stream starts: benchmarks/h200/decode_pdl.md): off.
-    decode_norm_in_gemm: bool = False
     # Plan and launch step N+1 while the GPU runs step N (engine/engine_core.py); its tokens
     # come back one step later. False: each step waits for its tokens before the next is planned.
     async_scheduling: bool = True
@@ -162,8 +156,7 @@ class EngineConfig:
         if self.cpu_threads is not None:
             _int_at_least("cpu_threads", self.cpu_threads, 1)
         for name in ("enable_prefix_caching", "enable_prefix_groups", "enable_cascade_attention",
-                     "async_scheduling", "fuse_rope_kv_write", "fuse_kv_split_merge", "decode_pdl",
-                     "decode_norm_in_gemm"):
+                     "async_scheduling", "fuse_rope_kv_write", "fuse_kv_split_merge", "decode_pdl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)

@@ -151,7 +151,6 @@ class ModelRunner:
         self.gemm_report: list[dict] = []
         if on_gpu and config.skinny_gemm == "auto":
             self.gemm_report = tune_skinny_gemms(self.model, device)
-        self.model.norm_in_gemm = config.decode_norm_in_gemm
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _RunnerRequest] = {}
         self.block_tables = _BlockTables()

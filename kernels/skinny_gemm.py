@@ -8,13 +8,6 @@ where a = x [M, K], or with silu_mul=True a = silu_and_mul(x) for x [M, 2K] (gat
 up second), computed as kernels/activation.py does (fp32 g / (1 + exp(-g)) * u, rounded to x's
 dtype), so the fused prologue gives bitwise what silu_and_mul followed by this kernel gives.
 
-Or, given a norm weight g [K] (and optionally a residual r [M, K]), a = RMSNorm of x (+ r), as
-kernels/rmsnorm.py computes it: s = x + r rounded to x's dtype, a = g * (s_fp32 * rsqrt(mean(
-s_fp32^2) + eps)).to(dtype), the multiply in fp32 rounded once; and s, the new residual, is
-written too. Every program reads its rows whole for the mean of squares (kilobytes, from L2),
-so a decode layer's norm needs no launch of its own. The mean is summed BLOCK_K columns at a
-time, not in kernels/rmsnorm.py's one sweep: a differs from rms_norm's by fp32 rounding at most.
-
 Tiling ("swap AB"): a program owns BLOCK_N rows of W and one of SPLIT_K slices of K, and
 accumulates acc[BLOCK_N, 16] += W[BLOCK_N, BLOCK_K] @ a^T[BLOCK_K, 16] with tl.dot. W's rows take
 the MMA's tall side (64 rows for a Hopper wgmma) and x's <= 16 rows, zero-padded to 16, its
@@ -54,10 +47,6 @@ __all__ = ["SkinnyConfig", "candidate_configs", "default_config", "skinny_gemm",
            "MAX_ROWS"]
 
 MAX_ROWS = 16                   # x rows per call: the MMA's narrow side
-# tl.sum is one of triton's own @triton.jit functions, decorated when triton is first imported
-# (so not interpretable when TRITON_INTERPRET is set later, as in the CPU tests): reduce with
-# its combine function, as kernels/paged_attention.py does.
-_SUM = tl.standard._sum_combine
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
 
@@ -65,11 +54,9 @@ _H200_NUM_SMS = 132
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
-    norm_w_ptr, res_ptr, res_out_ptr,                   # RMS_NORM: g [K], r [M, K], s [M, K]
-    M, N, K, k_per_split, num_splits, eps,
-    stride_xm, stride_wn, stride_ym, stride_rm, stride_om,
+    M, N, K, k_per_split, num_splits,
+    stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_SPLITS: tl.constexpr, EVEN_K: tl.constexpr,
-    RMS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -88,15 +75,6 @@ def _skinny_gemm_kernel(
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if RMS_NORM:        # 1 / rms of each row of s = x (+ r), over all K
-        r_cols = res_ptr + offs_m[None, :].to(tl.int64) * stride_rm
-        sum_sq = tl.full([BLOCK_M], 0.0, dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            s32 = _load_s(x_cols, r_cols, offs_k, m_in[None, :] & (offs_k[:, None] < K),
-                          HAS_RESIDUAL).to(tl.float32)
-            sum_sq += tl.reduce(s32 * s32, 0, _SUM)
-        inv_rms = tl.rsqrt(sum_sq / K + eps)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:          # every step is a whole BLOCK_K inside [k_lo, k_hi)
@@ -105,17 +83,7 @@ def _skinny_gemm_kernel(
         else:
             w = tl.load(w_rows + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
             x_mask = m_in[None, :] & (offs_k[:, None] < k_hi)
-        if RMS_NORM:        # kernels/rmsnorm.py's expression and roundings
-            s_t = _load_s(x_cols, r_cols, offs_k, x_mask, HAS_RESIDUAL)
-            if HAS_RESIDUAL:
-                if pid_n == 0:  # the first column of programs writes s (each its K slice)
-                    tl.store(res_out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_k[:, None],
-                             s_t, mask=x_mask)
-            normed = (s_t.to(tl.float32) * inv_rms[None, :]).to(s_t.dtype)
-            g = tl.load(norm_w_ptr + offs_k, mask=offs_k < K, other=0.0)
-            a = (g.to(tl.float32)[:, None] * normed.to(tl.float32)).to(s_t.dtype)
-        else:
-            a = _load_a(x_cols, offs_k, x_mask, K, SILU_MUL)
+        a = _load_a(x_cols, offs_k, x_mask, K, SILU_MUL)
         acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
 
     if HAS_SPLITS:
@@ -143,16 +111,6 @@ def _load_a(x_cols, offs_k, x_mask, K, SILU_MUL: tl.constexpr):
         up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
         return (gate / (1.0 + tl.exp(-gate)) * up).to(x_cols.dtype.element_ty)
     return tl.load(x_ptrs, mask=x_mask, other=0.0)
-
-
-@triton.jit
-def _load_s(x_cols, r_cols, offs_k, mask, HAS_RESIDUAL: tl.constexpr):
-    """s^T [BLOCK_K, BLOCK_M] = x (+ r) for the columns offs_k, rounded to x's dtype."""
-    x = tl.load(x_cols + offs_k[:, None], mask=mask, other=0.0)
-    if HAS_RESIDUAL:
-        r = tl.load(r_cols + offs_k[:, None], mask=mask, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x
 
 
 @triton.jit
@@ -219,14 +177,10 @@ def skinny_gemm(
     silu_mul: bool = False,
     config: SkinnyConfig | None = None,
     pdl: bool = False,
-    norm_weight: torch.Tensor | None = None,
-    eps: float = 0.0,
-    residual: torch.Tensor | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """y [M, N] = a @ weight^T (+ bias), a = x [M, K] or silu_and_mul(x) for x [M, 2K], or with
-    norm_weight [K] the RMSNorm (eps) of x, or of x + residual [M, K] (see the module docstring).
-    Returns y, or with a residual (y, x + residual). config: the tiling; None: `default_config`.
-    pdl: launch with programmatic dependent launch (kernels/pdl.py)."""
+) -> torch.Tensor:
+    """y [M, N] = a @ weight^T (+ bias), a = x [M, K] or silu_and_mul(x) for x [M, 2K] (see the
+    module docstring). config: the tiling; None: `default_config`. pdl: launch with programmatic
+    dependent launch, the first weights loaded before waiting for the kernel ahead."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     num_rows, num_cols = x.shape
@@ -248,34 +202,12 @@ def skinny_gemm(
         raise ValueError(f"weight and bias must be on {device} like x")
     if bias is not None and (bias.shape != (n,) or bias.dtype not in _DTYPES or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float [{n}] tensor, got {bias.dtype} {list(bias.shape)}")
-    if norm_weight is None and residual is not None:
-        raise ValueError("a residual needs norm_weight (it is added before the norm)")
-    if norm_weight is not None:
-        if silu_mul:
-            raise ValueError("norm_weight and silu_mul are two different prologues: pick one")
-        if (norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or norm_weight.device != device
-                or not norm_weight.is_contiguous()):
-            raise ValueError(f"norm_weight must be a contiguous {x.dtype} [{k}] tensor on {device}, got "
-                             f"{norm_weight.dtype} {list(norm_weight.shape)} on {norm_weight.device}")
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                 or residual.device != device or (k > 1 and residual.stride(1) != 1)):
-        raise ValueError(f"residual must be a {x.dtype} {list(x.shape)} tensor on {device} with unit "
-                         f"column stride, got {residual.dtype} {list(residual.shape)} strides "
-                         f"{residual.stride()} on {residual.device}")
     check_pdl(pdl, device, "skinny_gemm")
     y = torch.empty(num_rows, n, dtype=x.dtype, device=device)
-    residual_out = None
-    if residual is not None:
-        residual_out = torch.empty(num_rows, k, dtype=x.dtype, device=device)
-    done = (lambda: y) if residual is None else (lambda: (y, residual_out))
-    if num_rows == 0 or n == 0 or k == 0:
-        if residual is not None:
-            torch.add(x, residual, out=residual_out)
-        if num_rows and n:
-            y.zero_() if bias is None else y.copy_(bias.expand(num_rows, n))
-        return done()
+    if num_rows == 0 or n == 0:
+        return y
+    if k == 0:
+        return y.zero_() if bias is None else y.copy_(bias.expand(num_rows, n))
     cfg = config or default_config(n, k, _num_sms(device))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     num_splits = triton.cdiv(k, k_per_split)           # rounding up may leave fewer slices
@@ -285,32 +217,22 @@ def skinny_gemm(
         counters = arrival_counters("skinny_gemm", device, num_tiles)
     else:
         part = counters = y                             # unused
-    res = residual if residual is not None else x                       # unused without one
-    res_out = residual_out if residual_out is not None else x
     _skinny_gemm_kernel[(num_tiles, num_splits)](
         x, weight, bias if bias is not None else weight, y, part, counters,
-        norm_weight if norm_weight is not None else weight, res, res_out,
-        num_rows, n, k, k_per_split, num_splits, float(eps),
-        x.stride(0), weight.stride(0), y.stride(0), res.stride(0), res_out.stride(0),
+        num_rows, n, k, k_per_split, num_splits,
+        x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_SPLITS=num_splits > 1, EVEN_K=k % cfg.block_k == 0,
-        RMS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
-    return done()
+    return y
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    *, silu_mul: bool = False, norm_weight: torch.Tensor | None = None,
-                    eps: float = 0.0, residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Eager fp64: (silu(g) * u if silu_mul, RMSNorm(x (+ residual)) * norm_weight if
-    norm_weight, else x) @ weight^T + bias, not rounded (nor is x + residual)."""
+                    *, silu_mul: bool = False) -> torch.Tensor:
+    """Eager fp64: (silu(g) * u if silu_mul else x) @ weight^T + bias, not rounded."""
     a = x.double()
-    if norm_weight is not None:
-        if residual is not None:
-            a = a + residual.double()
-        a = a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.double()
     if silu_mul:
         gate, up = a.chunk(2, dim=-1)
         a = gate / (1.0 + torch.exp(-gate)) * up

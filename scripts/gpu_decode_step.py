@@ -13,8 +13,6 @@ Variants, each with the decode CUDA graphs captured afresh:
               engine before issue 13: EngineConfig(fuse_rope_kv_write=False, skinny_gemm="off",
               fuse_kv_split_merge=False))
   rope_kv     fused RoPE + KV write only
-  norm_in_gemm on, with the RMSNorms before qkv_proj and gate_up_proj in their skinny GEMM's
-              prologue (EngineConfig.decode_norm_in_gemm)
 Per variant: the GPU time of one replay of the batch-1 graph at --context tokens (median of
 replays back to back), ms/token of a greedy generation (128-token prompt, as
 scripts/bench_latency.py), the step's kernels (torch.profiler over 3 replays), and the logits'
@@ -46,11 +44,10 @@ def _linears(model) -> list[Linear]:
 
 
 def _set_variant(runner, fuse_rope: bool, tables: dict | None, kv_merge_in_kernel: bool,
-                 pdl: bool = False, norm_in_gemm: bool = False) -> None:
+                 pdl: bool = False) -> None:
     """Switch the model's kernels and capture its decode graphs again."""
     from engine.cuda_graphs import DecodeGraphs
     runner.model.fuse_rope_kv_write = fuse_rope
-    runner.model.norm_in_gemm = norm_in_gemm
     for lin in _linears(runner.model):
         lin.skinny, lin.skinny_silu, lin.skinny_chain = (
             dict(t) for t in (tables or {}).get(id(lin), ({}, {}, {})))
@@ -153,19 +150,15 @@ def check_engine(args, out: dict) -> None:
     logits_off = None
     assert runner.decode_graphs.kv_merge_in_kernel, "the engine's default merges attention's splits in its kernel"
     pdl_on = runner.decode_graphs.pdl
-    # name, fuse_rope_kv_write, skinny tables, splits merged in the kernel, PDL, norm_in_gemm
-    variants = (("on", True, tables, True, pdl_on, False),
-                ("no_pdl", True, tables, True, False, False),
-                ("merge_apart", True, tables, False, False, False),
-                ("off", False, None, False, False, False),
-                ("rope_kv", True, None, False, False, False),
-                ("norm_in_gemm", True, tables, True, pdl_on, True))
+    variants = (("on", True, tables, True, pdl_on), ("no_pdl", True, tables, True, False),
+                ("merge_apart", True, tables, False, False), ("off", False, None, False, False),
+                ("rope_kv", True, None, False, False))
     logits_on = None
-    for name, fuse_rope, tab, kv_merge, pdl, norm_in_gemm in variants:
+    for name, fuse_rope, tab, kv_merge, pdl in variants:
         if name not in getattr(args, "variants", [v[0] for v in variants]):
             continue
         if name != "on":
-            _set_variant(runner, fuse_rope, tab, kv_merge, pdl, norm_in_gemm)
+            _set_variant(runner, fuse_rope, tab, kv_merge, pdl)
         graph, logits, kv_splits = _step_graph(runner, args.context)
         row = {"step_ms": _replay_ms(graph), "ms_per_token": _ms_per_token(llm, name, prompt, args.output_len),
                "kv_splits": kv_splits, "kv_merge_in_kernel": kv_merge, "kernels": _kernel_table(graph),
@@ -211,8 +204,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top-kernels", type=int, default=16)
-    ap.add_argument("--variants", nargs="+",
-                    default=["on", "no_pdl", "merge_apart", "off", "rope_kv", "norm_in_gemm"])
+    ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv"])
     args = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name()}
     check_engine(args, out)

@@ -40,10 +40,9 @@ def counted(monkeypatch):
     those run without it (what they compute is the same)."""
     calls = []
 
-    def run(x, weight, bias=None, *, silu_mul=False, config=None, pdl=False, **norm):
-        calls.append((x.shape[0], silu_mul, config) + ((True,) if pdl else ())
-                     + (("norm", norm.get("residual") is not None) if norm else ()))
-        return sg.skinny_gemm(x, weight, bias, silu_mul=silu_mul, config=config, **norm)
+    def run(x, weight, bias=None, *, silu_mul=False, config=None, pdl=False):
+        calls.append((x.shape[0], silu_mul, config) + ((True,) if pdl else ()))
+        return sg.skinny_gemm(x, weight, bias, silu_mul=silu_mul, config=config)
     monkeypatch.setattr(linear_module, "skinny_gemm", run)
     monkeypatch.setattr(linear_module, "silu_and_mul", activation.silu_and_mul)
     return calls
@@ -110,39 +109,3 @@ def test_a_pdl_call_runs_the_chain_table_and_passes_pdl_on(counted, monkeypatch)
     got = down.forward_silu_mul(g, pdl=True)
     assert silu_calls == [True] and counted[-1] == (2, False, chain, True)
     torch.testing.assert_close(got, F.linear(activation.silu_and_mul(g), down.weight), atol=1e-4, rtol=1.3e-6)
-
-
-class _Norm(torch.nn.Module):
-    """The model's RMSNorm on its PyTorch path (engine/models/llama.py), its calls counted."""
-
-    def __init__(self, hidden, seed):
-        super().__init__()
-        from engine.models.llama import RMSNorm
-        torch.manual_seed(seed)
-        self.inner = RMSNorm(hidden, 1e-5).to(DEVICE)
-        self.inner.weight.data = 1 + 0.3 * torch.randn(hidden, device=DEVICE)
-        self.weight, self.eps, self.calls = self.inner.weight, self.inner.eps, 0
-
-    def forward(self, x, residual=None, pdl=False):
-        self.calls += 1
-        return self.inner(x, residual)
-
-
-@pytest.mark.parametrize("with_residual", [False, True])
-def test_forward_rms_norm_runs_the_norm_in_the_kernel_where_the_kernel_runs(counted, with_residual):
-    lin = make_linear(37, 48, bias=True, seed=5)
-    norm = _Norm(48, seed=6)
-    cfg = sg.SkinnyConfig(16, 16, 2)
-    lin.skinny = {2: cfg}
-    x = torch.randn(2, 48, device=DEVICE)
-    r = torch.randn(2, 48, device=DEVICE) if with_residual else None
-    want_s = x + r if with_residual else x
-    want_y = F.linear(norm.inner(want_s), lin.weight, lin.bias)
-    y, s = lin.forward_rms_norm(x, norm, r)
-    assert counted == [(2, False, cfg, "norm", with_residual)] and norm.calls == 0
-    torch.testing.assert_close(y, want_y, atol=1e-4, rtol=1.3e-6)
-    assert torch.equal(s, want_s)
-    y1, s1 = lin.forward_rms_norm(x[:1], norm, None if r is None else r[:1])   # no bucket 1:
-    assert len(counted) == 1 and norm.calls == 1                             # the norm, F.linear
-    torch.testing.assert_close(y1, want_y[:1], atol=1e-4, rtol=1.3e-6)
-    assert torch.equal(s1, want_s[:1])

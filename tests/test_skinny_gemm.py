@@ -1,7 +1,6 @@
 """kernels/skinny_gemm.py against fp64 matmul (and torch.matmul's own error in half dtypes), at
 odd shapes, every tiling path (masked and whole K steps, split-K merged in the kernel or not),
-bias, the fused SiLU-and-mul prologue (bitwise silu_and_mul followed by the kernel) and the
-fused RMSNorm (+ residual) prologue (rms_norm followed by the kernel, to fp32 rounding).
+bias, and the fused SiLU-and-mul prologue (bitwise silu_and_mul followed by the kernel).
 
 Without CUDA the kernel runs under Triton's interpreter on CPU (fp32 and fp16; the interpreter
 has no bf16), with CUDA on the GPU in bf16 too.
@@ -14,7 +13,6 @@ from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
 sg = load_kernels("kernels.skinny_gemm")
 activation = load_kernels("kernels.activation")
-rmsnorm = load_kernels("kernels.rmsnorm")
 SkinnyConfig, skinny_gemm, skinny_gemm_ref = sg.SkinnyConfig, sg.skinny_gemm, sg.skinny_gemm_ref
 
 
@@ -22,7 +20,6 @@ SkinnyConfig, skinny_gemm, skinny_gemm_ref = sg.SkinnyConfig, sg.skinny_gemm, sg
 def kernels_can_run_here():
     require_runnable(sg)
     require_runnable(activation)
-    require_runnable(rmsnorm)
 
 
 DTYPE_TOLS = [(torch.float32, 1e-4, 1.3e-6), (torch.float16, 1e-2, 1e-3)]
@@ -85,45 +82,6 @@ def test_silu_mul_prologue_equals_silu_and_mul_then_gemm(m, n, k, config, dtype,
     two_step = skinny_gemm(activation.silu_and_mul(x), w, b, config=CONFIGS[config])
     torch.testing.assert_close(y, two_step, atol=0, rtol=0)
     check_accuracy(y, x, w, b, dtype, 4 * atol, rtol, silu_mul=True)   # x 3x larger
-
-
-@pytest.mark.parametrize("dtype,atol,rtol", DTYPE_TOLS)
-@pytest.mark.parametrize("config", ["default", "split3_n16", "split1"])
-@pytest.mark.parametrize("with_residual", [False, True])
-@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (5, 37, 123), (16, 64, 200)])
-def test_rms_norm_prologue_equals_rms_norm_then_gemm(m, n, k, config, with_residual, dtype,
-                                                      atol, rtol):
-    gen = torch.Generator().manual_seed(11 * m + n + k)
-    x, w, b = make_inputs(m, n, k, dtype, gen, bias=(m == 5), row_pad=2)
-    g = (1 + 0.5 * torch.randn(k, generator=gen)).to(dtype).to(DEVICE)
-    r = (2 * torch.randn(m, k + 1, generator=gen)).to(dtype).to(DEVICE)[:, :k] if with_residual else None
-    eps = 1e-5
-    got = skinny_gemm(x, w, b, config=CONFIGS[config], norm_weight=g, eps=eps, residual=r)
-    y, s = got if with_residual else (got, None)
-    if with_residual:
-        normed, s_ref = rmsnorm.rms_norm(x, g, eps, r)
-        torch.testing.assert_close(s, s_ref, atol=0, rtol=0)        # x + r rounded once
-    else:
-        normed = rmsnorm.rms_norm(x, g, eps)
-    two_step = skinny_gemm(normed, w, b, config=CONFIGS[config])
-    # The mean of squares is summed in another order than rms_norm's: fp32 rounding of it may
-    # move a normed value across a rounding boundary of the dtype, nothing more.
-    torch.testing.assert_close(y, two_step, atol=atol, rtol=rtol)
-    ref = skinny_gemm_ref(x, w, b, norm_weight=g, eps=eps, residual=r)
-    torch.testing.assert_close(y.double(), ref, atol=4 * atol, rtol=4 * rtol)
-
-
-def test_rms_norm_prologue_rejects_what_it_cannot_do():
-    x, w, _ = make_inputs(2, 8, 16, torch.float32, torch.Generator().manual_seed(0))
-    g = torch.ones(16, device=x.device)
-    with pytest.raises(ValueError, match="needs norm_weight"):
-        skinny_gemm(x, w, residual=x)
-    with pytest.raises(ValueError, match="two different prologues"):
-        skinny_gemm(torch.cat([x, x], 1), w, silu_mul=True, norm_weight=g)
-    with pytest.raises(ValueError, match="norm_weight must be"):
-        skinny_gemm(x, w, norm_weight=torch.ones(15, device=x.device))
-    with pytest.raises(ValueError, match="residual must be"):
-        skinny_gemm(x, w, norm_weight=g, residual=x[:1])
 
 
 def test_split_k_counters_are_back_at_zero_and_results_repeat():

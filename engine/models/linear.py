@@ -11,10 +11,6 @@ SiLU-and-mul folded into the kernel's prologue).
 with pdl=True (a decode graph's chain of kernels launched with programmatic dependent launch,
 kernels/pdl.py) runs it, because a cuBLAS kernel takes no part in PDL: it starts only when the
 kernel ahead has finished, and so does the kernel after it.
-
-`forward_rms_norm` (qkv_proj and gate_up_proj with EngineConfig.decode_norm_in_gemm): the RMSNorm
-(and residual add) before the projection runs in the skinny GEMM's prologue where the projection
-runs that kernel, and as its own kernel (the norm module) where it does not.
 """
 from __future__ import annotations
 
@@ -59,21 +55,6 @@ class Linear(nn.Linear):
         if cfg is None:
             return self(silu_and_mul(gate_up, pdl=pdl), pdl=pdl)
         return skinny_gemm(gate_up, self.weight, self.bias, silu_mul=True, config=cfg, pdl=pdl)
-
-    def forward_rms_norm(self, x: torch.Tensor, norm, residual: torch.Tensor | None = None,
-                         pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """(self(norm(x + residual)), x + residual), or without a residual (self(norm(x)), x).
-        `norm` is the model's RMSNorm module (its weight, eps, and its own forward for rows that
-        do not run the skinny GEMM)."""
-        cfg = self._config(self.skinny_chain if pdl else self.skinny, x)
-        if cfg is None or norm.weight.dtype != x.dtype:
-            if residual is None:
-                return self(norm(x, pdl=pdl), pdl=pdl), x
-            normed, residual = norm(x, residual, pdl=pdl)
-            return self(normed, pdl=pdl), residual
-        out = skinny_gemm(x, self.weight, self.bias, config=cfg, pdl=pdl, norm_weight=norm.weight,
-                          eps=norm.eps, residual=residual)
-        return out if residual is not None else (out, x)
 
     def extra_repr(self) -> str:
         chosen = ", ".join(f"{b} rows: {c}" for b, c in sorted(self.skinny.items()))

@@ -172,11 +172,9 @@ class LlamaAttention(nn.Module):
         rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
-        qkv: torch.Tensor | None = None,    # qkv_proj's output, if the caller ran it
     ) -> torch.Tensor:
-        if qkv is None:
-            qkv = self.qkv_proj(x, pdl=attn.launch_pdl)  # [T, (Hq + 2Hkv) * D]
-        num_tokens = qkv.shape[0]
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x, pdl=attn.launch_pdl)  # [T, (Hq + 2Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -196,11 +194,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.fused = fused
 
-    def forward(self, x: torch.Tensor | None, pdl: bool = False,
-                gate_up: torch.Tensor | None = None) -> torch.Tensor:
-        """gate_up: gate_up_proj's output, if the caller ran it (then x is not read)."""
-        if gate_up is None:
-            gate_up = self.gate_up_proj(x, pdl=pdl)  # [T, 2I]
+    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x, pdl=pdl)  # [T, 2I]
         if self.fused:  # SiLU-and-mul, maybe inside down_proj's kernel (engine/models/linear.py)
             return self.down_proj.forward_silu_mul(gate_up, pdl=pdl)
         gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, I]
@@ -219,16 +214,8 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.mlp = LlamaMLP(config, fused)
 
-    def forward(self, x, residual, rope: Rope, kv_cache, attn: AttentionMetadata,
-                norm_in_gemm: bool = False):
+    def forward(self, x, residual, rope: Rope, kv_cache, attn: AttentionMetadata):
         pdl = attn.launch_pdl
-        if norm_in_gemm:    # each norm inside the projection after it, where that can be
-            qkv, residual = self.self_attn.qkv_proj.forward_rms_norm(
-                x, self.input_layernorm, residual, pdl=pdl)
-            x = self.self_attn(None, rope, kv_cache, attn, qkv=qkv)
-            gate_up, residual = self.mlp.gate_up_proj.forward_rms_norm(
-                x, self.post_attention_layernorm, residual, pdl=pdl)
-            return self.mlp(None, pdl=pdl, gate_up=gate_up), residual
         if residual is None:
             residual, x = x, self.input_layernorm(x, pdl=pdl)
         else:
@@ -255,9 +242,6 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.fused = fused_kernels
         self.fuse_rope_kv_write = fuse_rope_kv_write
-        # The norms before qkv_proj and gate_up_proj run inside them where they run the skinny
-        # GEMM (Linear.forward_rms_norm). A plain attribute, as fuse_rope_kv_write.
-        self.norm_in_gemm = False
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
@@ -283,7 +267,7 @@ class LlamaForCausalLM(nn.Module):
                     self.config.max_position_embeddings, self.fuse_rope_kv_write)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, attn, self.norm_in_gemm)
+            x, residual = layer(x, residual, rope, kv_cache, attn)
         x, _ = self.norm(x, residual, pdl=attn.launch_pdl)
         return x
 
