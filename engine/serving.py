@@ -386,12 +386,12 @@ class ServingEngine:
         """The engine's reader thread: one step of the request (or the engine's failure)."""
         if r.first_output is None:
             r.first_output = time.monotonic()
-        if self._trace is not None and getattr(out, "finished", False):
-            r.final_output = time.monotonic()
         if isinstance(out, BaseException):
             self._fail(r.stream, str(out))
-        else:
-            self.outbox.put(r.stream, out, final=out.finished)
+            return
+        if out.finished and self._trace is not None:
+            r.final_output = time.monotonic()
+        self.outbox.put(r.stream, out, final=out.finished)
 
     # ------------------------------------------------------------------ sender threads
     def _send_items(self, r: _Request, send: SendFn, items: list) -> bool:

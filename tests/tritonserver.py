@@ -158,10 +158,9 @@ class TritonServer:
         descendants.close()
         _live_servers.discard(self)
         remove_orphan_regions(shm_regions() - self._shm_before)
-        if not left:
-            remove_boards_of(self.pid)      # its llm instances' board, if none could close it
         if left:
             raise RuntimeError(f"tritonserver {self.pid}: processes {left} survived SIGKILL")
+        remove_boards_of(self.pid)          # its llm instances' board, if none could close it
         if outlived:
             raise RuntimeError(f"tritonserver {self.pid}: processes {outlived} outlived the "
                                f"server by 10 s (killed)")
