@@ -246,10 +246,15 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
+def is_board_of_dead_server(name: str) -> bool:
+    """Whether `name` (a file name) is a board whose server process is gone."""
+    pid = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
+    return pid.isdigit() and not _alive(int(pid))
+
+
 def _remove_boards_of_dead_servers(directory: str) -> None:
     for path in glob.glob(os.path.join(directory, PREFIX + "*")):
-        pid = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if is_board_of_dead_server(os.path.basename(path)):
             try:
                 os.unlink(path)
             except OSError:

@@ -17,11 +17,11 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from engine.config import EngineConfig
-from engine.instance_board import PREFIX as BOARD_PREFIX, board_dir
+from engine.instance_board import PREFIX as BOARD_PREFIX, board_dir, is_board_of_dead_server
 from engine.serving import ServingEngine
 from scripts.make_tiny_model import make_tiny_model
-from scripts.tritonserver_env import copy_repository
-from tests.tritonserver import Processes, shm_regions, start_server
+from scripts.tritonserver_env import copy_repository, shm_names_in_use, shm_regions
+from tests.tritonserver import Processes, start_server
 
 NUM_STREAMS = 16
 # 16 streams of 8,000 tokens each take minutes here: none can end by itself during a test.
@@ -111,6 +111,15 @@ def _shm_files():
     return shm_regions() | {n for n in os.listdir(board_dir()) if n.startswith(BOARD_PREFIX)}
 
 
+def _left_behind(before):
+    """Of the files _shm_files() has now and had not `before`, those nothing uses any more: a
+    region no live process has open or maps, a board whose server is gone. (Another server
+    running on the machine meanwhile, e.g. a second test run, has its files in use.)"""
+    in_use = shm_names_in_use()
+    return {n for n in _shm_files() - before
+            if (is_board_of_dead_server(n) if n.startswith(BOARD_PREFIX) else n not in in_use)}
+
+
 def _engine_processes(server):
     """{pid: command line} of the llm stub, the engine core and the tokenizer process."""
     started = server.descendant_pids()
@@ -149,7 +158,7 @@ def test_a_signal_to_the_process_group_ends_every_stream_and_stops_quietly(model
         started.close()
         for needle in NOT_IN_LOG:
             assert needle not in log, f"{needle!r} in {server.log_path}"
-    assert not _shm_files() - regions_before, "shared-memory files left in /dev/shm"
+    assert not _left_behind(regions_before), "shared-memory files left in /dev/shm"
 
 
 def test_the_engine_processes_exit_by_themselves_when_their_stub_is_killed(model_dir,
@@ -172,7 +181,7 @@ def test_the_engine_processes_exit_by_themselves_when_their_stub_is_killed(model
             _close(streams)
             server.stop(timeout_s=20)
     # The dead stub's shared memory is not the server's to free: stop() removes it.
-    assert not _shm_files() - regions_before, "shared-memory files left in /dev/shm"
+    assert not _left_behind(regions_before), "shared-memory files left in /dev/shm"
 
 
 # ---------------------------------------------------------------------------- without a server
