@@ -211,9 +211,11 @@ def cpu_times() -> dict[str, float]:
 
 
 def cpu_use(before: dict, after: dict, seconds: float) -> dict[str, float]:
-    """Cores busy on average per kind of process between two cpu_times()."""
-    return {k: round((after[k] - before.get(k, 0.0)) / seconds, 2) for k in sorted(after)
-            if seconds > 0 and after[k] - before.get(k, 0.0) > 0}
+    """Cores busy on average per kind of process between two cpu_times(), for every kind
+    running at the second (0.0 for one that ran less than a clock tick in a short run)."""
+    if seconds <= 0:
+        return {}
+    return {k: round(max(after[k] - before.get(k, 0.0), 0.0) / seconds, 2) for k in sorted(after)}
 
 
 def children_cpu() -> float:

@@ -1,7 +1,7 @@
 """scripts/server_probe.py: histogram deltas and CPU accounting, on hand-made inputs."""
 import pytest
 
-from scripts.server_probe import cpu_delta, gauge, hist_delta
+from scripts.server_probe import cpu_delta, cpu_use, gauge, hist_delta
 
 LAG = "llm_event_loop_lag_seconds"
 
@@ -70,3 +70,10 @@ def test_cpu_delta_cores_other_load_and_busiest_threads():
     assert d["other_processes"] == pytest.approx(1.8 - (0.1 + 0.1 + 0.6 + 0.6))
     assert d["cpu_pressure_some"] == 0.6
     assert d["stub_llm_top_threads"] == [["8", 0.5], ["10", 0.05]]
+
+
+def test_cpu_use_keeps_every_kind_running_even_one_idle_in_a_short_run():
+    before = {"tritonserver": 1.0, "engine core": 2.0}
+    after = {"tritonserver": 1.0, "engine core": 2.5, "tokenizer": 0.1}
+    assert cpu_use(before, after, 0.5) == {"engine core": 1.0, "tokenizer": 0.2, "tritonserver": 0.0}
+    assert cpu_use(before, after, 0.0) == {}
