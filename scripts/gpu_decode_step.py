@@ -5,8 +5,13 @@ Variants, each with the decode CUDA graphs captured afresh:
   on          what the engine runs by default: fused RoPE + KV write, skinny GEMMs where the
               start-up timing chose them (engine/gemm_tuning.py; its table is reported),
               attention's splits merged in its kernel (fuse_kv_split_merge: 8 splits at batch 1
-              up to 511 keys), PDL (decode_pdl: every projection the skinny GEMM)
-  no_pdl      on without PDL (decode_pdl=False: cuBLAS where it won the timing)
+              up to 511 keys), PDL (decode_pdl: every projection the skinny GEMM), and the
+              engine's default decode_norms_in_gemms and decode_prefetch_o_proj
+  norms_prefetch_o, norms, prefetch_o, plain_pdl
+              PDL with both, one or neither of decode_norms_in_gemms (each RMSNorm in the
+              projection after it) and decode_prefetch_o_proj (o_proj's weights asked into L2
+              while the attention runs)
+  no_pdl      PDL off (decode_pdl=False: cuBLAS where it won the timing), neither of the two
   merge_apart on, but attention's splits by choose_num_kv_splits and merged by the separate
               kernel (fuse_kv_split_merge=False: one split at batch 1 up to 511 keys)
   off         rotary_embedding + write_kv, cuBLAS for every projection, the separate merge (the
@@ -44,10 +49,13 @@ def _linears(model) -> list[Linear]:
 
 
 def _set_variant(runner, fuse_rope: bool, tables: dict | None, kv_merge_in_kernel: bool,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, norms: bool = False, prefetch_o: bool = False) -> None:
     """Switch the model's kernels and capture its decode graphs again."""
     from engine.cuda_graphs import DecodeGraphs
     runner.model.fuse_rope_kv_write = fuse_rope
+    runner.model.norms_in_gemms = norms
+    for layer in runner.model.layers:
+        layer.self_attn.o_proj.prefetch_in_chain = prefetch_o
     for lin in _linears(runner.model):
         lin.skinny, lin.skinny_silu, lin.skinny_chain = (
             dict(t) for t in (tables or {}).get(id(lin), ({}, {}, {})))
@@ -150,19 +158,26 @@ def check_engine(args, out: dict) -> None:
     logits_off = None
     assert runner.decode_graphs.kv_merge_in_kernel, "the engine's default merges attention's splits in its kernel"
     pdl_on = runner.decode_graphs.pdl
-    variants = (("on", True, tables, True, pdl_on), ("no_pdl", True, tables, True, False),
-                ("merge_apart", True, tables, False, False), ("off", False, None, False, False),
-                ("rope_kv", True, None, False, False))
+    norms_on = runner.model.norms_in_gemms
+    prefetch_on = runner.model.layers[0].self_attn.o_proj.prefetch_in_chain
+    variants = (("on", True, tables, True, pdl_on, norms_on, prefetch_on),
+                ("norms_prefetch_o", True, tables, True, True, True, True),
+                ("norms", True, tables, True, True, True, False),
+                ("prefetch_o", True, tables, True, True, False, True),
+                ("plain_pdl", True, tables, True, True, False, False),
+                ("no_pdl", True, tables, True, False, False, False),
+                ("merge_apart", True, tables, False, False, False, False), ("off", False, None, False, False, False, False),
+                ("rope_kv", True, None, False, False, False, False))
     logits_on = None
-    for name, fuse_rope, tab, kv_merge, pdl in variants:
+    for name, fuse_rope, tab, kv_merge, pdl, norms, prefetch_o in variants:
         if name not in getattr(args, "variants", [v[0] for v in variants]):
             continue
         if name != "on":
-            _set_variant(runner, fuse_rope, tab, kv_merge, pdl)
+            _set_variant(runner, fuse_rope, tab, kv_merge, pdl, norms, prefetch_o)
         graph, logits, kv_splits = _step_graph(runner, args.context)
         row = {"step_ms": _replay_ms(graph), "ms_per_token": _ms_per_token(llm, name, prompt, args.output_len),
                "kv_splits": kv_splits, "kv_merge_in_kernel": kv_merge, "kernels": _kernel_table(graph),
-               "pdl": pdl}
+               "pdl": pdl, "norms_in_gemms": norms, "prefetch_o_proj": prefetch_o}
         if name != "on" and logits_on is not None:
             diff = (logits_on - logits).abs().max().item()
             row["logits_vs_on"] = {"max_abs_diff": diff, "max_abs": logits_on.abs().max().item(),
@@ -204,7 +219,8 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top-kernels", type=int, default=16)
-    ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv"])
+    ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv"],
+                    help="of: on norms_prefetch_o norms prefetch_o plain_pdl no_pdl merge_apart off rope_kv")
     args = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name()}
     check_engine(args, out)

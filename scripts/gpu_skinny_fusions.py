@@ -88,6 +88,8 @@ def main() -> None:
             except Exception as exc:            # a config that does not compile is reported
                 times[str(cfg)] = f"failed: {type(exc).__name__}: {exc}"[:200]
         ok = {c: t for c, t in times.items() if isinstance(t, float)}
+        if not ok:
+            raise RuntimeError(f"{label}: no config ran: {times}")
         best = min(ok, key=ok.get)
         results["kernels"][label] = {"us": times, "best": best, "best_us": ok[best]}
         print(f"{label:34s} best {best:22s} {ok[best]:7.2f} us   " +

@@ -398,3 +398,56 @@ def test_fused_rope_kv_write_path_equals_two_kernel_path(hf_and_path_d16):
     for (k0, v0), (k1, v1) in zip(unfused_kv, fused_kv):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     torch.testing.assert_close(fused, hf_logits(hf, tokens), atol=ATOL, rtol=RTOL)
+
+
+def test_norms_in_the_projections_equal_the_norm_kernels(hf_and_path_d16, monkeypatch):
+    """model.norms_in_gemms (EngineConfig.decode_norms_in_gemms), on the Triton path (kernels
+    interpreted on CPU, every projection given a skinny config for every row bucket): a step of
+    up to 16 rows runs each layer's RMSNorms inside qkv_proj and gate_up_proj and the residual
+    adds inside o_proj and down_proj (one norm kernel for the first layer's input, one for the
+    final norm); the logits equal those of the norm kernels to fp32 rounding, and HF's. Steps of
+    more than 16 rows (the prompt chunks) run the norm kernels either way."""
+    import engine.models.linear as linear_module
+    import engine.models.llama as llama_module
+    from engine.models.attention import triton_backend
+    from engine.models.linear import ROW_BUCKETS, Linear
+    from tests.kernel_support import load_kernels, require_runnable
+    sg, rms = load_kernels("kernels.skinny_gemm"), load_kernels("kernels.rmsnorm")
+    require_runnable(sg)
+    require_runnable(rms)
+    calls = []
+
+    def skinny(x, weight, bias=None, **kw):
+        calls.append(("norm" if kw.get("norm_weight") is not None else
+                      "add" if kw.get("residual") is not None else "gemm", x.shape[0]))
+        return sg.skinny_gemm(x, weight, bias, **kw)
+
+    def norm(*args, **kw):
+        calls.append(("rms_norm", args[0].shape[0]))
+        return rms.rms_norm(*args, **kw)
+    monkeypatch.setattr(linear_module, "skinny_gemm", skinny)
+    monkeypatch.setattr(llama_module, "rms_norm", norm)
+    hf, config, path = hf_and_path_d16
+    layers = config.num_hidden_layers
+    tokens = random_tokens(24, seed=10)
+    results = {}
+    for fuse in (False, True):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"), attention_backend=triton_backend(),
+                              fused_kernels=True)
+        for lin in model.modules():
+            if isinstance(lin, Linear):
+                lin.skinny = {b: sg.SkinnyConfig(16, 16, 2) for b in ROW_BUCKETS}
+        model.norms_in_gemms = fuse
+        kv = PagedKV(config, block_size=16, seed=11)
+        calls.clear()
+        got = run_step(model, kv, [(0, tokens[:20]), (1, tokens[:3])])[:1]    # 23 rows
+        assert calls.count(("rms_norm", 23)) == 2 * layers + 1 and ("norm", 23) not in calls
+        for token in tokens[20:]:
+            calls.clear()
+            got += run_step(model, kv, [(0, [token]), (1, [token])])[:1]       # 2 rows
+            kinds = {k: calls.count((k, 2)) for k in ("rms_norm", "norm", "add", "gemm")}
+            assert kinds == ({"rms_norm": 2, "norm": 2 * layers - 1, "add": 2 * layers, "gemm": 1} if fuse else
+                             {"rms_norm": 2 * layers + 1, "norm": 0, "add": 0, "gemm": 4 * layers})
+        results[fuse] = torch.cat(got)
+    torch.testing.assert_close(results[True], results[False], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[True], hf_logits(hf, tokens), atol=ATOL, rtol=RTOL)

@@ -172,3 +172,57 @@ def test_a_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain(dtype, hi
     for a, b in zip(outs[False], outs[True]):
         assert torch.equal(a, b)
     assert not torch.equal(outs[True][0], outs[True][1])
+
+
+@pytest.mark.skipif(not (ON_GPU and pdl.supported(torch.device("cuda"))),
+                    reason="PDL needs a GPU of compute capability >= 9.0 (the GPU machine runs this)")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_the_norms_in_gemms_chain_with_prefetch_gives_the_bits_of_the_plain_launches(dtype):
+    """A decode layer as decode_norms_in_gemms runs it (qkv with the norm prologue, o_proj with
+    the residual epilogue and its weights prefetched, gate_up with the norm, down with SiLU and
+    the residual), captured in a CUDA graph with PDL and prefetch and without, replayed on new
+    inputs: the same bits."""
+    from kernels.skinny_gemm import SkinnyConfig, skinny_gemm, sum_sq_parts
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter, rows = 1024, 2816, 2
+    ws = {name: torch.randn(n, k, device="cuda", dtype=dtype, generator=gen) / k ** 0.5
+          for name, n, k in (("qkv", 1536, hidden), ("o", hidden, hidden), ("up", 2 * inter, hidden),
+                             ("down", hidden, inter))}
+    g = torch.rand(hidden, device="cuda", dtype=dtype, generator=gen) + 0.5
+    res = torch.randn(rows, hidden, device="cuda", dtype=dtype, generator=gen)
+    cfg = SkinnyConfig(64, 128, 4)
+    sq_in = torch.empty(rows, sum_sq_parts(hidden, cfg), device="cuda")
+
+    def layer(use_pdl):
+        r = res.clone()
+        qkv = skinny_gemm(r, ws["qkv"], norm_weight=g, sum_sq=sq_in, eps=1e-5, config=cfg, pdl=use_pdl)
+        sq = torch.empty_like(sq_in)
+        skinny_gemm(qkv[:, :hidden], ws["o"], residual=r, sum_sq_out=sq, out=r, config=cfg, pdl=use_pdl,
+                    prefetch_weights=use_pdl)
+        up = skinny_gemm(r, ws["up"], norm_weight=g, sum_sq=sq, eps=1e-5, config=cfg, pdl=use_pdl)
+        sq2 = torch.empty_like(sq_in)
+        skinny_gemm(up, ws["down"], silu_mul=True, residual=r, sum_sq_out=sq2, out=r, config=cfg, pdl=use_pdl)
+        return r, sq2
+
+    outs = {}
+    for use_pdl in (False, True):
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            layer(use_pdl)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            out = layer(use_pdl)
+        got = []
+        for seed in (1, 2):
+            gen2 = torch.Generator(device="cuda").manual_seed(seed)
+            res.copy_(torch.randn(res.shape, device="cuda", dtype=dtype, generator=gen2))
+            sq_in.copy_((res.float() ** 2).reshape(rows, -1, cfg.block_n).sum(-1))
+            graph.replay()
+            torch.cuda.synchronize()
+            got.append([t.clone() for t in out])
+        outs[use_pdl] = got
+    for a, b in zip(outs[False], outs[True]):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert not torch.equal(outs[True][0][0], outs[True][1][0])
