@@ -67,9 +67,6 @@ class EngineConfig:
     # (kernels/skinny_gemm.py's prologue and epilogue; engine/models/llama.py): 2 kernels a
     # layer fewer. 1/rms from partial sums: fp32 sums in another order.
     decode_norms_in_gemms: bool = False
-    # In decode graphs launched with PDL, o_proj asks L2 for its weights while the attention
-    # ahead of it runs (kernels/skinny_gemm.py, prefetch_weights).
-    decode_prefetch_o_proj: bool = False
     # Plan and launch step N+1 while the GPU runs step N (engine/engine_core.py); its tokens
     # come back one step later. False: each step waits for its tokens before the next is planned.
     async_scheduling: bool = True
@@ -165,7 +162,7 @@ class EngineConfig:
             _int_at_least("cpu_threads", self.cpu_threads, 1)
         for name in ("enable_prefix_caching", "enable_prefix_groups", "enable_cascade_attention",
                      "async_scheduling", "fuse_rope_kv_write", "fuse_kv_split_merge", "decode_pdl",
-                     "decode_norms_in_gemms", "decode_prefetch_o_proj"):
+                     "decode_norms_in_gemms"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)

@@ -49,10 +49,8 @@ fp32 with unit column stride.
 With pdl=True (programmatic dependent launch, kernels/pdl.py) the kernel is launched while the
 kernel ahead still runs and waits for it before anything else. Loading the first weight step
 before the wait (weights are read-only) made the H200's decode step slower, not faster
-(benchmarks/h200/decode_pdl.md), as did prefetching weights into L2 in every projection there
-(a GEMM behind a GEMM has no idle memory to fill, and its later programs only ask twice). With
-prefetch_weights each program asks L2 for its whole share of W before its wait: for a
-projection behind a kernel that leaves the memory idle, o_proj behind the attention.
+(benchmarks/h200/decode_pdl.md), as did prefetching weights into L2 there, in every projection
+or in o_proj alone behind the attention (whose loads then queue behind the prefetches).
 """
 from __future__ import annotations
 
@@ -85,7 +83,7 @@ def _skinny_gemm_kernel(
     HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_SPLITS: tl.constexpr,
     EVEN_K: tl.constexpr, PARTS_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH_W: tl.constexpr, LINE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -100,11 +98,6 @@ def _skinny_gemm_kernel(
     k_hi = tl.minimum(k_lo + k_per_split, K)
     acc = tl.full([BLOCK_N, BLOCK_M], 0.0, dtype=tl.float32)
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
-        if PREFETCH_W:  # ... but the weights, read-only: this program's share asked into L2
-            w_row = w_ptr + tl.minimum(offs_n, N - 1).to(tl.int64) * stride_wn
-            for c in range(k_lo, k_hi, LINE):
-                tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [w_row + c],
-                                          dtype=tl.int32, is_pure=False, pack=1)
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     if PROLOGUE == _PLAIN:      # a = x, loaded straight into the MMA's operand
@@ -272,7 +265,6 @@ def skinny_gemm(
     out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     pdl: bool = False,
-    prefetch_weights: bool = False,
 ) -> torch.Tensor:
     """y [M, N] = a @ weight^T (+ bias) (+ residual), see the module docstring.
 
@@ -282,10 +274,7 @@ def skinny_gemm(
     residual [M, N]: y = (a @ weight^T + bias) rounded, plus residual, rounded (HF's residual
     add), and `sum_sq_out` [M, sum_sq_parts(N, config)] fp32 gets the partial sums of y's squares
     (what the next call's norm needs). out: where y goes (allocated if None); it may be residual.
-    config: the tiling; None: `default_config`. pdl: launch with programmatic dependent launch.
-    prefetch_weights (with pdl): each program asks L2 for its share of the weights before it
-    waits for the kernel ahead, so they stream while that kernel runs; for a projection behind a
-    kernel that leaves the memory idle (o_proj behind the attention), not one behind a GEMM."""
+    config: the tiling; None: `default_config`. pdl: launch with programmatic dependent launch."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     num_rows, num_cols = x.shape
@@ -310,8 +299,6 @@ def skinny_gemm(
     if bias is not None and (bias.shape != (n,) or bias.dtype not in _DTYPES or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float [{n}] tensor, got {bias.dtype} {list(bias.shape)}")
     check_pdl(pdl, device, "skinny_gemm")
-    if prefetch_weights and not pdl:
-        raise ValueError("prefetch_weights needs pdl=True: without it there is no kernel ahead to overlap")
     cfg = config or default_config(n, k, _num_sms(device))
     if norm_weight is not None:
         if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
@@ -363,7 +350,6 @@ def skinny_gemm(
         PARTS_BLOCK=triton.next_power_of_2(sq.shape[1]) if sum_sq is not None else 1, PREFETCH=_PREFETCH,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        PREFETCH_W=prefetch_weights, LINE=128 // weight.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return out

@@ -32,7 +32,6 @@ def test_defaults_are_valid(model_dir):
     ("tokenizer_process", "no", "true or false"),
     ("decode_pdl", 1, "true or false"),
     ("decode_norms_in_gemms", "on", "true or false"),
-    ("decode_prefetch_o_proj", None, "true or false"),
     ("tokenizer_process_priority", "high", "idle"),
     ("tokenizer_process_priority", 10, "normal"),
     ("response_senders", 0, ">= 1"),

@@ -37,13 +37,11 @@ def make_linear(n, k, bias, seed=0):
 def counted(monkeypatch):
     """Calls to the skinny GEMM from engine/models/linear.py: (rows, silu_mul, config), and
     (rows, silu_mul, config, pdl) for calls with pdl=True, which the interpreter cannot launch:
-    those run without it (what they compute is the same), + ("prefetch",) for calls asking
-    for the weights' prefetch (pdl only)."""
+    those run without it (what they compute is the same)."""
     calls = []
 
-    def run(x, weight, bias=None, *, silu_mul=False, config=None, pdl=False, prefetch_weights=False, **kw):
-        calls.append((x.shape[0], silu_mul, config) + ((True,) if pdl else ())
-                     + (("prefetch",) if prefetch_weights else ()))
+    def run(x, weight, bias=None, *, silu_mul=False, config=None, pdl=False, **kw):
+        calls.append((x.shape[0], silu_mul, config) + ((True,) if pdl else ()))
         return sg.skinny_gemm(x, weight, bias, silu_mul=silu_mul, config=config, **kw)
     monkeypatch.setattr(linear_module, "skinny_gemm", run)
     monkeypatch.setattr(linear_module, "silu_and_mul", activation.silu_and_mul)
@@ -113,27 +111,17 @@ def test_a_pdl_call_runs_the_chain_table_and_passes_pdl_on(counted, monkeypatch)
     torch.testing.assert_close(got, F.linear(activation.silu_and_mul(g), down.weight), atol=1e-4, rtol=1.3e-6)
 
 
-def test_prefetch_in_chain_asks_for_it_in_pdl_calls_only(counted):
-    lin = make_linear(37, 48, bias=False, seed=4)
-    cfg = sg.SkinnyConfig(16, 16, 2)
-    lin.skinny = lin.skinny_chain = {2: cfg}
-    lin.prefetch_in_chain = True
-    x = torch.randn(2, 48, device=DEVICE)
-    lin(x)
-    lin(x, pdl=True)
-    assert counted == [(2, False, cfg), (2, False, cfg, True, "prefetch")]
-
-
 def test_forward_add_then_forward_norm_are_the_residual_add_and_the_norm(counted):
     """o_proj.forward_add then gate_up_proj.forward_norm (a decode layer's norm inside its
-    projections): the residual updated in place as HF adds it, and the next projection of
-    the RMSNorm of it, from the sums forward_add handed on. No config for the rows: refused."""
+    projections), on their skinny_fused configs: the residual updated in place as HF adds it,
+    and the next projection of the RMSNorm of it, from the sums forward_add handed on. No
+    skinny_fused config for the rows: refused."""
     from engine.models.llama import RMSNorm
     o_proj, up = make_linear(48, 40, bias=True, seed=5), make_linear(24, 48, bias=False, seed=6)
     norm = RMSNorm(48, 1e-5).to(DEVICE)
     norm.weight.data = 1 + 0.3 * torch.randn(48, device=DEVICE)
     cfg = sg.SkinnyConfig(16, 16, 2)
-    o_proj.skinny = up.skinny = {4: cfg}
+    o_proj.skinny_fused = up.skinny_fused = {4: cfg}
     a, r = torch.randn(3, 40, device=DEVICE), torch.randn(3, 48, device=DEVICE)
     want_r = F.linear(a, o_proj.weight, o_proj.bias) + r
     want_y = F.linear(norm(want_r), up.weight)
@@ -143,7 +131,8 @@ def test_forward_add_then_forward_norm_are_the_residual_add_and_the_norm(counted
     torch.testing.assert_close(residual, want_r, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(up.forward_norm(residual, norm, sum_sq), want_y, atol=1e-4, rtol=1e-4)
     assert [c[:3] for c in counted] == [(3, False, cfg), (3, False, cfg)]
-    with pytest.raises(ValueError, match="no skinny GEMM config for 5 rows"):
+    with pytest.raises(ValueError, match="no skinny_fused config for 5 rows"):
         o_proj.forward_add(torch.randn(5, 40, device=DEVICE), torch.randn(5, 48, device=DEVICE))
-    with pytest.raises(ValueError, match="no skinny GEMM config for 3 rows \\(pdl=True\\)"):
+    up.skinny_fused = {}
+    with pytest.raises(ValueError, match="no skinny_fused config for 3 rows"):
         up.forward_norm(residual, norm, sum_sq, pdl=True)

@@ -402,7 +402,8 @@ def test_fused_rope_kv_write_path_equals_two_kernel_path(hf_and_path_d16):
 
 def test_norms_in_the_projections_equal_the_norm_kernels(hf_and_path_d16, monkeypatch):
     """model.norms_in_gemms (EngineConfig.decode_norms_in_gemms), on the Triton path (kernels
-    interpreted on CPU, every projection given a skinny config for every row bucket): a step of
+    interpreted on CPU, every projection given a skinny and a skinny_fused config for every row
+    bucket): a step of
     up to 16 rows runs each layer's RMSNorms inside qkv_proj and gate_up_proj and the residual
     adds inside o_proj and down_proj (one norm kernel for the first layer's input, one for the
     final norm); the logits equal those of the norm kernels to fp32 rounding, and HF's. Steps of
@@ -437,6 +438,7 @@ def test_norms_in_the_projections_equal_the_norm_kernels(hf_and_path_d16, monkey
         for lin in model.modules():
             if isinstance(lin, Linear):
                 lin.skinny = {b: sg.SkinnyConfig(16, 16, 2) for b in ROW_BUCKETS}
+                lin.skinny_fused = {b: sg.SkinnyConfig(32, 16, 3) for b in ROW_BUCKETS}
         model.norms_in_gemms = fuse
         kv = PagedKV(config, block_size=16, seed=11)
         calls.clear()

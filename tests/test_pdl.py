@@ -177,11 +177,10 @@ def test_a_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain(dtype, hi
 @pytest.mark.skipif(not (ON_GPU and pdl.supported(torch.device("cuda"))),
                     reason="PDL needs a GPU of compute capability >= 9.0 (the GPU machine runs this)")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_the_norms_in_gemms_chain_with_prefetch_gives_the_bits_of_the_plain_launches(dtype):
+def test_the_norms_in_gemms_chain_with_pdl_gives_the_bits_of_the_plain_launches(dtype):
     """A decode layer as decode_norms_in_gemms runs it (qkv with the norm prologue, o_proj with
-    the residual epilogue and its weights prefetched, gate_up with the norm, down with SiLU and
-    the residual), captured in a CUDA graph with PDL and prefetch and without, replayed on new
-    inputs: the same bits."""
+    the residual epilogue, gate_up with the norm, down with SiLU and the residual), captured in a
+    CUDA graph with PDL and without, replayed on new inputs: the same bits."""
     from kernels.skinny_gemm import SkinnyConfig, skinny_gemm, sum_sq_parts
     gen = torch.Generator(device="cuda").manual_seed(0)
     hidden, inter, rows = 1024, 2816, 2
@@ -197,8 +196,7 @@ def test_the_norms_in_gemms_chain_with_prefetch_gives_the_bits_of_the_plain_laun
         r = res.clone()
         qkv = skinny_gemm(r, ws["qkv"], norm_weight=g, sum_sq=sq_in, eps=1e-5, config=cfg, pdl=use_pdl)
         sq = torch.empty_like(sq_in)
-        skinny_gemm(qkv[:, :hidden], ws["o"], residual=r, sum_sq_out=sq, out=r, config=cfg, pdl=use_pdl,
-                    prefetch_weights=use_pdl)
+        skinny_gemm(qkv[:, :hidden], ws["o"], residual=r, sum_sq_out=sq, out=r, config=cfg, pdl=use_pdl)
         up = skinny_gemm(r, ws["up"], norm_weight=g, sum_sq=sq, eps=1e-5, config=cfg, pdl=use_pdl)
         sq2 = torch.empty_like(sq_in)
         skinny_gemm(up, ws["down"], silu_mul=True, residual=r, sum_sq_out=sq2, out=r, config=cfg, pdl=use_pdl)

@@ -238,7 +238,7 @@ class LlamaDecoderLayer(nn.Module):
         Returns (residual, its sums)."""
         pdl = attn.launch_pdl
         qkv_proj, o_proj = self.self_attn.qkv_proj, self.self_attn.o_proj
-        if sum_sq is None:
+        if sum_sq is None:      # its own config table: skinny, cuBLAS where that won
             qkv = qkv_proj(self.input_layernorm(residual, pdl=pdl), pdl=pdl)
         else:
             qkv = qkv_proj.forward_norm(residual, self.input_layernorm, sum_sq, pdl=pdl)
@@ -295,7 +295,7 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = Rope(self.rotary_emb, positions, x.dtype, self.fused,
                     self.config.max_position_embeddings, self.fuse_rope_kv_write)
-        if self._runs_norms_in_gemms(x, attn.launch_pdl):
+        if self._runs_norms_in_gemms(x):
             residual, sum_sq = x, None
             for layer, kv_cache in zip(self.layers, kv_caches):
                 residual, sum_sq = layer.forward_norms_in_gemms(residual, sum_sq, rope, kv_cache, attn)
@@ -306,14 +306,15 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual, pdl=attn.launch_pdl)
         return x
 
-    def _runs_norms_in_gemms(self, x: torch.Tensor, pdl: bool) -> bool:
+    def _runs_norms_in_gemms(self, x: torch.Tensor) -> bool:
         """norms_in_gemms is on, the Triton kernels run (fused), the norms' weights have x's
-        dtype, and every projection runs the skinny GEMM for x's rows."""
+        dtype, and every projection has a fused-form config for x's rows (the projections other
+        than the first layer's qkv_proj run only that form; it runs the plain skinny GEMM)."""
         if not (self.norms_in_gemms and self.fused) or x.dim() != 2 or x.shape[0] > MAX_ROWS:
             return False
         return all(layer.input_layernorm.weight.dtype == x.dtype
                    and layer.post_attention_layernorm.weight.dtype == x.dtype
-                   and all(p.skinny_config(x, pdl) is not None for p in layer.projections())
+                   and all(p.fused_config(x) is not None for p in layer.projections())
                    for layer in self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
