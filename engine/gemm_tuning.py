@@ -1,12 +1,7 @@
 """Start-up choice, per decoder projection and row bucket, between cuBLAS and the Triton skinny
 GEMM (kernels/skinny_gemm.py) for decode-sized inputs (up to 16 rows); fills the projections'
 `skinny` / `skinny_silu` tables (engine/models/linear.py), and `skinny_chain` with the fastest
-Triton config whether or not it won (what a decode graph launched with PDL runs). With
-norms_in_gemms, also `skinny_fused`: the fastest config of the fused forms a decode layer runs
-with EngineConfig.decode_norms_in_gemms (qkv_proj and gate_up_proj with the RMSNorm prologue,
-o_proj with the residual epilogue, down_proj with SiLU-and-mul and the residual): their best
-tiling is not the plain kernel's (H100: gate_up_proj with the norm, 92.5 us at the plain best
-config against 81.2 at its own). The chain's
+Triton config whether or not it won (what a decode graph launched with PDL runs). The chain's
 configs are chosen by these timings without PDL: timed in a chain of PDL launches of the same
 projection, other configs won, and the decode step with them was slower (H200: 4.68 against
 4.51 ms/token; benchmarks/h200/decode_pdl.md).
@@ -33,14 +28,12 @@ import torch.nn.functional as F
 
 from engine.models.linear import ROW_BUCKETS, Linear
 from kernels.activation import silu_and_mul
-from kernels.skinny_gemm import SkinnyConfig, candidate_configs, skinny_gemm, sum_sq_parts
+from kernels.skinny_gemm import SkinnyConfig, candidate_configs, skinny_gemm
 
 logger = logging.getLogger(__name__)
 
 MARGIN = 0.03           # the Triton kernel must be this much faster than cuBLAS to be chosen
-_CHOICES: dict[tuple, tuple[dict, dict, dict, dict, list]] = {}
-_NORM_IN = ("qkv_proj", "gate_up_proj")        # the fused forms: the norm before the projection
-_ADD_OUT = ("o_proj", "down_proj")              # the residual add after it
+_CHOICES: dict[tuple, tuple[dict, dict, dict, list]] = {}
 
 
 def pick(baseline_us: float, candidates_us: dict[SkinnyConfig, float],
@@ -85,34 +78,31 @@ def _projections(model) -> dict[str, list[Linear]]:
 
 
 @torch.inference_mode()
-def tune_skinny_gemms(model, device: torch.device, norms_in_gemms: bool = False) -> list[dict]:
+def tune_skinny_gemms(model, device: torch.device) -> list[dict]:
     """Times cuBLAS and every candidate config for each projection and row bucket, sets the
-    projections' tables to the winners and returns one report row per (projection, rows).
-    norms_in_gemms: also the fused forms (skinny_fused)."""
+    projections' tables to the winners and returns one report row per (projection, rows)."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
     report: list[dict] = []
     for name, linears in _projections(model).items():
         weight, bias = linears[0].weight, linears[0].bias
         n, k = weight.shape
         key = (torch.cuda.get_device_name(device), torch.__version__, name, n, k, weight.dtype,
-               bias is not None, len(linears), ROW_BUCKETS, norms_in_gemms)
+               bias is not None, len(linears), ROW_BUCKETS)
         if key not in _CHOICES:
-            _CHOICES[key] = _tune(name, linears, n, k, weight.dtype, device, num_sms, norms_in_gemms)
-        skinny, skinny_silu, chain, fused, rows = _CHOICES[key]
+            _CHOICES[key] = _tune(name, linears, n, k, weight.dtype, device, num_sms)
+        skinny, skinny_silu, chain, rows = _CHOICES[key]
         for lin in linears:
             lin.skinny, lin.skinny_silu, lin.skinny_chain = dict(skinny), dict(skinny_silu), dict(chain)
-            lin.skinny_fused = dict(fused)
         report += rows
     for r in report:
-        logger.info("GEMM %s %s%s N=%d K=%d rows=%d: %s %.1f us, best Triton %s %.1f us -> %s",
-                    r["proj"], "(silu_mul)" if r["silu_mul"] else "", "(fused)" if r["fused"] else "",
-                    r["n"], r["k"], r["rows"], r["baseline"], r["baseline_us"], r["best"], r["best_us"],
-                    r["chosen"])
+        logger.info("GEMM %s %s N=%d K=%d rows=%d: cuBLAS %.1f us, best Triton %s %.1f us -> %s",
+                    r["proj"], "(silu_mul)" if r["silu_mul"] else "", r["n"], r["k"], r["rows"],
+                    r["baseline_us"], r["best"], r["best_us"], r["chosen"])
     return report
 
 
 def _tune(name: str, linears: list[Linear], n: int, k: int, dtype: torch.dtype, device: torch.device,
-          num_sms: int, norms_in_gemms: bool) -> tuple[dict, dict, dict, dict, list]:
+          num_sms: int) -> tuple[dict, dict, dict, list]:
     configs = candidate_configs(n, k, num_sms)
     gen = torch.Generator(device=device).manual_seed(0)
     skinny: dict[int, SkinnyConfig] = {}
@@ -141,40 +131,11 @@ def _tune(name: str, linears: list[Linear], n: int, k: int, dtype: torch.dtype, 
             if choice is not None:
                 skinny_silu[rows] = choice
             rows_out.append(_row(name, n, k, rows, True, "silu_and_mul + chosen GEMM", baseline, times, choice))
-    fused: dict[int, SkinnyConfig] = {}
-    if norms_in_gemms:
-        plain_rows = rows_out[:len(ROW_BUCKETS)]
-        for rows, row in zip(ROW_BUCKETS, plain_rows):
-            fn = _fused_call(name, rows, n, k, dtype, device, gen)
-            times = {c: _time_us(lambda lin, c=c: fn(lin, c), linears, device) for c in configs}
-            fused[rows] = min(times, key=times.get)
-            rows_out.append(_row(name, n, k, rows, name == "down_proj", "plain kernel, chain config",
-                                 row["triton_us"][str(chain[rows])], times, fused[rows], fused=True))
-    return skinny, skinny_silu, chain, fused, rows_out
+    return skinny, skinny_silu, chain, rows_out
 
 
-def _fused_call(name: str, rows: int, n: int, k: int, dtype, device, gen) -> Callable:
-    """(lin, config) -> the fused form's call for `name` on random inputs of `rows` rows."""
-    if name in _NORM_IN:
-        x = torch.randn(rows, k, device=device, dtype=dtype, generator=gen)
-        g, sum_sq = torch.ones(k, device=device, dtype=dtype), (x.float() ** 2).sum(1, keepdim=True)
-        return lambda lin, c: skinny_gemm(x, lin.weight, lin.bias, norm_weight=g, sum_sq=sum_sq, eps=1e-5, config=c)
-    silu_mul = name == "down_proj"
-    x = torch.randn(rows, 2 * k if silu_mul else k, device=device, dtype=dtype, generator=gen)
-    residual = torch.zeros(rows, n, device=device, dtype=dtype)
-    sums: dict[int, torch.Tensor] = {}
-
-    def call(lin, c):
-        parts = sum_sq_parts(n, c)
-        out = sums.setdefault(parts, torch.empty(rows, parts, device=device))
-        return skinny_gemm(x, lin.weight, lin.bias, silu_mul=silu_mul, residual=residual, sum_sq_out=out,
-                           out=residual, config=c)
-    return call
-
-
-def _row(name, n, k, rows, silu_mul, baseline_name, baseline, times, choice, fused=False) -> dict:
+def _row(name, n, k, rows, silu_mul, baseline_name, baseline, times, choice) -> dict:
     best = min(times, key=times.get)
-    return {"proj": name, "n": n, "k": k, "rows": rows, "silu_mul": silu_mul, "fused": fused,
-            "baseline": baseline_name,
+    return {"proj": name, "n": n, "k": k, "rows": rows, "silu_mul": silu_mul, "baseline": baseline_name,
             "baseline_us": baseline, "triton_us": {str(c): t for c, t in times.items()},
             "best": str(best), "best_us": times[best], "chosen": "triton " + str(choice) if choice else "baseline"}

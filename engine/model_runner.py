@@ -150,8 +150,7 @@ class ModelRunner:
         # timing found faster for their shape and row count (before any graph is captured).
         self.gemm_report: list[dict] = []
         if on_gpu and config.skinny_gemm == "auto":
-            self.gemm_report = tune_skinny_gemms(self.model, device, config.decode_norms_in_gemms)
-        self.model.norms_in_gemms = config.decode_norms_in_gemms
+            self.gemm_report = tune_skinny_gemms(self.model, device)
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _RunnerRequest] = {}
         self.block_tables = _BlockTables()

@@ -6,24 +6,7 @@ Math, with W [N, K] in nn.Linear's layout and fp32 accumulation, rounded once to
 
 where a = x [M, K], or with silu_mul=True a = silu_and_mul(x) for x [M, 2K] (gate columns first,
 up second), computed as kernels/activation.py does (fp32 g / (1 + exp(-g)) * u, rounded to x's
-dtype), so the fused prologue gives bitwise what silu_and_mul followed by this kernel gives; or
-with norm_weight g, a = RMSNorm(x) with kernels/rmsnorm.py's expression and roundings:
-
-    a[m, k] = g[k] * (x[m, k] * rsqrt(sum_p sum_sq[m, p] / K + eps) rounded) rounded
-
-where sum_sq [M, P] are partial sums of x's squared rows, written by the call that produced x
-(below), so the prologue needs no pass over x of its own before its weight stream starts.
-A prologue that computes a cannot feed the MMA straight from memory as a plain x does; its
-loads for step i + 1 are issued before step i's math so their latency is hidden.
-
-With a residual r [M, N] (HF's residual add after o_proj and down_proj):
-
-    y[m, n] = (rounded(sum_k a[m, k] W[n, k] + bias[n]) + r[m, n]) rounded
-    sum_sq_out[m, t] = sum over N tile t of y[m, n]^2     (fp32, one column per BLOCK_N tile)
-
-A decode layer's two RMSNorms then need no kernel of their own: o_proj adds the residual and
-hands gate_up_proj the sums for its norm prologue, down_proj does the same for the next
-layer's qkv_proj (engine/models/llama.py).
+dtype), so the fused prologue gives bitwise what silu_and_mul followed by this kernel gives.
 
 Tiling ("swap AB"): a program owns BLOCK_N rows of W and one of SPLIT_K slices of K, and
 accumulates acc[BLOCK_N, 16] += W[BLOCK_N, BLOCK_K] @ a^T[BLOCK_K, 16] with tl.dot. W's rows take
@@ -42,15 +25,15 @@ kernel alone (no memset, no reduce). Calls on one device share them: they must n
 time (one stream).
 
 Layouts: x [M, K] (or [M, 2K] with silu_mul) with unit column stride, any row stride; W [N, K]
-with unit column stride, any row stride; bias [N]; y [M, N] contiguous, x's dtype, and it may be
-the residual itself (each program reads its tile of r before writing it); sum_sq, sum_sq_out
-fp32 with unit column stride.
+with unit column stride, any row stride; bias [N]; y [M, N] contiguous, x's dtype.
 
 With pdl=True (programmatic dependent launch, kernels/pdl.py) the kernel is launched while the
 kernel ahead still runs and waits for it before anything else. Loading the first weight step
 before the wait (weights are read-only) made the H200's decode step slower, not faster
-(benchmarks/h200/decode_pdl.md), as did prefetching weights into L2 there, in every projection
-or in o_proj alone behind the attention (whose loads then queue behind the prefetches).
+(benchmarks/h200/decode_pdl.md), as did prefetching weights into L2 there, and o_proj's alone
+behind the attention (an H100: benchmarks/h100/norms_in_gemms.md). Folding a layer's norms and
+residual adds into the projections' prologue and epilogue (5097ce1) took 0.3% off the step:
+in a PDL chain the small kernels between GEMMs cost little; not kept.
 """
 from __future__ import annotations
 
@@ -64,24 +47,19 @@ from kernels.arrival_counters import arrival_counters
 from kernels.pdl import check as check_pdl, launch_options
 
 __all__ = ["SkinnyConfig", "candidate_configs", "default_config", "skinny_gemm", "skinny_gemm_ref",
-           "MAX_ROWS", "sum_sq_parts"]
+           "MAX_ROWS"]
 
 MAX_ROWS = 16                   # x rows per call: the MMA's narrow side
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
-_PLAIN, _SILU_MUL, _RMS_NORM = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)    # prologues
-# Issue the prologue's loads a step ahead (kept switchable to measure what it buys).
-_PREFETCH = True
 
 
 @triton.jit(do_not_specialize=["M"])
 def _skinny_gemm_kernel(
     x_ptr, w_ptr, bias_ptr, y_ptr, part_ptr, count_ptr,
-    g_ptr, sq_ptr, res_ptr, sq_out_ptr,                 # the norm prologue's and residual epilogue's
-    M, N, K, k_per_split, num_splits, num_parts, eps,
-    stride_xm, stride_wn, stride_ym, stride_sqm, stride_rm, stride_sqom,
-    HAS_BIAS: tl.constexpr, PROLOGUE: tl.constexpr, ADD_RESIDUAL: tl.constexpr, HAS_SPLITS: tl.constexpr,
-    EVEN_K: tl.constexpr, PARTS_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+    M, N, K, k_per_split, num_splits,
+    stride_xm, stride_wn, stride_ym,
+    HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_SPLITS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -100,42 +78,16 @@ def _skinny_gemm_kernel(
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-    if PROLOGUE == _PLAIN:      # a = x, loaded straight into the MMA's operand
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:          # every step is a whole BLOCK_K inside [k_lo, k_hi)
-                w = tl.load(w_rows + offs_k[None, :])
-                x_mask = m_in[None, :] & (offs_k[:, None] >= 0)
-            else:
-                w = tl.load(w_rows + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
-                x_mask = m_in[None, :] & (offs_k[:, None] < k_hi)
-            a = tl.load(x_cols + offs_k[:, None], mask=x_mask, other=0.0)
-            acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
-    else:
-        # a is computed from what is loaded (SiLU-and-mul, or the RMSNorm). With PREFETCH the
-        # loads of step i + 1 are issued before step i's math, so their latency hides behind it.
-        if PROLOGUE == _RMS_NORM:   # 1 / rms of x's rows from their partial sums of squares
-            offs_p = tl.arange(0, PARTS_BLOCK)
-            sq = tl.load(sq_ptr + offs_m[None, :].to(tl.int64) * stride_sqm + offs_p[:, None],
-                         mask=m_in[None, :] & (offs_p[:, None] < num_parts), other=0.0)
-            inv_rms = tl.rsqrt(tl.sum(sq, 0) / K + eps)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:          # every step is a whole BLOCK_K inside [k_lo, k_hi)
+            w = tl.load(w_rows + offs_k[None, :])
+            x_mask = m_in[None, :] & (offs_k[:, None] >= 0)
         else:
-            inv_rms = tl.full([BLOCK_M], 1.0, dtype=tl.float32)       # unused
-        u0, u1 = _load_raw(x_cols, g_ptr, k_lo, k_hi, m_in, K, PROLOGUE, BLOCK_K)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            offs_k = k0 + tl.arange(0, BLOCK_K)
-            if EVEN_K:
-                w = tl.load(w_rows + offs_k[None, :])
-            else:
-                w = tl.load(w_rows + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
-            if PREFETCH:
-                v0, v1 = _load_raw(x_cols, g_ptr, k0 + BLOCK_K, k_hi, m_in, K, PROLOGUE, BLOCK_K)
-            else:
-                u0, u1 = _load_raw(x_cols, g_ptr, k0, k_hi, m_in, K, PROLOGUE, BLOCK_K)
-            a = _prologue(u0, u1, inv_rms, PROLOGUE)
-            acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
-            if PREFETCH:
-                u0, u1 = v0, v1
+            w = tl.load(w_rows + offs_k[None, :], mask=offs_k[None, :] < k_hi, other=0.0)
+            x_mask = m_in[None, :] & (offs_k[:, None] < k_hi)
+        a = _load_a(x_cols, offs_k, x_mask, K, SILU_MUL)
+        acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
 
     if HAS_SPLITS:
         tile = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * BLOCK_M + offs_m[None, :]
@@ -148,54 +100,28 @@ def _skinny_gemm_kernel(
             for s in range(0, num_splits):
                 acc += tl.load(part_ptr + s * tile_size + tile, cache_modifier=".cg")
             tl.atomic_xchg(count_ptr + pid_n, 0)
-            _store_y(acc, bias_ptr, y_ptr, res_ptr, sq_out_ptr, pid_n, offs_n, offs_m, n_in, m_in,
-                     stride_ym, stride_rm, stride_sqom, HAS_BIAS, ADD_RESIDUAL)
+            _store_y(acc, bias_ptr, y_ptr, offs_n, offs_m, n_in, m_in, stride_ym, HAS_BIAS)
     else:
-        _store_y(acc, bias_ptr, y_ptr, res_ptr, sq_out_ptr, pid_n, offs_n, offs_m, n_in, m_in,
-                 stride_ym, stride_rm, stride_sqom, HAS_BIAS, ADD_RESIDUAL)
+        _store_y(acc, bias_ptr, y_ptr, offs_n, offs_m, n_in, m_in, stride_ym, HAS_BIAS)
 
 
 @triton.jit
-def _load_raw(x_cols, g_ptr, k0, k_hi, m_in, K, PROLOGUE: tl.constexpr, BLOCK_K: tl.constexpr):
-    """What the prologue computes a^T [BLOCK_K, BLOCK_M] from, for the columns k0 + [0, BLOCK_K)
-    (zeros from k_hi on): (gate, up) of x for SiLU-and-mul, (x, norm weight) for the RMSNorm."""
-    offs_k = k0 + tl.arange(0, BLOCK_K)
-    mask = m_in[None, :] & (offs_k[:, None] < k_hi)
+def _load_a(x_cols, offs_k, x_mask, K, SILU_MUL: tl.constexpr):
+    """a^T [BLOCK_K, BLOCK_M] for the columns offs_k: x's, or silu_and_mul's of x."""
     x_ptrs = x_cols + offs_k[:, None]
-    first = tl.load(x_ptrs, mask=mask, other=0.0)
-    if PROLOGUE == _SILU_MUL:
-        second = tl.load(x_ptrs + K, mask=mask, other=0.0)
-    else:
-        second = tl.load(g_ptr + offs_k, mask=offs_k < k_hi, other=0.0)
-    return first, second
+    if SILU_MUL:        # kernels/activation.py's expression and rounding
+        gate = tl.load(x_ptrs, mask=x_mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptrs + K, mask=x_mask, other=0.0).to(tl.float32)
+        return (gate / (1.0 + tl.exp(-gate)) * up).to(x_cols.dtype.element_ty)
+    return tl.load(x_ptrs, mask=x_mask, other=0.0)
 
 
 @triton.jit
-def _prologue(u0, u1, inv_rms, PROLOGUE: tl.constexpr):
-    """a^T from _load_raw's pair, with kernels/activation.py's or kernels/rmsnorm.py's
-    expression and roundings."""
-    if PROLOGUE == _SILU_MUL:
-        gate = u0.to(tl.float32)
-        a = gate / (1.0 + tl.exp(-gate)) * u1.to(tl.float32)
-    else:
-        normed = (u0.to(tl.float32) * inv_rms[None, :]).to(u0.dtype)
-        a = u1.to(tl.float32)[:, None] * normed.to(tl.float32)
-    return a.to(u0.dtype)
-
-
-@triton.jit
-def _store_y(acc, bias_ptr, y_ptr, res_ptr, sq_out_ptr, pid_n, offs_n, offs_m, n_in, m_in,
-             stride_ym, stride_rm, stride_sqom, HAS_BIAS: tl.constexpr, ADD_RESIDUAL: tl.constexpr):
+def _store_y(acc, bias_ptr, y_ptr, offs_n, offs_m, n_in, m_in, stride_ym, HAS_BIAS: tl.constexpr):
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[:, None]
-    mask = n_in[:, None] & m_in[None, :]
-    y = acc.to(y_ptr.dtype.element_ty)
-    if ADD_RESIDUAL:    # s = y + r in y's dtype (HF's residual add), and this tile's sum of s^2
-        r = tl.load(res_ptr + offs_m[None, :].to(tl.int64) * stride_rm + offs_n[:, None], mask=mask, other=0.0)
-        y = (y.to(tl.float32) + r.to(tl.float32)).to(y_ptr.dtype.element_ty)
-        s32 = tl.where(mask, y.to(tl.float32), 0.0)
-        tl.store(sq_out_ptr + offs_m.to(tl.int64) * stride_sqom + pid_n, tl.sum(s32 * s32, 0), mask=m_in)
-    tl.store(y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None], y, mask=mask)
+    y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_in[:, None] & m_in[None, :])
 
 
 # triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
@@ -246,43 +172,24 @@ def _num_sms(device: torch.device) -> int:
     return _H200_NUM_SMS
 
 
-def sum_sq_parts(n: int, config: SkinnyConfig) -> int:
-    """Columns of the partial sums of squares a call with a residual writes: one per N tile."""
-    return triton.cdiv(n, config.block_n)
-
-
 def skinny_gemm(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     *,
     silu_mul: bool = False,
-    norm_weight: torch.Tensor | None = None,
-    sum_sq: torch.Tensor | None = None,
-    eps: float = 0.0,
-    residual: torch.Tensor | None = None,
-    sum_sq_out: torch.Tensor | None = None,
-    out: torch.Tensor | None = None,
     config: SkinnyConfig | None = None,
     pdl: bool = False,
 ) -> torch.Tensor:
-    """y [M, N] = a @ weight^T (+ bias) (+ residual), see the module docstring.
-
-    a = x [M, K]; with silu_mul, silu_and_mul(x) for x [M, 2K]; with norm_weight, the RMSNorm of
-    x (kernels/rmsnorm.py without its residual) given `sum_sq` [M, P] fp32, partial sums of the
-    squares of x's rows (P of them per row: their total is the row's), and `eps`.
-    residual [M, N]: y = (a @ weight^T + bias) rounded, plus residual, rounded (HF's residual
-    add), and `sum_sq_out` [M, sum_sq_parts(N, config)] fp32 gets the partial sums of y's squares
-    (what the next call's norm needs). out: where y goes (allocated if None); it may be residual.
-    config: the tiling; None: `default_config`. pdl: launch with programmatic dependent launch."""
+    """y [M, N] = a @ weight^T (+ bias), a = x [M, K] or silu_and_mul(x) for x [M, 2K] (see the
+    module docstring). config: the tiling; None: `default_config`. pdl: launch with programmatic
+    dependent launch, the first weights loaded before waiting for the kernel ahead."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     num_rows, num_cols = x.shape
     n, k = weight.shape
     if num_rows > MAX_ROWS:
         raise ValueError(f"x may have at most {MAX_ROWS} rows, got {num_rows}")
-    if silu_mul and norm_weight is not None:
-        raise ValueError("silu_mul and norm_weight are two prologues: pass at most one")
     if num_cols != (2 * k if silu_mul else k):
         raise ValueError(f"x must have {'2K' if silu_mul else 'K'} = {2 * k if silu_mul else k} columns "
                          f"for weight [N, K={k}], got {num_cols}")
@@ -299,35 +206,12 @@ def skinny_gemm(
     if bias is not None and (bias.shape != (n,) or bias.dtype not in _DTYPES or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float [{n}] tensor, got {bias.dtype} {list(bias.shape)}")
     check_pdl(pdl, device, "skinny_gemm")
-    cfg = config or default_config(n, k, _num_sms(device))
-    if norm_weight is not None:
-        if norm_weight.shape != (k,) or norm_weight.dtype != x.dtype or not norm_weight.is_contiguous():
-            raise ValueError(f"norm_weight must be a contiguous {x.dtype} [{k}] tensor, "
-                             f"got {norm_weight.dtype} {list(norm_weight.shape)}")
-        _check_sum_sq("sum_sq", sum_sq, num_rows, None, device)
-        if not eps >= 0:
-            raise ValueError(f"eps must be >= 0, got {eps}")
-    elif sum_sq is not None:
-        raise ValueError("sum_sq is given but norm_weight is None")
-    if residual is not None:
-        if residual.shape != (num_rows, n) or residual.dtype != x.dtype or residual.device != device \
-                or (n > 1 and residual.stride(1) != 1):
-            raise ValueError(f"residual must be a {x.dtype} [{num_rows}, {n}] tensor on {device} with unit "
-                             f"column stride, got {residual.dtype} {list(residual.shape)} {residual.stride()}")
-        _check_sum_sq("sum_sq_out", sum_sq_out, num_rows, sum_sq_parts(n, cfg), device)
-    elif sum_sq_out is not None:
-        raise ValueError("sum_sq_out is given but residual is None")
-    if out is None:
-        out = torch.empty(num_rows, n, dtype=x.dtype, device=device)
-    elif out.shape != (num_rows, n) or out.dtype != x.dtype or out.device != device or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous {x.dtype} [{num_rows}, {n}] tensor on {device}, "
-                         f"got {out.dtype} {list(out.shape)}")
+    y = torch.empty(num_rows, n, dtype=x.dtype, device=device)
     if num_rows == 0 or n == 0:
-        return out
+        return y
     if k == 0:
-        if residual is not None:
-            raise ValueError("a residual add needs K > 0")
-        return out.zero_() if bias is None else out.copy_(bias.expand(num_rows, n))
+        return y.zero_() if bias is None else y.copy_(bias.expand(num_rows, n))
+    cfg = config or default_config(n, k, _num_sms(device))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
     num_splits = triton.cdiv(k, k_per_split)           # rounding up may leave fewer slices
     num_tiles = triton.cdiv(n, cfg.block_n)
@@ -335,45 +219,25 @@ def skinny_gemm(
         part = torch.empty(num_splits, num_tiles * cfg.block_n, MAX_ROWS, dtype=torch.float32, device=device)
         counters = arrival_counters("skinny_gemm", device, num_tiles)
     else:
-        part = counters = out                           # unused
-    prologue = _SILU_MUL if silu_mul else _RMS_NORM if norm_weight is not None else _PLAIN
-    sq = sum_sq if sum_sq is not None else out          # placeholders where unused
-    res = residual if residual is not None else out
-    sq_out = sum_sq_out if sum_sq_out is not None else out
+        part = counters = y                             # unused
     _skinny_gemm_kernel[(num_tiles, num_splits)](
-        x, weight, bias if bias is not None else weight, out, part, counters,
-        norm_weight if norm_weight is not None else weight, sq, res, sq_out,
-        num_rows, n, k, k_per_split, num_splits, sq.shape[1], eps,
-        x.stride(0), weight.stride(0), out.stride(0), sq.stride(0), res.stride(0), sq_out.stride(0),
-        HAS_BIAS=bias is not None, PROLOGUE=prologue, ADD_RESIDUAL=residual is not None,
-        HAS_SPLITS=num_splits > 1, EVEN_K=k % cfg.block_k == 0,
-        PARTS_BLOCK=triton.next_power_of_2(sq.shape[1]) if sum_sq is not None else 1, PREFETCH=_PREFETCH,
+        x, weight, bias if bias is not None else weight, y, part, counters,
+        num_rows, n, k, k_per_split, num_splits,
+        x.stride(0), weight.stride(0), y.stride(0),
+        HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_SPLITS=num_splits > 1, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
-    return out
-
-
-def _check_sum_sq(name: str, t: torch.Tensor | None, rows: int, parts: int | None, device) -> None:
-    want = f"[{rows}, {parts}]" if parts is not None else f"[{rows}, P >= 1]"
-    if t is None or t.dim() != 2 or t.shape[0] != rows or (parts is not None and t.shape[1] != parts) \
-            or t.shape[1] < 1 or t.dtype != torch.float32 or t.device != device or t.stride(1) != 1:
-        got = "None" if t is None else f"{t.dtype} {list(t.shape)} on {t.device}"
-        raise ValueError(f"{name} must be a float32 {want} tensor on {device} with unit column stride, got {got}")
+    return y
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                    *, silu_mul: bool = False, norm_weight: torch.Tensor | None = None, eps: float = 0.0,
-                    residual: torch.Tensor | None = None) -> torch.Tensor:
-    """Eager fp64, not rounded: a @ weight^T + bias (+ residual), a = x, silu(g) * u with
-    silu_mul, or norm_weight * x / rms(x) with norm_weight."""
+                    *, silu_mul: bool = False) -> torch.Tensor:
+    """Eager fp64: (silu(g) * u if silu_mul else x) @ weight^T + bias, not rounded."""
     a = x.double()
     if silu_mul:
         gate, up = a.chunk(2, dim=-1)
         a = gate / (1.0 + torch.exp(-gate)) * up
-    if norm_weight is not None:
-        a = norm_weight.double() * a * torch.rsqrt(a.pow(2).mean(-1, keepdim=True) + eps)
     y = a @ weight.double().T
-    y = y if bias is None else y + bias.double()
-    return y if residual is None else y + residual.double()
+    return y if bias is None else y + bias.double()

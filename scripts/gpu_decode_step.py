@@ -5,12 +5,8 @@ Variants, each with the decode CUDA graphs captured afresh:
   on          what the engine runs by default: fused RoPE + KV write, skinny GEMMs where the
               start-up timing chose them (engine/gemm_tuning.py; its table is reported),
               attention's splits merged in its kernel (fuse_kv_split_merge: 8 splits at batch 1
-              up to 511 keys), PDL (decode_pdl: every projection the skinny GEMM), and the
-              engine's default decode_norms_in_gemms
-  norms, plain_pdl
-              PDL with and without decode_norms_in_gemms (each RMSNorm in the projection after
-              it, each residual add in the one before)
-  no_pdl      PDL off (decode_pdl=False: cuBLAS where it won the timing), no norms in GEMMs
+              up to 511 keys), PDL (decode_pdl: every projection the skinny GEMM)
+  no_pdl      on without PDL (decode_pdl=False: cuBLAS where it won the timing)
   merge_apart on, but attention's splits by choose_num_kv_splits and merged by the separate
               kernel (fuse_kv_split_merge=False: one split at batch 1 up to 511 keys)
   off         rotary_embedding + write_kv, cuBLAS for every projection, the separate merge (the
@@ -48,14 +44,13 @@ def _linears(model) -> list[Linear]:
 
 
 def _set_variant(runner, fuse_rope: bool, tables: dict | None, kv_merge_in_kernel: bool,
-                 pdl: bool = False, norms: bool = False) -> None:
+                 pdl: bool = False) -> None:
     """Switch the model's kernels and capture its decode graphs again."""
     from engine.cuda_graphs import DecodeGraphs
     runner.model.fuse_rope_kv_write = fuse_rope
-    runner.model.norms_in_gemms = norms
     for lin in _linears(runner.model):
-        lin.skinny, lin.skinny_silu, lin.skinny_chain, lin.skinny_fused = (
-            dict(t) for t in (tables or {}).get(id(lin), ({}, {}, {}, {})))
+        lin.skinny, lin.skinny_silu, lin.skinny_chain = (
+            dict(t) for t in (tables or {}).get(id(lin), ({}, {}, {})))
     old = runner.decode_graphs
     runner.decode_graphs = None
     graphs = DecodeGraphs(runner.model, runner.kv_caches, old.max_batch, old.block_table.shape[1],
@@ -138,44 +133,36 @@ def _ms_per_token(llm, tag: str, prompt: list[int], output_len: int, iters: int 
 
 def check_engine(args, out: dict) -> None:
     from engine import LLM
-    from engine.config import EngineConfig
     from scripts.bench_common import PRESETS, preset_dir
-    # The fused forms' configs are timed at start-up only when the engine runs them.
-    tune_fused = "norms" in args.variants
     llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16", skip_tokenizer_init=True,
-              max_num_seqs=1, max_model_len=1024, max_num_batched_tokens=256, num_kv_blocks=4096,
-              decode_norms_in_gemms=tune_fused or EngineConfig.decode_norms_in_gemms)
+              max_num_seqs=1, max_model_len=1024, max_num_batched_tokens=256, num_kv_blocks=4096)
     runner = llm.core.runner
     report = {"gemm_choice": runner.gemm_report, "context": args.context, "variants": {}}
     out["engine"] = report
     print("start-up GEMM choice (us per call, graph of 32 layers):")
     for r in runner.gemm_report:
-        print(f"  {r['proj']:>12}{' +silu' if r['silu_mul'] else '':6}{' fused' if r.get('fused') else '':6} M={r['rows']:2d}: {r['baseline']} "
+        print(f"  {r['proj']:>12}{' +silu' if r['silu_mul'] else '':6} M={r['rows']:2d}: {r['baseline']} "
               f"{r['baseline_us']:6.2f} | Triton {r['best']} {r['best_us']:6.2f} -> {r['chosen']}")
-    tables = {id(lin): (dict(lin.skinny), dict(lin.skinny_silu), dict(lin.skinny_chain), dict(lin.skinny_fused))
+    tables = {id(lin): (dict(lin.skinny), dict(lin.skinny_silu), dict(lin.skinny_chain))
               for lin in _linears(runner.model)}
     vocab = PRESETS["llama-3.1-8b"]["vocab_size"]
     prompt = [(i * 7919) % vocab for i in range(128)]
     logits_off = None
     assert runner.decode_graphs.kv_merge_in_kernel, "the engine's default merges attention's splits in its kernel"
     pdl_on = runner.decode_graphs.pdl
-    norms_on = EngineConfig.decode_norms_in_gemms
-    variants = (("on", True, tables, True, pdl_on, norms_on),
-                ("norms", True, tables, True, True, True),
-                ("plain_pdl", True, tables, True, True, False),
-                ("no_pdl", True, tables, True, False, False),
-                ("merge_apart", True, tables, False, False, False), ("off", False, None, False, False, False),
-                ("rope_kv", True, None, False, False, False))
+    variants = (("on", True, tables, True, pdl_on), ("no_pdl", True, tables, True, False),
+                ("merge_apart", True, tables, False, False), ("off", False, None, False, False),
+                ("rope_kv", True, None, False, False))
     logits_on = None
-    for name, fuse_rope, tab, kv_merge, pdl, norms in variants:
+    for name, fuse_rope, tab, kv_merge, pdl in variants:
         if name not in getattr(args, "variants", [v[0] for v in variants]):
             continue
-        if name != "on" or runner.model.norms_in_gemms != norms:
-            _set_variant(runner, fuse_rope, tab, kv_merge, pdl, norms)
+        if name != "on":
+            _set_variant(runner, fuse_rope, tab, kv_merge, pdl)
         graph, logits, kv_splits = _step_graph(runner, args.context)
         row = {"step_ms": _replay_ms(graph), "ms_per_token": _ms_per_token(llm, name, prompt, args.output_len),
                "kv_splits": kv_splits, "kv_merge_in_kernel": kv_merge, "kernels": _kernel_table(graph),
-               "pdl": pdl, "norms_in_gemms": norms}
+               "pdl": pdl}
         if name != "on" and logits_on is not None:
             diff = (logits_on - logits).abs().max().item()
             row["logits_vs_on"] = {"max_abs_diff": diff, "max_abs": logits_on.abs().max().item(),
@@ -217,8 +204,7 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=300)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top-kernels", type=int, default=16)
-    ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv"],
-                    help="of: on norms plain_pdl no_pdl merge_apart off rope_kv")
+    ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv"])
     args = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name()}
     check_engine(args, out)

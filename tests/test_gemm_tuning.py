@@ -42,24 +42,3 @@ def test_tuning_fills_every_layers_tables_by_the_rule(tmp_path):
             lin = owner[r["proj"]](layer)
             table = lin.skinny_silu if r["silu_mul"] else lin.skinny
             assert r["chosen"] == ("triton " + str(table[r["rows"]]) if r["rows"] in table else "baseline")
-
-
-@pytest.mark.skipif(not ON_GPU, reason="times CUDA graphs")
-def test_tuning_the_fused_forms_fills_skinny_fused_with_their_fastest(tmp_path):
-    from engine.gemm_tuning import tune_skinny_gemms
-    from engine.models.attention import triton_backend
-    from engine.models.linear import ROW_BUCKETS
-    from engine.models.loader import load_model
-    from tests.test_models import save_llama_config_only
-    save_llama_config_only(tmp_path)
-    model, config = load_model(tmp_path, torch.bfloat16, "cuda", load_format="dummy",
-                               attention_backend=triton_backend(), fused_kernels=True)
-    report = tune_skinny_gemms(model, torch.device("cuda"), norms_in_gemms=True)
-    fused = [r for r in report if r["fused"]]
-    assert sorted((r["proj"], r["rows"]) for r in fused) == sorted(
-        (p, m) for p in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj") for m in ROW_BUCKETS)
-    for r in fused:
-        assert r["silu_mul"] == (r["proj"] == "down_proj")
-        for layer in model.layers:
-            lin = dict(zip(("qkv_proj", "o_proj", "gate_up_proj", "down_proj"), layer.projections()))[r["proj"]]
-            assert str(lin.skinny_fused[r["rows"]]) == r["best"] and r["chosen"] == "triton " + r["best"]

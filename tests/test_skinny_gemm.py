@@ -1,7 +1,6 @@
 """kernels/skinny_gemm.py against fp64 matmul (and torch.matmul's own error in half dtypes), at
 odd shapes, every tiling path (masked and whole K steps, split-K merged in the kernel or not),
-bias, the fused SiLU-and-mul prologue (bitwise silu_and_mul followed by the kernel), the RMSNorm
-prologue and the residual-add epilogue (against kernels/rmsnorm.py and the plain kernel).
+bias, and the fused SiLU-and-mul prologue (bitwise silu_and_mul followed by the kernel).
 
 Without CUDA the kernel runs under Triton's interpreter on CPU (fp32 and fp16; the interpreter
 has no bf16), with CUDA on the GPU in bf16 too.
@@ -14,7 +13,6 @@ from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
 sg = load_kernels("kernels.skinny_gemm")
 activation = load_kernels("kernels.activation")
-rmsnorm = load_kernels("kernels.rmsnorm")
 SkinnyConfig, skinny_gemm, skinny_gemm_ref = sg.SkinnyConfig, sg.skinny_gemm, sg.skinny_gemm_ref
 
 
@@ -22,7 +20,6 @@ SkinnyConfig, skinny_gemm, skinny_gemm_ref = sg.SkinnyConfig, sg.skinny_gemm, sg
 def kernels_can_run_here():
     require_runnable(sg)
     require_runnable(activation)
-    require_runnable(rmsnorm)
 
 
 DTYPE_TOLS = [(torch.float32, 1e-4, 1.3e-6), (torch.float16, 1e-2, 1e-3)]
@@ -87,89 +84,6 @@ def test_silu_mul_prologue_equals_silu_and_mul_then_gemm(m, n, k, config, dtype,
     check_accuracy(y, x, w, b, dtype, 4 * atol, rtol, silu_mul=True)   # x 3x larger
 
 
-def _sum_sq_parts_of(x: torch.Tensor, parts: int) -> torch.Tensor:
-    """x's rows' sums of squares in `parts` uneven column slices, fp32 [M, parts]."""
-    cols = torch.tensor_split(x.float(), parts, dim=1)
-    return torch.stack([(c * c).sum(1) for c in cols], dim=1).contiguous()
-
-
-@pytest.mark.parametrize("dtype,atol,rtol", DTYPE_TOLS)
-@pytest.mark.parametrize("config", ["default", "split3_n16", "split1"])
-@pytest.mark.parametrize("m,n,k,parts", [(1, 96, 256, 1), (5, 37, 123, 3), (16, 70, 200, 7)])
-def test_rms_norm_prologue_equals_rms_norm_then_gemm(m, n, k, parts, config, dtype, atol, rtol):
-    gen = torch.Generator().manual_seed(11 * m + n)
-    x, w, b = make_inputs(m, n, k, dtype, gen, bias=True, row_pad=2 if m > 1 else 0)
-    x = x * 5
-    g = (1 + torch.randn(k, generator=gen) / 4).to(dtype).to(DEVICE)
-    eps = 1e-5
-    y = skinny_gemm(x, w, b, norm_weight=g, sum_sq=_sum_sq_parts_of(x, parts), eps=eps, config=CONFIGS[config])
-    # kernels/rmsnorm.py's roundings: the same inputs to the GEMM but where 1/rms, summed in
-    # another order, lands on the other side of a rounding
-    normed = rmsnorm.rms_norm(x, g, eps)
-    two_step = skinny_gemm(normed, w, b, config=CONFIGS[config])
-    if dtype == torch.float32:
-        torch.testing.assert_close(y, two_step, atol=1e-6, rtol=1e-6)
-    else:
-        assert (y.double() - two_step.double()).abs().max() <= 2 * atol
-    ref = skinny_gemm_ref(x, w, b, norm_weight=g, eps=eps)
-    torch.testing.assert_close(y.double(), ref, atol=atol, rtol=rtol)
-
-
-@pytest.mark.parametrize("dtype,atol,rtol", DTYPE_TOLS)
-@pytest.mark.parametrize("config", ["default", "split3_n16", "split1"])
-@pytest.mark.parametrize("m,n,k", [(1, 96, 256), (5, 37, 123)])
-@pytest.mark.parametrize("in_place", [False, True])
-def test_residual_epilogue_adds_as_hf_and_writes_the_tiles_sums_of_squares(m, n, k, config, dtype, atol, rtol,
-                                                                         in_place):
-    gen = torch.Generator().manual_seed(13 * m + n)
-    x, w, b = make_inputs(m, n, k, dtype, gen, bias=True)
-    r = torch.randn(m, n, generator=gen).to(dtype).to(DEVICE)
-    r_before = r.clone()
-    cfg = CONFIGS[config] or sg.default_config(n, k)
-    sq = torch.full((m, sg.sum_sq_parts(n, cfg)), float("nan"), device=DEVICE)
-    y = skinny_gemm(x, w, b, residual=r, sum_sq_out=sq, out=r if in_place else None, config=cfg)
-    assert (y.data_ptr() == r.data_ptr()) == in_place
-    plain = skinny_gemm(x, w, b, config=cfg)
-    torch.testing.assert_close(y, (plain.float() + r_before.float()).to(dtype), atol=0, rtol=0)
-    tiles = torch.stack([(t.double() ** 2).sum(1) for t in torch.split(y, cfg.block_n, dim=1)], dim=1)
-    torch.testing.assert_close(sq.double(), tiles, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(y.double(), skinny_gemm_ref(x, w, b, residual=r_before), atol=atol, rtol=rtol)
-
-
-@pytest.mark.parametrize("dtype,atol,rtol", DTYPE_TOLS)
-def test_residual_then_norm_chain_equals_hf_layer_order(dtype, atol, rtol):
-    """o_proj with the residual add, then gate_up_proj with the norm from o_proj's sums: HF's
-    residual + o_proj(a), RMSNorm, gate_up_proj."""
-    gen = torch.Generator().manual_seed(5)
-    m, h, i = 3, 96, 80
-    a, w_o, _ = make_inputs(m, h, h, dtype, gen)
-    _, w_up, _ = make_inputs(m, i, h, dtype, gen)
-    r = torch.randn(m, h, generator=gen).to(dtype).to(DEVICE)
-    g = (1 + torch.randn(h, generator=gen) / 4).to(dtype).to(DEVICE)
-    cfg = SkinnyConfig(16, 32, 2)
-    sq = torch.empty(m, sg.sum_sq_parts(h, cfg), device=DEVICE)
-    expected_normed, expected_residual = rmsnorm.rms_norm_ref(skinny_gemm(a, w_o, config=cfg), g, 1e-6, r)
-    s = skinny_gemm(a, w_o, residual=r, sum_sq_out=sq, out=r, config=cfg)
-    up = skinny_gemm(s, w_up, norm_weight=g, sum_sq=sq, eps=1e-6, config=cfg)
-    torch.testing.assert_close(s, expected_residual, atol=0, rtol=0)
-    expected = skinny_gemm(expected_normed, w_up, config=cfg)
-    torch.testing.assert_close(up, expected, atol=atol if dtype != torch.float32 else 1e-6, rtol=rtol)
-
-
-@pytest.mark.parametrize("prologue", ["silu_mul", "rms_norm"])
-def test_prologue_prefetch_changes_no_bits(prologue, monkeypatch):
-    gen = torch.Generator().manual_seed(17)
-    m, n, k = 3, 70, 200
-    x, w, b = make_inputs(m, n, k, torch.float32, gen, bias=True, x_cols=2 * k if prologue == "silu_mul" else k)
-    kwargs = (dict(silu_mul=True) if prologue == "silu_mul" else
-              dict(norm_weight=torch.ones(k, device=DEVICE), sum_sq=_sum_sq_parts_of(x, 2), eps=1e-6))
-    cfg = SkinnyConfig(32, 32, 3)
-    monkeypatch.setattr(sg, "_PREFETCH", True)
-    ahead = skinny_gemm(x, w, b, config=cfg, **kwargs)
-    monkeypatch.setattr(sg, "_PREFETCH", False)
-    torch.testing.assert_close(skinny_gemm(x, w, b, config=cfg, **kwargs), ahead, atol=0, rtol=0)
-
-
 def test_split_k_counters_are_back_at_zero_and_results_repeat():
     """Each split-K call leaves its tile counters at zero, so the next call (or a graph replay)
     finds its last program again: the same inputs give the same bits, new inputs new results."""
@@ -212,18 +126,6 @@ def _bad_inputs():
         "dtype": (dict(x=x.half(), weight=w), "share one dtype"),
         "w stride": (dict(x=x, weight=torch.zeros(64, 8, device=DEVICE).T), "unit column stride"),
         "bias shape": (dict(x=x, weight=w, bias=torch.zeros(7, device=DEVICE)), "bias must be"),
-        "two prologues": (dict(x=torch.zeros(2, 128, device=DEVICE), weight=w, silu_mul=True,
-                               norm_weight=torch.ones(64, device=DEVICE)), "two prologues"),
-        "norm without sums": (dict(x=x, weight=w, norm_weight=torch.ones(64, device=DEVICE)), "sum_sq must be"),
-        "norm weight shape": (dict(x=x, weight=w, norm_weight=torch.ones(63, device=DEVICE),
-                                   sum_sq=torch.ones(2, 1, device=DEVICE)), "norm_weight must be"),
-        "sums without norm": (dict(x=x, weight=w, sum_sq=torch.ones(2, 1, device=DEVICE)), "norm_weight is None"),
-        "residual shape": (dict(x=x, weight=w, residual=torch.zeros(2, 7, device=DEVICE),
-                                sum_sq_out=torch.zeros(2, 1, device=DEVICE)), "residual must be"),
-        "sums out width": (dict(x=x, weight=w, residual=torch.zeros(2, 8, device=DEVICE),
-                                sum_sq_out=torch.zeros(2, 3, device=DEVICE), config=SkinnyConfig(64, 64, 1)),
-                           r"sum_sq_out must be a float32 \[2, 1\]"),
-        "out shape": (dict(x=x, weight=w, out=torch.zeros(2, 9, device=DEVICE)), "out must be"),
     }
 
 

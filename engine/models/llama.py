@@ -15,7 +15,6 @@ from torch import nn
 from engine.models.attention import TORCH_REF_BACKEND, Attention, AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
 from engine.models.linear import Linear
-from kernels.skinny_gemm import MAX_ROWS
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache, rotary_embedding
 
@@ -174,13 +173,8 @@ class LlamaAttention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
     ) -> torch.Tensor:
-        pdl = attn.launch_pdl
-        return self.o_proj(self.attend(self.qkv_proj(x, pdl=pdl), rope, kv_cache, attn), pdl=pdl)
-
-    def attend(self, qkv: torch.Tensor, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor],
-               attn: AttentionMetadata) -> torch.Tensor:
-        """qkv_proj's output [T, (Hq + 2Hkv) * D] -> the attention's [T, Hq * D], before o_proj."""
-        num_tokens = qkv.shape[0]
+        num_tokens = x.shape[0]
+        qkv = self.qkv_proj(x, pdl=attn.launch_pdl)  # [T, (Hq + 2Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
@@ -190,7 +184,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = rope.apply(q, k)
             out = self.attn(q, k, v, kv_cache, attn)  # [T, Hq, D]
-        return out.reshape(num_tokens, self.q_size)
+        return self.o_proj(out.reshape(num_tokens, self.q_size), pdl=attn.launch_pdl)
 
 
 class LlamaMLP(nn.Module):
@@ -230,25 +224,6 @@ class LlamaDecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(x, residual, pdl=pdl)
         return self.mlp(x, pdl=pdl), residual
 
-    def forward_norms_in_gemms(self, residual, sum_sq, rope: Rope, kv_cache, attn: AttentionMetadata):
-        """forward() with each norm inside a projection (LlamaForCausalLM.norms_in_gemms): the
-        residual stream is updated in place by o_proj and down_proj, which hand the partial sums
-        of its squares to the norm in gate_up_proj and the next layer's qkv_proj. sum_sq None
-        (the first layer: the embedding has no sums): the input norm as its own kernel.
-        Returns (residual, its sums)."""
-        pdl = attn.launch_pdl
-        qkv_proj, o_proj = self.self_attn.qkv_proj, self.self_attn.o_proj
-        if sum_sq is None:      # its own config table: skinny, cuBLAS where that won
-            qkv = qkv_proj(self.input_layernorm(residual, pdl=pdl), pdl=pdl)
-        else:
-            qkv = qkv_proj.forward_norm(residual, self.input_layernorm, sum_sq, pdl=pdl)
-        sum_sq = o_proj.forward_add(self.self_attn.attend(qkv, rope, kv_cache, attn), residual, pdl=pdl)
-        gate_up = self.mlp.gate_up_proj.forward_norm(residual, self.post_attention_layernorm, sum_sq, pdl=pdl)
-        return residual, self.mlp.down_proj.forward_add(gate_up, residual, pdl=pdl, silu_mul=True)
-
-    def projections(self) -> list[Linear]:
-        return [self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj]
-
 
 class LlamaForCausalLM(nn.Module):
     """Decoder-only LM for LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM checkpoints.
@@ -267,11 +242,6 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.fused = fused_kernels
         self.fuse_rope_kv_write = fuse_rope_kv_write
-        # A step whose projections all run the skinny GEMM does each RMSNorm inside the
-        # projection after it and each residual add inside the one before it
-        # (LlamaDecoderLayer.forward_norms_in_gemms): 2 kernels a layer fewer. A plain attribute,
-        # as fuse_rope_kv_write (EngineConfig.decode_norms_in_gemms).
-        self.norms_in_gemms = False
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
@@ -295,27 +265,11 @@ class LlamaForCausalLM(nn.Module):
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = Rope(self.rotary_emb, positions, x.dtype, self.fused,
                     self.config.max_position_embeddings, self.fuse_rope_kv_write)
-        if self._runs_norms_in_gemms(x):
-            residual, sum_sq = x, None
-            for layer, kv_cache in zip(self.layers, kv_caches):
-                residual, sum_sq = layer.forward_norms_in_gemms(residual, sum_sq, rope, kv_cache, attn)
-            return self.norm(residual, pdl=attn.launch_pdl)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn)
         x, _ = self.norm(x, residual, pdl=attn.launch_pdl)
         return x
-
-    def _runs_norms_in_gemms(self, x: torch.Tensor) -> bool:
-        """norms_in_gemms is on, the Triton kernels run (fused), the norms' weights have x's
-        dtype, and every projection has a fused-form config for x's rows (the projections other
-        than the first layer's qkv_proj run only that form; it runs the plain skinny GEMM)."""
-        if not (self.norms_in_gemms and self.fused) or x.dim() != 2 or x.shape[0] > MAX_ROWS:
-            return False
-        return all(layer.input_layernorm.weight.dtype == x.dtype
-                   and layer.post_attention_layernorm.weight.dtype == x.dtype
-                   and all(p.fused_config(x) is not None for p in layer.projections())
-                   for layer in self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32."""
