@@ -71,7 +71,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
 _MAX_GRID_Y = 65535             # grid axis 1 holds B + 1 programs
 _FUSED_DECODE_BLOCK_N = 64      # keys per step of a decode split merged in the kernel
-_V_WITH_K = True                # decode calls load V with K (_attend_keys); switchable to time it
 
 
 # The kernels call Triton builtins only, none of triton's own @triton.jit library functions
@@ -88,12 +87,10 @@ def _attend_keys(
     acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_start, k_stop, qk_scale, sliding_window,
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, V_WITH_K: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """Online-softmax update of (acc, m_i, l_i) over keys [k_start, k_stop), BLOCK_N at a time
-    from a multiple of BLOCK_N. MASKED=False: every key is visible to every row (no mask math).
-    V_WITH_K: V's load is issued with K's, before the scores (decode: a program with a step or
-    two of keys waits for memory once a step, not twice)."""
+    from a multiple of BLOCK_N. MASKED=False: every key is visible to every row (no mask math)."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     for start in range(k_start, k_stop, BLOCK_N):
@@ -111,8 +108,6 @@ def _attend_keys(
             k = tl.load(k_ptrs, mask=k_in[None, :], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        if V_WITH_K:
-            v = _load_v(v_ptrs, k_in, MASKED)
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_Q, BLOCK_N]
         if MASKED:
             visible = (k_pos[None, :] <= q_pos[:, None]) & k_in[None, :]
@@ -128,20 +123,13 @@ def _attend_keys(
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(s - m_sub[:, None])
         l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
-        if not V_WITH_K:
-            v = _load_v(v_ptrs, k_in, MASKED)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
-
-
-@triton.jit
-def _load_v(v_ptrs, k_in, MASKED: tl.constexpr):
-    if MASKED:
-        v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
-    else:
-        v = tl.load(v_ptrs)
-    return v
 
 
 @triton.jit
@@ -190,7 +178,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, V_WITH_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
@@ -265,15 +253,15 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_lo, k_full_lo, qk_scale, sliding_window,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, V_WITH_K)
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_lo, k_full_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION, V_WITH_K)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION)
     acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, V_WITH_K)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION)
 
     out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     if NUM_SPLITS == 1:
@@ -506,7 +494,6 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        V_WITH_K=_V_WITH_K and max_seqlen_q == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:

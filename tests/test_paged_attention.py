@@ -374,17 +374,3 @@ def test_merge_in_kernel_graph_replays_agree_bitwise():
         torch.cuda.synchronize()
         assert torch.equal(out, want)
     assert _counters_of(q.device).count_nonzero() == 0
-
-
-@pytest.mark.parametrize("merge_in_kernel,num_kv_splits,window", [(True, 4, None), (False, 1, 7), (False, 3, None)])
-def test_decode_loading_v_with_k_changes_no_bits(monkeypatch, merge_in_kernel, num_kv_splits, window):
-    """Decode calls issue V's load with K's (_V_WITH_K): the same operations on the same values,
-    so the same bits as loading V after the scores, masked steps and whole ones alike."""
-    q_lens, ctx = [1, 1, 1, 1], [300, 1, 47, 129]
-    args = make_batch(q_lens, ctx, 8, 2, 32, 16, torch.float32, seed=21)
-    got = {}
-    for early in (True, False):
-        monkeypatch.setattr(pa, "_V_WITH_K", early)
-        got[early] = check(args, q_lens, ctx, sliding_window=window, num_kv_splits=num_kv_splits,
-                           merge_in_kernel=merge_in_kernel)
-    assert torch.equal(got[True], got[False])
