@@ -31,7 +31,7 @@ With pdl=True (programmatic dependent launch, kernels/pdl.py) the kernel is laun
 kernel ahead still runs and waits for it before anything else. Loading the first weight step
 before the wait (weights are read-only) made the H200's decode step slower, not faster
 (benchmarks/h200/decode_pdl.md), as did prefetching weights into L2 there, and o_proj's alone
-behind the attention (an H100: benchmarks/h100/norms_in_gemms.md). Folding a layer's norms and
+behind the attention (an H100: benchmarks/h100/decode_experiments.md). Folding a layer's norms and
 residual adds into the projections' prologue and epilogue (5097ce1) took 0.3% off the step:
 in a PDL chain the small kernels between GEMMs cost little; not kept.
 """
