@@ -13,8 +13,7 @@ import tempfile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from engine import LLM, SamplingParams
 from scripts.make_tiny_model import make_tiny_model
-from tests.test_gpu_engine import greedy_partings
-from tests.test_prefix_sharing import shared_prefix_workload
+from scripts.greedy_checks import greedy_partings, shared_prefix_workload
 
 root = tempfile.mkdtemp()
 model = str(make_tiny_model(f"{root}/llama", arch="llama", seed=1))

@@ -5,8 +5,9 @@ import pytest
 import torch
 
 from engine import LLM, SamplingParams
+from scripts.greedy_checks import greedy_partings, shared_prefix_workload
 from scripts.make_tiny_model import make_tiny_model
-from tests.test_llm import hf_greedy, mixed_prompts, staggered_tokens
+from tests.test_llm import mixed_prompts, staggered_tokens
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run on the GPU machine)")
@@ -217,7 +218,6 @@ def test_cascade_engine_equals_plain_engine_fp32(tiny_models, arch):
     """Triton kernels on the GPU in fp32: groups, cascade graphs (decode) and eager cascade
     steps (prompt chunks beside decodes), preemption: token for token what the plain engine
     gives."""
-    from tests.test_prefix_sharing import shared_prefix_workload
     prompts = shared_prefix_workload(seed=ARCHS.index(arch))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     want, got, llm = _cascade_vs_plain(tiny_models[arch], prompts, params, "float32",
@@ -234,25 +234,6 @@ def test_cascade_engine_equals_plain_engine_fp32(tiny_models, arch):
     llm.core.shutdown()
 
 
-def greedy_partings(got, want) -> tuple[int, float, list[tuple[int, float]]]:
-    """Two greedy runs of the same prompts (outputs with logprobs >= 2): how many sequences
-    match whole; the largest difference of a chosen token's logprob up to where its sequence
-    parts; and per parted sequence (token index, top-2 logprob gap of `want` there)."""
-    same, drift, gaps = 0, 0.0, []
-    for g, w in zip(got, want):
-        a, b = g.outputs[0].token_ids, w.outputs[0].token_ids
-        k = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), len(a))
-        for i in range(k):          # both chose the same token here
-            drift = max(drift, abs(g.outputs[0].logprobs[i][a[i]].logprob
-                                   - w.outputs[0].logprobs[i][b[i]].logprob))
-        if a == b:
-            same += 1
-            continue
-        top = sorted((lp.logprob for lp in w.outputs[0].logprobs[k].values()), reverse=True)
-        gaps.append((k, round(top[0] - top[1], 4)))
-    return same, drift, gaps
-
-
 @pytest.mark.parametrize("decode_pdl", [False, True])
 def test_cascade_engine_near_plain_engine_bf16(tiny_models, decode_pdl):
     """bf16: the two paths round differently (prefix and own parts merged in fp32 vs one
@@ -267,7 +248,6 @@ def test_cascade_engine_near_plain_engine_bf16(tiny_models, decode_pdl):
     against plain: 12 partings at the same gaps, 0.107 apart (H200, a2dfe4e,
     benchmarks/h200/cascade_bf16_a2dfe4e.log). The fp32 tests above ask token-for-token
     equality."""
-    from tests.test_prefix_sharing import shared_prefix_workload
     prompts = shared_prefix_workload(seed=4) + shared_prefix_workload(seed=5)
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=2)
     want, got, llm = _cascade_vs_plain(tiny_models["llama"], prompts, params, "bfloat16",

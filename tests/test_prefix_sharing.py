@@ -7,6 +7,7 @@ import pytest
 
 from engine import LLM, SamplingParams
 from kernels.cascade_cost import CascadeCostRule
+from scripts.greedy_checks import shared_prefix_workload
 from scripts.make_tiny_model import make_tiny_model
 
 ARCHS = ["llama", "qwen2", "mistral"]
@@ -17,23 +18,6 @@ GREEDY = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("models")
     return {arch: str(make_tiny_model(root / arch, arch=arch, seed=1)) for arch in ARCHS}
-
-
-def shared_prefix_workload(seed=0, vocab=1000, shuffle=True):
-    """Groups of 2, 3, 5 and 6 over prefixes of 40 to 160 tokens (not whole blocks), a pair
-    sharing one group's prefix and more, and lone prompts; own parts of 1 to 40 tokens."""
-    rng = random.Random(seed)
-    tok = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
-    prompts = []
-    for size, prefix_len in ((2, 40), (3, 100), (5, 64), (6, 160)):
-        prefix = tok(prefix_len)
-        prompts += [prefix + tok(rng.randint(1, 40)) for _ in range(size)]
-    doc = prompts[-1][:160] + tok(48)
-    prompts += [doc + tok(rng.randint(1, 10)) for _ in range(2)]
-    prompts += [tok(rng.randint(1, 120)) for _ in range(4)]
-    if shuffle:
-        rng.shuffle(prompts)
-    return prompts
 
 
 def force_cascade(llm):
