@@ -190,7 +190,9 @@ def _role(cmd: str, pid: int) -> str:
 # ---------------------------------------------------------------------------- bench_serving's
 def cpu_times() -> dict[str, float]:
     """CPU seconds used so far by each kind of process on this machine (Linux /proc): the
-    server, its stubs, the engine's core and tokenizer processes, the load generators."""
+    server, its stubs, the engine's core and tokenizer processes, the load generators. (Summed
+    by kind over every process, for bench_serving's tables; cpu_seconds above keeps one entry
+    per server process and stub thread, for bench_loop_lag's.)"""
     tick = os.sysconf("SC_CLK_TCK")
     kinds = {"engine.core_process": "engine core", "engine.tokenizer_process": "tokenizer",
              "triton_python_backend_stub": "python stubs", "tritonserver": "tritonserver",
@@ -203,10 +205,10 @@ def cpu_times() -> dict[str, float]:
             continue
         try:
             with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
+                seconds = _cpu_s(f.read(), tick)
         except OSError:
             continue
-        out[kind] = out.get(kind, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[kind] = out.get(kind, 0.0) + seconds
     return out
 
 
