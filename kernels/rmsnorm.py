@@ -33,9 +33,12 @@ def _rms_norm_kernel(
     w_ptr,
     out_ptr, stride_out,
     hidden_size, eps,
+    parts_ptr, stride_ps, stride_pt, x_bias_ptr,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_H: tl.constexpr,
     USE_PDL: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    HAS_X_BIAS: tl.constexpr,
 ):
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
@@ -44,7 +47,15 @@ def _rms_norm_kernel(
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden_size
 
-    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if NUM_PARTS > 0:   # x from a skinny GEMM's K-slice partials: its merge, in its order
+        acc = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
+        for s in tl.static_range(NUM_PARTS):
+            acc += tl.load(parts_ptr + s * stride_ps + row * stride_pt + cols, mask=mask, other=0.0)
+        if HAS_X_BIAS:
+            acc += tl.load(x_bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = acc.to(res_ptr.dtype.element_ty)
+    else:
+        x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + cols, mask=mask, other=0.0)
         # Round the sum to the model dtype first: that rounded value is both the new residual
@@ -77,7 +88,7 @@ def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch
 
 
 def rms_norm(
-    x: torch.Tensor,
+    x: torch.Tensor | None,
     weight: torch.Tensor,
     eps: float,
     residual: torch.Tensor | None = None,
@@ -85,6 +96,8 @@ def rms_norm(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,
     pdl: bool = False,
+    x_parts: torch.Tensor | None = None,
+    x_bias: torch.Tensor | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """RMSNorm of x [T, H] (see the module docstring). Returns out, or (out, new_residual).
 
@@ -92,7 +105,14 @@ def rms_norm(
     In-place use is allowed: `out` may be `x` itself and `residual_out` may be `residual` itself,
     since each row is read completely before it is written. Other overlaps are not checked.
     pdl: launch with programmatic dependent launch (kernels/pdl.py).
+    x_parts [S, T, H] fp32 (with x None and a residual): x is the merge of a skinny GEMM's K-slice
+    partials (kernels/skinny_gemm.py, merge=False): their sum in slice order, + x_bias [H], rounded
+    to the residual's dtype; the same bits as the GEMM's own merge.
     """
+    if x_parts is not None:
+        x = _merge_placeholder(x, x_parts, x_bias, residual)
+    elif x_bias is not None:
+        raise ValueError("x_bias is given but x_parts is None")
     if x.dim() != 2:
         raise ValueError(f"x must be [T, H], got shape {list(x.shape)}")
     if x.dtype not in _FLOAT_DTYPES:
@@ -134,6 +154,7 @@ def rms_norm(
         has_residual = residual is not None
         res = residual if has_residual else x  # placeholders never read: HAS_RESIDUAL is False
         res_out = residual_out if has_residual else x
+        parts = x_parts if x_parts is not None else out      # placeholders: NUM_PARTS is 0
         grid = (num_tokens,)  # one program per row
         _rms_norm_kernel[grid](
             x, x.stride(0),
@@ -142,13 +163,35 @@ def rms_norm(
             weight,
             out, out.stride(0),
             hidden_size, eps,
+            parts, parts.stride(0), parts.stride(1) if x_parts is not None else 0,
+            x_bias if x_bias is not None else weight,
             HAS_RESIDUAL=has_residual,
             BLOCK_H=block_h,
             USE_PDL=pdl,
+            NUM_PARTS=0 if x_parts is None else x_parts.shape[0],
+            HAS_X_BIAS=x_bias is not None,
             num_warps=min(max(block_h // 512, 1), 16),
             **launch_options(pdl),
         )
     return out if residual is None else (out, residual_out)
+
+
+def _merge_placeholder(x, x_parts, x_bias, residual) -> torch.Tensor:
+    """Checks rms_norm's x_parts form; returns a [T, H] view standing for x in the checks (a
+    residual row-slice: never read, the kernel reads the parts)."""
+    if x is not None:
+        raise ValueError("pass x or x_parts, not both")
+    if residual is None:
+        raise ValueError("x_parts needs the residual (x is rounded to its dtype)")
+    if (x_parts.dim() != 3 or x_parts.dtype != torch.float32 or x_parts.shape[0] < 1
+            or x_parts.shape[1:] != residual.shape or x_parts.stride(2) != 1 or x_parts.device != residual.device):
+        raise ValueError(f"x_parts must be float32 [S >= 1, T, H] = [S, {', '.join(map(str, residual.shape))}] "
+                         f"with unit column stride on the residual's device, got {x_parts.dtype} "
+                         f"{list(x_parts.shape)}")
+    if x_bias is not None and (x_bias.shape != (residual.shape[1],) or not x_bias.is_contiguous()
+                               or x_bias.device != residual.device):
+        raise ValueError(f"x_bias must be a contiguous [{residual.shape[1]}] tensor, got {list(x_bias.shape)}")
+    return residual
 
 
 def rms_norm_ref(

@@ -47,7 +47,7 @@ from kernels.arrival_counters import arrival_counters
 from kernels.pdl import check as check_pdl, launch_options
 
 __all__ = ["SkinnyConfig", "candidate_configs", "default_config", "skinny_gemm", "skinny_gemm_ref",
-           "MAX_ROWS"]
+           "MAX_ROWS", "num_k_slices"]
 
 MAX_ROWS = 16                   # x rows per call: the MMA's narrow side
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -61,7 +61,7 @@ def _skinny_gemm_kernel(
     stride_xm, stride_wn, stride_ym,
     HAS_BIAS: tl.constexpr, SILU_MUL: tl.constexpr, HAS_SPLITS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, SPLIT_OUT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -89,7 +89,10 @@ def _skinny_gemm_kernel(
         a = _load_a(x_cols, offs_k, x_mask, K, SILU_MUL)
         acc = tl.dot(w, a, acc, input_precision=DOT_PRECISION)
 
-    if HAS_SPLITS:
+    if SPLIT_OUT:       # the fp32 partial of this K slice, parts[pid_k, m, n]: the reader adds them
+        tl.store(part_ptr + (pid_k * M + offs_m[None, :]).to(tl.int64) * N + offs_n[:, None], acc,
+                 mask=n_in[:, None] & m_in[None, :])
+    elif HAS_SPLITS:
         tile = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None] * BLOCK_M + offs_m[None, :]
         tile_size = tl.num_programs(0) * BLOCK_N * BLOCK_M
         tl.store(part_ptr + pid_k * tile_size + tile, acc)
@@ -180,10 +183,13 @@ def skinny_gemm(
     silu_mul: bool = False,
     config: SkinnyConfig | None = None,
     pdl: bool = False,
+    merge: bool = True,
 ) -> torch.Tensor:
     """y [M, N] = a @ weight^T (+ bias), a = x [M, K] or silu_and_mul(x) for x [M, 2K] (see the
     module docstring). config: the tiling; None: `default_config`. pdl: launch with programmatic
-    dependent launch, the first weights loaded before waiting for the kernel ahead."""
+    dependent launch. merge=False: no merge of the K slices and no bias; returns their fp32
+    partials [S, M, N] (S slices, `num_k_slices`), which the reader adds in slice order (then the
+    bias, then rounds to x's dtype: the same bits as y; kernels/rmsnorm.py reads them so)."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     num_rows, num_cols = x.shape
@@ -206,16 +212,22 @@ def skinny_gemm(
     if bias is not None and (bias.shape != (n,) or bias.dtype not in _DTYPES or not bias.is_contiguous()):
         raise ValueError(f"bias must be a contiguous float [{n}] tensor, got {bias.dtype} {list(bias.shape)}")
     check_pdl(pdl, device, "skinny_gemm")
-    y = torch.empty(num_rows, n, dtype=x.dtype, device=device)
+    if not merge and (bias is not None or k == 0):
+        raise ValueError("merge=False returns the K slices' partials: no bias (the reader adds it) and K > 0")
+    cfg = config or default_config(n, k, _num_sms(device))
+    if merge:
+        y = torch.empty(num_rows, n, dtype=x.dtype, device=device)
+        if k == 0:
+            return y.zero_() if bias is None else y.copy_(bias.expand(num_rows, n))
+    k_per_split, num_splits = _k_slices(k, cfg)
+    if not merge:
+        y = torch.empty(num_splits, num_rows, n, dtype=torch.float32, device=device)
     if num_rows == 0 or n == 0:
         return y
-    if k == 0:
-        return y.zero_() if bias is None else y.copy_(bias.expand(num_rows, n))
-    cfg = config or default_config(n, k, _num_sms(device))
-    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
-    num_splits = triton.cdiv(k, k_per_split)           # rounding up may leave fewer slices
     num_tiles = triton.cdiv(n, cfg.block_n)
-    if num_splits > 1:
+    if not merge:
+        part = counters = y
+    elif num_splits > 1:
         part = torch.empty(num_splits, num_tiles * cfg.block_n, MAX_ROWS, dtype=torch.float32, device=device)
         counters = arrival_counters("skinny_gemm", device, num_tiles)
     else:
@@ -226,10 +238,21 @@ def skinny_gemm(
         x.stride(0), weight.stride(0), y.stride(0),
         HAS_BIAS=bias is not None, SILU_MUL=silu_mul, HAS_SPLITS=num_splits > 1, EVEN_K=k % cfg.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32", USE_PDL=pdl, SPLIT_OUT=not merge,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     return y
+
+
+def _k_slices(k: int, cfg: SkinnyConfig) -> tuple[int, int]:
+    """(K per slice, slices): whole BLOCK_K steps, so rounding up may leave fewer than split_k."""
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.split_k), cfg.block_k) * cfg.block_k
+    return k_per_split, triton.cdiv(k, k_per_split)
+
+
+def num_k_slices(k: int, config: SkinnyConfig) -> int:
+    """S of skinny_gemm(merge=False)'s partials [S, M, N] for a weight of K columns."""
+    return _k_slices(k, config)[1]
 
 
 def skinny_gemm_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,

@@ -104,7 +104,8 @@ def main() -> None:
                     x, w, w, y, y, y, 1, n, k, k_per_split, splits, x.stride(0), w.stride(0), y.stride(0),
                     HAS_BIAS=False, SILU_MUL=False, HAS_SPLITS=False, EVEN_K=k % cfg.block_k == 0,
                     BLOCK_M=sg.MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_PRECISION="tf32",
-                    USE_PDL=pdl, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl))
+                    USE_PDL=pdl, SPLIT_OUT=False, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                    **launch_options(pdl))
 
             def stream(w, pdl=False):
                 _stream_kernel[(tiles, splits)](w, sink, n, k, k_per_split, w.stride(0), BLOCK_N=cfg.block_n,

@@ -109,3 +109,21 @@ def test_a_pdl_call_runs_the_chain_table_and_passes_pdl_on(counted, monkeypatch)
     got = down.forward_silu_mul(g, pdl=True)
     assert silu_calls == [True] and counted[-1] == (2, False, chain, True)
     torch.testing.assert_close(got, F.linear(activation.silu_and_mul(g), down.weight), atol=1e-4, rtol=1.3e-6)
+
+
+def test_unmerged_output_is_split_sums_where_the_skinny_gemm_runs(counted):
+    """unmerged=True: with a skinny config the K slices' partials and the bias come back as
+    SplitSums, whose merge is the merged call's output bit for bit; without one, F.linear."""
+    from engine.models.linear import SplitSums
+    lin = make_linear(37, 48, bias=True, seed=7)
+    cfg = sg.SkinnyConfig(16, 16, 3)
+    lin.skinny = {2: cfg}
+    x = torch.randn(2, 48, device=DEVICE)
+    got = lin(x, unmerged=True)
+    assert isinstance(got, SplitSums) and got.parts.shape == (3, 2, 37) and got.bias is lin.bias
+    assert torch.equal(got.merged(x.dtype), lin(x))
+    g = torch.randn(2, 96, device=DEVICE)
+    sums = lin.forward_silu_mul(g, unmerged=True)       # no silu table: the SiLU kernel, then this
+    assert isinstance(sums, SplitSums) and torch.equal(sums.merged(g.dtype), lin.forward_silu_mul(g))
+    x3 = torch.randn(3, 48, device=DEVICE)              # no config for 3 rows (bucket 4)
+    assert torch.equal(lin(x3, unmerged=True), F.linear(x3, lin.weight, lin.bias))

@@ -11,6 +11,7 @@ from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
 rmsnorm_module = load_kernels("kernels.rmsnorm")
 rms_norm, rms_norm_ref = rmsnorm_module.rms_norm, rmsnorm_module.rms_norm_ref
+DTYPES_FOR_PARTS = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 
 
 @pytest.fixture(autouse=True)
@@ -168,3 +169,39 @@ def test_rms_norm_replays_in_cuda_graph():
     expected, expected_residual = rms_norm_ref(x, weight, EPS, residual)
     torch.testing.assert_close(out, expected, atol=1.5e-2, rtol=1e-2)
     torch.testing.assert_close(new_residual, expected_residual, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES_FOR_PARTS)
+@pytest.mark.parametrize("num_parts,bias", [(1, False), (3, True), (4, False)])
+def test_x_from_gemm_partials_gives_the_bits_of_the_merged_x(dtype, num_parts, bias):
+    """x_parts (a skinny GEMM's unmerged K slices): x = their sum in order (+ x_bias), rounded to
+    the residual's dtype, then the norm as usual: the same bits as merging first."""
+    gen = torch.Generator().manual_seed(num_parts)
+    t, h = 3, 200
+    parts = torch.randn(num_parts, t, h, generator=gen).to(DEVICE)
+    b = torch.randn(h, generator=gen).to(dtype).to(DEVICE) if bias else None
+    res = torch.randn(t, h, generator=gen).to(dtype).to(DEVICE)
+    w = (1 + torch.randn(h, generator=gen) / 4).to(dtype).to(DEVICE)
+    acc = torch.zeros(t, h, device=DEVICE)
+    for p in parts:
+        acc += p
+    x = (acc + (b.float() if bias else 0)).to(dtype)
+    want_out, want_res = rms_norm(x, w, 1e-6, res.clone())
+    got_out, got_res = rms_norm(None, w, 1e-6, res.clone(), x_parts=parts, x_bias=b)
+    assert torch.equal(got_out, want_out) and torch.equal(got_res, want_res)
+
+
+def test_x_parts_bad_forms_are_named():
+    res = torch.zeros(2, 8, device=DEVICE)
+    w = torch.ones(8, device=DEVICE)
+    parts = torch.zeros(2, 2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="x or x_parts, not both"):
+        rms_norm(res, w, 1e-6, res, x_parts=parts)
+    with pytest.raises(ValueError, match="needs the residual"):
+        rms_norm(None, w, 1e-6, x_parts=parts)
+    with pytest.raises(ValueError, match=r"x_parts must be float32 \[S >= 1, T, H\] = \[S, 2, 8\]"):
+        rms_norm(None, w, 1e-6, res, x_parts=torch.zeros(2, 2, 7, device=DEVICE))
+    with pytest.raises(ValueError, match="x_bias must be"):
+        rms_norm(None, w, 1e-6, res, x_parts=parts, x_bias=torch.zeros(7, device=DEVICE))
+    with pytest.raises(ValueError, match="x_bias is given but x_parts is None"):
+        rms_norm(res, w, 1e-6, res, x_bias=torch.zeros(8, device=DEVICE))

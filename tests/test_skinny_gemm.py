@@ -84,6 +84,27 @@ def test_silu_mul_prologue_equals_silu_and_mul_then_gemm(m, n, k, config, dtype,
     check_accuracy(y, x, w, b, dtype, 4 * atol, rtol, silu_mul=True)   # x 3x larger
 
 
+@pytest.mark.parametrize("dtype", [d for d, _, _ in DTYPE_TOLS])
+@pytest.mark.parametrize("config", ["default", "split1", "split3_n16", "split4_n32"])
+@pytest.mark.parametrize("silu_mul", [False, True])
+def test_unmerged_partials_add_up_to_the_bits_of_the_merge(config, dtype, silu_mul):
+    """merge=False: the K slices' fp32 partials [S, M, N]; added in slice order, the bias added,
+    rounded: y's bits (what kernels/rmsnorm.py does with them). No counters are touched."""
+    m, n, k = 3, 70, 200
+    gen = torch.Generator().manual_seed(31)
+    x, w, b = make_inputs(m, n, k, dtype, gen, bias=True, x_cols=2 * k if silu_mul else k)
+    cfg = CONFIGS[config] or sg.default_config(n, k)
+    parts = skinny_gemm(x, w, silu_mul=silu_mul, config=cfg, merge=False)
+    assert parts.shape == (sg.num_k_slices(k, cfg), m, n) and parts.dtype == torch.float32
+    acc = torch.zeros(m, n, dtype=torch.float32, device=DEVICE)
+    for p in parts:
+        acc += p
+    want = skinny_gemm(x, w, b, silu_mul=silu_mul, config=cfg)
+    torch.testing.assert_close((acc + b.float()).to(dtype), want, atol=0, rtol=0)
+    with pytest.raises(ValueError, match="no bias"):
+        skinny_gemm(x, w, b, silu_mul=silu_mul, config=cfg, merge=False)
+
+
 def test_split_k_counters_are_back_at_zero_and_results_repeat():
     """Each split-K call leaves its tile counters at zero, so the next call (or a graph replay)
     finds its last program again: the same inputs give the same bits, new inputs new results."""

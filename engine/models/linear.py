@@ -11,8 +11,16 @@ SiLU-and-mul folded into the kernel's prologue).
 with pdl=True (a decode graph's chain of kernels launched with programmatic dependent launch,
 kernels/pdl.py) runs it, because a cuBLAS kernel takes no part in PDL: it starts only when the
 kernel ahead has finished, and so does the kernel after it.
+
+unmerged=True (o_proj and down_proj, whose output goes to an RMSNorm with the residual add:
+LlamaForCausalLM.merge_in_norm): where the skinny GEMM runs, its K slices' partials are not
+merged in the kernel (the last program's store, atomic and reload: 2-6 us a call on an H100,
+benchmarks/h100/decode_experiments.md) but handed on as `SplitSums`, which the norm's kernel
+adds up as it reads them: the same bits.
 """
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +37,19 @@ def row_bucket(num_rows: int) -> int:
     return next((b for b in ROW_BUCKETS if b >= num_rows), 0)
 
 
+class SplitSums(NamedTuple):
+    """A projection's output left unmerged: its skinny GEMM's K-slice partials [S, T, N] fp32 and
+    its bias. `merged` is the output (kernels/rmsnorm.py reads the partials itself)."""
+    parts: torch.Tensor
+    bias: torch.Tensor | None
+
+    def merged(self, dtype: torch.dtype) -> torch.Tensor:
+        acc = torch.zeros(self.parts.shape[1:], dtype=torch.float32, device=self.parts.device)
+        for part in self.parts:         # slice order, as the kernel's own merge
+            acc += part
+        return (acc if self.bias is None else acc + self.bias.float()).to(dtype)
+
+
 class Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, **kwargs):
         super().__init__(in_features, out_features, bias, **kwargs)
@@ -41,19 +62,26 @@ class Linear(nn.Linear):
             return None
         return table.get(row_bucket(x.shape[0]))
 
-    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
-        """pdl: the call is in a chain launched with programmatic dependent launch."""
+    def forward(self, x: torch.Tensor, pdl: bool = False, unmerged: bool = False) -> torch.Tensor | SplitSums:
+        """pdl: the call is in a chain launched with programmatic dependent launch. unmerged:
+        where the skinny GEMM runs, return its partials as SplitSums (module docstring)."""
         cfg = self._config(self.skinny_chain if pdl else self.skinny, x)
         if cfg is None:
             return F.linear(x, self.weight, self.bias)
+        if unmerged:
+            return SplitSums(skinny_gemm(x, self.weight, config=cfg, pdl=pdl, merge=False), self.bias)
         return skinny_gemm(x, self.weight, self.bias, config=cfg, pdl=pdl)
 
-    def forward_silu_mul(self, gate_up: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    def forward_silu_mul(self, gate_up: torch.Tensor, pdl: bool = False,
+                         unmerged: bool = False) -> torch.Tensor | SplitSums:
         """self(silu_and_mul(gate_up)) for gate_up [T, 2 * in_features] (the Triton SiLU-and-mul:
         the fused path's numerics either way)."""
         cfg = self._config(self.skinny_silu, gate_up)
         if cfg is None:
-            return self(silu_and_mul(gate_up, pdl=pdl), pdl=pdl)
+            return self(silu_and_mul(gate_up, pdl=pdl), pdl=pdl, unmerged=unmerged)
+        if unmerged:
+            return SplitSums(skinny_gemm(gate_up, self.weight, silu_mul=True, config=cfg, pdl=pdl, merge=False),
+                             self.bias)
         return skinny_gemm(gate_up, self.weight, self.bias, silu_mul=True, config=cfg, pdl=pdl)
 
     def extra_repr(self) -> str:

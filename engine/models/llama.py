@@ -14,7 +14,7 @@ from torch import nn
 
 from engine.models.attention import TORCH_REF_BACKEND, Attention, AttentionBackend, AttentionMetadata
 from engine.models.config import ModelConfig
-from engine.models.linear import Linear
+from engine.models.linear import Linear, SplitSums
 from kernels.rmsnorm import rms_norm
 from kernels.rotary import build_cos_sin_cache, rotary_embedding
 
@@ -32,7 +32,13 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.fused = fused
 
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None, pdl: bool = False):
+    def forward(self, x: torch.Tensor | SplitSums, residual: torch.Tensor | None = None, pdl: bool = False):
+        """x may be a projection's unmerged output (SplitSums, with a residual): the kernel
+        merges it as it reads it."""
+        if isinstance(x, SplitSums):
+            if self.fused:
+                return rms_norm(None, self.weight, self.eps, residual, pdl=pdl, x_parts=x.parts, x_bias=x.bias)
+            x = x.merged(residual.dtype)
         if self.fused:
             return rms_norm(x, self.weight, self.eps, residual, pdl=pdl)
         if residual is not None:
@@ -172,7 +178,9 @@ class LlamaAttention(nn.Module):
         rope: Rope,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
         attn: AttentionMetadata,
-    ) -> torch.Tensor:
+        unmerged: bool = False,
+    ) -> torch.Tensor | SplitSums:
+        """unmerged: o_proj's output may come back as SplitSums (engine/models/linear.py)."""
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x, pdl=attn.launch_pdl)  # [T, (Hq + 2Hkv) * D]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -184,7 +192,7 @@ class LlamaAttention(nn.Module):
         else:
             q, k = rope.apply(q, k)
             out = self.attn(q, k, v, kv_cache, attn)  # [T, Hq, D]
-        return self.o_proj(out.reshape(num_tokens, self.q_size), pdl=attn.launch_pdl)
+        return self.o_proj(out.reshape(num_tokens, self.q_size), pdl=attn.launch_pdl, unmerged=unmerged)
 
 
 class LlamaMLP(nn.Module):
@@ -194,12 +202,13 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=config.mlp_bias)
         self.fused = fused
 
-    def forward(self, x: torch.Tensor, pdl: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, pdl: bool = False, unmerged: bool = False) -> torch.Tensor | SplitSums:
+        """unmerged: down_proj's output may come back as SplitSums (engine/models/linear.py)."""
         gate_up = self.gate_up_proj(x, pdl=pdl)  # [T, 2I]
         if self.fused:  # SiLU-and-mul, maybe inside down_proj's kernel (engine/models/linear.py)
-            return self.down_proj.forward_silu_mul(gate_up, pdl=pdl)
+            return self.down_proj.forward_silu_mul(gate_up, pdl=pdl, unmerged=unmerged)
         gate, up = gate_up.chunk(2, dim=-1)  # 2 x [T, I]
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate) * up, unmerged=unmerged)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -214,15 +223,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.mlp = LlamaMLP(config, fused)
 
-    def forward(self, x, residual, rope: Rope, kv_cache, attn: AttentionMetadata):
+    def forward(self, x, residual, rope: Rope, kv_cache, attn: AttentionMetadata, merge_in_norm: bool = False):
+        """merge_in_norm: o_proj's and down_proj's split-K partials are merged by the norm after
+        them (LlamaForCausalLM.merge_in_norm); the x returned may then be SplitSums."""
         pdl = attn.launch_pdl
         if residual is None:
             residual, x = x, self.input_layernorm(x, pdl=pdl)
         else:
             x, residual = self.input_layernorm(x, residual, pdl=pdl)
-        x = self.self_attn(x, rope, kv_cache, attn)
+        x = self.self_attn(x, rope, kv_cache, attn, unmerged=merge_in_norm)
         x, residual = self.post_attention_layernorm(x, residual, pdl=pdl)
-        return self.mlp(x, pdl=pdl), residual
+        return self.mlp(x, pdl=pdl, unmerged=merge_in_norm), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -242,6 +253,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.fused = fused_kernels
         self.fuse_rope_kv_write = fuse_rope_kv_write
+        # o_proj and down_proj hand their skinny GEMM's split-K partials to the RMSNorm after
+        # them, which merges them as it reads x (the same bits; EngineConfig.decode_merge_in_norm).
+        # A plain attribute, as fuse_rope_kv_write.
+        self.merge_in_norm = False
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
@@ -267,7 +282,7 @@ class LlamaForCausalLM(nn.Module):
                     self.config.max_position_embeddings, self.fuse_rope_kv_write)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, attn)
+            x, residual = layer(x, residual, rope, kv_cache, attn, self.merge_in_norm)
         x, _ = self.norm(x, residual, pdl=attn.launch_pdl)
         return x
 
