@@ -37,12 +37,12 @@ def make_linear(n, k, bias, seed=0):
 def counted(monkeypatch):
     """Calls to the skinny GEMM from engine/models/linear.py: (rows, silu_mul, config), and
     (rows, silu_mul, config, pdl) for calls with pdl=True, which the interpreter cannot launch:
-    those run without it (what they compute is the same)."""
+    those run without it (what they compute is the same); + "unmerged" for merge=False."""
     calls = []
 
-    def run(x, weight, bias=None, *, silu_mul=False, config=None, pdl=False):
-        calls.append((x.shape[0], silu_mul, config) + ((True,) if pdl else ()))
-        return sg.skinny_gemm(x, weight, bias, silu_mul=silu_mul, config=config)
+    def run(x, weight, bias=None, *, silu_mul=False, config=None, pdl=False, merge=True):
+        calls.append((x.shape[0], silu_mul, config) + ((True,) if pdl else ()) + (() if merge else ("unmerged",)))
+        return sg.skinny_gemm(x, weight, bias, silu_mul=silu_mul, config=config, merge=merge)
     monkeypatch.setattr(linear_module, "skinny_gemm", run)
     monkeypatch.setattr(linear_module, "silu_and_mul", activation.silu_and_mul)
     return calls
@@ -122,6 +122,7 @@ def test_unmerged_output_is_split_sums_where_the_skinny_gemm_runs(counted):
     got = lin(x, unmerged=True)
     assert isinstance(got, SplitSums) and got.parts.shape == (3, 2, 37) and got.bias is lin.bias
     assert torch.equal(got.merged(x.dtype), lin(x))
+    assert counted == [(2, False, cfg, "unmerged"), (2, False, cfg)]
     g = torch.randn(2, 96, device=DEVICE)
     sums = lin.forward_silu_mul(g, unmerged=True)       # no silu table: the SiLU kernel, then this
     assert isinstance(sums, SplitSums) and torch.equal(sums.merged(g.dtype), lin.forward_silu_mul(g))
