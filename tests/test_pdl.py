@@ -129,8 +129,9 @@ def test_decode_steps_of_up_to_16_rows_launch_every_triton_kernel_with_pdl(model
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain(dtype, hidden):
     """norm -> skinny GEMM -> SiLU-and-mul -> skinny GEMM (+ residual norm), as a decode layer's
-    MLP runs them, captured in a CUDA graph with and without PDL and replayed on new inputs:
-    the same bits (PDL changes when kernels start, not what they compute)."""
+    MLP runs them, captured in a CUDA graph with and without PDL (and with PDL, the last GEMM's
+    K slices merged by the norm: decode_merge_in_norm) and replayed on new inputs: the same bits
+    (PDL changes when kernels start, not what they compute)."""
     from kernels.activation import silu_and_mul
     from kernels.rmsnorm import rms_norm
     from kernels.skinny_gemm import SkinnyConfig, skinny_gemm
@@ -143,23 +144,26 @@ def test_a_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain(dtype, hi
     res = torch.randn(4, hidden, device="cuda", dtype=dtype, generator=gen)
     cfg = SkinnyConfig(64, 128, 4)
 
-    def chain(use_pdl):
+    def chain(use_pdl, unmerged=False):
         h, r = rms_norm(x, norm_w, 1e-5, res, pdl=use_pdl)
         up = skinny_gemm(h, w_up, config=cfg, pdl=use_pdl)
         a = silu_and_mul(up, pdl=use_pdl)
+        if unmerged:        # decode_merge_in_norm: the norm merges down's K slices
+            parts = skinny_gemm(a, w_down, config=cfg, pdl=use_pdl, merge=False)
+            return rms_norm(None, norm_w, 1e-5, r, pdl=use_pdl, x_parts=parts)[0]
         y = skinny_gemm(a, w_down, config=cfg, pdl=use_pdl)
         return rms_norm(y, norm_w, 1e-5, r, pdl=use_pdl)[0]
 
     outs = {}
-    for use_pdl in (False, True):
+    for use_pdl, unmerged in ((False, False), (True, False), (True, True)):
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            chain(use_pdl)
+            chain(use_pdl, unmerged)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=stream):
-            out = chain(use_pdl)
+            out = chain(use_pdl, unmerged)
         got = []
         for seed in (1, 2):
             g = torch.Generator(device="cuda").manual_seed(seed)
@@ -168,7 +172,8 @@ def test_a_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain(dtype, hi
             graph.replay()
             torch.cuda.synchronize()
             got.append(out.clone())
-        outs[use_pdl] = got
-    for a, b in zip(outs[False], outs[True]):
-        assert torch.equal(a, b)
-    assert not torch.equal(outs[True][0], outs[True][1])
+        outs[use_pdl, unmerged] = got
+    for variant in ((True, False), (True, True)):
+        for a, b in zip(outs[False, False], outs[variant]):
+            assert torch.equal(a, b), variant
+    assert not torch.equal(outs[True, False][0], outs[True, False][1])
