@@ -62,10 +62,10 @@ class EngineConfig:
     # kernels/pdl.py). The skinny GEMM's own rounding. H200, Llama-3.1-8B, one stream:
     # 4.72 -> 4.51 ms/token (benchmarks/h200/decode_pdl.md).
     decode_pdl: bool = True
-    # Where o_proj and down_proj run the skinny GEMM (decode, up to 16 rows), the RMSNorm after
-    # them merges their split-K partials as it reads them, instead of the GEMM's last program
-    # (engine/models/linear.py, SplitSums). The same bits.
-    decode_merge_in_norm: bool = False
+    # Where qkv_proj, o_proj and down_proj run the skinny GEMM (decode, up to 16 rows), the kernel
+    # after them (rotary + KV write, RMSNorm) merges their split-K partials as it reads them,
+    # instead of the GEMM's last program (engine/models/linear.py, SplitSums). The same bits.
+    decode_late_merge: bool = False
     # Plan and launch step N+1 while the GPU runs step N (engine/engine_core.py); its tokens
     # come back one step later. False: each step waits for its tokens before the next is planned.
     async_scheduling: bool = True
@@ -161,7 +161,7 @@ class EngineConfig:
             _int_at_least("cpu_threads", self.cpu_threads, 1)
         for name in ("enable_prefix_caching", "enable_prefix_groups", "enable_cascade_attention",
                      "async_scheduling", "fuse_rope_kv_write", "fuse_kv_split_merge", "decode_pdl",
-                     "decode_merge_in_norm"):
+                     "decode_late_merge"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)

@@ -151,7 +151,7 @@ class ModelRunner:
         self.gemm_report: list[dict] = []
         if on_gpu and config.skinny_gemm == "auto":
             self.gemm_report = tune_skinny_gemms(self.model, device)
-        self.model.merge_in_norm = config.decode_merge_in_norm
+        self.model.late_merge = config.decode_late_merge
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _RunnerRequest] = {}
         self.block_tables = _BlockTables()

@@ -42,9 +42,16 @@ def _rotate_heads(x_ptr, stride_h, num_heads, head0, cos, sin, half_dim,
     mask = (heads[:, None] < num_heads) & (dims[None, :] < half_dim)
     heads64 = heads[:, None].to(tl.int64)
     ptr1 = x_ptr + heads64 * stride_h + dims[None, :]
-    ptr2 = ptr1 + half_dim
     x1 = tl.load(ptr1, mask=mask, other=0.0)
-    x2 = tl.load(ptr2, mask=mask, other=0.0)
+    x2 = tl.load(ptr1 + half_dim, mask=mask, other=0.0)
+    out1, out2 = _rotate_store(x1, x2, ptr1, half_dim, cos, sin, mask)
+    return out1, out2, heads64, mask
+
+
+@triton.jit
+def _rotate_store(x1, x2, ptr1, half_dim, cos, sin, mask):
+    """The rotation of the halves x1, x2 [BLOCK_H, BLOCK_D], stored at ptr1 and ptr1 + half_dim;
+    returns what was stored. (kernels/rotary_write_kv.py rotates values it merged itself.)"""
     x1f = x1.to(tl.float32)
     x2f = x2.to(tl.float32)
     # Explicit FMAs: left as `x1f * c - x2f * s`, the GPU compiler may fuse either product into the
@@ -54,8 +61,8 @@ def _rotate_heads(x_ptr, stride_h, num_heads, head0, cos, sin, half_dim,
     out1 = tl.fma(x1f, cos[None, :], -(x2f * sin[None, :])).to(x1.dtype)
     out2 = tl.fma(x2f, cos[None, :], x1f * sin[None, :]).to(x2.dtype)
     tl.store(ptr1, out1, mask=mask)
-    tl.store(ptr2, out2, mask=mask)
-    return out1, out2, heads64, mask
+    tl.store(ptr1 + half_dim, out2, mask=mask)
+    return out1, out2
 
 
 @triton.jit

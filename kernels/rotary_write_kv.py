@@ -35,7 +35,7 @@ from kernels.attention_ref import write_kv_ref
 # The rotation itself is rotary.py's: one @triton.jit function, with explicit FMAs, so that the
 # compiler cannot contract the two kernels' arithmetic differently.
 from kernels.pdl import check as check_pdl, launch_options
-from kernels.rotary import _rotate_heads, rotary_embedding_ref
+from kernels.rotary import _rotate_heads, _rotate_store, rotary_embedding_ref
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -49,9 +49,12 @@ def _rotary_write_kv_kernel(
     v_cache_ptr, stride_vcb, stride_vco, stride_vch,
     pos_ptr, slot_ptr, cos_ptr, sin_ptr,
     num_q_heads, num_kv_heads, half_dim, block_size,
+    parts_ptr, stride_ps, stride_pt, bias_ptr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     USE_PDL: tl.constexpr,
+    NUM_PARTS: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
@@ -64,14 +67,32 @@ def _rotary_write_kv_kernel(
     sin = tl.load(sin_ptr + pos * half_dim + dims, mask=dims < half_dim, other=0.0)
     # Not tl.cdiv (a @jit library function: see kernels/rotary.py).
     num_q_blocks = (num_q_heads + BLOCK_H - 1) // BLOCK_H
+    head_dim = 2 * half_dim
+    parts_row = parts_ptr + token * stride_pt       # the qkv row's columns: q, then k, then v heads
     if head_block < num_q_blocks:
-        _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, head_block * BLOCK_H,
-                      cos, sin, half_dim, BLOCK_H, BLOCK_D)
+        if NUM_PARTS > 0:
+            heads64, mask = _heads(head_block * BLOCK_H, num_q_heads, half_dim, BLOCK_H, BLOCK_D)
+            q1, q2 = _merged_halves(parts_row, stride_ps, bias_ptr, heads64 * head_dim, dims, half_dim, mask,
+                                    q_ptr.dtype.element_ty, NUM_PARTS, HAS_BIAS, BLOCK_H, BLOCK_D)
+            _rotate_store(q1, q2, q_ptr + token * stride_qt + heads64 * stride_qh + dims[None, :], half_dim,
+                          cos, sin, mask)
+        else:
+            _rotate_heads(q_ptr + token * stride_qt, stride_qh, num_q_heads, head_block * BLOCK_H,
+                          cos, sin, half_dim, BLOCK_H, BLOCK_D)
     else:
-        k1, k2, heads64, mask = _rotate_heads(
-            k_ptr + token * stride_kt, stride_kh, num_kv_heads, (head_block - num_q_blocks) * BLOCK_H,
-            cos, sin, half_dim, BLOCK_H, BLOCK_D)
+        head0 = (head_block - num_q_blocks) * BLOCK_H
+        if NUM_PARTS > 0:
+            heads64, mask = _heads(head0, num_kv_heads, half_dim, BLOCK_H, BLOCK_D)
+            k_cols = (num_q_heads + heads64) * head_dim
+            k1, k2 = _merged_halves(parts_row, stride_ps, bias_ptr, k_cols, dims, half_dim, mask,
+                                    k_ptr.dtype.element_ty, NUM_PARTS, HAS_BIAS, BLOCK_H, BLOCK_D)
+            k1, k2 = _rotate_store(k1, k2, k_ptr + token * stride_kt + heads64 * stride_kh + dims[None, :],
+                                   half_dim, cos, sin, mask)
+        else:
+            k1, k2, heads64, mask = _rotate_heads(
+                k_ptr + token * stride_kt, stride_kh, num_kv_heads, head0, cos, sin, half_dim, BLOCK_H, BLOCK_D)
         slot = tl.load(slot_ptr + token).to(tl.int64)
+        head_mask = mask
         mask = mask & (slot >= 0)
         block = slot // block_size
         offset = slot % block_size
@@ -79,11 +100,43 @@ def _rotary_write_kv_kernel(
         tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(kc + half_dim, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
         v1_ptr = v_ptr + token * stride_vt + heads64 * stride_vh + dims[None, :]
-        v1 = tl.load(v1_ptr, mask=mask)
-        v2 = tl.load(v1_ptr + half_dim, mask=mask)
+        if NUM_PARTS > 0:
+            v_cols = (num_q_heads + num_kv_heads + heads64) * head_dim
+            v1, v2 = _merged_halves(parts_row, stride_ps, bias_ptr, v_cols, dims, half_dim, head_mask,
+                                    v_ptr.dtype.element_ty, NUM_PARTS, HAS_BIAS, BLOCK_H, BLOCK_D)
+            tl.store(v1_ptr, v1, mask=head_mask)      # v as the merged qkv would hold it
+            tl.store(v1_ptr + half_dim, v2, mask=head_mask)
+        else:
+            v1 = tl.load(v1_ptr, mask=mask)
+            v2 = tl.load(v1_ptr + half_dim, mask=mask)
         vc = v_cache_ptr + block * stride_vcb + offset * stride_vco + heads64 * stride_vch + dims[None, :]
         tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(vc + half_dim, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _heads(head0, num_heads, half_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Heads head0.. [BLOCK_H, 1] as int64 and the mask of the halves' elements, as _rotate_heads."""
+    heads = head0 + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    return heads[:, None].to(tl.int64), (heads[:, None] < num_heads) & (dims[None, :] < half_dim)
+
+
+@triton.jit
+def _merged_halves(parts_row, stride_ps, bias_ptr, cols0, dims, half_dim, mask, dtype,
+                   NUM_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The halves [BLOCK_H, BLOCK_D] of heads whose first columns are cols0 [BLOCK_H, 1], from
+    the skinny GEMM's K-slice partials: summed in slice order, + bias, rounded to dtype (its merge)."""
+    c1 = cols0 + dims[None, :]
+    a1 = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
+    a2 = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
+    for s in tl.static_range(NUM_PARTS):
+        a1 += tl.load(parts_row + s * stride_ps + c1, mask=mask, other=0.0)
+        a2 += tl.load(parts_row + s * stride_ps + c1 + half_dim, mask=mask, other=0.0)
+    if HAS_BIAS:
+        a1 += tl.load(bias_ptr + c1, mask=mask, other=0.0).to(tl.float32)
+        a2 += tl.load(bias_ptr + c1 + half_dim, mask=mask, other=0.0).to(tl.float32)
+    return a1.to(dtype), a2.to(dtype)
 
 
 # triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
@@ -143,17 +196,35 @@ def rotary_write_kv(
     sin_cache: torch.Tensor,
     *,
     pdl: bool = False,
+    qkv_parts: torch.Tensor | None = None,
+    qkv_bias: torch.Tensor | None = None,
 ) -> None:
     """Rotate q [T, Hq, D] and k [T, Hkv, D] in place and store the rotated k and v [T, Hkv, D]
     in the paged caches at slot_mapping (see the module docstring). q, k and v must not overlap
     each other (disjoint slices of one qkv buffer are fine). pdl: launch with programmatic
-    dependent launch (kernels/pdl.py)."""
+    dependent launch (kernels/pdl.py).
+    qkv_parts [S, T, (Hq + 2 Hkv) D] fp32 (+ qkv_bias): q, k and v are not read but merged from
+    the qkv projection's unmerged K-slice partials (kernels/skinny_gemm.py, merge=False: summed
+    in order, + bias, rounded to q's dtype), then written to q, k (rotated) and v as above: the
+    same bits as merging first."""
     _check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_cache, sin_cache)
     check_pdl(pdl, q.device, "rotary_write_kv")
     num_tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
+    width = (num_q_heads + 2 * num_kv_heads) * head_dim
+    if qkv_parts is not None:
+        if (qkv_parts.dim() != 3 or qkv_parts.shape[0] < 1 or qkv_parts.shape[1:] != (num_tokens, width)
+                or qkv_parts.dtype != torch.float32 or qkv_parts.stride(2) != 1 or qkv_parts.device != q.device):
+            raise ValueError(f"qkv_parts must be float32 [S >= 1, T={num_tokens}, (Hq + 2 Hkv) D={width}] with "
+                             f"unit column stride on {q.device}, got {qkv_parts.dtype} {list(qkv_parts.shape)}")
+        if qkv_bias is not None and (qkv_bias.shape != (width,) or not qkv_bias.is_contiguous()
+                                     or qkv_bias.device != q.device):
+            raise ValueError(f"qkv_bias must be a contiguous [{width}] tensor, got {list(qkv_bias.shape)}")
+    elif qkv_bias is not None:
+        raise ValueError("qkv_bias is given but qkv_parts is None")
     if num_tokens == 0:
         return
+    parts = qkv_parts if qkv_parts is not None else cos_cache       # placeholders: NUM_PARTS is 0
     half_dim = head_dim // 2
     block_d = triton.next_power_of_2(half_dim)
     # As kernels/rotary.py: about 2K elements per program and tensor.
@@ -167,9 +238,13 @@ def rotary_write_kv(
         v_cache, v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         positions, slot_mapping, cos_cache, sin_cache,
         num_q_heads, num_kv_heads, half_dim, k_cache.shape[1],
+        parts, parts.stride(0), parts.stride(1) if qkv_parts is not None else 0,
+        qkv_bias if qkv_bias is not None else cos_cache,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         USE_PDL=pdl,
+        NUM_PARTS=0 if qkv_parts is None else qkv_parts.shape[0],
+        HAS_BIAS=qkv_bias is not None,
         num_warps=4,
         **launch_options(pdl),
     )

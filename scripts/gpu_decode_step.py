@@ -6,9 +6,9 @@ Variants, each with the decode CUDA graphs captured afresh:
               start-up timing chose them (engine/gemm_tuning.py; its table is reported),
               attention's splits merged in its kernel (fuse_kv_split_merge: 8 splits at batch 1
               up to 511 keys), PDL (decode_pdl: every projection the skinny GEMM)
-  merge_in_norm, merge_in_gemm
-              PDL, and o_proj's and down_proj's split-K partials merged by the RMSNorm after
-              them or by the GEMM's last program (decode_merge_in_norm true / false)
+  late_merge, early_merge
+              PDL, and qkv_proj's, o_proj's and down_proj's split-K partials merged by the
+              kernel after them or by the GEMM's last program (decode_late_merge true / false)
   no_pdl      on without PDL (decode_pdl=False: cuBLAS where it won the timing)
   merge_apart on, but attention's splits by choose_num_kv_splits and merged by the separate
               kernel (fuse_kv_split_merge=False: one split at batch 1 up to 511 keys)
@@ -47,11 +47,11 @@ def _linears(model) -> list[Linear]:
 
 
 def _set_variant(runner, fuse_rope: bool, tables: dict | None, kv_merge_in_kernel: bool,
-                 pdl: bool = False, merge_in_norm: bool = False) -> None:
+                 pdl: bool = False, late_merge: bool = False) -> None:
     """Switch the model's kernels and capture its decode graphs again."""
     from engine.cuda_graphs import DecodeGraphs
     runner.model.fuse_rope_kv_write = fuse_rope
-    runner.model.merge_in_norm = merge_in_norm
+    runner.model.late_merge = late_merge
     for lin in _linears(runner.model):
         lin.skinny, lin.skinny_silu, lin.skinny_chain = (
             dict(t) for t in (tables or {}).get(id(lin), ({}, {}, {})))
@@ -154,22 +154,22 @@ def check_engine(args, out: dict) -> None:
     logits_off = None
     assert runner.decode_graphs.kv_merge_in_kernel, "the engine's default merges attention's splits in its kernel"
     pdl_on = runner.decode_graphs.pdl
-    merge_on = runner.model.merge_in_norm
+    merge_on = runner.model.late_merge
     variants = (("on", True, tables, True, pdl_on, merge_on),
-                ("merge_in_norm", True, tables, True, True, True), ("merge_in_gemm", True, tables, True, True, False),
+                ("late_merge", True, tables, True, True, True), ("early_merge", True, tables, True, True, False),
                 ("no_pdl", True, tables, True, False, False),
                 ("merge_apart", True, tables, False, False, False), ("off", False, None, False, False, False),
                 ("rope_kv", True, None, False, False, False))
     logits_on = None
-    for name, fuse_rope, tab, kv_merge, pdl, merge_in_norm in variants:
+    for name, fuse_rope, tab, kv_merge, pdl, late_merge in variants:
         if name not in getattr(args, "variants", [v[0] for v in variants]):
             continue
         if name != "on":
-            _set_variant(runner, fuse_rope, tab, kv_merge, pdl, merge_in_norm)
+            _set_variant(runner, fuse_rope, tab, kv_merge, pdl, late_merge)
         graph, logits, kv_splits = _step_graph(runner, args.context)
         row = {"step_ms": _replay_ms(graph), "ms_per_token": _ms_per_token(llm, name, prompt, args.output_len),
                "kv_splits": kv_splits, "kv_merge_in_kernel": kv_merge, "kernels": _kernel_table(graph),
-               "pdl": pdl, "merge_in_norm": merge_in_norm}
+               "pdl": pdl, "late_merge": late_merge}
         if name != "on" and logits_on is not None:
             diff = (logits_on - logits).abs().max().item()
             row["logits_vs_on"] = {"max_abs_diff": diff, "max_abs": logits_on.abs().max().item(),
@@ -212,7 +212,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top-kernels", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv"],
-                    help="of: on merge_in_norm merge_in_gemm no_pdl merge_apart off rope_kv")
+                    help="of: on late_merge early_merge no_pdl merge_apart off rope_kv")
     args = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name()}
     check_engine(args, out)

@@ -31,7 +31,7 @@ def test_defaults_are_valid(model_dir):
     ("tokenize_inline_max_chars", -1, ">= 0"),
     ("tokenizer_process", "no", "true or false"),
     ("decode_pdl", 1, "true or false"),
-    ("decode_merge_in_norm", "yes", "true or false"),
+    ("decode_late_merge", "yes", "true or false"),
     ("tokenizer_process_priority", "high", "idle"),
     ("tokenizer_process_priority", 10, "normal"),
     ("response_senders", 0, ">= 1"),

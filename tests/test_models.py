@@ -401,11 +401,13 @@ def test_fused_rope_kv_write_path_equals_two_kernel_path(hf_and_path_d16):
 
 
 def test_norms_merging_the_projections_split_k_partials_give_the_same_bits(hf_and_path_d16, monkeypatch):
-    """model.merge_in_norm (EngineConfig.decode_merge_in_norm), on the Triton path (kernels
+    """model.late_merge (EngineConfig.decode_late_merge), on the Triton path (kernels
     interpreted on CPU, every projection given a split-K skinny config for every row bucket): in
-    steps of up to 16 rows o_proj and down_proj hand their K-slice partials to the RMSNorm after
-    them, which merges them as it reads x; the logits are bitwise those of the GEMMs' own merge
-    (and HF's within fp32 tolerance). Larger steps (the prompt chunks) run F.linear either way."""
+    steps of up to 16 rows qkv_proj hands its K-slice partials to the rotary + KV-write kernel,
+    o_proj and down_proj theirs to the RMSNorm after them, and each merges them as it reads
+    them; the logits and KV caches are bitwise those of the GEMMs' own merge (and the logits
+    HF's within fp32 tolerance). Larger steps (the prompt chunks) run F.linear either way."""
+    import dataclasses
     import engine.models.linear as linear_module
     import engine.models.llama as llama_module
     from engine.models.attention import triton_backend
@@ -414,33 +416,46 @@ def test_norms_merging_the_projections_split_k_partials_give_the_same_bits(hf_an
     sg, rms = load_kernels("kernels.skinny_gemm"), load_kernels("kernels.rmsnorm")
     require_runnable(sg)
     require_runnable(rms)
-    norms_of_parts = []
+    norms_of_parts, rotary_of_parts = [], []
 
     def norm(*args, **kw):
         norms_of_parts.append(kw.get("x_parts") is not None)
         return rms.rms_norm(*args, **kw)
+
+    plain = triton_backend()
+
+    def rotary_write_kv(*args, **kw):
+        rotary_of_parts.append(kw.get("qkv_parts") is not None)
+        return plain.rotary_write_kv(*args, **kw)
+    backend = dataclasses.replace(plain, rotary_write_kv=rotary_write_kv)
     monkeypatch.setattr(linear_module, "skinny_gemm", sg.skinny_gemm)
     monkeypatch.setattr(llama_module, "rms_norm", norm)
     hf, config, path = hf_and_path_d16
     layers = config.num_hidden_layers
     tokens = random_tokens(24, seed=12)
     results = {}
-    for merge_in_norm in (False, True):
-        model, _ = load_model(path, torch.float32, torch.device("cpu"), attention_backend=triton_backend(),
+    for late_merge in (False, True):
+        model, _ = load_model(path, torch.float32, torch.device("cpu"), attention_backend=backend,
                               fused_kernels=True)
         for lin in model.modules():
             if isinstance(lin, Linear):
                 lin.skinny = {b: sg.SkinnyConfig(16, 16, 3) for b in ROW_BUCKETS}
-        model.merge_in_norm = merge_in_norm
+        model.late_merge = late_merge
         kv = PagedKV(config, block_size=16, seed=13)
         norms_of_parts.clear()
+        rotary_of_parts.clear()
         got = run_step(model, kv, [(0, tokens[:20]), (1, tokens[:3])])[:1]    # 23 rows: F.linear
-        assert norms_of_parts == [False] * (2 * layers + 1)
+        assert norms_of_parts == [False] * (2 * layers + 1) and rotary_of_parts == [False] * layers
         for token in tokens[20:]:
             norms_of_parts.clear()
+            rotary_of_parts.clear()
             got += run_step(model, kv, [(0, [token]), (1, [token])])[:1]       # 2 rows: skinny
             # the first layer's input norm reads the embedding; every other norm a projection's
-            assert norms_of_parts == [False] + [merge_in_norm] * (2 * layers)
-        results[merge_in_norm] = torch.cat(got)
-    assert torch.equal(results[True], results[False])
-    torch.testing.assert_close(results[True], hf_logits(hf, tokens), atol=ATOL, rtol=RTOL)
+            assert norms_of_parts == [False] + [late_merge] * (2 * layers)
+            assert rotary_of_parts == [late_merge] * layers
+        results[late_merge] = torch.cat(got), kv.kv_caches
+    (merged, merged_kv), (late, late_kv) = results[False], results[True]
+    assert torch.equal(late, merged)
+    for (k0, v0), (k1, v1) in zip(merged_kv, late_kv):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    torch.testing.assert_close(late, hf_logits(hf, tokens), atol=ATOL, rtol=RTOL)

@@ -130,7 +130,7 @@ def test_decode_steps_of_up_to_16_rows_launch_every_triton_kernel_with_pdl(model
 def test_a_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain(dtype, hidden):
     """norm -> skinny GEMM -> SiLU-and-mul -> skinny GEMM (+ residual norm), as a decode layer's
     MLP runs them, captured in a CUDA graph with and without PDL (and with PDL, the last GEMM's
-    K slices merged by the norm: decode_merge_in_norm) and replayed on new inputs: the same bits
+    K slices merged by the norm: decode_late_merge) and replayed on new inputs: the same bits
     (PDL changes when kernels start, not what they compute)."""
     from kernels.activation import silu_and_mul
     from kernels.rmsnorm import rms_norm
@@ -148,7 +148,7 @@ def test_a_pdl_chain_in_a_cuda_graph_gives_the_bits_of_the_plain_chain(dtype, hi
         h, r = rms_norm(x, norm_w, 1e-5, res, pdl=use_pdl)
         up = skinny_gemm(h, w_up, config=cfg, pdl=use_pdl)
         a = silu_and_mul(up, pdl=use_pdl)
-        if unmerged:        # decode_merge_in_norm: the norm merges down's K slices
+        if unmerged:        # decode_late_merge: the norm merges down's K slices
             parts = skinny_gemm(a, w_down, config=cfg, pdl=use_pdl, merge=False)
             return rms_norm(None, norm_w, 1e-5, r, pdl=use_pdl, x_parts=parts)[0]
         y = skinny_gemm(a, w_down, config=cfg, pdl=use_pdl)

@@ -202,3 +202,44 @@ def test_replays_in_cuda_graph():
     graph.replay()
     for name in ("q", "k", "k_cache", "v_cache"):
         exact(case[name], two[name])
+
+
+@pytest.mark.parametrize("dtype", [d for d, _, _ in DTYPE_TOLS])
+@pytest.mark.parametrize("num_parts,bias", [(1, False), (2, True), (3, False)])
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_qkv_from_gemm_partials_gives_the_bits_of_the_merged_qkv(shape, dtype, num_parts, bias):
+    """qkv_parts (the qkv projection's unmerged K slices, + qkv_bias): q, k, v are merged from
+    them (sum in slice order, + bias, rounded) and then rotated and written as usual: q, k, v and
+    both caches bitwise what merging first and running the kernel on the merged qkv gives."""
+    num_tokens, num_heads, num_kv_heads, head_dim, _ = shape
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    gen = torch.Generator().manual_seed(num_parts)
+    parts = torch.randn(num_parts, num_tokens, width, generator=gen).to(DEVICE)
+    b = torch.randn(width, generator=gen).to(dtype).to(DEVICE) if bias else None
+    acc = torch.zeros(num_tokens, width, device=DEVICE)
+    for p in parts:
+        acc += p
+    merged = (acc + (b.float() if bias else 0)).to(dtype)
+    results = []
+    for from_parts in (False, True):
+        case, buf = make_case(shape, dtype, "fused", torch.Generator().manual_seed(3))
+        if from_parts:
+            buf[:, :width] = float("nan")        # not read: q, k, v come from the parts
+            rotary_write_kv(**case, qkv_parts=parts, qkv_bias=b)
+        else:
+            buf[:, :width] = merged
+            rotary_write_kv(**case)
+        results.append((buf, case["k_cache"], case["v_cache"]))
+    for want, got in zip(*results):
+        exact(got, want)
+
+
+def test_qkv_parts_bad_forms_are_named():
+    case, _ = make_case(SHAPES[1], torch.float32, "fused", torch.Generator().manual_seed(4))
+    width = (12 + 2 * 4) * 96
+    with pytest.raises(ValueError, match=r"qkv_parts must be float32 \[S >= 1, T=5, \(Hq \+ 2 Hkv\) D=1920\]"):
+        rotary_write_kv(**case, qkv_parts=torch.zeros(2, 5, width - 1, device=DEVICE))
+    with pytest.raises(ValueError, match="qkv_bias must be"):
+        rotary_write_kv(**case, qkv_parts=torch.zeros(2, 5, width, device=DEVICE), qkv_bias=torch.zeros(3, device=DEVICE))
+    with pytest.raises(ValueError, match="qkv_bias is given but qkv_parts is None"):
+        rotary_write_kv(**case, qkv_bias=torch.zeros(width, device=DEVICE))

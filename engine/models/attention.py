@@ -180,16 +180,20 @@ class Attention(nn.Module):
         kv_cache: tuple[torch.Tensor, torch.Tensor],  # each [num_blocks, block_size, Hkv, D]
         attn: AttentionMetadata,
         rope_tables: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+        qkv_parts=None,
     ) -> torch.Tensor:  # [T, Hq, D]
         """rope_tables: (positions [T], cos_cache, sin_cache [max_positions, D/2] fp32): q and k
         come unrotated and the backend's rotary_write_kv rotates them (in place) as it writes
-        the KV cache."""
+        the KV cache. qkv_parts (with rope_tables): the qkv projection's unmerged output
+        (engine/models/linear.py, SplitSums), which rotary_write_kv merges into q, k and v."""
         k_cache, v_cache = kv_cache
         if rope_tables is None:
+            assert qkv_parts is None, "only rotary_write_kv merges a projection's partials"
             self.backend.write_kv(k, v, k_cache, v_cache, attn.slot_mapping)
         else:
+            merge = {} if qkv_parts is None else {"qkv_parts": qkv_parts.parts, "qkv_bias": qkv_parts.bias}
             self.backend.rotary_write_kv(q, k, v, k_cache, v_cache, attn.slot_mapping, *rope_tables,
-                                         pdl=attn.launch_pdl)
+                                         pdl=attn.launch_pdl, **merge)
         return self.backend.paged_attention(q, k_cache, v_cache, attn, self.scale,
                                             self.sliding_window)
 

@@ -12,11 +12,12 @@ with pdl=True (a decode graph's chain of kernels launched with programmatic depe
 kernels/pdl.py) runs it, because a cuBLAS kernel takes no part in PDL: it starts only when the
 kernel ahead has finished, and so does the kernel after it.
 
-unmerged=True (o_proj and down_proj, whose output goes to an RMSNorm with the residual add:
-LlamaForCausalLM.merge_in_norm): where the skinny GEMM runs, its K slices' partials are not
-merged in the kernel (the last program's store, atomic and reload: 2-6 us a call on an H100,
-benchmarks/h100/decode_experiments.md) but handed on as `SplitSums`, which the norm's kernel
-adds up as it reads them: the same bits.
+unmerged=True (LlamaForCausalLM.late_merge: qkv_proj, whose output goes to the rotary + KV
+write kernel, o_proj and down_proj, whose output goes to an RMSNorm with the residual add):
+where the skinny GEMM runs, its K slices' partials are not merged in the kernel (the last
+program's store, atomic and reload: 2-6 us a call on an H100, benchmarks/h100/
+decode_experiments.md) but handed on as `SplitSums`, which the next kernel adds up as it reads
+them: the same bits.
 """
 from __future__ import annotations
 

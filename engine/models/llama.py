@@ -180,15 +180,20 @@ class LlamaAttention(nn.Module):
         attn: AttentionMetadata,
         unmerged: bool = False,
     ) -> torch.Tensor | SplitSums:
-        """unmerged: o_proj's output may come back as SplitSums (engine/models/linear.py)."""
+        """unmerged: o_proj's output may come back as SplitSums, and qkv_proj's partials are
+        merged by the rotary + KV-write kernel where that runs (engine/models/linear.py)."""
         num_tokens = x.shape[0]
-        qkv = self.qkv_proj(x, pdl=attn.launch_pdl)  # [T, (Hq + 2Hkv) * D]
+        kv_write = rope.with_kv_write and self.attn.backend.rotary_write_kv is not None
+        qkv = self.qkv_proj(x, pdl=attn.launch_pdl, unmerged=unmerged and kv_write)  # [T, (Hq + 2Hkv) * D]
+        qkv_parts = None
+        if isinstance(qkv, SplitSums):      # rotary_write_kv merges it into this buffer
+            qkv_parts, qkv = qkv, torch.empty(num_tokens, qkv.parts.shape[2], dtype=x.dtype, device=x.device)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if rope.with_kv_write and self.attn.backend.rotary_write_kv is not None:
-            out = self.attn(q, k, v, kv_cache, attn, rope.tables())  # rotated as K/V are written
+        if kv_write:    # rotated as K/V are written
+            out = self.attn(q, k, v, kv_cache, attn, rope.tables(), qkv_parts=qkv_parts)
         else:
             q, k = rope.apply(q, k)
             out = self.attn(q, k, v, kv_cache, attn)  # [T, Hq, D]
@@ -223,17 +228,17 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused)
         self.mlp = LlamaMLP(config, fused)
 
-    def forward(self, x, residual, rope: Rope, kv_cache, attn: AttentionMetadata, merge_in_norm: bool = False):
-        """merge_in_norm: o_proj's and down_proj's split-K partials are merged by the norm after
-        them (LlamaForCausalLM.merge_in_norm); the x returned may then be SplitSums."""
+    def forward(self, x, residual, rope: Rope, kv_cache, attn: AttentionMetadata, late_merge: bool = False):
+        """late_merge: the projections' split-K partials are merged by the kernel after them
+        (LlamaForCausalLM.late_merge); the x returned may then be SplitSums."""
         pdl = attn.launch_pdl
         if residual is None:
             residual, x = x, self.input_layernorm(x, pdl=pdl)
         else:
             x, residual = self.input_layernorm(x, residual, pdl=pdl)
-        x = self.self_attn(x, rope, kv_cache, attn, unmerged=merge_in_norm)
+        x = self.self_attn(x, rope, kv_cache, attn, unmerged=late_merge)
         x, residual = self.post_attention_layernorm(x, residual, pdl=pdl)
-        return self.mlp(x, pdl=pdl, unmerged=merge_in_norm), residual
+        return self.mlp(x, pdl=pdl, unmerged=late_merge), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -253,10 +258,10 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.fused = fused_kernels
         self.fuse_rope_kv_write = fuse_rope_kv_write
-        # o_proj and down_proj hand their skinny GEMM's split-K partials to the RMSNorm after
-        # them, which merges them as it reads x (the same bits; EngineConfig.decode_merge_in_norm).
-        # A plain attribute, as fuse_rope_kv_write.
-        self.merge_in_norm = False
+        # qkv_proj, o_proj and down_proj hand their skinny GEMM's split-K partials to the kernel
+        # after them (rotary + KV write, RMSNorm), which merges them as it reads them (the same
+        # bits; EngineConfig.decode_late_merge). A plain attribute, as fuse_rope_kv_write.
+        self.late_merge = False
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta, config.rope_scaling)
         self.layers = nn.ModuleList(
@@ -282,7 +287,7 @@ class LlamaForCausalLM(nn.Module):
                     self.config.max_position_embeddings, self.fuse_rope_kv_write)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, residual = layer(x, residual, rope, kv_cache, attn, self.merge_in_norm)
+            x, residual = layer(x, residual, rope, kv_cache, attn, self.late_merge)
         x, _ = self.norm(x, residual, pdl=attn.launch_pdl)
         return x
 
