@@ -53,14 +53,18 @@ def add_scheduling_arg(ap) -> None:
 
 
 def add_pdl_arg(ap) -> None:
-    """The step benches' `--decode-pdl true|false` (EngineConfig.decode_pdl; unset: the engine's
-    default); `pdl_setting(args)` gives the engine keyword for it."""
+    """The step benches' `--decode-pdl true|false` and `--decode-late-merge true|false`
+    (EngineConfig.decode_pdl, decode_late_merge; unset: the engine's default); `pdl_setting(args)`
+    gives the engine keywords for them."""
     ap.add_argument("--decode-pdl", choices=["true", "false"], default=None,
                     help="decode graphs of up to 16 rows with programmatic dependent launch")
+    ap.add_argument("--decode-late-merge", choices=["true", "false"], default=None,
+                    help="split-K partials of decode projections merged by the kernel after them")
 
 
 def pdl_setting(args) -> dict:
-    return {} if args.decode_pdl is None else {"decode_pdl": args.decode_pdl == "true"}
+    return {name: value == "true" for name, value in
+            (("decode_pdl", args.decode_pdl), ("decode_late_merge", args.decode_late_merge)) if value is not None}
 
 
 def add_model_args(ap) -> None:

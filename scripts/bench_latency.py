@@ -66,6 +66,7 @@ def main() -> None:
     row = {"preset": args.preset, "dtype": args.dtype, "input_len": args.input_len,
            "output_len": args.output_len, "enforce_eager": args.enforce_eager,
            "async_scheduling": not args.sync_scheduling, "decode_pdl": llm.config.decode_pdl,
+           "decode_late_merge": llm.config.decode_late_merge,
            "ms_per_token_median": ms, "ms_per_token_p90": statistics.quantiles(step_ms, n=10)[8],
            "tokens_per_s": 1e3 / ms, "ttft_ms_median": statistics.median(ttft_ms),
            "weight_bytes": weight_bytes, "roofline_ms_per_token": roofline_ms,
