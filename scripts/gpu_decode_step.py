@@ -6,6 +6,9 @@ Variants, each with the decode CUDA graphs captured afresh:
               start-up timing chose them (engine/gemm_tuning.py; its table is reported),
               attention's splits merged in its kernel (fuse_kv_split_merge: 8 splits at batch 1
               up to 511 keys), PDL (decode_pdl: every projection the skinny GEMM)
+  silu_in_down
+              PDL, late merge, and down_proj with SiLU-and-mul in its prologue (its chain config)
+              in place of the SiLU kernel, whatever the start-up timing chose
   late_merge, early_merge
               PDL, and qkv_proj's, o_proj's and down_proj's split-K partials merged by the
               kernel after them or by the GEMM's last program (decode_late_merge true / false)
@@ -155,7 +158,11 @@ def check_engine(args, out: dict) -> None:
     assert runner.decode_graphs.kv_merge_in_kernel, "the engine's default merges attention's splits in its kernel"
     pdl_on = runner.decode_graphs.pdl
     merge_on = runner.model.late_merge
+    # down_proj with SiLU-and-mul in its prologue wherever the chain runs it (no SiLU kernel)
+    downs = {id(layer.mlp.down_proj) for layer in runner.model.layers}
+    silu_tables = {key: (t[0], t[2], t[2]) if key in downs else t for key, t in tables.items()}
     variants = (("on", True, tables, True, pdl_on, merge_on),
+                ("silu_in_down", True, silu_tables, True, True, True),
                 ("late_merge", True, tables, True, True, True), ("early_merge", True, tables, True, True, False),
                 ("no_pdl", True, tables, True, False, False),
                 ("merge_apart", True, tables, False, False, False), ("off", False, None, False, False, False),
@@ -212,7 +219,7 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top-kernels", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv"],
-                    help="of: on late_merge early_merge no_pdl merge_apart off rope_kv")
+                    help="of: on silu_in_down late_merge early_merge no_pdl merge_apart off rope_kv")
     args = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name()}
     check_engine(args, out)
