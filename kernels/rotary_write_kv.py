@@ -22,6 +22,10 @@ Layouts (those of the two kernels it replaces):
   cos_cache,       [max_positions, D/2] fp32, contiguous (`kernels.rotary.build_cos_sin_cache`)
   sin_cache
 
+With qkv_parts (a skinny GEMM's unmerged K-slice partials of the qkv projection, see
+kernels/skinny_gemm.py) q, k and v are merged from them as they are read and written to q, k
+(rotated) and v: the same bits as merging first.
+
 Grid: (T, head blocks of q followed by head blocks of kv). A kv program rotates its k heads,
 stores them back, and writes them and the same v heads to the cache.
 """

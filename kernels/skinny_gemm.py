@@ -24,6 +24,12 @@ live per device, zeroed once and back at zero after every call, so a CUDA graph 
 kernel alone (no memset, no reduce). Calls on one device share them: they must not overlap in
 time (one stream).
 
+Or no merge at all (merge=False): every program stores its fp32 partial [M, BLOCK_N] of its K
+slice in parts [S, M, N] and is done; the kernel after the GEMM adds them up in slice order as
+it reads them (kernels/rmsnorm.py, kernels/rotary_write_kv.py: the same bits). The merge's
+store, atomic and reload sit on the critical path of the last program: 2-6 us a call of a
+decode projection on an H100 (benchmarks/h100/decode_experiments.md).
+
 Layouts: x [M, K] (or [M, 2K] with silu_mul) with unit column stride, any row stride; W [N, K]
 with unit column stride, any row stride; bias [N]; y [M, N] contiguous, x's dtype.
 
