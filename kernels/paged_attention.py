@@ -71,6 +71,7 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
 _MAX_GRID_Y = 65535             # grid axis 1 holds B + 1 programs
 _FUSED_DECODE_BLOCK_N = 64      # keys per step of a decode split merged in the kernel
+_KV_AHEAD = True                # decode calls load the next step's K and V ahead (_attend_keys)
 
 
 # The kernels call Triton builtins only, none of triton's own @triton.jit library functions
@@ -87,49 +88,79 @@ def _attend_keys(
     acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_start, k_stop, qk_scale, sliding_window,
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AHEAD: tl.constexpr,
 ):
     """Online-softmax update of (acc, m_i, l_i) over keys [k_start, k_stop), BLOCK_N at a time
-    from a multiple of BLOCK_N. MASKED=False: every key is visible to every row (no mask math)."""
+    from a multiple of BLOCK_N. MASKED=False: every key is visible to every row (no mask math).
+    KV_AHEAD (decode): the K and V tiles of step i + 1 are loaded before step i's math, so a
+    program waits for memory once, not once a step (its loads go through the block table, which
+    the compiler's own pipelining does not look ahead through)."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    for start in range(k_start, k_stop, BLOCK_N):
-        k_pos = start + offs_n
-        k_in = k_pos < k_stop
-        if MASKED:
-            block_id = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_in, other=0).to(tl.int64)
-        else:
-            block_id = tl.load(table_row + k_pos // PAGE_SIZE).to(tl.int64)
-        slot = k_pos % PAGE_SIZE
-        # k: [D, BLOCK_N], v: [BLOCK_N, D], gathered key by key through the block table.
-        k_ptrs = k_base + block_id[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None] * stride_kd
-        v_ptrs = v_base + block_id[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :] * stride_vd
-        if MASKED:
-            k = tl.load(k_ptrs, mask=k_in[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_Q, BLOCK_N]
-        if MASKED:
-            visible = (k_pos[None, :] <= q_pos[:, None]) & k_in[None, :]
-            if HAS_WINDOW:
-                visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-            # A row that has seen no visible key yet keeps m = -inf: subtract 0, not inf - inf.
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-            m_sub = m_new
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+    if KV_AHEAD:
+        k, v = _kv_tiles(table_row, k_base, v_base, k_start, k_stop, stride_kb, stride_ks, stride_kd,
+                         stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, True)
+        for start in range(k_start, k_stop, BLOCK_N):
+            k_next, v_next = _kv_tiles(table_row, k_base, v_base, start + BLOCK_N, k_stop, stride_kb, stride_ks,
+                                       stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE,
+                                       True)
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
+                                         sliding_window, MASKED, HAS_WINDOW, DOT_PRECISION)
+            k, v = k_next, v_next
+    else:
+        for start in range(k_start, k_stop, BLOCK_N):
+            k, v = _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
+                             stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED)
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
+                                         sliding_window, MASKED, HAS_WINDOW, DOT_PRECISION)
     return acc, m_i, l_i
+
+
+@triton.jit
+def _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+              stride_vd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+              MASKED: tl.constexpr):
+    """k [D, BLOCK_N] and v [BLOCK_N, D] of keys start.. (zeros from k_stop on when MASKED),
+    gathered key by key through the block table."""
+    k_pos = start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    k_in = k_pos < k_stop
+    if MASKED:
+        block_id = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_in, other=0).to(tl.int64)
+    else:
+        block_id = tl.load(table_row + k_pos // PAGE_SIZE).to(tl.int64)
+    slot = k_pos % PAGE_SIZE
+    k_ptrs = k_base + block_id[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None] * stride_kd
+    v_ptrs = v_base + block_id[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :] * stride_vd
+    if MASKED:
+        k = tl.load(k_ptrs, mask=k_in[None, :], other=0.0)
+        v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptrs)
+        v = tl.load(v_ptrs)
+    return k, v
+
+
+@triton.jit
+def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding_window,
+                 MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One BLOCK_N step of the online softmax over the keys at k_pos."""
+    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_Q, BLOCK_N]
+    if MASKED:
+        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < k_stop)[None, :]
+        if HAS_WINDOW:
+            visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        # A row that has seen no visible key yet keeps m = -inf: subtract 0, not inf - inf.
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    else:
+        m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
+        m_sub = m_new
+    alpha = tl.exp2(m_i - m_sub)
+    p = tl.exp2(s - m_sub[:, None])
+    l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return acc, m_new, l_i
 
 
 @triton.jit
@@ -178,7 +209,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, KV_AHEAD: tl.constexpr,
 ):
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
@@ -253,15 +284,15 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_lo, k_full_lo, qk_scale, sliding_window,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION)
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_lo, k_full_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION, KV_AHEAD)
     acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD)
 
     out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     if NUM_SPLITS == 1:
@@ -494,6 +525,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
+        KV_AHEAD=_KV_AHEAD and max_seqlen_q == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:

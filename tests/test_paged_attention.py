@@ -374,3 +374,19 @@ def test_merge_in_kernel_graph_replays_agree_bitwise():
         torch.cuda.synchronize()
         assert torch.equal(out, want)
     assert _counters_of(q.device).count_nonzero() == 0
+
+
+@pytest.mark.parametrize("merge_in_kernel,num_kv_splits,window", [(True, 4, None), (False, 1, 7), (False, 3, None),
+                                                                  (True, 2, 50)])
+def test_decode_loading_the_next_keys_ahead_changes_no_bits(monkeypatch, merge_in_kernel, num_kv_splits, window):
+    """Decode calls load step i + 1's K and V before step i's math (_KV_AHEAD): the same values
+    into the same operations, so the same bits as loading each step's keys in it, over whole
+    steps and masked ones, windows and splits."""
+    q_lens, ctx = [1, 1, 1, 1, 1], [300, 1, 47, 129, 64]
+    args = make_batch(q_lens, ctx, 8, 2, 32, 16, torch.float32, seed=23)
+    got = {}
+    for ahead in (True, False):
+        monkeypatch.setattr(pa, "_KV_AHEAD", ahead)
+        got[ahead] = check(args, q_lens, ctx, sliding_window=window, num_kv_splits=num_kv_splits,
+                           merge_in_kernel=merge_in_kernel)
+    assert torch.equal(got[True], got[False])
