@@ -398,13 +398,15 @@ def choose_fused_kv_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
     return max(1, min(want, cap, max_splits))
 
 
-def _kv_ahead(max_seqlen_q: int, grid: tuple[int, int, int], device: torch.device) -> bool:
-    """Load the next step's K and V ahead (_attend_keys) in decode calls of at most one program
-    per SM: there a program's wait for memory is the whole cost, and its registers crowd no
-    other program. With more programs than SMs it was slower (an H100: batch 16 at 1000 keys, 3
-    splits, 42.3 against 33.6 us; batch 256 at 1620, 1211 against 579 us), so it stays off."""
+def _kv_ahead(max_seqlen_q: int, grid: tuple[int, int, int], num_kv_splits: int, device: torch.device) -> bool:
+    """Load the next step's K and V ahead (_attend_keys) in split decode calls of at most one
+    program per SM: there a program's wait for memory is the whole cost, and its registers crowd
+    no other program. H100, batch 1 (benchmarks/h100/decode_experiments.md): 300 keys in 5
+    splits 8.0 against 8.9 us, 1000 and 4000 keys in 16: 10.6 / 18.1 against 12.0 / 19.6; with
+    many steps a split it was 1-3% slower, unsplit 2x slower (a long loop the compiler's own
+    pipelining serves better), and with more programs than SMs up to 2x slower: off there."""
     real_programs = grid[0] * (grid[1] - 1) * grid[2]      # grid[1]'s last: the padding rows
-    return _KV_AHEAD and max_seqlen_q == 1 and real_programs <= _num_sms(device)
+    return _KV_AHEAD and max_seqlen_q == 1 and num_kv_splits > 1 and real_programs <= _num_sms(device)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -534,7 +536,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        KV_AHEAD=_kv_ahead(max_seqlen_q, grid, q.device),
+        KV_AHEAD=_kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:

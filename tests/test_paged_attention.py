@@ -376,7 +376,7 @@ def test_merge_in_kernel_graph_replays_agree_bitwise():
     assert _counters_of(q.device).count_nonzero() == 0
 
 
-@pytest.mark.parametrize("merge_in_kernel,num_kv_splits,window", [(True, 4, None), (False, 1, 7), (False, 3, None),
+@pytest.mark.parametrize("merge_in_kernel,num_kv_splits,window", [(True, 4, None), (False, 2, 7), (False, 3, None),
                                                                   (True, 2, 50)])
 def test_decode_loading_the_next_keys_ahead_changes_no_bits(monkeypatch, merge_in_kernel, num_kv_splits, window):
     """Decode calls load step i + 1's K and V before step i's math (_KV_AHEAD): the same values
@@ -384,7 +384,7 @@ def test_decode_loading_the_next_keys_ahead_changes_no_bits(monkeypatch, merge_i
     steps and masked ones, windows and splits."""
     q_lens, ctx = [1, 1, 1, 1, 1], [300, 1, 47, 129, 64]
     args = make_batch(q_lens, ctx, 8, 2, 32, 16, torch.float32, seed=23)
-    assert pa._kv_ahead(1, (1, len(q_lens) + 1, 2 * num_kv_splits), args[0].device)   # within the rule
+    assert pa._kv_ahead(1, (1, len(q_lens) + 1, 2 * num_kv_splits), num_kv_splits, args[0].device)   # in the rule
     got = {}
     for ahead in (True, False):
         monkeypatch.setattr(pa, "_KV_AHEAD", ahead)
@@ -393,8 +393,9 @@ def test_decode_loading_the_next_keys_ahead_changes_no_bits(monkeypatch, merge_i
     assert torch.equal(got[True], got[False])
 
 
-def test_the_next_keys_are_loaded_ahead_only_in_decode_calls_of_one_program_per_sm():
-    dev = torch.device("cpu")                           # counted as an H200's 132 SMs
-    assert pa._kv_ahead(1, (1, 2, 8 * 16), dev)          # batch 1, 8 kv heads, 16 splits: 128
-    assert not pa._kv_ahead(1, (1, 3, 8 * 16), dev)      # batch 2: 256 programs
-    assert not pa._kv_ahead(2, (1, 2, 8), dev)           # a prompt chunk
+def test_the_next_keys_are_loaded_ahead_only_in_split_decode_calls_of_one_program_per_sm():
+    dev = torch.device("cpu")                               # counted as an H200's 132 SMs
+    assert pa._kv_ahead(1, (1, 2, 8 * 16), 16, dev)          # batch 1, 8 kv heads, 16 splits: 128
+    assert not pa._kv_ahead(1, (1, 3, 8 * 16), 16, dev)      # batch 2: 256 programs
+    assert not pa._kv_ahead(1, (1, 2, 8), 1, dev)            # unsplit
+    assert not pa._kv_ahead(2, (1, 2, 16), 2, dev)           # a prompt chunk
