@@ -63,6 +63,8 @@ import triton.language as tl
 
 from kernels.attention_ref import cascade_attention_ref
 from kernels.cascade_cost import CascadeCostRule, PrefixGroup
+# One attention step, the paged kernel's: the same loads and math, so the same bits.
+from kernels.paged_attention import _kv_tiles, _online_step
 
 __all__ = ["cascade_attention", "cascade_attention_ref", "choose_num_prefix_splits",
            "prefix_rows_per_tile", "CascadeCostRule", "PrefixGroup"]
@@ -72,12 +74,6 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
 _MAX_GRID_YZ = 65535
-
-# Builtins only (see kernels/paged_attention.py): triton's own @triton.jit helpers (tl.max, tl.sum)
-# were decorated before TRITON_INTERPRET was set in the CPU tests; tl.reduce with these combine
-# functions runs under the interpreter and compiles to what tl.max / tl.sum give.
-_MAX = tl.standard._elementwise_max
-_SUM = tl.standard._sum_combine
 
 
 @triton.jit
@@ -89,45 +85,14 @@ def _attend(
 ):
     """Online-softmax update of (acc, m_i, l_i) over keys [k_start, k_stop), BLOCK_N a step.
     MASKED=False: every step is whole and every key visible to every row (no mask math);
-    MASKED=True: keys >= k_stop are dropped and, with CAUSAL, keys after a row's position."""
+    MASKED=True: keys >= k_stop are dropped and, with CAUSAL, keys after a row's position.
+    The steps are kernels/paged_attention.py's (_kv_tiles, _online_step)."""
     offs_n = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
     for start in range(k_start, k_stop, BLOCK_N):
-        k_pos = start + offs_n
-        k_in = k_pos < k_stop
-        if MASKED:
-            block_id = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_in, other=0).to(tl.int64)
-        else:
-            block_id = tl.load(table_row + k_pos // PAGE_SIZE).to(tl.int64)
-        slot = k_pos % PAGE_SIZE
-        # k: [D, BLOCK_N], v: [BLOCK_N, D], gathered key by key through the block table.
-        k_ptrs = k_base + block_id[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None] * stride_kd
-        v_ptrs = v_base + block_id[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :] * stride_vd
-        if MASKED:
-            k = tl.load(k_ptrs, mask=k_in[None, :], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_Q, BLOCK_N]
-        if MASKED:
-            visible = k_in[None, :]
-            if CAUSAL:
-                visible = visible & (k_pos[None, :] <= q_pos[:, None])
-            s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-            # A row that has seen no visible key yet keeps m = -inf: subtract 0, not inf - inf.
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-        else:
-            m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
-            m_sub = m_new
-        alpha = tl.exp2(m_i - m_sub)
-        p = tl.exp2(s - m_sub[:, None])
-        l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
-        if MASKED:
-            v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        k, v = _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
+                         stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED)
+        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale, 0,
+                                     MASKED, CAUSAL, False, DOT_PRECISION)
     return acc, m_i, l_i
 
 

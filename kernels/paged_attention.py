@@ -104,14 +104,14 @@ def _attend_keys(
                                        stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE,
                                        True)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
-                                         sliding_window, MASKED, HAS_WINDOW, DOT_PRECISION)
+                                         sliding_window, MASKED, True, HAS_WINDOW, DOT_PRECISION)
             k, v = k_next, v_next
     else:
         for start in range(k_start, k_stop, BLOCK_N):
             k, v = _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
                              stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
-                                         sliding_window, MASKED, HAS_WINDOW, DOT_PRECISION)
+                                         sliding_window, MASKED, True, HAS_WINDOW, DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -142,11 +142,16 @@ def _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, st
 
 @triton.jit
 def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding_window,
-                 MASKED: tl.constexpr, HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One BLOCK_N step of the online softmax over the keys at k_pos."""
+                 MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """One BLOCK_N step of the online softmax over the keys at k_pos. MASKED: keys from k_stop
+    on are dropped and, with CAUSAL, keys after a row's position q_pos, with HAS_WINDOW those
+    before its window (kernels/cascade_attention.py runs it too)."""
     s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_Q, BLOCK_N]
     if MASKED:
-        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos < k_stop)[None, :]
+        visible = (k_pos < k_stop)[None, :]
+        if CAUSAL:
+            visible = visible & (k_pos[None, :] <= q_pos[:, None])
         if HAS_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))

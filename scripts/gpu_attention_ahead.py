@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -18,29 +17,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels.paged_attention as pa  # noqa: E402
+from scripts.bench_common import replay_ms  # noqa: E402
 
 HQ, HKV, D, BLOCK, LAYERS = 32, 8, 128, 16, 32
-
-
-def _us_per_call(body, replays: int = 7) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        body()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -74,8 +53,8 @@ def main() -> None:
                     k, v = caches[i % layers]
                     return pa.paged_attention(q, k, v, table, cu, lens, D ** -0.5, max_seqlen_q=1, max_seqlen_k=ctx,
                                               num_kv_splits=splits, merge_in_kernel=True)
-                row["us"][f"s{splits}_{'ahead' if ahead else 'in_step'}"] = _us_per_call(
-                    lambda: [call(i) for i in range(LAYERS)])
+                row["us"][f"s{splits}_{'ahead' if ahead else 'in_step'}"] = replay_ms(
+                    lambda: [call(i) for i in range(LAYERS)]) * 1e3 / LAYERS
                 outs[splits, ahead] = call(0)
             row.setdefault("same_bits", True)
             row["same_bits"] &= bool(torch.equal(outs[splits, True], outs[splits, False]))

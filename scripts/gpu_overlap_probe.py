@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -31,29 +30,9 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.paged_attention import paged_attention  # noqa: E402
+from scripts.bench_common import replay_ms  # noqa: E402
 
 H, I, HQ, HKV, D, LAYERS, BLOCK = 4096, 14336, 32, 8, 128, 32, 16
-
-
-def _graph_ms(body, replays: int = 5) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        body()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main() -> None:
@@ -107,11 +86,11 @@ def main() -> None:
             return body
 
         row = {"rows": rows,
-               "attention_ms": _graph_ms(lambda: [attn_layer() for _ in range(LAYERS)]),
-               "gemms_ms": _graph_ms(lambda: [gemm_layer() for _ in range(LAYERS)]),
-               "both_serial_ms": _graph_ms(lambda: [(attn_layer(), gemm_layer()) for _ in range(LAYERS)]),
-               "both_streams_ms": _graph_ms(streams(False)),
-               "both_layers_ms": _graph_ms(streams(True))}
+               "attention_ms": replay_ms(lambda: [attn_layer() for _ in range(LAYERS)]),
+               "gemms_ms": replay_ms(lambda: [gemm_layer() for _ in range(LAYERS)]),
+               "both_serial_ms": replay_ms(lambda: [(attn_layer(), gemm_layer()) for _ in range(LAYERS)]),
+               "both_streams_ms": replay_ms(streams(False)),
+               "both_layers_ms": replay_ms(streams(True))}
         kv_bytes = LAYERS * rows * args.context * HKV * D * 2 * 2
         w_bytes = LAYERS * sum(t.numel() for t in w) * 2
         row["bytes_floor_ms"] = (kv_bytes + w_bytes) / 4.28e12 * 1e3

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels.skinny_gemm as sg  # noqa: E402
 from kernels.pdl import launch_options  # noqa: E402
+from scripts.bench_common import replay_ms  # noqa: E402
 
 LAYERS = 32
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "down_proj": (4096, 14336), "gate_up_proj": (28672, 4096)}
@@ -56,25 +56,9 @@ def _stream_kernel(w_ptr, out_ptr, N, K, k_per_split, stride_wn,
     tl.store(out_ptr + pid_k * tl.num_programs(0) + pid_n, tl.sum(tl.sum(acc, 1), 0))
 
 
-def _us(body, replays: int = 9) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        body()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        body()
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / LAYERS)
-    return statistics.median(times)
+def _us(body) -> float:
+    """us per call of body(), which makes LAYERS calls, replayed in a CUDA graph."""
+    return replay_ms(body, 9) * 1e3 / LAYERS
 
 
 def main() -> None:
