@@ -71,7 +71,6 @@ _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
 _MAX_GRID_Y = 65535             # grid axis 1 holds B + 1 programs
 _FUSED_DECODE_BLOCK_N = 64      # keys per step of a decode split merged in the kernel
-_KV_AHEAD = True                # small decode calls load the next step's K and V ahead (_kv_ahead)
 
 
 # The kernels call Triton builtins only, none of triton's own @triton.jit library functions
@@ -411,7 +410,7 @@ def _kv_ahead(max_seqlen_q: int, grid: tuple[int, int, int], num_kv_splits: int,
     many steps a split it was 1-3% slower, unsplit 2x slower (a long loop the compiler's own
     pipelining serves better), and with more programs than SMs up to 2x slower: off there."""
     real_programs = grid[0] * (grid[1] - 1) * grid[2]      # grid[1]'s last: the padding rows
-    return _KV_AHEAD and max_seqlen_q == 1 and num_kv_splits > 1 and real_programs <= _num_sms(device)
+    return max_seqlen_q == 1 and num_kv_splits > 1 and real_programs <= _num_sms(device)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -471,6 +470,7 @@ def paged_attention(
     merge_in_kernel: bool = False,
     out: torch.Tensor | None = None,
     pdl: bool = False,
+    kv_ahead: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of the new query rows, as `paged_attention_ref`. Returns [T, Hq, D].
 
@@ -481,6 +481,8 @@ def paged_attention(
     program of each (sequence, tile, kv head) merges the splits, no second launch (same bits).
     out: optional [T, Hq, D] buffer (any strides) to write into. pdl: launch with programmatic
     dependent launch (kernels/pdl.py); the separate merge kernel, if any, is launched without.
+    kv_ahead: load each step's K and V one step ahead (the same bits); None: where `_kv_ahead`
+    found it faster (split decode calls of at most one program per SM).
     """
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     check_pdl(pdl, q.device, "paged_attention")
@@ -504,13 +506,13 @@ def paged_attention(
     merge_in_kernel = merge_in_kernel and num_kv_splits > 1
     cfg = _pick_config(max_seqlen_q, head_dim, q.dtype, fused_splits=merge_in_kernel)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
-            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl)
+            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl, kv_ahead)
     return out
 
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale, sliding_window,
             max_seqlen_q, num_kv_splits, cfg: _TileConfig, merge_in_kernel: bool = False,
-            pdl: bool = False) -> None:
+            pdl: bool = False, kv_ahead: bool | None = None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -541,7 +543,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        KV_AHEAD=_kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device),
+        KV_AHEAD=_kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device) if kv_ahead is None else kv_ahead,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:

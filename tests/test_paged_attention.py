@@ -58,14 +58,14 @@ def make_batch(q_lens, ctx_lens, hq, hkv, d, block_size, dtype, seed, pad_rows=3
 
 
 def check(args, q_lens, ctx_lens, sliding_window=None, num_kv_splits=None, max_seqlen_q=None,
-          merge_in_kernel=False):
+          merge_in_kernel=False, kv_ahead=None):
     """Run the kernel into a NaN-poisoned buffer and compare every element with the reference."""
     q = args[0]
     scale = q.shape[-1] ** -0.5
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     got = paged_attention(*args, scale, sliding_window, max_seqlen_q=max_seqlen_q or max(q_lens),
                           max_seqlen_k=max(ctx_lens), num_kv_splits=num_kv_splits,
-                          merge_in_kernel=merge_in_kernel, out=out)
+                          merge_in_kernel=merge_in_kernel, out=out, kv_ahead=kv_ahead)
     assert got is out
     ref = paged_attention_ref(*args, scale, sliding_window)
     atol, rtol = TOLS[q.dtype]
@@ -378,19 +378,18 @@ def test_merge_in_kernel_graph_replays_agree_bitwise():
 
 @pytest.mark.parametrize("merge_in_kernel,num_kv_splits,window", [(True, 4, None), (False, 2, 7), (False, 3, None),
                                                                   (True, 2, 50)])
-def test_decode_loading_the_next_keys_ahead_changes_no_bits(monkeypatch, merge_in_kernel, num_kv_splits, window):
-    """Decode calls load step i + 1's K and V before step i's math (_KV_AHEAD): the same values
+def test_decode_loading_the_next_keys_ahead_changes_no_bits(merge_in_kernel, num_kv_splits, window):
+    """Decode calls load step i + 1's K and V before step i's math (kv_ahead): the same values
     into the same operations, so the same bits as loading each step's keys in it, over whole
     steps and masked ones, windows and splits."""
     q_lens, ctx = [1, 1, 1, 1, 1], [300, 1, 47, 129, 64]
     args = make_batch(q_lens, ctx, 8, 2, 32, 16, torch.float32, seed=23)
     assert pa._kv_ahead(1, (1, len(q_lens) + 1, 2 * num_kv_splits), num_kv_splits, args[0].device)   # in the rule
     got = {}
-    for ahead in (True, False):
-        monkeypatch.setattr(pa, "_KV_AHEAD", ahead)
+    for ahead in (None, False, True):
         got[ahead] = check(args, q_lens, ctx, sliding_window=window, num_kv_splits=num_kv_splits,
-                           merge_in_kernel=merge_in_kernel)
-    assert torch.equal(got[True], got[False])
+                           merge_in_kernel=merge_in_kernel, kv_ahead=ahead)
+    assert torch.equal(got[True], got[False]) and torch.equal(got[None], got[True])
 
 
 def test_the_next_keys_are_loaded_ahead_only_in_split_decode_calls_of_one_program_per_sm():
