@@ -20,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.pdl import check as check_pdl, launch_options
+from kernels.skinny_gemm import add_k_slices
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _MAX_HIDDEN = 65536  # one row is one block in registers
@@ -48,12 +49,8 @@ def _rms_norm_kernel(
     mask = cols < hidden_size
 
     if NUM_PARTS > 0:   # x from a skinny GEMM's K-slice partials: its merge, in its order
-        acc = tl.full([BLOCK_H], 0.0, dtype=tl.float32)
-        for s in tl.static_range(NUM_PARTS):
-            acc += tl.load(parts_ptr + s * stride_ps + row * stride_pt + cols, mask=mask, other=0.0)
-        if HAS_X_BIAS:
-            acc += tl.load(x_bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        x = acc.to(res_ptr.dtype.element_ty)
+        x = add_k_slices(tl.full([BLOCK_H], 0.0, dtype=tl.float32), parts_ptr + row * stride_pt + cols,
+                         stride_ps, mask, x_bias_ptr + cols, NUM_PARTS, HAS_X_BIAS).to(res_ptr.dtype.element_ty)
     else:
         x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     if HAS_RESIDUAL:
@@ -73,7 +70,7 @@ def _rms_norm_kernel(
 
 # triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
 # interpreted kernel runs on CPU tensors, a compiled one on CUDA tensors only.
-_INTERPRETED = not isinstance(_rms_norm_kernel, triton.runtime.JITFunction)
+_INTERPRETED = not any(isinstance(f, triton.runtime.JITFunction) for f in (_rms_norm_kernel, add_k_slices))
 
 
 def _check_rows(name: str, t: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
@@ -110,7 +107,7 @@ def rms_norm(
     to the residual's dtype; the same bits as the GEMM's own merge.
     """
     if x_parts is not None:
-        x = _merge_placeholder(x, x_parts, x_bias, residual)
+        x = _check_x_parts(x, x_parts, x_bias, residual)
     elif x_bias is not None:
         raise ValueError("x_bias is given but x_parts is None")
     if x.dim() != 2:
@@ -176,9 +173,9 @@ def rms_norm(
     return out if residual is None else (out, residual_out)
 
 
-def _merge_placeholder(x, x_parts, x_bias, residual) -> torch.Tensor:
-    """Checks rms_norm's x_parts form; returns a [T, H] view standing for x in the checks (a
-    residual row-slice: never read, the kernel reads the parts)."""
+def _check_x_parts(x, x_parts, x_bias, residual) -> torch.Tensor:
+    """Checks rms_norm's x_parts form; returns the residual to stand for x in the checks and as
+    the kernel's unread x argument (the kernel reads the parts)."""
     if x is not None:
         raise ValueError("pass x or x_parts, not both")
     if residual is None:

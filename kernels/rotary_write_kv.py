@@ -40,6 +40,7 @@ from kernels.attention_ref import write_kv_ref
 # compiler cannot contract the two kernels' arithmetic differently.
 from kernels.pdl import check as check_pdl, launch_options
 from kernels.rotary import _rotate_heads, _rotate_store, rotary_embedding_ref
+from kernels.skinny_gemm import add_k_slices
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -132,21 +133,18 @@ def _merged_halves(parts_row, stride_ps, bias_ptr, cols0, dims, half_dim, mask, 
     """The halves [BLOCK_H, BLOCK_D] of heads whose first columns are cols0 [BLOCK_H, 1], from
     the skinny GEMM's K-slice partials: summed in slice order, + bias, rounded to dtype (its merge)."""
     c1 = cols0 + dims[None, :]
-    a1 = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
-    a2 = tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32)
-    for s in tl.static_range(NUM_PARTS):
-        a1 += tl.load(parts_row + s * stride_ps + c1, mask=mask, other=0.0)
-        a2 += tl.load(parts_row + s * stride_ps + c1 + half_dim, mask=mask, other=0.0)
-    if HAS_BIAS:
-        a1 += tl.load(bias_ptr + c1, mask=mask, other=0.0).to(tl.float32)
-        a2 += tl.load(bias_ptr + c1 + half_dim, mask=mask, other=0.0).to(tl.float32)
+    a1 = add_k_slices(tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32), parts_row + c1, stride_ps, mask,
+                      bias_ptr + c1, NUM_PARTS, HAS_BIAS)
+    a2 = add_k_slices(tl.full([BLOCK_H, BLOCK_D], 0.0, dtype=tl.float32), parts_row + c1 + half_dim, stride_ps,
+                      mask, bias_ptr + c1 + half_dim, NUM_PARTS, HAS_BIAS)
     return a1.to(dtype), a2.to(dtype)
 
 
 # triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
 # interpreted kernel runs on CPU tensors, a compiled one on CUDA tensors only. The helper was
 # decorated when kernels.rotary was imported, which may have been earlier.
-_INTERPRETED = not any(isinstance(f, triton.runtime.JITFunction) for f in (_rotary_write_kv_kernel, _rotate_heads))
+_INTERPRETED = not any(isinstance(f, triton.runtime.JITFunction)
+                       for f in (_rotary_write_kv_kernel, _rotate_heads, add_k_slices))
 
 
 def _check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_cache, sin_cache) -> None:

@@ -53,7 +53,7 @@ from kernels.arrival_counters import arrival_counters
 from kernels.pdl import check as check_pdl, launch_options
 
 __all__ = ["SkinnyConfig", "candidate_configs", "default_config", "skinny_gemm", "skinny_gemm_ref",
-           "MAX_ROWS", "num_k_slices"]
+           "MAX_ROWS", "num_k_slices", "add_k_slices"]
 
 MAX_ROWS = 16                   # x rows per call: the MMA's narrow side
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -131,6 +131,19 @@ def _store_y(acc, bias_ptr, y_ptr, offs_n, offs_m, n_in, m_in, stride_ym, HAS_BI
         acc += tl.load(bias_ptr + offs_n, mask=n_in, other=0.0).to(tl.float32)[:, None]
     y_ptrs = y_ptr + offs_m[None, :].to(tl.int64) * stride_ym + offs_n[:, None]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=n_in[:, None] & m_in[None, :])
+
+
+@triton.jit
+def add_k_slices(acc, parts_ptrs, stride_ps, mask, bias_ptrs, NUM_PARTS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """acc (fp32 zeros) + the unmerged K-slice partials at parts_ptrs (slice s at
+    + s * stride_ps, merge=False) in slice order, + the bias at bias_ptrs: this kernel's own merge
+    before its rounding. The kernels that read the partials (kernels/rmsnorm.py,
+    kernels/rotary_write_kv.py) add them up through this one function."""
+    for s in tl.static_range(NUM_PARTS):
+        acc += tl.load(parts_ptrs + s * stride_ps, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptrs, mask=mask, other=0.0).to(tl.float32)
+    return acc
 
 
 # triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
