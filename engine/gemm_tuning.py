@@ -45,19 +45,18 @@ def pick(baseline_us: float, candidates_us: dict[SkinnyConfig, float],
     return best if candidates_us[best] < (1.0 - margin) * baseline_us else None
 
 
-def _time_us(fn: Callable[[Linear], torch.Tensor], linears: list[Linear], device: torch.device,
-             replays: int = 7) -> float:
-    """Microseconds per call of fn over the layers' projections, as a CUDA graph replays them."""
+def replay_ms(body: Callable[[], object], device: torch.device, replays: int = 7) -> float:
+    """Median milliseconds of one replay of a CUDA graph of body() (run once before the capture,
+    on the capture's stream: compiles, split-K counters and the like happen outside it). Also
+    the GPU scripts' timer."""
     stream = torch.cuda.Stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     with torch.cuda.stream(stream):
-        for lin in linears:            # compile, allocate (split-K counters) outside the capture
-            fn(lin)
+        body()
     torch.cuda.synchronize(device)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):
-        for lin in linears:
-            fn(lin)
+        body()
     graph.replay()
     times = []
     for _ in range(replays):
@@ -66,9 +65,15 @@ def _time_us(fn: Callable[[Linear], torch.Tensor], linears: list[Linear], device
         graph.replay()
         end.record()
         end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / len(linears))
+        times.append(start.elapsed_time(end))
     del graph
     return statistics.median(times)
+
+
+def _time_us(fn: Callable[[Linear], torch.Tensor], linears: list[Linear], device: torch.device,
+             replays: int = 7) -> float:
+    """Microseconds per call of fn over the layers' projections, as a CUDA graph replays them."""
+    return replay_ms(lambda: [fn(lin) for lin in linears], device, replays) * 1e3 / len(linears)
 
 
 def _projections(model) -> dict[str, list[Linear]]:

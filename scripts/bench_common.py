@@ -150,24 +150,6 @@ def capture_graph(call):
     return graph, out
 
 
-def replay_ms(body, replays: int = 7) -> float:
-    """Median milliseconds of one replay of `body` captured in a CUDA graph (`capture_graph`)."""
-    import statistics
-
-    import torch
-    graph, _ = capture_graph(body)
-    graph.replay()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
 def process_cmdlines():
     """(pid, command line) of every process on this machine (Linux /proc); gone ones skipped."""
     for pid in os.listdir("/proc"):

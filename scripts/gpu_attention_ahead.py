@@ -17,7 +17,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels.paged_attention as pa  # noqa: E402
-from scripts.bench_common import replay_ms  # noqa: E402
+from engine.gemm_tuning import replay_ms  # noqa: E402
 
 HQ, HKV, D, BLOCK, LAYERS = 32, 8, 128, 16, 32
 
@@ -52,7 +52,7 @@ def main() -> None:
                     return pa.paged_attention(q, k, v, table, cu, lens, D ** -0.5, max_seqlen_q=1, max_seqlen_k=ctx,
                                               num_kv_splits=splits, merge_in_kernel=True, kv_ahead=ahead)
                 row["us"][f"s{splits}_{'ahead' if ahead else 'in_step'}"] = replay_ms(
-                    lambda: [call(i) for i in range(LAYERS)]) * 1e3 / LAYERS
+                    lambda: [call(i) for i in range(LAYERS)], dev) * 1e3 / LAYERS
                 outs[splits, ahead] = call(0)
             row.setdefault("same_bits", True)
             row["same_bits"] &= bool(torch.equal(outs[splits, True], outs[splits, False]))

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.paged_attention import paged_attention  # noqa: E402
-from scripts.bench_common import replay_ms  # noqa: E402
+from engine.gemm_tuning import replay_ms  # noqa: E402
 
 H, I, HQ, HKV, D, LAYERS, BLOCK = 4096, 14336, 32, 8, 128, 32, 16
 
@@ -86,11 +86,11 @@ def main() -> None:
             return body
 
         row = {"rows": rows,
-               "attention_ms": replay_ms(lambda: [attn_layer() for _ in range(LAYERS)]),
-               "gemms_ms": replay_ms(lambda: [gemm_layer() for _ in range(LAYERS)]),
-               "both_serial_ms": replay_ms(lambda: [(attn_layer(), gemm_layer()) for _ in range(LAYERS)]),
-               "both_streams_ms": replay_ms(streams(False)),
-               "both_layers_ms": replay_ms(streams(True))}
+               "attention_ms": replay_ms(lambda: [attn_layer() for _ in range(LAYERS)], dev),
+               "gemms_ms": replay_ms(lambda: [gemm_layer() for _ in range(LAYERS)], dev),
+               "both_serial_ms": replay_ms(lambda: [(attn_layer(), gemm_layer()) for _ in range(LAYERS)], dev),
+               "both_streams_ms": replay_ms(streams(False), dev),
+               "both_layers_ms": replay_ms(streams(True), dev)}
         kv_bytes = LAYERS * rows * args.context * HKV * D * 2 * 2
         w_bytes = LAYERS * sum(t.numel() for t in w) * 2
         row["bytes_floor_ms"] = (kv_bytes + w_bytes) / 4.28e12 * 1e3

@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels.skinny_gemm as sg  # noqa: E402
 from kernels.pdl import launch_options  # noqa: E402
-from scripts.bench_common import replay_ms  # noqa: E402
+from engine.gemm_tuning import replay_ms  # noqa: E402
 
 LAYERS = 32
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "down_proj": (4096, 14336), "gate_up_proj": (28672, 4096)}
@@ -58,7 +58,7 @@ def _stream_kernel(w_ptr, out_ptr, N, K, k_per_split, stride_wn,
 
 def _us(body) -> float:
     """us per call of body(), which makes LAYERS calls, replayed in a CUDA graph."""
-    return replay_ms(body, 9) * 1e3 / LAYERS
+    return replay_ms(body, torch.device("cuda"), 9) * 1e3 / LAYERS
 
 
 def main() -> None:
