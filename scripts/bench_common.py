@@ -230,3 +230,44 @@ def step_table(rows: list[dict], label_keys: list[str]) -> list[str]:
                    + f" | {ms['wall']:.3f} | {'-' if gpu is None else f'{gpu:.3f}'} | {idle} | "
                    + f"{100 * ms['graph_step_share']:.0f}% |")
     return out
+
+
+class StepProfiler:
+    """torch.profiler over engine steps [start, start + count) of `core` (counted from here),
+    by wrapping core.step; `.tables` (CUDA and CPU kernel tables) once the window closed. GPU
+    only: on CPU it profiles nothing."""
+
+    def __init__(self, core, start: int, count: int):
+        import torch
+        self.core, self.start, self.count, self.tables = core, start, count, None
+        self._step, self._i, self._prof = core.step, 0, None
+        if count > 0 and core.device.type == "cuda":
+            core.step = self._profiled_step
+        self._torch = torch
+
+    def _profiled_step(self):
+        torch = self._torch
+        if self._i == self.start:
+            self._prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                            torch.profiler.ProfilerActivity.CUDA])
+            self._prof.__enter__()
+        out = self._step()
+        self._i += 1
+        if self._i == self.start + self.count:
+            self.close()
+        return out
+
+    def close(self) -> None:
+        """Ends the window (early if the run ended first) and restores core.step."""
+        self.core.step = self._step
+        if self._prof is None:
+            return
+        self._torch.cuda.synchronize()
+        self._prof.__exit__(None, None, None)
+        averages = self._prof.key_averages()
+        self.tables = {"steps": min(self._i, self.start + self.count) - self.start,
+                       "cuda": averages.table(sort_by="cuda_time_total", row_limit=30,
+                                              max_name_column_width=60),
+                       "cpu": averages.table(sort_by="self_cpu_time_total", row_limit=20,
+                                             max_name_column_width=60)}
+        self._prof = None

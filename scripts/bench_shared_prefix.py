@@ -34,8 +34,8 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from scripts.bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS,  # noqa: E402
-                                  git_commit, hardware, kv_bytes_per_token, param_count,
-                                  preset_dir, write_results)
+                                  StepProfiler, git_commit, hardware, kv_bytes_per_token, param_count,
+                                  preset_dir, step_table, write_results)
 
 MODES = {"off": dict(enable_prefix_caching=False, enable_prefix_groups=False,
                      enable_cascade_attention=False),
@@ -125,9 +125,13 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
             llm.core.kv.pool.reset_prefix_cache()   # no hits from an earlier run
             before = llm.get_stats()
             params = SamplingParams(max_tokens=w["out"], temperature=0.0, ignore_eos=True)
+            llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
+            times = llm.core.times.copy()
+            prof = StepProfiler(llm.core, args.profile_after, args.profile_steps)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             elapsed = time.perf_counter() - t0
+            prof.close()
             after = llm.get_stats()
             assert all(len(o.outputs[0].token_ids) == w["out"] for o in outs)
             n = w["num_requests"]
@@ -142,9 +146,13 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
                        preemptions=after.num_preemptions - before.num_preemptions,
                        steps=after.num_steps - before.num_steps, floor_s=floor,
                        floor_requests_per_s=n / floor, fraction_of_floor=floor / elapsed,
-                       engine_start_s=start_s)
-            rows.append(row)
+                       engine_start_s=start_s,
+                       step_ms=llm.core.times.since(times).per_step_ms())
             print(json.dumps(row), flush=True)
+            if prof.tables is not None:
+                row["profile"] = prof.tables
+                print(prof.tables["cuda"], prof.tables["cpu"], sep="\n", flush=True)
+            rows.append(row)
             done(row)
     llm.core.shutdown()
     return rows
@@ -185,7 +193,10 @@ def table(rows: list[dict]) -> list[str]:
 def write(out: str, meta: dict, rows: list[dict]) -> None:
     meta = dict(meta, title="Shared-prefix throughput (BatchLLM RFC workload and sweep)",
                 targets="RFC workload: groups >= 3x off, >= 2x apc shuffled, >= 1.5x apc grouped")
-    write_results(out, meta, rows, table(rows))
+    timed = [r for r in rows if "step_ms" in r]
+    steps = (["", "Where a step's time goes (ms per step):", ""]
+             + step_table(timed, ["workload", "mode", "order"]) if timed else [])
+    write_results(out, meta, rows, table(rows) + steps)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -211,6 +222,10 @@ def main(argv: list[str] | None = None) -> None:
                          "are written after every run)")
     ap.add_argument("--force-cascade", action="store_true",
                     help="groups mode: every shared block worth a group (ignore the cost rule)")
+    ap.add_argument("--profile-steps", type=int, default=0,
+                    help="torch.profiler over this many steps of each run (GPU only)")
+    ap.add_argument("--profile-after", type=int, default=300,
+                    help="the steps profiled start after this many steps of the run")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model on CPU, a few requests: a smoke test")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",

@@ -21,8 +21,8 @@ import random
 import sys
 import time
 
-from bench_common import (add_model_args, add_pdl_arg, add_scheduling_arg, git_commit, hardware,
-                          model_and_config, pdl_setting, step_table, write_results)
+from bench_common import (StepProfiler, add_model_args, add_pdl_arg, add_scheduling_arg, git_commit,
+                          hardware, model_and_config, pdl_setting, step_table, write_results)
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
@@ -50,20 +50,15 @@ def closed_loop(core: EngineCore, sc: dict, vocab: int, num_steps: int, warm_ste
     for _ in range(c):
         submit()
     tokens = 0
-    prof = None
     before = None
     t0 = 0.0
+    prof = StepProfiler(core, warm_steps + num_steps - profile_steps, profile_steps)
     for i in range(warm_steps + num_steps):
         if i == warm_steps:
             core.times.gpu_events = True
             before = core.times.copy()
             tokens = 0
             t0 = time.perf_counter()
-        if profile_steps and i == warm_steps + num_steps - profile_steps:
-            import torch
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                      torch.profiler.ProfilerActivity.CUDA])
-            prof.__enter__()
         outs = core.step()
         if i >= warm_steps:
             tokens += sum(len(x.new_token_ids) for x in outs)
@@ -71,21 +66,13 @@ def closed_loop(core: EngineCore, sc: dict, vocab: int, num_steps: int, warm_ste
             if x.finished:
                 submit()
     elapsed = time.perf_counter() - t0
-    if prof is not None:
-        import torch
-        torch.cuda.synchronize()
-        prof.__exit__(None, None, None)
+    prof.close()
     step = core.times.since(before).per_step_ms()
     core.times.gpu_events = False
     row = {**sc, "steps": num_steps, "output_tok_s": tokens / elapsed,
            "step_ms": step}
-    if prof is not None:
-        row["profile"] = {
-            "cuda": prof.key_averages().table(sort_by="cuda_time_total", row_limit=25,
-                                              max_name_column_width=60),
-            "cpu": prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20,
-                                             max_name_column_width=60),
-            "steps": profile_steps}
+    if prof.tables is not None:
+        row["profile"] = prof.tables
     return row
 
 
