@@ -18,7 +18,8 @@
    its time in GB/s, the prefix and own passes' times alone, the speedup, and the cost rule's
    verdict (CascadeCostRule's default thresholds) beside the measured winner. The fixed cost cascade pays
    beyond its bytes, in bytes at the plain kernel's rate, is printed as data for min_saved_bytes.
-3. --sweep: prefix-pass tile configs and split counts on three of those batches.
+3. --sweep: each pass alone on three of those batches: the prefix pass over tile configs and
+   split counts, the decode own pass over tile configs.
 
     python scripts/gpu_check_cascade.py --out DIR      # writes DIR/gpu_check_cascade.json + .txt
 """
@@ -284,38 +285,62 @@ def pass_args(batch: Batch, splits: int) -> tuple:
 
 
 def sweep(warmup_ms, rep_ms) -> list[dict]:
+    """Each pass alone: the prefix pass over tile configs x split counts, then the decode own pass
+    over tile configs (with the prefix pass's default config and splits ahead of it)."""
     rows = []
     g_pad = triton.next_power_of_2(HQ // HKV)
-    configs = [ca._TileConfig(*c) for c in ((16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3),
-                                             (64, 64, 8, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 2))]
+    prefix_configs = [ca._TileConfig(*c) for c in (
+        (16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 8, 3), (64, 32, 4, 3),
+        (64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 2))]
+    own_configs = [ca._TileConfig(16, n, w, st) for n in (32, 64, 128) for w in (2, 4) for st in (1, 2, 3)]
+
+    def timed(row, fn, nbytes):
+        try:
+            ms = bench_graph(fn, warmup_ms, rep_ms)
+        except Exception as e:  # noqa: BLE001 - a config that does not fit is a result too
+            rows.append(dict(row, error=str(e)[:200]))
+            return
+        rows.append(dict(row, us=ms * 1e3, GB_s=nbytes / ms / 1e6))
+
+    def best(kind, size, prefix_len):
+        done = [r for r in rows if r["pass"] == kind and r["group_size"] == size
+                and r["prefix_len"] == prefix_len and "us" in r]
+        b = min(done, key=lambda r: r["us"])
+        print(f"  sweep {kind} pass, group {size} prefix {prefix_len}: best {b['cfg']} S={b['splits']} "
+              f"{b['us']:.1f} us {b['GB_s']:.0f} GB/s (default {b['default_us']:.1f} us)", flush=True)
+
     for size, prefix_len in ((4, 496), (16, 2000), (64, 8000)):
         batch = Batch(decode_groups(size, prefix_len), seed=size)
-        for cfg in configs:
+        per_token = kv_bytes_per_token()
+        own_bytes = sum(n - p for _, n, p, _ in batch.seqs) * per_token
+        default = ca._prefix_config(batch.max_group_rows, g_pad, D, DTYPE)
+        default_splits = ca.choose_num_prefix_splits(
+            len(batch.groups), triton.cdiv(batch.max_group_rows, max(default.block_q // g_pad, 1)), HKV,
+            prefix_len, ca._num_sms(batch.q.device))
+        base = {"group_size": size, "prefix_len": prefix_len}
+        parts = pass_args(batch, default_splits)
+        default_ms = {
+            "prefix": bench_graph(lambda: ca._launch_prefix(*parts, batch.max_group_rows, default_splits, default),
+                                  warmup_ms, rep_ms),
+            "own": bench_graph(lambda: ca._launch_own(*parts, 1, default_splits, ca._own_config(1, D, DTYPE)),
+                               warmup_ms, rep_ms)}
+        for cfg in prefix_configs:
             if cfg.block_q < g_pad:
                 continue
             block_m = cfg.block_q // g_pad
-            for splits in (1, 2, 4, 8):
-                parts = pass_args(batch, splits)
-                own_cfg = ca._own_config(1, D, DTYPE)
-
-                def both():
-                    ca._launch_prefix(*parts, batch.max_group_rows, splits, cfg)
-                    ca._launch_own(*parts, 1, splits, own_cfg)
-                try:
-                    ms = bench_graph(both, warmup_ms, rep_ms)
-                except Exception as e:  # noqa: BLE001 - a config that does not fit is a result too
-                    rows.append({"group_size": size, "prefix_len": prefix_len, "cfg": cfg.__dict__,
-                                 "splits": splits, "error": str(e)[:200]})
-                    continue
-                _, cascade_bytes = batch.kv_bytes(block_m)
-                rows.append({"group_size": size, "prefix_len": prefix_len, "cfg": cfg.__dict__, "splits": splits,
-                             "us": ms * 1e3, "GB_s": cascade_bytes / ms / 1e6})
-        best = min((r for r in rows if r.get("group_size") == size and r.get("prefix_len") == prefix_len
-                    and "us" in r), key=lambda r: r["us"])
-        print(f"  sweep group {size} prefix {prefix_len}: best {best['cfg']} S={best['splits']} "
-              f"{best['us']:.1f} us {best['GB_s']:.0f} GB/s")
-        del batch
-        torch.cuda.empty_cache()
+            prefix_bytes = batch.kv_bytes(block_m)[1] - own_bytes
+            for splits in (1, 2, 3, 4, 6, 8):
+                p = pass_args(batch, splits)
+                timed(dict(base, cfg=cfg.__dict__, splits=splits, default_us=default_ms["prefix"] * 1e3,
+                           **{"pass": "prefix"}),
+                      lambda: ca._launch_prefix(*p, batch.max_group_rows, splits, cfg), prefix_bytes)
+        best("prefix", size, prefix_len)
+        ca._launch_prefix(*parts, batch.max_group_rows, default_splits, default)   # partials to fold
+        for cfg in own_configs:
+            timed(dict(base, cfg=cfg.__dict__, splits=default_splits, default_us=default_ms["own"] * 1e3,
+                       **{"pass": "own"}),
+                  lambda: ca._launch_own(*parts, 1, default_splits, cfg), own_bytes)
+        best("own", size, prefix_len)
     return rows
 
 
