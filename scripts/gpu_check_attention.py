@@ -7,7 +7,8 @@
    torch's scaled_dot_product_attention on the same data laid out contiguously: decode in GB/s
    (K and V read once + q + out) against the H200's 4.8 TB/s, prefill in TFLOP/s (causal pairs
    only, 4 * D FLOP each).
-3. With --sweep: split counts and tile configs, to choose the defaults.
+3. With --sweep: split counts and tile configs, to choose the defaults (--sweep-kinds: decode,
+   prefill; prefill configs each with and without loading K/V a step ahead).
 
 Prints a table and writes JSON to --out.
 """
@@ -214,7 +215,7 @@ def time_prefill(pool, warmup, iters, flush) -> list[dict]:
     return rows
 
 
-def sweep(pool, warmup, iters, flush) -> list[dict]:
+def sweep(pool, warmup, iters, flush, kinds=("decode", "prefill")) -> list[dict]:
     rows = []
 
     def timed(kind, call, **fields):
@@ -228,7 +229,7 @@ def sweep(pool, warmup, iters, flush) -> list[dict]:
         return ms
 
     decode_cfgs = [pa._TileConfig(16, 64, 4, 3), pa._TileConfig(16, 64, 2, 3), pa._TileConfig(16, 128, 4, 3)]
-    for ctx in (1024, 8192, 32768):
+    for ctx in (1024, 8192, 32768) if "decode" in kinds else ():
         for batch in (1, 4, 16, 64):
             q_lens, lens = [1] * batch, [ctx] * batch
             args = pool.batch(q_lens, lens)
@@ -248,19 +249,28 @@ def sweep(pool, warmup, iters, flush) -> list[dict]:
                             best[key] = (splits, ms)
             print(f"  sweep decode ctx {ctx:>6} B {batch:>3}: " + "  ".join(
                 f"N{n}w{w}: S{sp} {nbytes / ms / 1e6:5.0f} GB/s" for (n, w), (sp, ms) in best.items()))
-    prefill_cfgs = [pa._TileConfig(128, 64, 8, 3), pa._TileConfig(128, 128, 8, 3), pa._TileConfig(128, 128, 8, 2),
-                    pa._TileConfig(64, 64, 4, 3), pa._TileConfig(64, 128, 8, 3), pa._TileConfig(128, 32, 4, 3)]
-    for name, q_lens, ctx in (("fresh 2048 x2", [2048] * 2, [2048] * 2), ("chunk 512 after 7680 x4", [512] * 4, [8192] * 4),
-                              ("mixed 2048 chunk + 64 decodes @4k", [2048] + [1] * 64, [6144] + [4096] * 64)):
+    if "prefill" not in kinds:
+        return rows
+    prefill_cfgs = [pa._TileConfig(*c) for c in (
+        (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (128, 64, 8, 2), (128, 32, 4, 3),
+        (64, 64, 4, 3), (64, 128, 8, 3), (256, 64, 8, 2), (256, 32, 8, 3))]
+    cases = (("fresh 2048 x2", [2048] * 2, [2048] * 2), ("chunk 512 after 7680 x4", [512] * 4, [8192] * 4),
+             ("mixed 2048 chunk + 64 decodes @4k", [2048] + [1] * 64, [6144] + [4096] * 64),
+             # issue 12's RFC workload: a group's 16 members, 200 own tokens after a 2000-token prefix
+             ("16 x 200 after 2000", [200] * 16, [2200] * 16), ("fresh 2000", [2000], [2000]))
+    for name, q_lens, ctx in cases:
         args = pool.batch(q_lens, ctx)
         out = torch.empty_like(args[0])
         flops = 4 * HQ * D * causal_pairs(q_lens, ctx)
         for cfg in prefill_cfgs:
-            call = lambda: pa._launch(*args, out, D ** -0.5, None, max(q_lens), 1, cfg)  # noqa: E731
-            ms = timed("prefill", call, case=name, cfg=cfg.__dict__)
-            if ms is not None:
-                rows[-1]["TFLOP_s"] = flops / ms / 1e9
-                print(f"  sweep prefill {name:<34} {cfg}: {ms * 1e3:7.1f} us {flops / ms / 1e9:6.1f} TFLOP/s")
+            for ahead in (False, True):
+                call = lambda: pa._launch(*args, out, D ** -0.5, None, max(q_lens), 1, cfg,  # noqa: E731
+                                          kv_ahead=ahead)
+                ms = timed("prefill", call, case=name, cfg=cfg.__dict__, kv_ahead=ahead)
+                if ms is not None:
+                    rows[-1]["TFLOP_s"] = flops / ms / 1e9
+                    print(f"  sweep prefill {name:<34} {cfg} ahead={ahead:d}: {ms * 1e3:7.1f} us "
+                          f"{flops / ms / 1e9:6.1f} TFLOP/s", flush=True)
     return rows
 
 
@@ -270,6 +280,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--sweep", action="store_true", help="also time split counts and tile configs")
+    ap.add_argument("--sweep-kinds", nargs="+", default=["decode", "prefill"], choices=["decode", "prefill"])
     ap.add_argument("--skip-timing", action="store_true")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
@@ -290,7 +301,7 @@ def main() -> None:
         results["decode"] = time_decode(pool, opts.warmup, opts.iters, flush)
         results["prefill"] = time_prefill(pool, opts.warmup, opts.iters, flush)
     if opts.sweep:
-        results["sweep"] = sweep(pool, opts.warmup, opts.iters, flush)
+        results["sweep"] = sweep(pool, opts.warmup, opts.iters, flush, opts.sweep_kinds)
     with open(opts.out, "w") as f:
         json.dump(results, f, indent=1)
     bad = [r["case"] for r in results["correctness"] if not r["ok"]]
