@@ -153,12 +153,8 @@ class DecodeGraphs:
         kv_splits: a plain graph's split-KV count (None: the kernel picks)."""
         meta = self._metadata(batch, max_seqlen_k or self.max_seqlen_k, splits, kv_splits)
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
-        logits = self.model.compute_logits(hidden)
-        if self.logits is None:
-            return logits
-        out = self.logits[:batch]
-        out.copy_(logits)
-        return out
+        return self.model.compute_logits(
+            hidden, out=None if self.logits is None else self.logits[:batch])
 
     def padded_size(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)

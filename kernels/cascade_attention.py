@@ -273,12 +273,15 @@ class _TileConfig:
 
 
 def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
-    """As kernels/paged_attention.py's tiles (H200 sweep there): 16-row decode tiles bound by
-    K/V reads; 128 x 128 prefill tiles on 8 warps; small exact-fp32 tiles (a test path)."""
+    """Decode: 16-row tiles of 32-key steps on 2 warps (head dim 128). A decode row's own keys are
+    few (a member's own tokens), so small programs, many to an SM, beat kernels/paged_attention.py's
+    128-key steps on 4 warps by ~10% (H100, `gpu_check_cascade.py --sweep`: 256 rows of 200 own
+    keys 103 against 117 us). Prefill tiles as paged attention's (128 x 128 on 8 warps); small
+    exact-fp32 tiles (a test path)."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     if max_seqlen_q == 1:
-        return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
+        return _TileConfig(16, 32, 4, 3) if head_dim == 256 else _TileConfig(16, 32, 2, 2)
     if head_dim == 256:
         return _TileConfig(64, 32, 8, 2)
     return _TileConfig(128, 128, 8, 3)
@@ -287,15 +290,15 @@ def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileCo
 def _prefix_config(max_group_rows: int, g_pad: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
     """As many of the largest group's rows x heads as fit one tile, up to 128: each K/V step then
     serves the whole group. Every row sees every key, so the tile is a dense GEMM-shaped loop.
-    Not tuned on a GPU yet: scripts/gpu_check_cascade.py --sweep times the alternatives."""
+    64-key steps on 4 warps, 2 stages: on an H100 (`gpu_check_cascade.py --sweep`, 256 decode
+    rows) the best or within 3% of it at 4 x 496, 16 x 2000 and 64 x 8000 (groups x prefix);
+    128-row tiles on 8 warps, 3 stages took 150 against 115 us at 64 x 8000 in 4 splits."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     rows = min(max(triton.next_power_of_2(max_group_rows * g_pad), 16), 128)
     if head_dim == 256:
         return _TileConfig(min(rows, 64), 32, 4 if rows <= 32 else 8, 2)
-    if rows <= 64:
-        return _TileConfig(rows, 64, 4, 3)
-    return _TileConfig(rows, 64, 8, 3)
+    return _TileConfig(rows, 64, 4, 2)
 
 
 def prefix_rows_per_tile(max_group_rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int,

@@ -158,6 +158,10 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
     return rows
 
 
+def label(name: str, degree: int, prefix: int) -> str:
+    return name if name == "rfc" else f"{degree} x {prefix}"
+
+
 def table(rows: list[dict]) -> list[str]:
     by_key: dict[tuple, dict[str, dict]] = {}
     for r in rows:     # modes may run at different sizes (off is slow): rates compare per request
@@ -176,10 +180,9 @@ def table(rows: list[dict]) -> list[str]:
     for (name, degree, prefix, order), m in sorted(
             by_key.items(), key=lambda kv: (kv[0][0] != "rfc", kv[0][1], kv[0][2], kv[0][3])):
         any_row = m.get("groups", next(iter(m.values())))
-        label = name if name == "rfc" else f"{degree} x {prefix}"
         n = " / ".join(str(m[k]["num_requests"]) if k in m else "-" for k in MODES)
         out.append(
-            f"| {label} | {n} | {order} | {get(m, 'off', 'requests_per_s', '{:.2f}')} | "
+            f"| {label(name, degree, prefix)} | {n} | {order} | {get(m, 'off', 'requests_per_s', '{:.2f}')} | "
             f"{get(m, 'apc', 'requests_per_s', '{:.2f}')} | "
             f"{get(m, 'groups', 'requests_per_s', '{:.2f}')} | "
             f"{get(m, 'groups', 'output_tok_per_s', '{:.0f}')} | {ratio(m, 'groups', 'off')} | "
@@ -193,7 +196,8 @@ def table(rows: list[dict]) -> list[str]:
 def write(out: str, meta: dict, rows: list[dict]) -> None:
     meta = dict(meta, title="Shared-prefix throughput (BatchLLM RFC workload and sweep)",
                 targets="RFC workload: groups >= 3x off, >= 2x apc shuffled, >= 1.5x apc grouped")
-    timed = [r for r in rows if "step_ms" in r]
+    timed = [dict(r, workload=label(r["workload"], r["degree"], r["prefix_len"]))
+             for r in rows if "step_ms" in r]
     steps = (["", "Where a step's time goes (ms per step):", ""]
              + step_table(timed, ["workload", "mode", "order"]) if timed else [])
     write_results(out, meta, rows, table(rows) + steps)

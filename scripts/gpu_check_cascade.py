@@ -341,6 +341,20 @@ def sweep(warmup_ms, rep_ms) -> list[dict]:
                        **{"pass": "own"}),
                   lambda: ca._launch_own(*parts, 1, default_splits, cfg), own_bytes)
         best("own", size, prefix_len)
+    # The own pass is the whole attention of lone requests in a cascade step: long ones too.
+    for num_lone, ctx in ((64, 2200), (8, 8000)):
+        batch = Batch(decode_groups(16, 2000, num_rows=64), [(1, ctx)] * num_lone, seed=ctx)
+        splits = 4
+        parts = pass_args(batch, splits)
+        ca._launch_prefix(*parts, batch.max_group_rows, splits, ca._prefix_config(batch.max_group_rows, g_pad, D, DTYPE))
+        own_bytes = sum(n - p for _, n, p, _ in batch.seqs) * kv_bytes_per_token()
+        base = {"group_size": f"16 + {num_lone} lone", "prefix_len": ctx}
+        default_us = bench_graph(lambda: ca._launch_own(*parts, 1, splits, ca._own_config(1, D, DTYPE)),
+                                 warmup_ms, rep_ms) * 1e3
+        for cfg in own_configs:
+            timed(dict(base, cfg=cfg.__dict__, splits=splits, default_us=default_us, **{"pass": "own"}),
+                  lambda: ca._launch_own(*parts, 1, splits, cfg), own_bytes)
+        best("own", base["group_size"], ctx)
     return rows
 
 

@@ -220,6 +220,21 @@ def test_load_in_bf16_keeps_rotary_in_fp32(hf_and_ours):
     assert torch.equal(model.embed_tokens.weight, ours.embed_tokens.weight.bfloat16())
 
 
+def test_logits_into_a_float32_buffer_equal_the_float32_logits(hf_and_ours):
+    # The decode graphs convert bf16 logits into their float32 buffer (no float32 temporary):
+    # the same values as compute_logits' own float32 tensor, and the buffer is what is returned.
+    _, _, config, path = hf_and_ours
+    model, _ = load_model(path, torch.bfloat16, torch.device("cpu"))
+    hidden = torch.randn(5, config.hidden_size, generator=torch.Generator().manual_seed(3)).bfloat16()
+    want = model.compute_logits(hidden)
+    assert want.dtype == torch.float32 and want.shape == (5, config.vocab_size)
+    buf = torch.full((5, config.vocab_size), float("nan"))
+    got = model.compute_logits(hidden, out=buf)
+    assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want)
+    # Rounded to bf16 first, as transformers' lm_head in bf16 gives them.
+    assert torch.equal(want, want.bfloat16().float())
+
+
 def copy_checkpoint(src, dst, drop=(), config_changes=None):
     dst.mkdir()
     raw = json.loads((src / "config.json").read_text())
