@@ -284,7 +284,7 @@ def pass_args(batch: Batch, splits: int) -> tuple:
     return (*batch.args(), torch.empty_like(batch.q), part_m, torch.empty_like(part_m), part_acc, D ** -0.5)
 
 
-def sweep(warmup_ms, rep_ms) -> list[dict]:
+def sweep(warmup_ms, rep_ms, cases=("groups", "lone")) -> list[dict]:
     """Each pass alone: the prefix pass over tile configs x split counts, then the decode own pass
     over tile configs (with the prefix pass's default config and splits ahead of it)."""
     rows = []
@@ -309,7 +309,7 @@ def sweep(warmup_ms, rep_ms) -> list[dict]:
         print(f"  sweep {kind} pass, group {size} prefix {prefix_len}: best {b['cfg']} S={b['splits']} "
               f"{b['us']:.1f} us {b['GB_s']:.0f} GB/s (default {b['default_us']:.1f} us)", flush=True)
 
-    for size, prefix_len in ((4, 496), (16, 2000), (64, 8000)):
+    for size, prefix_len in ((4, 496), (16, 2000), (64, 8000)) if "groups" in cases else ():
         batch = Batch(decode_groups(size, prefix_len), seed=size)
         per_token = kv_bytes_per_token()
         own_bytes = sum(n - p for _, n, p, _ in batch.seqs) * per_token
@@ -342,7 +342,7 @@ def sweep(warmup_ms, rep_ms) -> list[dict]:
                   lambda: ca._launch_own(*parts, 1, default_splits, cfg), own_bytes)
         best("own", size, prefix_len)
     # The own pass is the whole attention of lone requests in a cascade step: long ones too.
-    for num_lone, ctx in ((64, 2200), (8, 8000)):
+    for num_lone, ctx in ((64, 2200), (8, 8000)) if "lone" in cases else ():
         batch = Batch(decode_groups(16, 2000, num_rows=64), [(1, ctx)] * num_lone, seed=ctx)
         splits = 4
         parts = pass_args(batch, splits)
@@ -363,7 +363,9 @@ def main() -> None:
     ap.add_argument("--out", default=".", help="directory for gpu_check_cascade.json and .txt")
     ap.add_argument("--warmup-ms", type=int, default=25, help="do_bench warm-up time per kernel")
     ap.add_argument("--rep-ms", type=int, default=200, help="do_bench measuring time per kernel")
-    ap.add_argument("--sweep", action="store_true", help="also time prefix tile configs and split counts")
+    ap.add_argument("--sweep", nargs="*", choices=["groups", "lone"], default=None,
+                    help="also time tile configs of each pass (and the prefix pass's split counts): on "
+                         "decode groups, and the own pass of lone requests beside a group (no value: both)")
     ap.add_argument("--skip-timing", action="store_true")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
@@ -385,8 +387,8 @@ def main() -> None:
               f"replays, L2 flushed; GB/s = K/V bytes each algorithm reads / time (H200 HBM "
               f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
         results["timing"] = time_cases(opts.warmup_ms, opts.rep_ms)
-    if opts.sweep:
-        results["sweep"] = sweep(opts.warmup_ms, opts.rep_ms)
+    if opts.sweep is not None:
+        results["sweep"] = sweep(opts.warmup_ms, opts.rep_ms, opts.sweep or ("groups", "lone"))
     json_path = os.path.join(opts.out, "gpu_check_cascade.json")
     with open(json_path, "w") as f:
         json.dump(results, f, indent=1)
