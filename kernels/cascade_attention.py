@@ -273,15 +273,19 @@ class _TileConfig:
 
 
 def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
-    """Decode: 16-row tiles of 32-key steps on 2 warps (head dim 128). A decode row's own keys are
-    few (a member's own tokens), so small programs, many to an SM, beat kernels/paged_attention.py's
-    128-key steps on 4 warps by ~10% (H100, `gpu_check_cascade.py --sweep`: 256 rows of 200 own
-    keys 103 against 117 us). Prefill tiles as paged attention's (128 x 128 on 8 warps); small
-    exact-fp32 tiles (a test path)."""
+    """Decode: 16-row tiles of 64-key steps on 4 warps, 2 stages (head dim 128). A member's own
+    keys are few, and there smaller steps than kernels/paged_attention.py's 128 keys on 3 stages
+    pay: on an H100 (`gpu_check_cascade.py --sweep`, 256 rows of 200 own keys in groups of 4 / 16
+    / 64) 108 / 109 / 115 against 107 / 117 / 121 us. Lone rows read their whole context here:
+    64 of 2200 keys took 256 against 250 us, 8 of 8000 305 against 245 (32-key steps on 2 warps,
+    best for members at 97-113 us, took 255 and 509: not taken). Lone rows from 2048 cached
+    tokens are moved into the prefix pass where capacity allows (engine/cascade_plan.py).
+    Prefill tiles as paged attention's (128 x 128 on 8 warps); small exact-fp32 tiles (a test
+    path)."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     if max_seqlen_q == 1:
-        return _TileConfig(16, 32, 4, 3) if head_dim == 256 else _TileConfig(16, 32, 2, 2)
+        return _TileConfig(16, 32, 4, 3) if head_dim == 256 else _TileConfig(16, 64, 4, 2)
     if head_dim == 256:
         return _TileConfig(64, 32, 8, 2)
     return _TileConfig(128, 128, 8, 3)
