@@ -295,8 +295,9 @@ def _prefix_config(max_group_rows: int, g_pad: int, head_dim: int, dtype: torch.
     """As many of the largest group's rows x heads as fit one tile, up to 128: each K/V step then
     serves the whole group. Every row sees every key, so the tile is a dense GEMM-shaped loop.
     64-key steps on 4 warps, 2 stages: on an H100 (`gpu_check_cascade.py --sweep`, 256 decode
-    rows) the best or within 3% of it at 4 x 496, 16 x 2000 and 64 x 8000 (groups x prefix);
-    128-row tiles on 8 warps, 3 stages took 150 against 115 us at 64 x 8000 in 4 splits."""
+    rows) the fastest tile at 4 x 496, 16 x 2000 and 64 x 8000 (groups x prefix, each at its
+    best split count); 128-row tiles on 8 warps, 3 stages took 150 against 115 us at 64 x 8000
+    in 4 splits."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     rows = min(max(triton.next_power_of_2(max_group_rows * g_pad), 16), 128)
