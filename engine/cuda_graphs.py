@@ -117,7 +117,10 @@ class DecodeGraphs:
         # Every graph writes its logits here (made at capture). A graph's own output would stay
         # allocated in the pool for as long as the graph: one [size, vocab] float32 tensor per
         # captured size, 8.5 GiB at max_num_seqs 512 and 34 GiB at 1024 for a 128k vocabulary,
-        # memory the KV cache had been given (the capture ran out of memory).
+        # memory the KV cache had been given (the capture ran out of memory). It holds them in
+        # the model's dtype: the sampler converts them to float32 only where its math needs it
+        # (greedy rows with no penalty or logprobs take the argmax as they are), so a step of 256
+        # rows and a 128k vocabulary writes and reads 66 MB of logits, not 66 + 131 + 131.
         self.logits: torch.Tensor | None = None
 
     def kv_splits(self, size: int, max_seqlen_k: int) -> int:
@@ -174,7 +177,7 @@ class DecodeGraphs:
             return
         self._pool = torch.cuda.graph_pool_handle()
         self.logits = torch.empty(self.max_batch, self.model.config.vocab_size,
-                                  dtype=torch.float32, device=self.device)
+                                  dtype=self.model.embed_tokens.weight.dtype, device=self.device)
         stream = torch.cuda.Stream(self.device)
         # The persistent buffers and the KV cache were filled by kernels queued on the current
         # stream; the side stream must not read them before those ran. Without this wait the

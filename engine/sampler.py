@@ -119,7 +119,14 @@ class Sampler:
         self._row_generators: dict[torch.device, torch.Generator] = {}
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
-        logits = logits.float()  # no copy for fp32; nothing below writes into it
+        # Logits may come in the model's dtype (a decode graph's buffer). Greedy rows with no
+        # penalty and no logprobs need only the argmax (and the min_tokens masks, -inf in any
+        # dtype), which float32 copies of the same values would not change: they are taken as
+        # they are. Everything else computes in float32 (no copy for fp32; nothing below writes
+        # into it).
+        if not (meta.all_greedy and meta.max_num_logprobs is None and meta.repetition_penalty is None
+                and meta.presence_penalty is None and meta.frequency_penalty is None):
+            logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
         logits = apply_penalties(logits, meta)
         logits = _mask_tokens(logits, meta.no_stop_token_ids)

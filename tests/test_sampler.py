@@ -169,6 +169,35 @@ def test_penalties_change_the_greedy_choice():
     assert out.sampled_token_ids.tolist() == [1, 1, 0]
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_logits_give_what_their_float32_values_give(device):
+    """A decode graph hands the sampler its logits in the model's dtype: plain greedy rows take
+    the argmax as they are (ties to the lower id, min_tokens masks applied), anything that
+    computes on them does it in float32 (logprobs come out float32, the same numbers). Token 0
+    sits one bf16 step below token 1; a repetition penalty of 1.003 on token 1 leaves it 0.997,
+    still above token 0 in float32 (rounded to bf16 it would tie with token 0, and the tie would
+    go to token 0)."""
+    row = [0.99609375, 1.0, 0.5, -1.0]
+    logits = torch.tensor([row] * 4, dtype=torch.bfloat16, device=device)
+    logits[2, 3] = logits[2, 1]                                      # a tie: the lower id
+    cases = [
+        ([SamplingParams(temperature=0.0)] * 4, None),
+        ([SamplingParams(temperature=0.0, repetition_penalty=1.003)] * 4, [[1]] * 4),
+        ([SamplingParams(temperature=0.0, min_tokens=2, stop_token_ids=[1])] * 4, None),
+        ([SamplingParams(temperature=0.0, logprobs=1)] * 4, None),
+    ]
+    for params, outputs in cases:
+        meta = _meta(params, device, outputs=outputs)
+        got = Sampler(seed=0)(logits, meta)
+        want = Sampler(seed=0)(logits.float(), meta)
+        assert torch.equal(got.sampled_token_ids, want.sampled_token_ids), params[0]
+        if got.logprobs is not None:
+            assert got.logprobs.dtype == torch.float32 and torch.equal(got.logprobs, want.logprobs)
+    greedy, penalized, masked, _ = (Sampler()(logits, _meta(p, device, outputs=o)).sampled_token_ids.tolist()
+                                    for p, o in cases)
+    assert greedy == [1, 1, 1, 1] and penalized == [1, 1, 3, 1] and masked == [0, 0, 3, 0]
+
+
 def test_from_params_min_tokens_masks_eos_and_stop_ids():
     params = [SamplingParams(min_tokens=3, stop_token_ids=[5, 2]),
               SamplingParams(min_tokens=3, stop_token_ids=[5], ignore_eos=True),

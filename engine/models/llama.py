@@ -293,8 +293,8 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32, rounded to the model's dtype first.
-        out: a float32 [N, vocab] buffer to convert them into, with no float32 temporary (at 256
-        rows and a 128k vocabulary that is 131 MB written and read again)."""
+        out: a [N, vocab] buffer of the model's dtype or float32 to write them into instead (no
+        float32 temporary: at 256 rows and a 128k vocabulary that is 131 MB written and read)."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         logits = F.linear(hidden, weight)
         return logits.float() if out is None else out.copy_(logits)
