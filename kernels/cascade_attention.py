@@ -63,8 +63,8 @@ import triton.language as tl
 
 from kernels.attention_ref import cascade_attention_ref
 from kernels.cascade_cost import CascadeCostRule, PrefixGroup
-# One attention step, the paged kernel's: the same loads and math, so the same bits.
-from kernels.paged_attention import _kv_tiles, _online_step
+# The paged kernel's loop over keys: the same loads and math, so the same bits.
+from kernels.paged_attention import _attend_keys
 
 __all__ = ["cascade_attention", "cascade_attention_ref", "choose_num_prefix_splits",
            "prefix_rows_per_tile", "CascadeCostRule", "PrefixGroup"]
@@ -74,26 +74,6 @@ _HEAD_DIMS = (16, 32, 64, 128, 256)
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
 _MAX_GRID_YZ = 65535
-
-
-@triton.jit
-def _attend(
-    acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_start, k_stop, qk_scale,
-    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    MASKED: tl.constexpr, CAUSAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """Online-softmax update of (acc, m_i, l_i) over keys [k_start, k_stop), BLOCK_N a step.
-    MASKED=False: every step is whole and every key visible to every row (no mask math);
-    MASKED=True: keys >= k_stop are dropped and, with CAUSAL, keys after a row's position.
-    The steps are kernels/paged_attention.py's (_kv_tiles, _online_step)."""
-    offs_n = tl.arange(0, BLOCK_N)
-    for start in range(k_start, k_stop, BLOCK_N):
-        k, v = _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
-                         stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED)
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale, 0,
-                                     MASKED, CAUSAL, False, DOT_PRECISION)
-    return acc, m_i, l_i
 
 
 # Step-to-step integers are not specialized on (see kernels/paged_attention.py).
@@ -150,14 +130,14 @@ def _prefix_kernel(
     table_row = block_table_ptr + seq_lo * stride_bt       # the first member's: the shared blocks
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, t, table_row, k_base, v_base, k_lo, k_full_hi, qk_scale,
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, t, table_row, k_base, v_base, k_lo, k_full_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION)
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, t, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION, False, False)
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, t, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION, False, False)
 
     # An empty split stores m = -inf, l = 0, acc = 0: it weighs nothing in the merge.
     part = (split * num_tokens + t) * num_heads + head
@@ -229,14 +209,14 @@ def _own_kernel(
     table_row = block_table_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    acc, m_i, l_i = _attend(
-        acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, prefix_len, k_full_hi, qk_scale,
+    acc, m_i, l_i = _attend_keys(
+        acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, prefix_len, k_full_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, True, DOT_PRECISION)
-    acc, m_i, l_i = _attend(     # the causal diagonal and the sequence's last partial block
-        acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale,
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION, False, True)
+    acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
+        acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, True, DOT_PRECISION)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION, False, True)
 
     if prefix_len > 0:
         # Fold in the prefix pass's partials. Valid rows saw their own key, so m_i is finite.

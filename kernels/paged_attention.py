@@ -87,10 +87,12 @@ def _attend_keys(
     acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_start, k_stop, qk_scale, sliding_window,
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AHEAD: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AHEAD: tl.constexpr, CAUSAL: tl.constexpr,
 ):
     """Online-softmax update of (acc, m_i, l_i) over keys [k_start, k_stop), BLOCK_N at a time
-    from a multiple of BLOCK_N. MASKED=False: every key is visible to every row (no mask math).
+    from a multiple of BLOCK_N. MASKED=False: every key is visible to every row (no mask math);
+    MASKED=True: keys >= k_stop are dropped and, with CAUSAL, keys after a row's position q_pos
+    (kernels/cascade_attention.py's prefix pass: no CAUSAL, every row sees the whole prefix).
     KV_AHEAD (decode): the K and V tiles of step i + 1 are loaded before step i's math, so a
     program waits for memory once, not once a step (its loads go through the block table, which
     the compiler's own pipelining does not look ahead through)."""
@@ -103,14 +105,14 @@ def _attend_keys(
                                        stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE,
                                        True)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
-                                         sliding_window, MASKED, True, HAS_WINDOW, DOT_PRECISION)
+                                         sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION)
             k, v = k_next, v_next
     else:
         for start in range(k_start, k_stop, BLOCK_N):
             k, v = _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
                              stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
-                                         sliding_window, MASKED, True, HAS_WINDOW, DOT_PRECISION)
+                                         sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION)
     return acc, m_i, l_i
 
 
@@ -288,15 +290,15 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_lo, k_full_lo, qk_scale, sliding_window,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD)
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_lo, k_full_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION, KV_AHEAD)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True)
     acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True)
 
     out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     if NUM_SPLITS == 1:
