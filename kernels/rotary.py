@@ -37,15 +37,20 @@ def _rotate_heads(x_ptr, stride_h, num_heads, head0, cos, sin, half_dim,
     """Rotate heads head0..head0 + BLOCK_H - 1 of one token in place; x_ptr points at its head 0.
     Returns the stored halves [BLOCK_H, BLOCK_D] (in x's dtype), their heads [BLOCK_H, 1] as int64
     and the mask, for kernels/rotary_write_kv.py, which rotates through this same function."""
-    heads = head0 + tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    mask = (heads[:, None] < num_heads) & (dims[None, :] < half_dim)
-    heads64 = heads[:, None].to(tl.int64)
-    ptr1 = x_ptr + heads64 * stride_h + dims[None, :]
+    heads64, mask = _heads(head0, num_heads, half_dim, BLOCK_H, BLOCK_D)
+    ptr1 = x_ptr + heads64 * stride_h + tl.arange(0, BLOCK_D)[None, :]
     x1 = tl.load(ptr1, mask=mask, other=0.0)
     x2 = tl.load(ptr1 + half_dim, mask=mask, other=0.0)
     out1, out2 = _rotate_store(x1, x2, ptr1, half_dim, cos, sin, mask)
     return out1, out2, heads64, mask
+
+
+@triton.jit
+def _heads(head0, num_heads, half_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Heads head0.. [BLOCK_H, 1] as int64 and the mask of their halves' elements [BLOCK_H, BLOCK_D]."""
+    heads = head0 + tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    return heads[:, None].to(tl.int64), (heads[:, None] < num_heads) & (dims[None, :] < half_dim)
 
 
 @triton.jit

@@ -39,7 +39,7 @@ from kernels.attention_ref import write_kv_ref
 # The rotation itself is rotary.py's: one @triton.jit function, with explicit FMAs, so that the
 # compiler cannot contract the two kernels' arithmetic differently.
 from kernels.pdl import check as check_pdl, launch_options
-from kernels.rotary import _rotate_heads, _rotate_store, rotary_embedding_ref
+from kernels.rotary import _heads, _rotate_heads, _rotate_store, rotary_embedding_ref
 from kernels.skinny_gemm import add_k_slices
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -117,14 +117,6 @@ def _rotary_write_kv_kernel(
         vc = v_cache_ptr + block * stride_vcb + offset * stride_vco + heads64 * stride_vch + dims[None, :]
         tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(vc + half_dim, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _heads(head0, num_heads, half_dim, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Heads head0.. [BLOCK_H, 1] as int64 and the mask of the halves' elements, as _rotate_heads."""
-    heads = head0 + tl.arange(0, BLOCK_H)
-    dims = tl.arange(0, BLOCK_D)
-    return heads[:, None].to(tl.int64), (heads[:, None] < num_heads) & (dims[None, :] < half_dim)
 
 
 @triton.jit
