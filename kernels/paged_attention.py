@@ -142,24 +142,6 @@ def _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, st
 
 
 @triton.jit
-def _new_kv_rows(k, v, table_row, k_base, v_base, start, k_stop, new_from, stride_kb, stride_ks, stride_kd,
-                 stride_vb, stride_vs, stride_vd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 PAGE_SIZE: tl.constexpr):
-    """k [D, BLOCK_N] and v [BLOCK_N, D] of keys start.. with the rows of keys new_from..k_stop read
-    again from the cache (the others kept as given)."""
-    k_pos = start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    new = (k_pos >= new_from) & (k_pos < k_stop)
-    block_id = tl.load(table_row + k_pos // PAGE_SIZE, mask=new, other=0).to(tl.int64)
-    slot = k_pos % PAGE_SIZE
-    k_ptrs = k_base + block_id[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None] * stride_kd
-    v_ptrs = v_base + block_id[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :] * stride_vd
-    k = tl.load(k_ptrs, mask=new[None, :], other=k)
-    v = tl.load(v_ptrs, mask=new[:, None], other=v)
-    return k, v
-
-
-@triton.jit
 def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding_window,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
                  DOT_PRECISION: tl.constexpr):
@@ -233,9 +215,9 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, KV_AHEAD: tl.constexpr, EARLY_KV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, KV_AHEAD: tl.constexpr,
 ):
-    if USE_PDL and not EARLY_KV:    # kernels/pdl.py: the kernel ahead is done before anything is read
+    if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
     # Longest-running tiles (last positions of a prompt see the most keys) start first.
@@ -254,8 +236,6 @@ def _paged_attention_kernel(
     if seq == num_seqs:
         # Padding rows past cu_seqlens_q[-1] come back zero, as in the reference.
         if split == 0:
-            if USE_PDL and EARLY_KV:
-                tl.extra.cuda.gdc_wait()
             zeros = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=out_ptr.dtype.element_ty)
             tail_start = tl.load(cu_seqlens_q_ptr + num_seqs).to(tl.int64)
             for t0 in range(tail_start + pid_m * BLOCK_M, num_tokens, num_m_tiles * BLOCK_M):
@@ -298,35 +278,14 @@ def _paged_attention_kernel(
 
     t = q_start + row_in_seq
     q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_Q], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=tl.float32)
     table_row = block_table_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    if EARLY_KV:
-        # The first key step of the range is read before the wait: the block table and the keys
-        # before this call's new tokens were written before the kernel ahead started (under PDL
-        # the programs start while it still runs). After the wait the new tokens' rows (written
-        # by the kernel ahead: rotary + KV write) are read again, and q.
-        k, v = _kv_tiles(table_row, k_base, v_base, k_lo, k_hi, stride_kb, stride_ks, stride_kd,
-                         stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, True)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        k, v = _new_kv_rows(k, v, table_row, k_base, v_base, k_lo, k_hi, seq_len - q_len, stride_kb, stride_ks,
-                            stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE)
-        q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
-        acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, k_lo + tl.arange(0, BLOCK_N), k_hi, qk_scale,
-                                     sliding_window, True, True, HAS_WINDOW, DOT_PRECISION)
-        # The rest of the range from the next step on.
-        rest = k_lo + BLOCK_N
-        k_lo = tl.maximum(k_lo, rest)
-        k_full_lo = tl.maximum(k_full_lo, rest)
-        k_full_hi = tl.maximum(k_full_hi, rest)
-        k_hi = tl.maximum(k_hi, rest)
-    else:
-        q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
     if HAS_WINDOW:          # the window's ragged start
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_lo, k_full_lo, qk_scale, sliding_window,
@@ -456,12 +415,6 @@ def _kv_ahead(max_seqlen_q: int, grid: tuple[int, int, int], num_kv_splits: int,
     return max_seqlen_q == 1 and num_kv_splits > 1 and real_programs <= _num_sms(device)
 
 
-def _early_kv(max_seqlen_q: int, pdl: bool) -> bool:
-    """Read the first key step before PDL's wait in decode calls: their programs are latency-bound,
-    and under PDL they start while the kernel ahead (rotary + KV write) still runs."""
-    return pdl and max_seqlen_q == 1
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -520,7 +473,6 @@ def paged_attention(
     out: torch.Tensor | None = None,
     pdl: bool = False,
     kv_ahead: bool | None = None,
-    early_kv: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of the new query rows, as `paged_attention_ref`. Returns [T, Hq, D].
 
@@ -533,8 +485,6 @@ def paged_attention(
     dependent launch (kernels/pdl.py); the separate merge kernel, if any, is launched without.
     kv_ahead: load each step's K and V one step ahead (the same bits); None: where `_kv_ahead`
     found it faster (split decode calls of at most one program per SM).
-    early_kv: each program reads its first key step before PDL's wait and only the new tokens'
-    rows after it (the same bits); None: in decode calls with pdl (`_early_kv`).
     """
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     check_pdl(pdl, q.device, "paged_attention")
@@ -558,14 +508,13 @@ def paged_attention(
     merge_in_kernel = merge_in_kernel and num_kv_splits > 1
     cfg = _pick_config(max_seqlen_q, head_dim, q.dtype, fused_splits=merge_in_kernel)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
-            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl, kv_ahead,
-            _early_kv(max_seqlen_q, pdl) if early_kv is None else early_kv)
+            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl, kv_ahead)
     return out
 
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale, sliding_window,
             max_seqlen_q, num_kv_splits, cfg: _TileConfig, merge_in_kernel: bool = False,
-            pdl: bool = False, kv_ahead: bool | None = None, early_kv: bool = False) -> None:
+            pdl: bool = False, kv_ahead: bool | None = None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -597,7 +546,6 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         KV_AHEAD=_kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device) if kv_ahead is None else kv_ahead,
-        EARLY_KV=early_kv,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:

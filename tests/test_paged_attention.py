@@ -58,14 +58,14 @@ def make_batch(q_lens, ctx_lens, hq, hkv, d, block_size, dtype, seed, pad_rows=3
 
 
 def check(args, q_lens, ctx_lens, sliding_window=None, num_kv_splits=None, max_seqlen_q=None,
-          merge_in_kernel=False, kv_ahead=None, early_kv=None):
+          merge_in_kernel=False, kv_ahead=None):
     """Run the kernel into a NaN-poisoned buffer and compare every element with the reference."""
     q = args[0]
     scale = q.shape[-1] ** -0.5
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     got = paged_attention(*args, scale, sliding_window, max_seqlen_q=max_seqlen_q or max(q_lens),
                           max_seqlen_k=max(ctx_lens), num_kv_splits=num_kv_splits,
-                          merge_in_kernel=merge_in_kernel, out=out, kv_ahead=kv_ahead, early_kv=early_kv)
+                          merge_in_kernel=merge_in_kernel, out=out, kv_ahead=kv_ahead)
     assert got is out
     ref = paged_attention_ref(*args, scale, sliding_window)
     atol, rtol = TOLS[q.dtype]
@@ -390,31 +390,6 @@ def test_decode_loading_the_next_keys_ahead_changes_no_bits(merge_in_kernel, num
         got[ahead] = check(args, q_lens, ctx, sliding_window=window, num_kv_splits=num_kv_splits,
                            merge_in_kernel=merge_in_kernel, kv_ahead=ahead)
     assert torch.equal(got[True], got[False]) and torch.equal(got[None], got[True])
-
-
-@pytest.mark.parametrize("q_lens,ctx,splits,window,merge", [
-    ([1, 1, 1, 1, 1], [300, 1, 47, 129, 64], 4, None, True),      # decode: splits of several steps
-    ([1, 1, 1, 1, 1], [300, 1, 47, 129, 64], 16, None, True),     # splits of one step or none
-    ([1, 1, 1], [300, 33, 95], 3, 50, False),                     # a window
-    ([1, 1, 1], [300, 33, 95], 1, None, False),                   # unsplit
-    ([5, 1, 40, 3], [5, 200, 140, 67], 1, None, False),           # prompt chunks: many new rows
-    ([5, 1, 40, 3], [5, 200, 140, 67], 2, 17, False),
-])
-def test_reading_the_first_keys_before_the_wait_changes_no_bits(q_lens, ctx, splits, window, merge):
-    """early_kv: a program reads its range's first key step before PDL's wait (the interpreter has
-    no PDL: the same code without the wait), then those rows of it that hold this call's new
-    tokens again, and does that step masked. The same values into the same operations as
-    without: the same bits, equal to the reference."""
-    args = make_batch(q_lens, ctx, 8, 2, 32, 16, torch.float32, seed=29)
-    got = {early: check(args, q_lens, ctx, sliding_window=window, num_kv_splits=splits,
-                        merge_in_kernel=merge, early_kv=early) for early in (False, True)}
-    assert torch.equal(got[True], got[False])
-
-
-def test_the_first_keys_are_read_before_the_wait_only_in_decode_calls_with_pdl():
-    assert pa._early_kv(1, True)
-    assert not pa._early_kv(1, False)
-    assert not pa._early_kv(2, True)
 
 
 def test_the_next_keys_are_loaded_ahead_only_in_split_decode_calls_of_one_program_per_sm():
