@@ -95,7 +95,10 @@ def _attend_keys(
     (kernels/cascade_attention.py's prefix pass: no CAUSAL, every row sees the whole prefix).
     KV_AHEAD (decode): the K and V tiles of step i + 1 are loaded before step i's math, so a
     program waits for memory once, not once a step (its loads go through the block table, which
-    the compiler's own pipelining does not look ahead through)."""
+    the compiler's own pipelining does not look ahead through). Otherwise the block ids of step
+    i + 1 are read during step i: the addresses of a step's K and V then wait for no load of that
+    step, and the compiler's pipelining issues them ahead (H100, prompt tiles: 1.2-1.3x the
+    speed of reading each step's ids in it; benchmarks/h100/prefill_attention.md)."""
     offs_n = tl.arange(0, BLOCK_N)
     if KV_AHEAD:
         k, v = _kv_tiles(table_row, k_base, v_base, k_start, k_stop, stride_kb, stride_ks, stride_kd,
@@ -108,9 +111,12 @@ def _attend_keys(
                                          sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION)
             k, v = k_next, v_next
     else:
+        block_id = _block_ids(table_row, k_start, k_stop, BLOCK_N, PAGE_SIZE)
         for start in range(k_start, k_stop, BLOCK_N):
-            k, v = _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
-                             stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED)
+            next_block_id = _block_ids(table_row, start + BLOCK_N, k_stop, BLOCK_N, PAGE_SIZE)
+            k, v = _kv_at(block_id, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
+                          stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED)
+            block_id = next_block_id
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
                                          sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION)
     return acc, m_i, l_i
@@ -120,21 +126,36 @@ def _attend_keys(
 def _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
               stride_vd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
               MASKED: tl.constexpr):
-    """k [D, BLOCK_N] and v [BLOCK_N, D] of keys start.. (zeros from k_stop on when MASKED),
-    gathered key by key through the block table."""
+    """k and v [BLOCK_N, D] of keys start.. (zeros from k_stop on when MASKED), gathered key by
+    key through the block table."""
+    return _kv_at(_block_ids(table_row, start, k_stop, BLOCK_N, PAGE_SIZE), k_base, v_base, start, k_stop,
+                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE,
+                  MASKED)
+
+
+@triton.jit
+def _block_ids(table_row, start, k_stop, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
+    """[BLOCK_N] int64 block ids of keys start.. (0 from k_stop on: nothing is read there)."""
+    k_pos = start + tl.arange(0, BLOCK_N)
+    return tl.load(table_row + k_pos // PAGE_SIZE, mask=k_pos < k_stop, other=0).to(tl.int64)
+
+
+@triton.jit
+def _kv_at(block_id, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
+           stride_vd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+           MASKED: tl.constexpr):
+    """k and v [BLOCK_N, D] of keys start.. in blocks block_id (zeros from k_stop on when MASKED).
+    K is read in V's layout, key by key (its transpose goes to the dot): one layout for both
+    tiles' addresses, so the block ids need not be moved between threads twice."""
     k_pos = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    k_in = k_pos < k_stop
-    if MASKED:
-        block_id = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_in, other=0).to(tl.int64)
-    else:
-        block_id = tl.load(table_row + k_pos // PAGE_SIZE).to(tl.int64)
     slot = k_pos % PAGE_SIZE
-    k_ptrs = k_base + block_id[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None] * stride_kd
+    k_ptrs = k_base + block_id[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :] * stride_kd
     v_ptrs = v_base + block_id[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :] * stride_vd
     if MASKED:
-        k = tl.load(k_ptrs, mask=k_in[None, :], other=0.0)
-        v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
+        k_in = (k_pos < k_stop)[:, None]
+        k = tl.load(k_ptrs, mask=k_in, other=0.0)
+        v = tl.load(v_ptrs, mask=k_in, other=0.0)
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
@@ -148,7 +169,7 @@ def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding
     """One BLOCK_N step of the online softmax over the keys at k_pos. MASKED: keys from k_stop
     on are dropped and, with CAUSAL, keys after a row's position q_pos, with HAS_WINDOW those
     before its window (kernels/cascade_attention.py runs it too)."""
-    s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale       # [BLOCK_Q, BLOCK_N]
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # [BLOCK_Q, BLOCK_N]
     if MASKED:
         visible = (k_pos < k_stop)[None, :]
         if CAUSAL:
@@ -357,8 +378,10 @@ class _TileConfig:
 def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
                  fused_splits: bool = False) -> _TileConfig:
     """Decode: 16-row tiles (the dot only has to reach tensor-core size; the kernel is bound by
-    K/V reads), 128 keys a step. Prefill: 128-row tiles, 128 keys a step, 8 warps (wgmma).
-    Chosen from an H200 sweep (scripts/gpu_check_attention.py --sweep) at D = 128; every size
+    K/V reads), 128 keys a step. Prefill: 128-row tiles, 64 keys a step, 8 warps (wgmma; with
+    the block ids read a step ahead the fastest of the H100 probe in benchmarks/h100/
+    prefill_attention.md, 128 keys a step before). Decode chosen from an H200 sweep
+    (scripts/gpu_check_attention.py --sweep) at D = 128; every size
     here compiles for sm_90 without spilling, save a few bytes with splits and a window.
     fused_splits (decode splits merged in the kernel): 64 keys a step, so that a split can be
     as short as 64 keys (splits are whole steps): twice as many programs at short contexts."""
@@ -372,7 +395,7 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
         return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
     if head_dim == 256:
         return _TileConfig(64, 32, 8, 2)
-    return _TileConfig(128, 128, 8, 3)
+    return _TileConfig(128, 64, 8, 3)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
