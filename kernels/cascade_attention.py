@@ -133,11 +133,11 @@ def _prefix_kernel(
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, t, table_row, k_base, v_base, k_lo, k_full_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION, False, False)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION, False, False, False)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, t, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION, False, False)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION, False, False, False)
 
     # An empty split stores m = -inf, l = 0, acc = 0: it weighs nothing in the merge.
     part = (split * num_tokens + t) * num_heads + head
@@ -159,7 +159,7 @@ def _own_kernel(
     stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PROMPT: tl.constexpr,
 ):
     # Longest-running tiles (last positions of a prompt see the most keys) start first.
     pid_m = num_m_tiles - 1 - tl.program_id(0).to(tl.int64)
@@ -212,11 +212,11 @@ def _own_kernel(
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, prefix_len, k_full_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION, False, True)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION, False, True, PROMPT)
     acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION, False, True)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION, False, True, PROMPT)
 
     if prefix_len > 0:
         # Fold in the prefix pass's partials. Valid rows saw their own key, so m_i is finite.
@@ -260,15 +260,15 @@ def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileCo
     64 of 2200 keys took 256 against 250 us, 8 of 8000 305 against 245 (32-key steps on 2 warps,
     best for members at 97-113 us, took 255 and 509: not taken). Lone rows from 2048 cached
     tokens are moved into the prefix pass where capacity allows (engine/cascade_plan.py).
-    Prefill tiles as paged attention's (128 x 128 on 8 warps); small exact-fp32 tiles (a test
-    path)."""
+    Prefill tiles as paged attention's (128 x 64 on 8 warps, the key loop's PROMPT form); small
+    exact-fp32 tiles (a test path)."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     if max_seqlen_q == 1:
         return _TileConfig(16, 32, 4, 3) if head_dim == 256 else _TileConfig(16, 64, 4, 2)
     if head_dim == 256:
         return _TileConfig(64, 32, 8, 2)
-    return _TileConfig(128, 128, 8, 3)
+    return _TileConfig(128, 64, 8, 3)
 
 
 def _prefix_config(max_group_rows: int, g_pad: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
@@ -463,6 +463,6 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_table.stride(0),
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PROMPT=max_seqlen_q > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

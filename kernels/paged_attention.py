@@ -88,6 +88,7 @@ def _attend_keys(
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AHEAD: tl.constexpr, CAUSAL: tl.constexpr,
+    PROMPT: tl.constexpr,
 ):
     """Online-softmax update of (acc, m_i, l_i) over keys [k_start, k_stop), BLOCK_N at a time
     from a multiple of BLOCK_N. MASKED=False: every key is visible to every row (no mask math);
@@ -95,10 +96,12 @@ def _attend_keys(
     (kernels/cascade_attention.py's prefix pass: no CAUSAL, every row sees the whole prefix).
     KV_AHEAD (decode): the K and V tiles of step i + 1 are loaded before step i's math, so a
     program waits for memory once, not once a step (its loads go through the block table, which
-    the compiler's own pipelining does not look ahead through). Otherwise the block ids of step
-    i + 1 are read during step i: the addresses of a step's K and V then wait for no load of that
-    step, and the compiler's pipelining issues them ahead (H100, prompt tiles: 1.2-1.3x the
-    speed of reading each step's ids in it; benchmarks/h100/prefill_attention.md)."""
+    the compiler's own pipelining does not look ahead through). PROMPT (prompt tiles): the block
+    ids of step i + 1 are read during step i, so the addresses of a step's K and V wait for no
+    load of that step and the compiler's pipelining issues them ahead, and K is read key by key
+    in V's layout (one layout for both tiles' addresses; its transpose goes to the dot). H100,
+    prompt tiles: 1.14-1.26x the speed of reading each step's ids in it; in decode tiles both
+    were 2-6% slower (benchmarks/h100/prefill_attention.md)."""
     offs_n = tl.arange(0, BLOCK_N)
     if KV_AHEAD:
         k, v = _kv_tiles(table_row, k_base, v_base, k_start, k_stop, stride_kb, stride_ks, stride_kd,
@@ -108,17 +111,23 @@ def _attend_keys(
                                        stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE,
                                        True)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
-                                         sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION)
+                                         sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION, False)
             k, v = k_next, v_next
-    else:
+    elif PROMPT:
         block_id = _block_ids(table_row, k_start, k_stop, BLOCK_N, PAGE_SIZE)
         for start in range(k_start, k_stop, BLOCK_N):
             next_block_id = _block_ids(table_row, start + BLOCK_N, k_stop, BLOCK_N, PAGE_SIZE)
             k, v = _kv_at(block_id, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
-                          stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED)
+                          stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED, True)
             block_id = next_block_id
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
-                                         sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION)
+                                         sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION, True)
+    else:
+        for start in range(k_start, k_stop, BLOCK_N):
+            k, v = _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
+                             stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED)
+            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
+                                         sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION, False)
     return acc, m_i, l_i
 
 
@@ -126,11 +135,11 @@ def _attend_keys(
 def _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
               stride_vd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
               MASKED: tl.constexpr):
-    """k and v [BLOCK_N, D] of keys start.. (zeros from k_stop on when MASKED), gathered key by
-    key through the block table."""
+    """k [D, BLOCK_N] and v [BLOCK_N, D] of keys start.. (zeros from k_stop on when MASKED),
+    gathered key by key through the block table."""
     return _kv_at(_block_ids(table_row, start, k_stop, BLOCK_N, PAGE_SIZE), k_base, v_base, start, k_stop,
                   stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-                  MASKED)
+                  MASKED, False)
 
 
 @triton.jit
@@ -143,19 +152,23 @@ def _block_ids(table_row, start, k_stop, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.co
 @triton.jit
 def _kv_at(block_id, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
            stride_vd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-           MASKED: tl.constexpr):
-    """k and v [BLOCK_N, D] of keys start.. in blocks block_id (zeros from k_stop on when MASKED).
-    K is read in V's layout, key by key (its transpose goes to the dot): one layout for both
-    tiles' addresses, so the block ids need not be moved between threads twice."""
+           MASKED: tl.constexpr, K_BY_KEY: tl.constexpr):
+    """v [BLOCK_N, D] and k of keys start.. in blocks block_id (zeros from k_stop on when MASKED):
+    k [BLOCK_N, D] with K_BY_KEY, else [D, BLOCK_N]."""
     k_pos = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     slot = k_pos % PAGE_SIZE
-    k_ptrs = k_base + block_id[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :] * stride_kd
+    k_in = k_pos < k_stop
+    if K_BY_KEY:
+        k_ptrs = k_base + block_id[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :] * stride_kd
+        k_mask = k_in[:, None]
+    else:
+        k_ptrs = k_base + block_id[None, :] * stride_kb + slot[None, :] * stride_ks + offs_d[:, None] * stride_kd
+        k_mask = k_in[None, :]
     v_ptrs = v_base + block_id[:, None] * stride_vb + slot[:, None] * stride_vs + offs_d[None, :] * stride_vd
     if MASKED:
-        k_in = (k_pos < k_stop)[:, None]
-        k = tl.load(k_ptrs, mask=k_in, other=0.0)
-        v = tl.load(v_ptrs, mask=k_in, other=0.0)
+        k = tl.load(k_ptrs, mask=k_mask, other=0.0)
+        v = tl.load(v_ptrs, mask=k_in[:, None], other=0.0)
     else:
         k = tl.load(k_ptrs)
         v = tl.load(v_ptrs)
@@ -165,11 +178,15 @@ def _kv_at(block_id, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride
 @triton.jit
 def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding_window,
                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
+                 DOT_PRECISION: tl.constexpr, K_BY_KEY: tl.constexpr):
     """One BLOCK_N step of the online softmax over the keys at k_pos. MASKED: keys from k_stop
     on are dropped and, with CAUSAL, keys after a row's position q_pos, with HAS_WINDOW those
-    before its window (kernels/cascade_attention.py runs it too)."""
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # [BLOCK_Q, BLOCK_N]
+    before its window (kernels/cascade_attention.py runs it too). k: [BLOCK_N, D] with K_BY_KEY,
+    else [D, BLOCK_N]."""
+    if K_BY_KEY:
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # [BLOCK_Q, BLOCK_N]
+    else:
+        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         visible = (k_pos < k_stop)[None, :]
         if CAUSAL:
@@ -236,7 +253,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, KV_AHEAD: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, KV_AHEAD: tl.constexpr, PROMPT: tl.constexpr,
 ):
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
@@ -311,15 +328,15 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_lo, k_full_lo, qk_scale, sliding_window,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True)
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_lo, k_full_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT)
     acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT)
 
     out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     if NUM_SPLITS == 1:
@@ -569,6 +586,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         KV_AHEAD=_kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device) if kv_ahead is None else kv_ahead,
+        PROMPT=max_seqlen_q > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:
