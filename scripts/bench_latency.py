@@ -1,5 +1,6 @@
 """Single-stream decode: ms per token and tokens/s, beside the HBM roofline (weight bytes /
-peak bandwidth: every decode step reads all weights once)."""
+peak bandwidth: every decode step reads all weights once), and the time to the first token of a
+fresh prompt (each run's prompt is new: no prefix-cache hit shortens it)."""
 from __future__ import annotations
 
 import argparse
@@ -20,6 +21,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--max-model-len", type=int, default=8192,
+                    help="the engine's max_model_len (capped at the model's positions)")
     ap.add_argument("--enforce-eager", action="store_true")
     add_scheduling_arg(ap)
     add_pdl_arg(ap)
@@ -30,21 +33,25 @@ def main() -> None:
     model_dir, cfg = model_and_config(args.preset, args.model)
     llm = LLM(model_dir, load_format="dummy", dtype=args.dtype,
               skip_tokenizer_init=True, max_num_seqs=8,
-              max_model_len=min(8192, cfg.get("max_position_embeddings", 8192)),
+              max_model_len=min(args.max_model_len, cfg.get("max_position_embeddings", args.max_model_len)),
               enforce_eager=args.enforce_eager, async_scheduling=not args.sync_scheduling,
               **pdl_setting(args))
     core = llm.core
     core.times.gpu_events = True        # where each step's time goes, the GPU's part included
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
-    prompt = [(i * 7919) % cfg["vocab_size"] for i in range(args.input_len)]
+
+    def prompt(it: int) -> list[int]:       # a new one each run: its first token already differs
+        return [(i * 7919 + it * 104729 + 1) % cfg["vocab_size"] for i in range(args.input_len)]
 
     step_ms: list[float] = []
     ttft_ms: list[float] = []
+    cached: list[int] = []
     for it in range(args.iters + 1):                       # the first run warms up
         if it == 1:
             before = core.times.copy()
         start = time.perf_counter()
-        core.add_request(core.make_request(f"lat{it}", prompt, params))
+        request = core.make_request(f"lat{it}", prompt(it), params)
+        core.add_request(request)
         first, times = None, []
         while core.has_unfinished_requests():
             t0 = time.perf_counter()
@@ -57,6 +64,7 @@ def main() -> None:
         if it:
             ttft_ms.append(first)
             step_ms.extend(times)
+            cached.append(request.num_cached_tokens)
     ms = statistics.median(step_ms)
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     weight_bytes = param_count(cfg) * elem
@@ -69,6 +77,7 @@ def main() -> None:
            "decode_late_merge": llm.config.decode_late_merge,
            "ms_per_token_median": ms, "ms_per_token_p90": statistics.quantiles(step_ms, n=10)[8],
            "tokens_per_s": 1e3 / ms, "ttft_ms_median": statistics.median(ttft_ms),
+           "ttft_cached_tokens": cached,        # prefix-cache hits of the measured runs: 0 each
            "weight_bytes": weight_bytes, "roofline_ms_per_token": roofline_ms,
            "fraction_of_roofline": roofline_ms / ms,
            "achieved_hbm_tb_per_s": (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e12,

@@ -19,12 +19,15 @@ def _run(script, *args):
 
 
 def test_latency_breaks_the_step_down(tmp_path):
+    """... and its time to first token is a fresh prompt's: 40 tokens (2 whole 16-token blocks),
+    a new prompt each run, so no run finds the one before it in the prefix cache."""
     model = make_tiny_model(tmp_path / "m", arch="llama", seed=4)
     out = tmp_path / "latency"
-    _run("bench_latency.py", "--model", str(model), "--dtype", "float32", "--input-len", "8",
-         "--output-len", "6", "--iters", "1", "--decode-late-merge", "false", "--out", str(out))
+    _run("bench_latency.py", "--model", str(model), "--dtype", "float32", "--input-len", "40",
+         "--output-len", "6", "--iters", "2", "--decode-late-merge", "false", "--out", str(out))
     row = json.loads(out.with_suffix(".json").read_text())["results"][0]
     assert row["decode_late_merge"] is False        # the engine setting passed on (default true)
+    assert row["ttft_cached_tokens"] == [0, 0]
     assert row["step_ms"]["wall"] > 0 and all(row["step_ms"][p] > 0 for p in PHASES)
     assert "Where a step's time goes" in out.with_suffix(".md").read_text()
 
