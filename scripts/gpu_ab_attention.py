@@ -44,6 +44,7 @@ def load(path: str, name: str, paged=None):
     """The module in `path`; with `paged`, its `kernels.paged_attention` imports resolve to it."""
     spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module                      # dataclasses look their module up there
     saved = sys.modules.get("kernels.paged_attention")
     if paged is not None:
         sys.modules["kernels.paged_attention"] = paged
