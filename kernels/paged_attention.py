@@ -114,9 +114,9 @@ def _attend_keys(
                                          sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION, False)
             k, v = k_next, v_next
     elif PROMPT:
-        block_id = _block_ids(table_row, k_start, k_stop, BLOCK_N, PAGE_SIZE)
+        block_id = _block_ids(table_row, k_start, k_stop, BLOCK_N, PAGE_SIZE, True)
         for start in range(k_start, k_stop, BLOCK_N):
-            next_block_id = _block_ids(table_row, start + BLOCK_N, k_stop, BLOCK_N, PAGE_SIZE)
+            next_block_id = _block_ids(table_row, start + BLOCK_N, k_stop, BLOCK_N, PAGE_SIZE, True)
             k, v = _kv_at(block_id, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
                           stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED, True)
             block_id = next_block_id
@@ -137,16 +137,18 @@ def _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, st
               MASKED: tl.constexpr):
     """k [D, BLOCK_N] and v [BLOCK_N, D] of keys start.. (zeros from k_stop on when MASKED),
     gathered key by key through the block table."""
-    return _kv_at(_block_ids(table_row, start, k_stop, BLOCK_N, PAGE_SIZE), k_base, v_base, start, k_stop,
+    return _kv_at(_block_ids(table_row, start, k_stop, BLOCK_N, PAGE_SIZE, MASKED), k_base, v_base, start, k_stop,
                   stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE,
                   MASKED, False)
 
 
 @triton.jit
-def _block_ids(table_row, start, k_stop, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr):
-    """[BLOCK_N] int64 block ids of keys start.. (0 from k_stop on: nothing is read there)."""
+def _block_ids(table_row, start, k_stop, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
+    """[BLOCK_N] int64 block ids of keys start.. (MASKED: 0 from k_stop on, nothing read there)."""
     k_pos = start + tl.arange(0, BLOCK_N)
-    return tl.load(table_row + k_pos // PAGE_SIZE, mask=k_pos < k_stop, other=0).to(tl.int64)
+    if MASKED:
+        return tl.load(table_row + k_pos // PAGE_SIZE, mask=k_pos < k_stop, other=0).to(tl.int64)
+    return tl.load(table_row + k_pos // PAGE_SIZE).to(tl.int64)
 
 
 @triton.jit
