@@ -88,7 +88,7 @@ def _attend_keys(
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
     HAS_WINDOW: tl.constexpr, DOT_PRECISION: tl.constexpr, KV_AHEAD: tl.constexpr, CAUSAL: tl.constexpr,
-    PROMPT: tl.constexpr,
+    PROMPT: tl.constexpr, I32: tl.constexpr,
 ):
     """Online-softmax update of (acc, m_i, l_i) over keys [k_start, k_stop), BLOCK_N at a time
     from a multiple of BLOCK_N. MASKED=False: every key is visible to every row (no mask math);
@@ -101,31 +101,33 @@ def _attend_keys(
     load of that step and the compiler's pipelining issues them ahead, and K is read key by key
     in V's layout (one layout for both tiles' addresses; its transpose goes to the dot). H100,
     prompt tiles: 1.14-1.26x the speed of reading each step's ids in it; in decode tiles both
-    were 2-6% slower (benchmarks/h100/prefill_attention.md)."""
+    were 2-6% slower (benchmarks/h100/prefill_attention.md). I32: the K/V element offsets (from
+    a kv head's base) are computed in int32, which the caches' size allows (`_offsets_fit_int32`;
+    H100, prompt tiles another 1.05-1.15x, decode 1-2%)."""
     offs_n = tl.arange(0, BLOCK_N)
     if KV_AHEAD:
         k, v = _kv_tiles(table_row, k_base, v_base, k_start, k_stop, stride_kb, stride_ks, stride_kd,
-                         stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, True)
+                         stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, True, I32)
         for start in range(k_start, k_stop, BLOCK_N):
             k_next, v_next = _kv_tiles(table_row, k_base, v_base, start + BLOCK_N, k_stop, stride_kb, stride_ks,
                                        stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-                                       True)
+                                       True, I32)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
                                          sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION, False)
             k, v = k_next, v_next
     elif PROMPT:
-        block_id = _block_ids(table_row, k_start, k_stop, BLOCK_N, PAGE_SIZE, True)
+        block_id = _block_ids(table_row, k_start, k_stop, BLOCK_N, PAGE_SIZE, True, I32)
         for start in range(k_start, k_stop, BLOCK_N):
-            next_block_id = _block_ids(table_row, start + BLOCK_N, k_stop, BLOCK_N, PAGE_SIZE, True)
+            next_block_id = _block_ids(table_row, start + BLOCK_N, k_stop, BLOCK_N, PAGE_SIZE, True, I32)
             k, v = _kv_at(block_id, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
-                          stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED, True)
+                          stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED, True, I32)
             block_id = next_block_id
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
                                          sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION, True)
     else:
         for start in range(k_start, k_stop, BLOCK_N):
             k, v = _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd,
-                             stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED)
+                             stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, MASKED, I32)
             acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k, v, q_pos, start + offs_n, k_stop, qk_scale,
                                          sliding_window, MASKED, CAUSAL, HAS_WINDOW, DOT_PRECISION, False)
     return acc, m_i, l_i
@@ -134,32 +136,40 @@ def _attend_keys(
 @triton.jit
 def _kv_tiles(table_row, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
               stride_vd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-              MASKED: tl.constexpr):
+              MASKED: tl.constexpr, I32: tl.constexpr):
     """k [D, BLOCK_N] and v [BLOCK_N, D] of keys start.. (zeros from k_stop on when MASKED),
     gathered key by key through the block table."""
-    return _kv_at(_block_ids(table_row, start, k_stop, BLOCK_N, PAGE_SIZE, MASKED), k_base, v_base, start, k_stop,
-                  stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-                  MASKED, False)
+    return _kv_at(_block_ids(table_row, start, k_stop, BLOCK_N, PAGE_SIZE, MASKED, I32), k_base, v_base, start,
+                  k_stop, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM,
+                  PAGE_SIZE, MASKED, False, I32)
 
 
 @triton.jit
-def _block_ids(table_row, start, k_stop, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr):
-    """[BLOCK_N] int64 block ids of keys start.. (MASKED: 0 from k_stop on, nothing read there)."""
+def _block_ids(table_row, start, k_stop, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.constexpr, MASKED: tl.constexpr,
+               I32: tl.constexpr):
+    """[BLOCK_N] block ids of keys start.. (MASKED: 0 from k_stop on, nothing read there), int32
+    with I32, else int64."""
     k_pos = start + tl.arange(0, BLOCK_N)
     if MASKED:
-        return tl.load(table_row + k_pos // PAGE_SIZE, mask=k_pos < k_stop, other=0).to(tl.int64)
-    return tl.load(table_row + k_pos // PAGE_SIZE).to(tl.int64)
+        ids = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_pos < k_stop, other=0)
+    else:
+        ids = tl.load(table_row + k_pos // PAGE_SIZE)
+    if I32:
+        return ids
+    return ids.to(tl.int64)
 
 
 @triton.jit
 def _kv_at(block_id, k_base, v_base, start, k_stop, stride_kb, stride_ks, stride_kd, stride_vb, stride_vs,
            stride_vd, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-           MASKED: tl.constexpr, K_BY_KEY: tl.constexpr):
+           MASKED: tl.constexpr, K_BY_KEY: tl.constexpr, I32: tl.constexpr):
     """v [BLOCK_N, D] and k of keys start.. in blocks block_id (zeros from k_stop on when MASKED):
-    k [BLOCK_N, D] with K_BY_KEY, else [D, BLOCK_N]."""
+    k [BLOCK_N, D] with K_BY_KEY, else [D, BLOCK_N]. I32: offsets in int32 (block_id is int32)."""
     k_pos = start + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     slot = k_pos % PAGE_SIZE
+    if I32:
+        slot = slot.to(tl.int32)
     k_in = k_pos < k_stop
     if K_BY_KEY:
         k_ptrs = k_base + block_id[:, None] * stride_kb + slot[:, None] * stride_ks + offs_d[None, :] * stride_kd
@@ -256,6 +266,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, KV_AHEAD: tl.constexpr, PROMPT: tl.constexpr,
+    I32: tl.constexpr,
 ):
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
@@ -330,15 +341,15 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_lo, k_full_lo, qk_scale, sliding_window,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT)
+            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT, I32)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_lo, k_full_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT, I32)
     acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT, I32)
 
     out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     if NUM_SPLITS == 1:
@@ -457,6 +468,13 @@ def _kv_ahead(max_seqlen_q: int, grid: tuple[int, int, int], num_kv_splits: int,
     return max_seqlen_q == 1 and num_kv_splits > 1 and real_programs <= _num_sms(device)
 
 
+def _offsets_fit_int32(*caches: torch.Tensor) -> bool:
+    """Every element offset of the caches fits int32 (so the key loop may compute K/V addresses
+    in int32): the largest, sum over dims of (size - 1) * |stride|, is below 2^31. A per-layer
+    cache of 16-key pages, 8 kv heads of 128 holds up to 1M pages so."""
+    return all(sum((n - 1) * abs(st) for n, st in zip(c.shape, c.stride())) < 2 ** 31 for c in caches)
+
+
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -556,7 +574,7 @@ def paged_attention(
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale, sliding_window,
             max_seqlen_q, num_kv_splits, cfg: _TileConfig, merge_in_kernel: bool = False,
-            pdl: bool = False, kv_ahead: bool | None = None) -> None:
+            pdl: bool = False, kv_ahead: bool | None = None, i32_offsets: bool | None = None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -588,7 +606,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         KV_AHEAD=_kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device) if kv_ahead is None else kv_ahead,
-        PROMPT=max_seqlen_q > 1,
+        PROMPT=max_seqlen_q > 1, I32=_offsets_fit_int32(k_cache, v_cache) if i32_offsets is None else i32_offsets,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:

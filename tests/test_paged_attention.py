@@ -392,6 +392,38 @@ def test_decode_loading_the_next_keys_ahead_changes_no_bits(merge_in_kernel, num
     assert torch.equal(got[True], got[False]) and torch.equal(got[None], got[True])
 
 
+@pytest.mark.parametrize("q_lens,ctx,splits", [
+    ([1, 1, 1, 1, 1], [300, 1, 47, 129, 64], 4),                  # decode, split
+    ([1, 1, 1], [300, 33, 95], 1),                                # decode, unsplit
+    ([5, 1, 40, 3], [5, 200, 140, 67], 1),                        # prompt tiles (the PROMPT key loop)
+])
+def test_int32_and_int64_key_offsets_give_the_same_bits(q_lens, ctx, splits):
+    """The key loop's K/V offsets in int32 (when the caches allow) or int64: the same addresses,
+    so the same values into the same operations; both equal to the reference."""
+    args = make_batch(q_lens, ctx, 8, 2, 32, 16, torch.float32, seed=31)
+    assert pa._offsets_fit_int32(args[1], args[2])          # the default here: int32
+    scale = 32 ** -0.5
+    ref = paged_attention_ref(*args, scale)
+    got = {}
+    for i32 in (True, False):
+        out = torch.full(args[0].shape, float("nan"), device=args[0].device)
+        cfg = pa._pick_config(max(q_lens), 32, torch.float32)
+        pa._launch(*args, out, scale, None, max(q_lens), splits, cfg, i32_offsets=i32)
+        torch.testing.assert_close(out, ref, atol=TOLS[torch.float32][0], rtol=TOLS[torch.float32][1])
+        got[i32] = out
+    assert torch.equal(got[True], got[False])
+
+
+def test_int32_key_offsets_only_where_every_offset_fits():
+    page = 16 * 8 * 128                                                   # elements of one 16-key page
+    fits = torch.empty(2 ** 31 // page, 16, 8, 128, device="meta")        # last offset 2^31 - 1
+    too_big = torch.empty(2 ** 31 // page + 1, 16, 8, 128, device="meta")
+    assert pa._offsets_fit_int32(fits, fits)
+    assert not pa._offsets_fit_int32(fits, too_big)
+    wide = torch.empty(1000, 16, 2 ** 20, 128, device="meta")[:, :, :8]  # strided view of a huge cache
+    assert not pa._offsets_fit_int32(wide)
+
+
 def test_the_next_keys_are_loaded_ahead_only_in_split_decode_calls_of_one_program_per_sm():
     dev = torch.device("cpu")                               # counted as an H200's 132 SMs
     assert pa._kv_ahead(1, (1, 2, 8 * 16), 16, dev)          # batch 1, 8 kv heads, 16 splits: 128
