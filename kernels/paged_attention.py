@@ -154,9 +154,9 @@ def _block_ids(table_row, start, k_stop, BLOCK_N: tl.constexpr, PAGE_SIZE: tl.co
         ids = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_pos < k_stop, other=0)
     else:
         ids = tl.load(table_row + k_pos // PAGE_SIZE)
-    if I32:
-        return ids
-    return ids.to(tl.int64)
+    if not I32:
+        ids = ids.to(tl.int64)
+    return ids
 
 
 @triton.jit
