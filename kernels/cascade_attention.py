@@ -89,7 +89,7 @@ def _prefix_kernel(
     stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, I32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1).to(tl.int64)
@@ -133,11 +133,11 @@ def _prefix_kernel(
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, t, table_row, k_base, v_base, k_lo, k_full_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION, False, False, False, I32)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION, False, False, False, False)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, t, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION, False, False, False, I32)
+        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION, False, False, False, False)
 
     # An empty split stores m = -inf, l = 0, acc = 0: it weighs nothing in the merge.
     part = (split * num_tokens + t) * num_heads + head
@@ -441,7 +441,7 @@ def _launch_prefix(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, pre
         *q.stride(), *k_cache.stride(), *v_cache.stride(), block_table.stride(0),
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", I32=_offsets_fit_int32(k_cache, v_cache),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -464,6 +464,6 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PROMPT=max_seqlen_q > 1,
-        I32=_offsets_fit_int32(k_cache, v_cache),
+        I32=max_seqlen_q > 1 and _offsets_fit_int32(k_cache, v_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -102,8 +102,8 @@ def _attend_keys(
     in V's layout (one layout for both tiles' addresses; its transpose goes to the dot). H100,
     prompt tiles: 1.14-1.26x the speed of reading each step's ids in it; in decode tiles both
     were 2-6% slower (benchmarks/h100/prefill_attention.md). I32: the K/V element offsets (from
-    a kv head's base) are computed in int32, which the caches' size allows (`_offsets_fit_int32`;
-    H100, prompt tiles another 1.05-1.15x, decode 1-2%)."""
+    a kv head's base) are computed in int32 (`_int32_offsets`: prompt tiles, where the caches'
+    size allows; H100, another 1.05-1.15x)."""
     offs_n = tl.arange(0, BLOCK_N)
     if KV_AHEAD:
         k, v = _kv_tiles(table_row, k_base, v_base, k_start, k_stop, stride_kb, stride_ks, stride_kd,
@@ -468,6 +468,14 @@ def _kv_ahead(max_seqlen_q: int, grid: tuple[int, int, int], num_kv_splits: int,
     return max_seqlen_q == 1 and num_kv_splits > 1 and real_programs <= _num_sms(device)
 
 
+def _int32_offsets(max_seqlen_q: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The key loop computes K/V offsets in int32 in prompt tiles whose caches allow it: there it
+    ran 1.05-1.15x (H100, benchmarks/h100/prefill_attention.md). Decode tiles keep int64: 64 and
+    256 rows ran 1-2% faster in int32, but the small split calls of one stream could not be
+    timed steadily on that machine, so they are left as they were measured."""
+    return max_seqlen_q > 1 and _offsets_fit_int32(k_cache, v_cache)
+
+
 def _offsets_fit_int32(*caches: torch.Tensor) -> bool:
     """Every element offset of the caches fits int32 (so the key loop may compute K/V addresses
     in int32): the largest, sum over dims of (size - 1) * |stride|, is below 2^31. A per-layer
@@ -606,7 +614,8 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         KV_AHEAD=_kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device) if kv_ahead is None else kv_ahead,
-        PROMPT=max_seqlen_q > 1, I32=_offsets_fit_int32(k_cache, v_cache) if i32_offsets is None else i32_offsets,
+        PROMPT=max_seqlen_q > 1,
+        I32=_int32_offsets(max_seqlen_q, k_cache, v_cache) if i32_offsets is None else i32_offsets,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:

@@ -414,7 +414,7 @@ def test_int32_and_int64_key_offsets_give_the_same_bits(q_lens, ctx, splits):
     assert torch.equal(got[True], got[False])
 
 
-def test_int32_key_offsets_only_where_every_offset_fits():
+def test_int32_key_offsets_only_in_prompt_tiles_where_every_offset_fits():
     page = 16 * 8 * 128                                                   # elements of one 16-key page
     fits = torch.empty(2 ** 31 // page, 16, 8, 128, device="meta")        # last offset 2^31 - 1
     too_big = torch.empty(2 ** 31 // page + 1, 16, 8, 128, device="meta")
@@ -422,6 +422,8 @@ def test_int32_key_offsets_only_where_every_offset_fits():
     assert not pa._offsets_fit_int32(fits, too_big)
     wide = torch.empty(1000, 16, 2 ** 20, 128, device="meta")[:, :, :8]  # strided view of a huge cache
     assert not pa._offsets_fit_int32(wide)
+    assert pa._int32_offsets(2, fits, fits) and not pa._int32_offsets(1, fits, fits)   # prompt tiles only
+    assert not pa._int32_offsets(2, fits, too_big)
 
 
 def test_the_next_keys_are_loaded_ahead_only_in_split_decode_calls_of_one_program_per_sm():
