@@ -60,8 +60,8 @@ class CascadeStep:
 
 
 class CascadeSteps:
-    def __init__(self, model_config, dtype: torch.dtype, block_size: int, device: torch.device,
-                 enabled: bool) -> None:
+    def __init__(self, model_config, dtype: torch.dtype, kv_dtype: torch.dtype, block_size: int,
+                 device: torch.device, enabled: bool) -> None:
         # A sliding window may not reach a prefix: such models keep the plain kernel.
         windowed = model_config.sliding_window is not None and model_config.sliding_window_layers
         self.enabled = bool(enabled) and not windowed
@@ -74,7 +74,7 @@ class CascadeSteps:
         self.planner = CascadePlanner(block_size)
         # The rule for this model; a test may replace it (launch details are filled in per step).
         self.rule = CascadeCostRule(self.num_q_heads, self.num_kv_heads, self.head_dim,
-                                    kv_dtype_bytes=torch.empty((), dtype=dtype).element_size())
+                                    kv_dtype_bytes=torch.empty((), dtype=kv_dtype).element_size())
         if not self.on_gpu:
             self.rule = dataclasses.replace(self.rule, min_prefix_len=block_size,
                                             min_saved_bytes=0, per_group_bytes=0)

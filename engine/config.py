@@ -10,6 +10,7 @@ LOAD_FORMATS = ("auto", "safetensors", "dummy")
 TOKENIZER_PRIORITIES = ("idle", "low", "normal")
 SKINNY_GEMM = ("auto", "off")
 CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass
@@ -26,6 +27,12 @@ class EngineConfig:
     # to reach its max_tokens, never preempt (TensorRT-LLM's names; engine/scheduler.py).
     capacity_scheduler_policy: str = "max_utilization"
     block_size: int = 16
+    # auto: the KV cache holds the model's dtype; fp8 (= fp8_e4m3): one byte a value, so twice the
+    # tokens fit and decode attention reads half the bytes. Keys and values are stored clamped to
+    # +-448 and rounded (no scale: vLLM's fp8 cache without calibrated scales), and widened to the
+    # model's dtype as the attention reads them (kernels/attention_ref.py). Greedy output can
+    # differ from the model's own. GPUs of compute capability 8.9 and up, and CPU.
+    kv_cache_dtype: str = "auto"
     num_kv_blocks: int | None = None      # None: sized from memory
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0          # KV budget on CPU when num_kv_blocks is None
@@ -145,6 +152,7 @@ class EngineConfig:
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"tokenizer: folder {self.tokenizer!r} does not exist")
         _one_of("dtype", self.dtype, DTYPES)
+        _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if not isinstance(self.device, str) or not (
                 self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ValueError(f"device must be one of 'auto', 'cpu', 'cuda', 'cuda:N', "

@@ -131,12 +131,25 @@ class _BlockTables:
         return self.table[rows, :width]
 
 
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """The KV cache's element type for EngineConfig.kv_cache_dtype: the model's, or FP8 e4m3
+    (on a GPU only from compute capability 8.9, where Triton has the type)."""
+    if setting == "auto":
+        return model_dtype
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        raise ValueError(f"kv_cache_dtype {setting!r} needs a GPU of compute capability 8.9 or "
+                         f"higher, {torch.cuda.get_device_name(device)} has "
+                         f"{torch.cuda.get_device_capability(device)}; use 'auto'")
+    return torch.float8_e4m3fn
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: list[int]) -> None:
         self.config = config
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, dtype, device)
         self.block_size = config.block_size
         self.times = StepTimes()        # the engine core shares it (engine/step_timing.py)
         self.eos_token_ids = list(eos_token_ids)
@@ -159,7 +172,7 @@ class ModelRunner:
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None     # steps with prompt chunks (CUDA only)
-        self.cascade = CascadeSteps(self.model_config, dtype, self.block_size, device,
+        self.cascade = CascadeSteps(self.model_config, dtype, self.kv_dtype, self.block_size, device,
                                     enabled=config.enable_cascade_attention)
         self._last_sampled: torch.Tensor | None = None   # the last step's sampled ids (device)
         self._uncollected: _InFlight | None = None       # the last launched step, if pending
@@ -169,7 +182,7 @@ class ModelRunner:
     @property
     def block_bytes(self) -> int:
         mc = self.model_config
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
         return 2 * mc.num_hidden_layers * self.block_size * mc.num_key_value_heads * mc.head_dim * elem
 
     def determine_num_blocks(self) -> int:
@@ -214,8 +227,8 @@ class ModelRunner:
     def _new_caches(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         mc = self.model_config
         shape = (num_blocks, self.block_size, mc.num_key_value_heads, mc.head_dim)
-        return [(torch.zeros(shape, dtype=self.dtype, device=self.device),
-                 torch.zeros(shape, dtype=self.dtype, device=self.device))
+        return [(torch.zeros(shape, dtype=self.kv_dtype, device=self.device),
+                 torch.zeros(shape, dtype=self.kv_dtype, device=self.device))
                 for _ in range(mc.num_hidden_layers)]
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:

@@ -11,10 +11,25 @@ Layouts (T = number of new tokens in the batch, B = number of sequences):
   block_table      [B, max_blocks] int32, block ids of each sequence in position order
   cu_seqlens_q     [B + 1]        sequence b owns q rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
   seq_lens         [B]            context length of b including its new tokens
+
+The caches hold q's dtype, or FP8 (torch.float8_e4m3fn, EngineConfig.kv_cache_dtype="fp8"): a
+value is stored as `to_cache_dtype` rounds it (clamped to e4m3's largest finite, +-448, then
+rounded to nearest even; no scale, as vLLM's fp8 cache without calibrated scales) and read back
+exactly, widened to fp32 for the math.
 """
 from __future__ import annotations
 
 import torch
+
+FP8_KV_DTYPES = (torch.float8_e4m3fn,)
+E4M3_MAX = 448.0
+
+
+def to_cache_dtype(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """x as a cache of `dtype` stores it: a plain cast, or for FP8 a cast of x clamped to +-448."""
+    if dtype in FP8_KV_DTYPES:
+        return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(dtype)
+    return x.to(dtype)
 
 
 def write_kv_ref(
@@ -42,8 +57,8 @@ def write_kv_ref(
     rows = (slot_mapping >= 0).nonzero().squeeze(1)
     slots = slot_mapping[rows].long()
     block_ids, offsets = slots // block_size, slots % block_size
-    k_cache[block_ids, offsets] = key[rows].to(k_cache.dtype)
-    v_cache[block_ids, offsets] = value[rows].to(v_cache.dtype)
+    k_cache[block_ids, offsets] = to_cache_dtype(key[rows], k_cache.dtype)
+    v_cache[block_ids, offsets] = to_cache_dtype(value[rows], v_cache.dtype)
 
 
 def paged_attention_ref(

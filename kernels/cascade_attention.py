@@ -64,14 +64,13 @@ import triton.language as tl
 from kernels.attention_ref import cascade_attention_ref
 from kernels.cascade_cost import CascadeCostRule, PrefixGroup
 # The paged kernel's loop over keys: the same loads and math, so the same bits.
-from kernels.paged_attention import _attend_keys, _int32_offsets
+from kernels.paged_attention import _attend_keys, _int32_offsets, check_cache_dtypes
 
 __all__ = ["cascade_attention", "cascade_attention_ref", "choose_num_prefix_splits",
            "prefix_rows_per_tile", "CascadeCostRule", "PrefixGroup"]
 
 _LOG2E = 1.4426950408889634
 _HEAD_DIMS = (16, 32, 64, 128, 256)
-_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 _H200_NUM_SMS = 132
 _MAX_GRID_YZ = 65535
 
@@ -327,9 +326,7 @@ def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, pref
         raise ValueError(f"head_dim must be one of {_HEAD_DIMS}, got {head_dim}")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16 (16, 32, 64, ...), got {block_size}")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and the caches must share one dtype of {_DTYPES}, got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check_cache_dtypes(q, k_cache, v_cache)
     ints = (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens),
             ("prefix_lens", prefix_lens), ("cu_group_seqs", cu_group_seqs))
     for name, t in ints:

@@ -2,7 +2,8 @@
 
 Math: for every token t with s = slot_mapping[t] >= 0,
 
-    k_cache[s // block_size, s % block_size] = key[t]    (cast to the cache dtype)
+    k_cache[s // block_size, s % block_size] = key[t]    (cast to the cache dtype; an FP8 cache
+                                                           takes key[t] clamped to +-448: `to_cache`)
     v_cache[s // block_size, s % block_size] = value[t]
 
 Rows with a negative slot (batch padding) are skipped. The reference is
@@ -21,9 +22,36 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_ref import write_kv_ref  # noqa: F401  (the reference, kept in one place)
+from kernels.attention_ref import E4M3_MAX, FP8_KV_DTYPES, write_kv_ref  # noqa: F401  (the reference, kept in one place)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+CACHE_DTYPES = _FLOAT_DTYPES + FP8_KV_DTYPES
+
+
+@triton.jit
+def to_cache(x, cache_ptr):
+    """x rounded to the cache's element type, as attention_ref.to_cache_dtype rounds it: an FP8
+    (e4m3) cache takes x in fp32 clamped to +-E4M3_MAX, rounded to nearest even."""
+    ty = cache_ptr.dtype.element_ty
+    if ty == tl.float8e4nv:
+        x = _round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0))     # E4M3_MAX
+    return x.to(ty)
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """fp32 x (|x| <= 448) rounded to nearest even on e4m3's grid (3 mantissa bits, subnormal step
+    2^-9), in fp32: the cast to FP8 after it is exact. Triton's interpreter rounds its own fp32 ->
+    fp8 casts half up and loses a mantissa carry (127.9 -> 64), so the CPU tests could not hold
+    the kernel to the reference without this; on a GPU, cvt.rn.satfinite gives the same bits.
+    |x| + 1.5 * 2^23 * step has ulp = step, so the add rounds |x| to a multiple of step (nearest
+    even) and the subtraction is exact."""
+    bits = x.to(tl.int32, bitcast=True)
+    exponent = tl.maximum((bits >> 23) & 0xFF, 121)      # biased; 2^-6 and below: the subnormal step
+    magic = (((exponent + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
+    r = (tl.abs(x) + magic) - magic
+    sign = (bits >> 31) << 31                             # x's sign bit: -0.0 stays -0.0
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -51,8 +79,8 @@ def _write_kv_kernel(
     v = tl.load(value_ptr + token * stride_vt + heads64 * stride_vh + dims[None, :], mask=mask)
     k_dst = k_cache_ptr + block * stride_kcb + offset * stride_kco + heads64 * stride_kch + dims[None, :]
     v_dst = v_cache_ptr + block * stride_vcb + offset * stride_vco + heads64 * stride_vch + dims[None, :]
-    tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, to_cache(k, k_cache_ptr), mask=mask)
+    tl.store(v_dst, to_cache(v, v_cache_ptr), mask=mask)
 
 
 # triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
@@ -89,9 +117,10 @@ def write_kv(
     for name, t in (("value", value), ("k_cache", k_cache), ("v_cache", v_cache), ("slot_mapping", slot_mapping)):
         if t.device != device:
             raise ValueError(f"{name} must be on {device} like key, got {t.device}")
-    for name, t in (("key", key), ("value", value), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} must be one of {_FLOAT_DTYPES}, got {t.dtype}")
+    for name, t, allowed in (("key", key, _FLOAT_DTYPES), ("value", value, _FLOAT_DTYPES),
+                             ("k_cache", k_cache, CACHE_DTYPES), ("v_cache", v_cache, CACHE_DTYPES)):
+        if t.dtype not in allowed:
+            raise ValueError(f"{name} must be one of {allowed}, got {t.dtype}")
         if head_dim > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride along D, got strides {t.stride()}")
     if num_tokens > 1 and slot_mapping.stride(0) != 1:

@@ -60,7 +60,7 @@ import triton
 import triton.language as tl
 
 from kernels.arrival_counters import arrival_counters
-from kernels.attention_ref import paged_attention_ref
+from kernels.attention_ref import FP8_KV_DTYPES, paged_attention_ref
 from kernels.pdl import check as check_pdl, launch_options
 
 __all__ = ["paged_attention", "paged_attention_ref", "choose_num_kv_splits", "choose_fused_kv_splits"]
@@ -195,6 +195,8 @@ def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding
     on are dropped and, with CAUSAL, keys after a row's position q_pos, with HAS_WINDOW those
     before its window (kernels/cascade_attention.py runs it too). k: [BLOCK_N, D] with K_BY_KEY,
     else [D, BLOCK_N]."""
+    k = k.to(q.dtype)       # an FP8 cache's keys and values widen to q's dtype (exact); else no-op
+    v = v.to(q.dtype)
     if K_BY_KEY:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # [BLOCK_Q, BLOCK_N]
     else:
@@ -504,9 +506,7 @@ def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
         raise ValueError(f"head_dim must be one of {_HEAD_DIMS}, got {head_dim}")
     if block_size < 16 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a power of two >= 16 (16, 32, 64, ...), got {block_size}")
-    if q.dtype not in _DTYPES or k_cache.dtype != q.dtype or v_cache.dtype != q.dtype:
-        raise ValueError(f"q and the caches must share one dtype of {_DTYPES}, got "
-                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    check_cache_dtypes(q, k_cache, v_cache)
     for name, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
@@ -522,6 +522,13 @@ def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
         raise ValueError("all tensors must be on q's device")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+
+
+def check_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """q in one of _DTYPES; both caches in q's dtype, or both FP8 (widened to q's dtype as read)."""
+    if q.dtype not in _DTYPES or k_cache.dtype != v_cache.dtype or k_cache.dtype not in (q.dtype,) + FP8_KV_DTYPES:
+        raise ValueError(f"q must be one of {_DTYPES} and the caches share one dtype, q's or one of "
+                         f"{FP8_KV_DTYPES}; got q {q.dtype}, k_cache {k_cache.dtype}, v_cache {v_cache.dtype}")
 
 
 def paged_attention(

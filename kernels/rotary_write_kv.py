@@ -5,7 +5,8 @@ Math, for each token t at position p = positions[t] with slot s = slot_mapping[t
 
     q[t], k[t] rotated in place, as rotary_embedding does (fp32 math with fp32 cos/sin tables,
         x1 * c - x2 * s and x2 * c + x1 * s, rounded once to q's dtype)
-    if s >= 0:  k_cache[s // block_size, s % block_size] = rotated k[t]   (cast to the cache dtype)
+    if s >= 0:  k_cache[s // block_size, s % block_size] = rotated k[t]   (cast to the cache dtype as
+                kernels/kv_cache.py's to_cache casts it)
                 v_cache[s // block_size, s % block_size] = v[t]
 
 The cache receives the rotated k after its rounding to k's dtype, so the result is bitwise what
@@ -36,6 +37,7 @@ import triton
 import triton.language as tl
 
 from kernels.attention_ref import write_kv_ref
+from kernels.kv_cache import CACHE_DTYPES, to_cache
 # The rotation itself is rotary.py's: one @triton.jit function, with explicit FMAs, so that the
 # compiler cannot contract the two kernels' arithmetic differently.
 from kernels.pdl import check as check_pdl, launch_options
@@ -102,8 +104,8 @@ def _rotary_write_kv_kernel(
         block = slot // block_size
         offset = slot % block_size
         kc = k_cache_ptr + block * stride_kcb + offset * stride_kco + heads64 * stride_kch + dims[None, :]
-        tl.store(kc, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(kc + half_dim, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(kc, to_cache(k1, k_cache_ptr), mask=mask)
+        tl.store(kc + half_dim, to_cache(k2, k_cache_ptr), mask=mask)
         v1_ptr = v_ptr + token * stride_vt + heads64 * stride_vh + dims[None, :]
         if NUM_PARTS > 0:
             v_cols = (num_q_heads + num_kv_heads + heads64) * head_dim
@@ -115,8 +117,8 @@ def _rotary_write_kv_kernel(
             v1 = tl.load(v1_ptr, mask=mask)
             v2 = tl.load(v1_ptr + half_dim, mask=mask)
         vc = v_cache_ptr + block * stride_vcb + offset * stride_vco + heads64 * stride_vch + dims[None, :]
-        tl.store(vc, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(vc + half_dim, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(vc, to_cache(v1, v_cache_ptr), mask=mask)
+        tl.store(vc + half_dim, to_cache(v2, v_cache_ptr), mask=mask)
 
 
 @triton.jit
@@ -152,8 +154,8 @@ def _check(q, k, v, k_cache, v_cache, slot_mapping, positions, cos_cache, sin_ca
     if q.dtype not in _FLOAT_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         raise ValueError(f"q, k and v must share one dtype of {_FLOAT_DTYPES}, got {q.dtype}, {k.dtype}, {v.dtype}")
     for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype not in _FLOAT_DTYPES:
-            raise ValueError(f"{name} must be one of {_FLOAT_DTYPES}, got {t.dtype}")
+        if t.dtype not in CACHE_DTYPES:
+            raise ValueError(f"{name} must be one of {CACHE_DTYPES}, got {t.dtype}")
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride along D, got strides {t.stride()}")

@@ -75,7 +75,8 @@ def main() -> None:
     model, cfg = model_and_config(args.preset, args.model)
     vocab = cfg["vocab_size"]
     settings = dict(model=model, load_format="dummy", dtype=args.dtype,
-                    skip_tokenizer_init=True, max_num_seqs=args.num_prompts,
+                    kv_cache_dtype=args.kv_cache_dtype, skip_tokenizer_init=True,
+                    max_num_seqs=args.num_prompts,
                     max_model_len=args.input_len + args.output_len + 16)
     prompts = prompts_for(vocab, args.num_prompts, args.input_len)
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)

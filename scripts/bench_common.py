@@ -12,6 +12,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
+from engine.config import KV_CACHE_DTYPES  # noqa: E402 - the root is on the path now
+
 # Llama-3.1-8B's config.json (the architecture; weights are random, `load_format="dummy"`).
 PRESETS = {
     "llama-3.1-8b": {
@@ -74,6 +76,22 @@ def add_model_args(ap) -> None:
                     help="a local model folder instead of the preset (e.g. the tiny model, to try "
                          "the script on CPU with --dtype float32)")
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                    help="the engine's kv_cache_dtype: auto (the model's dtype) or fp8 (e4m3, one "
+                         "byte a value; the rooflines count its bytes)")
+
+
+def kv_note(args) -> str:
+    """", fp8 KV cache" for a title when --kv-cache-dtype is not auto."""
+    return "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV cache"
+
+
+def kv_elem_bytes(args) -> int:
+    """Bytes of one KV-cache value for the benches' --dtype and --kv-cache-dtype."""
+    import torch
+    if args.kv_cache_dtype != "auto":
+        return 1
+    return torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
 
 
 def model_and_config(preset: str, model: str | None) -> tuple[str, dict]:

@@ -9,8 +9,8 @@ import sys
 import time
 
 from bench_common import (HBM_BYTES_PER_S, add_model_args, add_pdl_arg, add_scheduling_arg,
-                          git_commit, hardware, kv_bytes_per_token, model_and_config, param_count,
-                          pdl_setting, step_table, write_results)
+                          git_commit, hardware, kv_bytes_per_token, kv_elem_bytes, kv_note, model_and_config,
+                          param_count, pdl_setting, step_table, write_results)
 
 from engine import LLM, SamplingParams
 
@@ -35,7 +35,7 @@ def main() -> None:
               skip_tokenizer_init=True, max_num_seqs=8,
               max_model_len=min(args.max_model_len, cfg.get("max_position_embeddings", args.max_model_len)),
               enforce_eager=args.enforce_eager, async_scheduling=not args.sync_scheduling,
-              **pdl_setting(args))
+              kv_cache_dtype=args.kv_cache_dtype, **pdl_setting(args))
     core = llm.core
     core.times.gpu_events = True        # where each step's time goes, the GPU's part included
     params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
@@ -69,9 +69,10 @@ def main() -> None:
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     weight_bytes = param_count(cfg) * elem
     # Per token the step also reads the sequence's KV (small at this length): count it.
-    kv_bytes = kv_bytes_per_token(cfg, elem) * (args.input_len + args.output_len // 2)
+    kv_bytes = kv_bytes_per_token(cfg, kv_elem_bytes(args)) * (args.input_len + args.output_len // 2)
     roofline_ms = 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
-    row = {"preset": args.preset, "dtype": args.dtype, "input_len": args.input_len,
+    row = {"preset": args.preset, "dtype": args.dtype, "kv_cache_dtype": llm.config.kv_cache_dtype,
+           "input_len": args.input_len,
            "output_len": args.output_len, "enforce_eager": args.enforce_eager,
            "async_scheduling": not args.sync_scheduling, "decode_pdl": llm.config.decode_pdl,
            "decode_late_merge": llm.config.decode_late_merge,
@@ -83,7 +84,7 @@ def main() -> None:
            "achieved_hbm_tb_per_s": (weight_bytes + kv_bytes) / (ms * 1e-3) / 1e12,
            # mean per step over the measured runs (their first, prefill, steps included)
            "step_ms": core.times.since(before).per_step_ms()}
-    meta = {"title": f"Single-stream decode, {args.model or args.preset} ({args.dtype}, dummy weights)",
+    meta = {"title": f"Single-stream decode, {args.model or args.preset} ({args.dtype}{kv_note(args)}, dummy weights)",
             "hardware": hardware(), "commit": git_commit(),
             "command": " ".join(["python"] + sys.argv),
             "roofline": "weights + KV bytes / 4.8 TB/s (H200 spec); target >= 80%"}

@@ -22,7 +22,7 @@ import sys
 import threading
 import time
 
-from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, add_model_args, add_scheduling_arg,
+from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, add_model_args, add_scheduling_arg, kv_elem_bytes, kv_note,
                           git_commit, hardware, kv_bytes_per_token, model_and_config,
                           param_count, step_table, write_results)
 
@@ -33,7 +33,10 @@ MESSAGE_PREFIX = "bench_throughput "
 STDERR_TAIL_LINES = 20
 
 
-def roofline_s(cfg: dict, n: int, inp: int, out: int, batch: int, elem: int) -> float:
+def roofline_s(cfg: dict, n: int, inp: int, out: int, batch: int, elem: int, kv_elem: int | None = None) -> float:
+    """The job's floor: prefill FLOPs at peak, then decode at the larger of its bytes (weights
+    once a step, of `elem` bytes a parameter; each token's KV, `kv_elem` bytes a value,
+    default elem) over HBM and its FLOPs at peak."""
     p = param_count(cfg)
     layers, hq = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // hq
@@ -41,7 +44,7 @@ def roofline_s(cfg: dict, n: int, inp: int, out: int, batch: int, elem: int) -> 
     prefill_flops = n * (2 * p * inp + attn_flops_per_token_ctx * inp * inp / 2)
     decode_flops = n * (2 * p * out + attn_flops_per_token_ctx * out * (inp + out / 2))
     steps = -(-n // batch) * out
-    kv = kv_bytes_per_token(cfg, elem)
+    kv = kv_bytes_per_token(cfg, elem if kv_elem is None else kv_elem)
     decode_bytes = steps * p * elem + n * out * kv * (inp + out / 2)
     decode_s = max(decode_bytes / HBM_BYTES_PER_S, decode_flops / BF16_DENSE_FLOPS)
     return prefill_flops / BF16_DENSE_FLOPS + decode_s
@@ -77,7 +80,7 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=max(i + o for i, o in workloads), enable_prefix_caching=False,
               async_scheduling=not args.sync_scheduling,
-              capacity_scheduler_policy=args.capacity_policy)
+              capacity_scheduler_policy=args.capacity_policy, kv_cache_dtype=args.kv_cache_dtype)
     llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
     for inp, out in workloads:
         prompts = prompts_of[(inp, out)]
@@ -85,7 +88,7 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
         before, stats0 = llm.core.times.copy(), llm.get_stats()
         t = run_engine(llm, prompts, out)
         stats1 = llm.get_stats()
-        roof = roofline_s(cfg, args.num_prompts, inp, out, max_num_seqs, elem)
+        roof = roofline_s(cfg, args.num_prompts, inp, out, max_num_seqs, elem, kv_elem_bytes(args))
         row = {"input_len": inp, "output_len": out, "num_prompts": args.num_prompts,
                "max_num_seqs": max_num_seqs, "failed": False,
                "engine_s": t, "engine_output_tok_s": args.num_prompts * out / t,
@@ -241,10 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     sweep = list(dict.fromkeys(args.max_num_seqs))
     names = [f"{inp}/{out}" for inp, out in workloads]
     meta = {"title": f"Offline throughput, {args.preset if not args.model else args.model} "
-                     f"({args.dtype}, dummy weights)",
+                     f"({args.dtype}{kv_note(args)}, dummy weights)",
             "hardware": None, "commit": git_commit(),       # hardware: the children say
             "command": " ".join(["python"] + sys.argv),
-            "capacity_scheduler_policy": args.capacity_policy,
+            "capacity_scheduler_policy": args.capacity_policy, "kv_cache_dtype": args.kv_cache_dtype,
             "targets": "1000x1000: >= 75% of roofline and >= 10x HF generate"}
     rows: list[dict] = []
 

@@ -101,7 +101,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                           skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
                           max_model_len=max_len, enable_prefix_caching=False,
                           enforce_eager=args.enforce_eager,
-                          async_scheduling=not args.sync_scheduling, **pdl_setting(args))
+                          async_scheduling=not args.sync_scheduling,
+                          kv_cache_dtype=args.kv_cache_dtype, **pdl_setting(args))
     core = EngineCore(config)
     rng = random.Random(0)
     rows = []

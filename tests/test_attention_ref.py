@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kernels.attention_ref import paged_attention_ref, write_kv_ref
+from kernels.attention_ref import paged_attention_ref, to_cache_dtype, write_kv_ref
 
 DTYPE_TOLS = [
     (torch.float32, 1e-4, 1.3e-6),
@@ -138,6 +138,20 @@ def test_write_kv_casts_to_cache_dtype():
     write_kv_ref(key, -key, k_cache, v_cache, torch.tensor([6]))
     assert k_cache[1, 2].float().tolist() == [[1.5, 1.5]]
     assert v_cache[1, 2].float().tolist() == [[-1.5, -1.5]]
+
+
+def test_fp8_cache_values_clamp_to_448_and_round_to_nearest_even():
+    fp8 = torch.float8_e4m3fn
+    # e4m3 has 3 mantissa bits: between 256 and 448 its steps are 32 apart; 1 + 1/16 is a tie.
+    x = torch.tensor([1000.0, -1e9, 448.0, 300.0, 304.0, 1.0625, 1.1875, -0.0, 2.0 ** -9])
+    got = to_cache_dtype(x, fp8).float().tolist()
+    assert got == [448.0, -448.0, 448.0, 288.0, 320.0, 1.0, 1.25, -0.0, 2.0 ** -9]
+    k_cache = torch.zeros(2, 4, 1, 2, dtype=fp8)
+    v_cache = torch.zeros_like(k_cache)
+    key = torch.tensor([[[500.0, 1.0625]]], dtype=torch.bfloat16)
+    write_kv_ref(key, -key, k_cache, v_cache, torch.tensor([6]))
+    assert k_cache[1, 2].float().tolist() == [[448.0, 1.0]]
+    assert v_cache[1, 2].float().tolist() == [[-448.0, -1.0]]
 
 
 def test_rejects_bad_shapes():

@@ -4,7 +4,7 @@ import random
 import pytest
 import torch
 
-from kernels.attention_ref import paged_attention_ref, write_kv_ref
+from kernels.attention_ref import paged_attention_ref, to_cache_dtype, write_kv_ref
 from kernels.attention_torch import paged_attention_torch
 
 TOLS = {torch.float32: (1e-4, 1.3e-6), torch.float16: (1e-2, 1e-3), torch.bfloat16: (1.5e-2, 1e-2)}
@@ -41,6 +41,17 @@ def test_matches_reference(dtype, hq, hkv, block_size, window):
     ref = paged_attention_ref(*args, scale, window)
     atol, rtol = TOLS[dtype]
     torch.testing.assert_close(got, ref, atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_caches_match_reference(dtype):
+    q_lens = [1, 1, 9, 1, 33, 1]
+    q, k_cache, v_cache, *rest = make_batch(q_lens, [5, 40, 9, 70, 50, 1], 8, 2, 16, 16, dtype, seed=8)
+    fp8 = torch.float8_e4m3fn
+    args = (q, to_cache_dtype(k_cache, fp8), to_cache_dtype(v_cache, fp8), *rest)
+    atol, rtol = TOLS[dtype]
+    torch.testing.assert_close(paged_attention_torch(*args, 0.25, None), paged_attention_ref(*args, 0.25, None),
+                               atol=atol, rtol=rtol)
 
 
 def test_all_decode_and_single_rows():

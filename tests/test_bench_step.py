@@ -24,9 +24,11 @@ def test_latency_breaks_the_step_down(tmp_path):
     model = make_tiny_model(tmp_path / "m", arch="llama", seed=4)
     out = tmp_path / "latency"
     _run("bench_latency.py", "--model", str(model), "--dtype", "float32", "--input-len", "40",
-         "--output-len", "6", "--iters", "2", "--decode-late-merge", "false", "--out", str(out))
+         "--output-len", "6", "--iters", "2", "--decode-late-merge", "false", "--kv-cache-dtype", "fp8",
+         "--out", str(out))
     row = json.loads(out.with_suffix(".json").read_text())["results"][0]
     assert row["decode_late_merge"] is False        # the engine setting passed on (default true)
+    assert row["kv_cache_dtype"] == "fp8"           # likewise (default auto)
     assert row["ttft_cached_tokens"] == [0, 0]
     assert row["step_ms"]["wall"] > 0 and all(row["step_ms"][p] > 0 for p in PHASES)
     assert "Where a step's time goes" in out.with_suffix(".md").read_text()

@@ -73,3 +73,17 @@ def test_the_best_max_num_seqs_per_workload_is_marked(sweep):
         assert cells[-1] == str(best["max_num_seqs"])
         assert re.findall(r"\*\*(\d+)\*\*", line) == [f"{best['engine_output_tok_s']:.0f}"]
         assert f"| {w} | 4 | {best['max_num_seqs']} (best) |" in md
+
+
+def test_the_roofline_counts_an_fp8_caches_bytes():
+    """1000 x 1000 on the 8B shape is KV-bound in decode: one byte a KV value instead of two
+    takes most of a second off each decode step's floor; a prefill-only job does not change."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from bench_common import PRESETS
+    from bench_throughput import roofline_s
+    cfg = PRESETS["llama-3.1-8b"]
+    bf16 = roofline_s(cfg, 1000, 1000, 1000, 256, 2)
+    assert roofline_s(cfg, 1000, 1000, 1000, 256, 2, kv_elem=2) == bf16
+    fp8 = roofline_s(cfg, 1000, 1000, 1000, 256, 2, kv_elem=1)
+    assert 0.5 * bf16 < fp8 < 0.75 * bf16
+    assert roofline_s(cfg, 1000, 1000, 0, 256, 2, kv_elem=1) == roofline_s(cfg, 1000, 1000, 0, 256, 2)

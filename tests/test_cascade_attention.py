@@ -7,6 +7,7 @@ bf16 included, plus the CUDA-graph check. The cost rule: tests/test_cascade_cost
 import pytest
 import torch
 
+from kernels.attention_ref import to_cache_dtype
 from scripts.bench_common import capture_graph
 from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
@@ -113,6 +114,16 @@ def check(args, limits, num_prefix_splits=None, **overrides):
 def test_mixed_groups_match_reference(dtype, hq, hkv, d):
     args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, hq, hkv, d, dtype, seed=hq + d)
     check(args, limits)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_prefix_splits", [1, 3])
+def test_fp8_caches_match_reference(dtype, num_prefix_splits):
+    """FP8 caches (EngineConfig.kv_cache_dtype): both passes widen the keys and values to q's
+    dtype as they read them."""
+    (q, k_cache, v_cache, *rest), limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, dtype, seed=9)
+    fp8 = torch.float8_e4m3fn
+    check((q, to_cache_dtype(k_cache, fp8), to_cache_dtype(v_cache, fp8), *rest), limits, num_prefix_splits)
 
 
 @pytest.mark.parametrize("num_prefix_splits", [1, 2, 5])

@@ -3,7 +3,7 @@ batches as the Triton kernel's tests."""
 import pytest
 import torch
 
-from kernels.attention_ref import cascade_attention_ref
+from kernels.attention_ref import cascade_attention_ref, to_cache_dtype
 from kernels.cascade_torch import cascade_attention_torch
 from tests.test_cascade_attention import MIXED_GROUPS, MIXED_LONE, make_batch
 
@@ -19,6 +19,12 @@ def check(args, atol=1e-5, rtol=1e-5):
 @pytest.mark.parametrize("hq,hkv,d", [(8, 2, 32), (4, 4, 16), (4, 1, 16)])
 def test_mixed_groups(hq, hkv, d):
     check(make_batch(MIXED_GROUPS, MIXED_LONE, hq, hkv, d, torch.float32, seed=hq + d)[0])
+
+
+def test_fp8_caches():
+    (q, k_cache, v_cache, *rest), _ = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, torch.float32, seed=5)
+    fp8 = torch.float8_e4m3fn
+    check((q, to_cache_dtype(k_cache, fp8), to_cache_dtype(v_cache, fp8), *rest))
 
 
 def test_capacity_padding_lone_first_and_padding_rows():

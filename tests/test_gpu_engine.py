@@ -71,6 +71,24 @@ def test_gpu_engine_equals_cpu_engine_fp32(tiny_models):
     assert a == b
 
 
+@pytest.mark.parametrize("decode_pdl", [False, True])
+def test_fp8_kv_cache_gpu_engine_equals_cpu_engine(tiny_models, decode_pdl):
+    """kv_cache_dtype="fp8", fp32 model: the GPU engine (Triton kernels writing and reading the
+    FP8 cache, CUDA graphs, chunked prefill, preemption) gives the CPU engine's greedy tokens."""
+    prompts = mixed_prompts(1024, n=8, seed=3)
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    settings = dict(dtype="float32", kv_cache_dtype="fp8", block_size=16, max_num_batched_tokens=64,
+                    num_kv_blocks=30, max_model_len=400, max_num_seqs=16)
+    cpu = LLM(tiny_models["llama"], device="cpu", **settings)
+    gpu = LLM(tiny_models["llama"], device="cuda", decode_pdl=decode_pdl, **settings)
+    assert {c.dtype for pair in gpu.core.runner.kv_caches for c in pair} == {torch.float8_e4m3fn}
+    a = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
+    stats = gpu.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert a == b
+
+
 def test_async_engine_core_process_on_the_gpu_it_is_given(tiny_models):
     """AsyncEngine starts its core process pinned to cuda:N (CUDA_VISIBLE_DEVICES=N); its
     streamed output equals the in-process engine's."""
@@ -155,7 +173,8 @@ def _num_compiled(module) -> dict[str, int]:
     return out
 
 
-def test_no_kernel_compiles_after_start_up():
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_no_kernel_compiles_after_start_up(kv_cache_dtype):
     """Issue 11: the first round after start ran 30-60% slower, and any new mix of batch sizes
     compiled a kernel variant mid-serving (a 1.5 s TTFT). After start-up (graph capture and
     the runner's warm-up) a workload of every shape class (lone and batched requests, prompts
@@ -165,7 +184,7 @@ def test_no_kernel_compiles_after_start_up():
     modules = [activation, kv_cache, paged_attention, rmsnorm, rotary, rotary_write_kv, skinny_gemm]
     llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16", device="cuda",
               skip_tokenizer_init=True, max_num_seqs=32, max_num_batched_tokens=256,
-              num_kv_blocks=2048, max_model_len=2048)
+              num_kv_blocks=2048, max_model_len=2048, kv_cache_dtype=kv_cache_dtype)
     try:
         before = {m.__name__: _num_compiled(m) for m in modules}
         keys_before = _variant_keys(modules)

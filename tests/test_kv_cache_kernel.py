@@ -89,6 +89,30 @@ def test_write_kv_casts_to_cache_dtype(slot_dtype):
     torch.testing.assert_close(v_cache, expected_v, atol=0, rtol=0, equal_nan=True)
 
 
+def bits(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("key_dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["separate", "fused"])
+def test_write_kv_into_fp8_caches_as_the_reference(key_dtype, layout):
+    """FP8 (e4m3) caches: each value clamped to +-448 and rounded to nearest even, bitwise as
+    write_kv_ref (to_cache_dtype) stores it; values past 448 land on 448, not on NaN."""
+    gen = torch.Generator().manual_seed(5)
+    key, value = make_kv(40, 2, 64, key_dtype, layout, gen)
+    key.mul_(300)           # many past e4m3's largest finite value
+    k_cache, v_cache = make_caches(8, 8, 2, 64, torch.float8_e4m3fn, layout)
+    slots = make_slots(40, 64, gen)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    write_kv_ref(key, value, expected_k, expected_v, slots)
+    write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(bits(k_cache), bits(expected_k)) and torch.equal(bits(v_cache), bits(expected_v))
+    live = slots[slots >= 0]
+    written = k_cache[live // 8, live % 8].float()
+    assert written.abs().max() == 448 and not written.isnan().any()
+    assert k_cache.float().isnan().any()                # unwritten slots keep their poison
+
+
 def test_write_kv_all_padding_writes_nothing():
     gen = torch.Generator().manual_seed(2)
     key, value = make_kv(4, 2, 64, torch.float32, "separate", gen)

@@ -167,6 +167,42 @@ def test_prompt_longer_than_max_model_len_is_rejected(tiny_models):
     assert llm.generate([[5] * 10], GREEDY)[0].outputs[0].finish_reason in ("length", "stop")
 
 
+def test_fp8_kv_cache_holds_four_times_the_fp32_blocks(tiny_models):
+    """kv_cache_dtype="fp8": one byte a value, so a block takes a quarter of float32's bytes and a
+    CPU budget holds 4x the blocks."""
+    plain = LLM(tiny_models["llama"], dtype="float32", device="cpu", cpu_kv_cache_gb=0.01)
+    fp8 = LLM(tiny_models["llama"], dtype="float32", device="cpu", cpu_kv_cache_gb=0.01, kv_cache_dtype="fp8")
+    assert 4 * fp8.core.runner.block_bytes == plain.core.runner.block_bytes
+    for llm in (plain, fp8):
+        assert llm.get_stats().num_kv_blocks == int(0.01 * 2**30) // llm.core.runner.block_bytes
+    assert {c.dtype for pair in fp8.core.runner.kv_caches for c in pair} == {torch.float8_e4m3fn}
+    assert {c.dtype for pair in plain.core.runner.kv_caches for c in pair} == {torch.float32}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fp8_kv_cache_greedy_is_the_same_through_chunked_prefill_and_preemption(tiny_models, hf_outputs, arch):
+    """With an FP8 cache the engine's own paths agree: prompts whole in a large pool, or in
+    64-token chunks in a pool so small that requests are preempted and recomputed (their K/V
+    rounded to FP8 again), give the same tokens; no block leaks."""
+    prompts, expected = hf_outputs(arch)
+    whole = LLM(tiny_models[arch], dtype="float32", device="cpu", num_kv_blocks=512, kv_cache_dtype="fp8")
+    small = LLM(tiny_models[arch], dtype="float32", device="cpu", block_size=16, max_num_batched_tokens=64,
+                num_kv_blocks=30, max_model_len=400, kv_cache_dtype="fp8")
+    got_whole = [o.outputs[0].token_ids for o in whole.generate(prompts, GREEDY)]
+    got_small = [o.outputs[0].token_ids for o in small.generate(prompts, GREEDY)]
+    stats = small.get_stats()
+    assert stats.num_preemptions > 0 and stats.num_steps > sum(len(p) for p in prompts) // 64
+    assert got_small == got_whole
+    assert got_whole != expected        # the rounding shows (HF's own greedy ids, float32 K/V)
+    for llm in (whole, small):
+        assert llm.get_stats().num_free_kv_blocks == llm.get_stats().num_kv_blocks
+
+
+def test_bad_kv_cache_dtype_is_named(tiny_models):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'fp8', 'fp8_e4m3'\], got 'int8'"):
+        LLM(tiny_models["llama"], device="cpu", kv_cache_dtype="int8")
+
+
 def test_bad_engine_settings(tiny_models):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(tiny_models["llama"], device="cpu", max_model_len=10**6)

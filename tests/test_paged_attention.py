@@ -7,6 +7,7 @@ GPU, bf16 included, plus the CUDA-graph checks.
 import pytest
 import torch
 
+from kernels.attention_ref import to_cache_dtype
 from scripts.bench_common import capture_graph
 from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
@@ -232,6 +233,43 @@ def test_rejects_mismatched_dtypes():
         paged_attention(q.half(), k_cache, v_cache, table, cu, lens, 0.25, max_seqlen_q=1, max_seqlen_k=5)
     with pytest.raises(ValueError, match="block_table must be int32"):
         paged_attention(q, k_cache, v_cache, table.long(), cu, lens, 0.25, max_seqlen_q=1, max_seqlen_k=5)
+
+
+FP8 = torch.float8_e4m3fn
+
+
+def fp8_caches(args):
+    """The batch with its caches as an FP8 KV cache holds them (EngineConfig.kv_cache_dtype)."""
+    q, k_cache, v_cache, *rest = args
+    return (q, to_cache_dtype(k_cache, FP8), to_cache_dtype(v_cache, FP8), *rest)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_kv_splits,merge_in_kernel", [(None, False), (3, False), (4, True)])
+def test_fp8_caches_match_reference(dtype, num_kv_splits, merge_in_kernel):
+    """FP8 caches, read and widened to q's dtype: a mixed batch (decode rows, a prompt in prompt
+    tiles, a chunk over a cached prefix) as the reference computes it on the same caches."""
+    args = fp8_caches(make_batch(MIXED_Q, MIXED_CTX, 8, 2, 32, 16, dtype, seed=13))
+    check(args, MIXED_Q, MIXED_CTX, num_kv_splits=num_kv_splits, merge_in_kernel=merge_in_kernel)
+    # Not the answer of the unrounded caches: the test sees the FP8 values.
+    plain = make_batch(MIXED_Q, MIXED_CTX, 8, 2, 32, 16, dtype, seed=13)
+    scale = 32 ** -0.5
+    assert not torch.allclose(paged_attention_ref(*args, scale), paged_attention_ref(*plain, scale),
+                              atol=1e-3, rtol=1e-3)
+
+
+@pytest.mark.parametrize("kv_ahead", [False, True])
+def test_fp8_caches_in_split_decode_with_keys_ahead(kv_ahead):
+    q_lens, ctx = [1, 1, 1], [300, 70, 5]
+    args = fp8_caches(make_batch(q_lens, ctx, 8, 2, 32, 16, torch.float32, seed=14))
+    check(args, q_lens, ctx, num_kv_splits=8, merge_in_kernel=True, kv_ahead=kv_ahead)
+
+
+def test_rejects_caches_of_two_dtypes():
+    q, k_cache, v_cache, table, cu, lens = make_batch([1], [5], 4, 2, 16, 16, torch.float32, seed=0)
+    with pytest.raises(ValueError, match="share one dtype"):
+        paged_attention(q, to_cache_dtype(k_cache, FP8), v_cache, table, cu, lens, 0.25, max_seqlen_q=1,
+                        max_seqlen_k=5)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and sync checks need a GPU")

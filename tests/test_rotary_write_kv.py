@@ -93,6 +93,9 @@ def adjust(case, slot_dtype=None, no_slots=False):
 
 
 def exact(got, want):
+    if got.element_size() == 1:     # FP8: compare the bits (NaN poison included)
+        assert got.dtype == want.dtype and torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        return
     torch.testing.assert_close(got, want, atol=0, rtol=0, equal_nan=True)
 
 
@@ -127,16 +130,18 @@ def test_fused_equals_the_two_kernels_and_matches_ref(shape, layout, dtype, atol
 
 
 @pytest.mark.parametrize("slot_dtype", [torch.int64, torch.int32])
-def test_cache_dtype_cast_equals_the_two_kernels(slot_dtype):
-    """fp32 rows into fp16 caches: the rotated k is rounded to fp32, then cast once, as write_kv
-    casts the rotated k it reads back."""
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float16),
+                                               (torch.float32, torch.float8_e4m3fn),
+                                               (torch.float16, torch.float8_e4m3fn)])
+def test_cache_dtype_cast_equals_the_two_kernels(slot_dtype, dtype, cache_dtype):
+    """Rows into caches of another dtype (fp16, or FP8 clamped to +-448): the rotated k is
+    rounded to k's dtype, then cast once, as write_kv casts the rotated k it reads back."""
     shape = (9, 4, 2, 64, 8)
-    case, _ = make_case(shape, torch.float32, "fused", torch.Generator().manual_seed(11),
-                        cache_dtype=torch.float16)
+    case, _ = make_case(shape, dtype, "fused", torch.Generator().manual_seed(11), cache_dtype=cache_dtype)
     adjust(case, slot_dtype)
-    two = run_two_kernels(shape, torch.float32, "fused", 11, torch.float16, slot_dtype)
+    two = run_two_kernels(shape, dtype, "fused", 11, cache_dtype, slot_dtype)
     rotary_write_kv(**case)
-    assert not case["k_cache"].isnan().all()
+    assert not case["k_cache"].float().isnan().all()
     for name in ("q", "k", "k_cache", "v_cache"):
         exact(case[name], two[name])
 
