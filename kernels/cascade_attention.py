@@ -64,7 +64,7 @@ import triton.language as tl
 from kernels.attention_ref import cascade_attention_ref
 from kernels.cascade_cost import CascadeCostRule, PrefixGroup
 # The paged kernel's loop over keys: the same loads and math, so the same bits.
-from kernels.paged_attention import _attend_keys, _int32_offsets, check_cache_dtypes
+from kernels.paged_attention import _attend_keys, _int32_offsets, _q_for_keys, check_cache_dtypes
 
 __all__ = ["cascade_attention", "cascade_attention_ref", "choose_num_prefix_splits",
            "prefix_rows_per_tile", "CascadeCostRule", "PrefixGroup"]
@@ -115,7 +115,7 @@ def _prefix_kernel(
     row_valid = (row_g < GROUP) & (t < rows_hi)
     offs_d = tl.arange(0, HEAD_DIM)
     q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    q = _q_for_keys(tl.load(q_ptrs, mask=row_valid[:, None], other=0.0), k_cache_ptr)
 
     # This split's keys [k_lo, k_hi): whole BLOCK_N steps, the prefix's ragged end masked.
     per_split = ((prefix_len + NUM_SPLITS - 1) // NUM_SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
@@ -195,7 +195,7 @@ def _own_kernel(
     q_pos = first_pos + row_pos
     t = q_start + row_in_seq
     q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    q = _q_for_keys(tl.load(q_ptrs, mask=row_valid[:, None], other=0.0), k_cache_ptr)
 
     # Own keys [prefix_len, k_hi); [prefix_len, k_full_hi) is visible to every row (no mask),
     # whole BLOCK_N steps from prefix_len (a multiple of the page size, not of BLOCK_N).

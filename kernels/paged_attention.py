@@ -195,8 +195,8 @@ def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding
     on are dropped and, with CAUSAL, keys after a row's position q_pos, with HAS_WINDOW those
     before its window (kernels/cascade_attention.py runs it too). k: [BLOCK_N, D] with K_BY_KEY,
     else [D, BLOCK_N]."""
-    k = k.to(q.dtype)       # an FP8 cache's keys and values widen to q's dtype (exact); else no-op
-    v = v.to(q.dtype)
+    k = k.to(q.dtype)       # an FP8 cache's keys and values widen to q's dtype (exact, see
+    v = v.to(q.dtype)       # _q_for_keys); else no-op
     if K_BY_KEY:
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale     # [BLOCK_Q, BLOCK_N]
     else:
@@ -219,6 +219,19 @@ def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding
     l_i = l_i * alpha + tl.reduce(p, 1, _SUM)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return acc, m_new, l_i
+
+
+@triton.jit
+def _q_for_keys(q, k_cache_ptr):
+    """q as the key loop's dots take it. Over an FP8 (e4m3) cache a bf16 q goes to fp16 (clamped
+    to +-65504; exact within that range but for values under 2^-14, fp16's subnormals), so the
+    cache's values widen to fp16 and the dots (p too) run in fp16: e4m3 -> fp16 is one cvt a
+    pair of values, where e4m3 -> bf16 took several (H200, 256 decode rows at 1620 keys: the
+    bf16 form ran 451 us a call, slower than the bf16 cache's 423 us; benchmarks/h200/
+    fp8_kv_cache.md). Otherwise q as it is."""
+    if k_cache_ptr.dtype.element_ty == tl.float8e4nv and q.dtype == tl.bfloat16:
+        return tl.minimum(tl.maximum(q.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+    return q
 
 
 @triton.jit
@@ -331,7 +344,7 @@ def _paged_attention_kernel(
 
     t = q_start + row_in_seq
     q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = tl.load(q_ptrs, mask=row_valid[:, None], other=0.0)
+    q = _q_for_keys(tl.load(q_ptrs, mask=row_valid[:, None], other=0.0), k_cache_ptr)
 
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_Q], 0.0, dtype=tl.float32)
