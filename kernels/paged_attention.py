@@ -562,6 +562,8 @@ def paged_attention(
     out: torch.Tensor | None = None,
     pdl: bool = False,
     kv_ahead: bool | None = None,
+    prompt_loop: bool | None = None,
+    i32_offsets: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of the new query rows, as `paged_attention_ref`. Returns [T, Hq, D].
 
@@ -573,7 +575,10 @@ def paged_attention(
     out: optional [T, Hq, D] buffer (any strides) to write into. pdl: launch with programmatic
     dependent launch (kernels/pdl.py); the separate merge kernel, if any, is launched without.
     kv_ahead: load each step's K and V one step ahead (the same bits); None: where `_kv_ahead`
-    found it faster (split decode calls of at most one program per SM).
+    found it faster (split decode calls of at most one program per SM). prompt_loop (the key
+    loop of prompt tiles: block ids a step ahead, K key by key) and i32_offsets (int32 K/V
+    offsets, where the caches allow): None, the rules (prompt tiles: both); for probes (the
+    same values: int32 offsets the same bits, K read key by key the same to fp32 rounding).
     """
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     check_pdl(pdl, q.device, "paged_attention")
@@ -597,13 +602,15 @@ def paged_attention(
     merge_in_kernel = merge_in_kernel and num_kv_splits > 1
     cfg = _pick_config(max_seqlen_q, head_dim, q.dtype, fused_splits=merge_in_kernel)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
-            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl, kv_ahead)
+            out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl, kv_ahead,
+            i32_offsets, prompt_loop)
     return out
 
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale, sliding_window,
             max_seqlen_q, num_kv_splits, cfg: _TileConfig, merge_in_kernel: bool = False,
-            pdl: bool = False, kv_ahead: bool | None = None, i32_offsets: bool | None = None) -> None:
+            pdl: bool = False, kv_ahead: bool | None = None, i32_offsets: bool | None = None,
+            prompt_loop: bool | None = None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -635,8 +642,9 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         KV_AHEAD=_kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device) if kv_ahead is None else kv_ahead,
-        PROMPT=max_seqlen_q > 1,
-        I32=_int32_offsets(max_seqlen_q, k_cache, v_cache) if i32_offsets is None else i32_offsets,
+        PROMPT=max_seqlen_q > 1 if prompt_loop is None else prompt_loop,
+        I32=_int32_offsets(max_seqlen_q, k_cache, v_cache) if i32_offsets is None else
+        i32_offsets and _offsets_fit_int32(k_cache, v_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:

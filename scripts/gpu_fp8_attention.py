@@ -1,8 +1,8 @@
 """Paged attention over an FP8 KV cache (EngineConfig.kv_cache_dtype="fp8") against the same
 calls over a bf16 cache, on a GPU, at Llama-3.1-8B shapes (Hq 32, Hkv 8, D 128, 16-key pages):
 us per call (a CUDA graph of 32 calls), for the tile config the kernel picks and for others
-given with --configs (BLOCK_Q/BLOCK_N/warps/stages), so the FP8 configs can be chosen by
-measurement. Decode cases run as the engine's decode graphs do (splits merged in the kernel);
+given with --decode-configs / --prompt-configs (BLOCK_Q/BLOCK_N/warps/stages) and decode key
+loops given with --loops, so the FP8 configs can be chosen by measurement. Decode cases run as the engine's decode graphs do (splits merged in the kernel);
 prompt cases are one prompt of that many tokens, computed whole. Each FP8 output is compared
 with the reference on the same FP8 cache.
 
@@ -38,6 +38,9 @@ def main() -> None:
                     help="BATCHxCONTEXT decode rows, or promptN")
     ap.add_argument("--decode-configs", nargs="*", default=DECODE_CONFIGS)
     ap.add_argument("--prompt-configs", nargs="*", default=PROMPT_CONFIGS)
+    ap.add_argument("--loops", nargs="*", default=["prompt", "i32", "prompt_i32"],
+                    help="decode cases: key loops to try beside the rule's (prompt: the prompt tiles' "
+                         "loop; i32: int32 offsets)")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     dev, dt, fp8 = torch.device("cuda"), torch.bfloat16, torch.float8_e4m3fn
@@ -68,19 +71,22 @@ def main() -> None:
         k_ref, v_ref = caches[fp8][0]
         ref = paged_attention_ref(q, k_ref, v_ref, table, cu, lens, D ** -0.5) if batch * ctx <= 300_000 else None
 
-        def timed(kv_dtype, cfg_text=None):
+        def timed(kv_dtype, cfg_text=None, loop=None):
             pa._pick_config = picked if cfg_text is None else (lambda *a, **k: _config(cfg_text))
+            prompt_loop, i32 = {None: (None, None), "prompt": (True, False), "i32": (None, True),
+                                "prompt_i32": (True, True)}[loop]
             try:
                 def call(i):
                     k, v = caches[kv_dtype][i % layers]
                     return pa.paged_attention(q, k, v, table, cu, lens, D ** -0.5, max_seqlen_q=q_len,
                                               max_seqlen_k=ctx, num_kv_splits=splits if q_len == 1 else None,
-                                              merge_in_kernel=q_len == 1)
+                                              merge_in_kernel=q_len == 1, prompt_loop=prompt_loop,
+                                              i32_offsets=i32)
                 us = replay_ms(lambda: [call(i) for i in range(LAYERS)], dev) * 1e3 / LAYERS
                 got = call(0)
             finally:
                 pa._pick_config = picked
-            name = f"{'fp8' if kv_dtype == fp8 else 'bf16'}_{cfg_text or 'picked'}"
+            name = f"{'fp8' if kv_dtype == fp8 else 'bf16'}_{cfg_text or 'picked'}" + (f"_{loop}" if loop else "")
             row["us"][name] = round(us, 2)
             if kv_dtype == fp8 and ref is not None:
                 row["max_abs_err_vs_ref"][name] = float((got.float() - ref.float()).abs().max())
@@ -89,11 +95,15 @@ def main() -> None:
         timed(dt)
         timed(fp8)
         for cfg_text in configs:
-            try:
-                timed(fp8, cfg_text)
-            except Exception as e:          # a config that does not compile or fit: say so, go on
-                row["us"][f"fp8_{cfg_text}"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
-                print(case, cfg_text, "failed", e, flush=True)
+            for loop in [None] + (args.loops if q_len == 1 else []):
+                try:
+                    timed(fp8, cfg_text, loop)
+                except Exception as e:      # a config that does not compile or fit: say so, go on
+                    row["us"][f"fp8_{cfg_text}_{loop}"] = f"failed: {type(e).__name__}: {str(e)[:200]}"
+                    print(case, cfg_text, loop, "failed", e, flush=True)
+        if q_len == 1:
+            for loop in args.loops:
+                timed(dt, None, loop)
         kv_bytes = 2 * batch * ctx * HKV * D
         row["bf16_tb_per_s"] = round(2 * kv_bytes / (row["us"]["bf16_picked"] * 1e-6) / 1e12, 3)
         row["fp8_tb_per_s"] = round(kv_bytes / (row["us"]["fp8_picked"] * 1e-6) / 1e12, 3)

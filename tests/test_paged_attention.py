@@ -265,6 +265,21 @@ def test_fp8_caches_in_split_decode_with_keys_ahead(kv_ahead):
     check(args, q_lens, ctx, num_kv_splits=8, merge_in_kernel=True, kv_ahead=kv_ahead)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_decode_in_the_prompt_tiles_key_loop_gives_the_same_bits(fp8):
+    """The probes' overrides (scripts/gpu_fp8_attention.py): a decode call run with the prompt
+    tiles' key loop and int32 offsets gives what the decode loop gives (K read key by key and
+    transposed for the dot: the same values to fp32 rounding)."""
+    q_lens, ctx = [1, 1, 1], [300, 70, 5]
+    args = make_batch(q_lens, ctx, 8, 2, 32, 16, torch.float32, seed=15)
+    args = fp8_caches(args) if fp8 else args
+    run = lambda **kw: paged_attention(*args, 32 ** -0.5, max_seqlen_q=1, max_seqlen_k=300, **kw)  # noqa: E731
+    plain = run(prompt_loop=False, i32_offsets=False)
+    torch.testing.assert_close(run(prompt_loop=True, i32_offsets=True), plain, atol=1e-6, rtol=1e-5)
+    assert torch.equal(run(prompt_loop=False, i32_offsets=True), plain)
+    assert torch.equal(run(), plain)
+
+
 def test_rejects_caches_of_two_dtypes():
     q, k_cache, v_cache, table, cu, lens = make_batch([1], [5], 4, 2, 16, 16, torch.float32, seed=0)
     with pytest.raises(ValueError, match="share one dtype"):
