@@ -64,7 +64,7 @@ import triton.language as tl
 from kernels.attention_ref import cascade_attention_ref
 from kernels.cascade_cost import CascadeCostRule, PrefixGroup
 # The paged kernel's loop over keys: the same loads and math, so the same bits.
-from kernels.paged_attention import _attend_keys, _int32_offsets, _q_for_keys, check_cache_dtypes
+from kernels.paged_attention import _attend_keys, _int32_offsets, _prompt_loop, _q_for_keys, check_cache_dtypes
 
 __all__ = ["cascade_attention", "cascade_attention_ref", "choose_num_prefix_splits",
            "prefix_rows_per_tile", "CascadeCostRule", "PrefixGroup"]
@@ -460,7 +460,7 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_table.stride(0),
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PROMPT=max_seqlen_q > 1,
-        I32=_int32_offsets(max_seqlen_q, k_cache, v_cache),
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PROMPT=_prompt_loop(max_seqlen_q, k_cache),
+        I32=_int32_offsets(k_cache, v_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -101,9 +101,10 @@ def _attend_keys(
     load of that step and the compiler's pipelining issues them ahead, and K is read key by key
     in V's layout (one layout for both tiles' addresses; its transpose goes to the dot). H100,
     prompt tiles: 1.14-1.26x the speed of reading each step's ids in it; in decode tiles both
-    were 2-6% slower (benchmarks/h100/prefill_attention.md). I32: the K/V element offsets (from
-    a kv head's base) are computed in int32 (`_int32_offsets`: prompt tiles, where the caches'
-    size allows; H100, another 1.05-1.15x)."""
+    were 2-6% slower (benchmarks/h100/prefill_attention.md); decode tiles over an FP8 cache take
+    it too (`_prompt_loop`). I32: the K/V element offsets (from a kv head's base) are computed in
+    int32 (`_int32_offsets`: where the caches' size allows; H100 prompt tiles another
+    1.05-1.15x, H200 decode 3%)."""
     offs_n = tl.arange(0, BLOCK_N)
     if KV_AHEAD:
         k, v = _kv_tiles(table_row, k_base, v_base, k_start, k_stop, stride_kb, stride_ks, stride_kd,
@@ -422,7 +423,7 @@ class _TileConfig:
 
 
 def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
-                 fused_splits: bool = False) -> _TileConfig:
+                 fused_splits: bool = False, fp8_cache: bool = False) -> _TileConfig:
     """Decode: 16-row tiles (the dot only has to reach tensor-core size; the kernel is bound by
     K/V reads), 128 keys a step. Prefill: 128-row tiles, 64 keys a step, 8 warps (wgmma; with
     the block ids read a step ahead the fastest of the H100 probe in benchmarks/h100/
@@ -430,7 +431,9 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
     (scripts/gpu_check_attention.py --sweep) at D = 128; every size
     here compiles for sm_90 without spilling, save a few bytes with splits and a window.
     fused_splits (decode splits merged in the kernel): 64 keys a step, so that a split can be
-    as short as 64 keys (splits are whole steps): twice as many programs at short contexts."""
+    as short as 64 keys (splits are whole steps): twice as many programs at short contexts.
+    fp8_cache (prefill over an FP8 cache): 128 keys a step, 148 against 162 us for a 2048-token
+    prompt (H200, benchmarks/h200/fp8_kv_cache.md); decode keeps its sizes (fastest there too)."""
     if dtype == torch.float32:
         # An exact fp32 dot (input_precision="ieee") runs on the FMA units; only small tiles stay
         # out of local memory. fp32 on the GPU is a test path, not a fast one.
@@ -441,7 +444,7 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
         return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
     if head_dim == 256:
         return _TileConfig(64, 32, 8, 2)
-    return _TileConfig(128, 64, 8, 3)
+    return _TileConfig(128, 128 if fp8_cache else 64, 8, 3)
 
 
 def choose_num_kv_splits(num_seqs: int, num_kv_heads: int, max_seqlen_k: int,
@@ -484,12 +487,19 @@ def _kv_ahead(max_seqlen_q: int, grid: tuple[int, int, int], num_kv_splits: int,
     return max_seqlen_q == 1 and num_kv_splits > 1 and real_programs <= _num_sms(device)
 
 
-def _int32_offsets(max_seqlen_q: int, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
-    """The key loop computes K/V offsets in int32 in prompt tiles whose caches allow it: there it
-    ran 1.05-1.15x (H100, benchmarks/h100/prefill_attention.md). Decode tiles keep int64: 64 and
-    256 rows ran 1-2% faster in int32, but the small split calls of one stream could not be
-    timed steadily on that machine, so they are left as they were measured."""
-    return max_seqlen_q > 1 and _offsets_fit_int32(k_cache, v_cache)
+def _int32_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """The key loop computes K/V offsets in int32 wherever the caches allow it (the same bits):
+    prompt tiles ran 1.05-1.15x (H100, benchmarks/h100/prefill_attention.md), decode calls 2.7-3.2%
+    faster (H200: 256 x 1620, 64 x 1000, 1 x 1000 keys; benchmarks/h200/fp8_kv_cache.md)."""
+    return _offsets_fit_int32(k_cache, v_cache)
+
+
+def _prompt_loop(max_seqlen_q: int, k_cache: torch.Tensor) -> bool:
+    """The prompt tiles' key loop (`_attend_keys`' PROMPT: block ids a step ahead, K key by key):
+    prompt tiles, and decode calls over an FP8 cache (H200, with int32 offsets: 256 x 1620 keys
+    285 against 325 us, 64 x 1000 53.9 against 57.8; a bf16 cache's decode ran 4-12% slower in
+    it: benchmarks/h200/fp8_kv_cache.md)."""
+    return max_seqlen_q > 1 or k_cache.dtype in FP8_KV_DTYPES
 
 
 def _offsets_fit_int32(*caches: torch.Tensor) -> bool:
@@ -577,7 +587,7 @@ def paged_attention(
     kv_ahead: load each step's K and V one step ahead (the same bits); None: where `_kv_ahead`
     found it faster (split decode calls of at most one program per SM). prompt_loop (the key
     loop of prompt tiles: block ids a step ahead, K key by key) and i32_offsets (int32 K/V
-    offsets, where the caches allow): None, the rules (prompt tiles: both); for probes (the
+    offsets, where the caches allow): None, the rules (`_prompt_loop`, `_int32_offsets`); for probes (the
     same values: int32 offsets the same bits, K read key by key the same to fp32 rounding).
     """
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
@@ -600,7 +610,8 @@ def paged_attention(
     if num_tokens == 0:
         return out
     merge_in_kernel = merge_in_kernel and num_kv_splits > 1
-    cfg = _pick_config(max_seqlen_q, head_dim, q.dtype, fused_splits=merge_in_kernel)
+    cfg = _pick_config(max_seqlen_q, head_dim, q.dtype, fused_splits=merge_in_kernel,
+                       fp8_cache=k_cache.dtype in FP8_KV_DTYPES)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
             out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl, kv_ahead,
             i32_offsets, prompt_loop)
@@ -642,8 +653,8 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
         KV_AHEAD=_kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device) if kv_ahead is None else kv_ahead,
-        PROMPT=max_seqlen_q > 1 if prompt_loop is None else prompt_loop,
-        I32=_int32_offsets(max_seqlen_q, k_cache, v_cache) if i32_offsets is None else
+        PROMPT=_prompt_loop(max_seqlen_q, k_cache) if prompt_loop is None else prompt_loop,
+        I32=_int32_offsets(k_cache, v_cache) if i32_offsets is None else
         i32_offsets and _offsets_fit_int32(k_cache, v_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )

@@ -275,9 +275,10 @@ def test_decode_in_the_prompt_tiles_key_loop_gives_the_same_bits(fp8):
     args = fp8_caches(args) if fp8 else args
     run = lambda **kw: paged_attention(*args, 32 ** -0.5, max_seqlen_q=1, max_seqlen_k=300, **kw)  # noqa: E731
     plain = run(prompt_loop=False, i32_offsets=False)
-    torch.testing.assert_close(run(prompt_loop=True, i32_offsets=True), plain, atol=1e-6, rtol=1e-5)
+    prompt_loop = run(prompt_loop=True, i32_offsets=True)
+    torch.testing.assert_close(prompt_loop, plain, atol=1e-6, rtol=1e-5)
     assert torch.equal(run(prompt_loop=False, i32_offsets=True), plain)
-    assert torch.equal(run(), plain)
+    assert torch.equal(run(), prompt_loop if fp8 else plain)     # the rule: FP8 decode takes the prompt loop
 
 
 def test_rejects_caches_of_two_dtypes():
@@ -467,7 +468,7 @@ def test_int32_and_int64_key_offsets_give_the_same_bits(q_lens, ctx, splits):
     assert torch.equal(got[True], got[False])
 
 
-def test_int32_key_offsets_only_in_prompt_tiles_where_every_offset_fits():
+def test_int32_key_offsets_where_every_offset_fits_and_the_prompt_loop_for_prompts_and_fp8():
     page = 16 * 8 * 128                                                   # elements of one 16-key page
     fits = torch.empty(2 ** 31 // page, 16, 8, 128, device="meta")        # last offset 2^31 - 1
     too_big = torch.empty(2 ** 31 // page + 1, 16, 8, 128, device="meta")
@@ -475,8 +476,11 @@ def test_int32_key_offsets_only_in_prompt_tiles_where_every_offset_fits():
     assert not pa._offsets_fit_int32(fits, too_big)
     wide = torch.empty(1000, 16, 2 ** 20, 128, device="meta")[:, :, :8]  # strided view of a huge cache
     assert not pa._offsets_fit_int32(wide)
-    assert pa._int32_offsets(2, fits, fits) and not pa._int32_offsets(1, fits, fits)   # prompt tiles only
-    assert not pa._int32_offsets(2, fits, too_big)
+    assert pa._int32_offsets(fits, fits) and not pa._int32_offsets(fits, too_big)
+    bf16 = torch.empty(4, 16, 8, 128, dtype=torch.bfloat16, device="meta")
+    fp8 = torch.empty(4, 16, 8, 128, dtype=torch.float8_e4m3fn, device="meta")
+    assert pa._prompt_loop(2, bf16) and not pa._prompt_loop(1, bf16)          # decode: its own loop
+    assert pa._prompt_loop(1, fp8) and pa._prompt_loop(2, fp8)                # FP8: the prompt loop
 
 
 def test_the_next_keys_are_loaded_ahead_only_in_split_decode_calls_of_one_program_per_sm():
