@@ -5,7 +5,7 @@ every query row attends, in one softmax, to its sequence's [shared prefix + own]
 within the own part. What changes is how the keys are read. Layouts:
 
   q                [T, Hq, D]      new tokens of the B sequences back to back; any strides
-  k_cache, v_cache [num_blocks, block_size, Hkv, D]   any strides (this project's paged cache)
+  k_cache, v_cache [num_blocks, block_size, Hkv, D]   any strides (this project's paged cache), q's dtype or FP8
   block_table      [B, max_blocks] int32, unit stride along blocks: each sequence's whole
                                    context in position order, prefix blocks first
   cu_seqlens_q     [B + 1] int32   sequence b owns q rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]

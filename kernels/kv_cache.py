@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention_ref import E4M3_MAX, FP8_KV_DTYPES, write_kv_ref  # noqa: F401  (the reference, kept in one place)
+from kernels.attention_ref import FP8_KV_DTYPES, write_kv_ref  # noqa: F401  (the reference, kept in one place)
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 CACHE_DTYPES = _FLOAT_DTYPES + FP8_KV_DTYPES
@@ -31,10 +31,10 @@ CACHE_DTYPES = _FLOAT_DTYPES + FP8_KV_DTYPES
 @triton.jit
 def to_cache(x, cache_ptr):
     """x rounded to the cache's element type, as attention_ref.to_cache_dtype rounds it: an FP8
-    (e4m3) cache takes x in fp32 clamped to +-E4M3_MAX, rounded to nearest even."""
+    (e4m3) cache takes x in fp32 clamped to +-448 (attention_ref.E4M3_MAX), rounded to nearest even."""
     ty = cache_ptr.dtype.element_ty
     if ty == tl.float8e4nv:
-        x = _round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0))     # E4M3_MAX
+        x = _round_to_e4m3(tl.minimum(tl.maximum(x.to(tl.float32), -448.0), 448.0))
     return x.to(ty)
 
 

@@ -3,7 +3,8 @@
 Same contract and layouts as `attention_ref.paged_attention_ref` (re-exported here for tests):
 
   q                [T, Hq, D]     new tokens of the B sequences back to back; any strides
-  k_cache, v_cache [num_blocks, block_size, Hkv, D]   any strides
+  k_cache, v_cache [num_blocks, block_size, Hkv, D]   any strides; q's dtype, or both FP8 (e4m3,
+                                  EngineConfig.kv_cache_dtype): widened as read, see _q_for_keys
   block_table      [B, max_blocks] int32, block ids of each sequence in position order
   cu_seqlens_q     [B + 1] int32  sequence b owns q rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
   seq_lens         [B] int32      context length of b including its new tokens

@@ -36,6 +36,7 @@ def test_defaults_are_valid(model_dir):
     ("tokenizer_process_priority", 10, "normal"),
     ("response_senders", 0, ">= 1"),
     ("gil_switch_interval_us", 0, ">= 1"),
+    ("kv_cache_dtype", "int8", "fp8_e4m3"),
 ])
 def test_bad_setting_names_field_and_range(model_dir, field, value, allowed):
     with pytest.raises(ValueError) as e:
@@ -52,3 +53,9 @@ def test_from_dict_rejects_unknown_keys_listing_valid_ones(model_dir):
     with pytest.raises(ValueError) as e:
         EngineConfig.from_dict({"model": model_dir, "max_batch": 3})
     assert "max_batch" in str(e.value) and "max_num_seqs" in str(e.value)
+
+
+def test_kv_cache_dtype_from_a_triton_parameter(model_dir):
+    """The served model's config.pbtxt parameters arrive as strings (settings_from_triton)."""
+    assert EngineConfig.from_strings({"model": model_dir, "kv_cache_dtype": "fp8"}).kv_cache_dtype == "fp8"
+    assert EngineConfig(model=model_dir).kv_cache_dtype == "auto"
