@@ -132,11 +132,13 @@ def _prefix_kernel(
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, t, table_row, k_base, v_base, k_lo, k_full_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION, False, False, False, False)
+        BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=False, HAS_WINDOW=False,
+        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=False, PROMPT=False, I32=False)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, t, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION, False, False, False, False)
+        BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=False,
+        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=False, PROMPT=False, I32=False)
 
     # An empty split stores m = -inf, l = 0, acc = 0: it weighs nothing in the merge.
     part = (split * num_tokens + t) * num_heads + head
@@ -211,11 +213,13 @@ def _own_kernel(
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, prefix_len, k_full_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, False, DOT_PRECISION, False, True, PROMPT, I32)
+        BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=False, HAS_WINDOW=False,
+        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=True, PROMPT=PROMPT, I32=I32)
     acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, DOT_PRECISION, False, True, PROMPT, I32)
+        BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=False,
+        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=True, PROMPT=PROMPT, I32=I32)
 
     if prefix_len > 0:
         # Fold in the prefix pass's partials. Valid rows saw their own key, so m_i is finite.

@@ -359,15 +359,18 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_lo, k_full_lo, qk_scale, sliding_window,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-            BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT, I32)
+            BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=HAS_WINDOW,
+            DOT_PRECISION=DOT_PRECISION, KV_AHEAD=KV_AHEAD, CAUSAL=True, PROMPT=PROMPT, I32=I32)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_lo, k_full_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, False, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT, I32)
+        BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=False, HAS_WINDOW=HAS_WINDOW,
+        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=KV_AHEAD, CAUSAL=True, PROMPT=PROMPT, I32=I32)
     acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N, HEAD_DIM, PAGE_SIZE, True, HAS_WINDOW, DOT_PRECISION, KV_AHEAD, True, PROMPT, I32)
+        BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=HAS_WINDOW,
+        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=KV_AHEAD, CAUSAL=True, PROMPT=PROMPT, I32=I32)
 
     out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     if NUM_SPLITS == 1:
