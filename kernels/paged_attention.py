@@ -501,7 +501,7 @@ def _int32_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
 def _prompt_loop(max_seqlen_q: int, k_cache: torch.Tensor) -> bool:
     """The prompt tiles' key loop (`_attend_keys`' PROMPT: block ids a step ahead, K key by key):
     prompt tiles, and decode calls over an FP8 cache (H200, with int32 offsets: 256 x 1620 keys
-    285 against 325 us, 64 x 1000 53.9 against 57.8; a bf16 cache's decode ran 4-12% slower in
+    285 against 325 us, 64 x 1000 53.9 against 57.8; a bf16 cache's unsplit decode ran 5-12% slower in
     it: benchmarks/h200/fp8_kv_cache.md)."""
     return max_seqlen_q > 1 or k_cache.dtype in FP8_KV_DTYPES
 
