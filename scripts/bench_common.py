@@ -87,11 +87,12 @@ def kv_note(args) -> str:
 
 
 def kv_elem_bytes(args) -> int:
-    """Bytes of one KV-cache value for the benches' --dtype and --kv-cache-dtype."""
+    """Bytes of one KV-cache value for the benches' --dtype and --kv-cache-dtype, by the engine's
+    own rule (engine/model_runner.kv_cache_dtype)."""
     import torch
-    if args.kv_cache_dtype != "auto":
-        return 1
-    return torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
+    from engine.model_runner import kv_cache_dtype
+    dtype = kv_cache_dtype(args.kv_cache_dtype, getattr(torch, args.dtype), torch.device("cpu"))
+    return torch.empty((), dtype=dtype).element_size()
 
 
 def model_and_config(preset: str, model: str | None) -> tuple[str, dict]:
