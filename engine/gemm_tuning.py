@@ -1,4 +1,4 @@
-"""Start-up choice, per decoder projection and row bucket, between cuBLAS and the Triton skinny
+"""Start-up choice, per decoder projection (and the lm_head) and row bucket, between cuBLAS and the Triton skinny
 GEMM (kernels/skinny_gemm.py) for decode-sized inputs (up to 16 rows); fills the projections'
 `skinny` / `skinny_silu` tables (engine/models/linear.py), and `skinny_chain` with the fastest
 Triton config whether or not it won (what a decode graph launched with PDL runs). The chain's
@@ -78,8 +78,11 @@ def _time_us(fn: Callable[[Linear], torch.Tensor], linears: list[Linear], device
 
 def _projections(model) -> dict[str, list[Linear]]:
     layers = model.layers
-    return {"qkv_proj": [l.self_attn.qkv_proj for l in layers], "o_proj": [l.self_attn.o_proj for l in layers],
-            "gate_up_proj": [l.mlp.gate_up_proj for l in layers], "down_proj": [l.mlp.down_proj for l in layers]}
+    out = {"qkv_proj": [l.self_attn.qkv_proj for l in layers], "o_proj": [l.self_attn.o_proj for l in layers],
+           "gate_up_proj": [l.mlp.gate_up_proj for l in layers], "down_proj": [l.mlp.down_proj for l in layers]}
+    if isinstance(model.lm_head, Linear):       # tied embeddings: F.linear over embed_tokens
+        out["lm_head"] = [model.lm_head]
+    return out
 
 
 @torch.inference_mode()

@@ -203,12 +203,14 @@ def skinny_gemm(
     config: SkinnyConfig | None = None,
     pdl: bool = False,
     merge: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """y [M, N] = a @ weight^T (+ bias), a = x [M, K] or silu_and_mul(x) for x [M, 2K] (see the
     module docstring). config: the tiling; None: `default_config`. pdl: launch with programmatic
     dependent launch. merge=False: no merge of the K slices and no bias; returns their fp32
     partials [S, M, N] (S slices, `num_k_slices`), which the reader adds in slice order (then the
-    bias, then rounds to x's dtype: the same bits as y; kernels/rmsnorm.py reads them so)."""
+    bias, then rounds to x's dtype: the same bits as y; kernels/rmsnorm.py reads them so).
+    out: y is written there and returned (x's dtype, [M, N], unit column stride; merge=True)."""
     if x.dim() != 2 or weight.dim() != 2:
         raise ValueError(f"x must be [M, K] and weight [N, K], got {list(x.shape)} and {list(weight.shape)}")
     num_rows, num_cols = x.shape
@@ -233,9 +235,13 @@ def skinny_gemm(
     check_pdl(pdl, device, "skinny_gemm")
     if not merge and (bias is not None or k == 0):
         raise ValueError("merge=False returns the K slices' partials: no bias (the reader adds it) and K > 0")
+    if out is not None and (not merge or out.shape != (num_rows, n) or out.dtype != x.dtype
+                            or out.device != device or (n > 1 and out.stride(1) != 1)):
+        raise ValueError(f"out must be a {x.dtype} [{num_rows}, {n}] tensor on {device} with unit column "
+                         f"stride (merge=True), got {out.dtype} {list(out.shape)} stride {out.stride()}")
     cfg = config or default_config(n, k, _num_sms(device))
     if merge:
-        y = torch.empty(num_rows, n, dtype=x.dtype, device=device)
+        y = torch.empty(num_rows, n, dtype=x.dtype, device=device) if out is None else out
         if k == 0:
             return y.zero_() if bias is None else y.copy_(bias.expand(num_rows, n))
     k_per_split, num_splits = _k_slices(k, cfg)

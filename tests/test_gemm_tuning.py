@@ -30,9 +30,11 @@ def test_tuning_fills_every_layers_tables_by_the_rule(tmp_path):
     report = tune_skinny_gemms(model, torch.device("cuda"))
     projections = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
     assert [(r["proj"], r["rows"], r["silu_mul"]) for r in report] == (
-        [(p, m, False) for p in projections for m in ROW_BUCKETS] + [("down_proj", m, True) for m in ROW_BUCKETS])
+        [(p, m, False) for p in projections for m in ROW_BUCKETS] + [("down_proj", m, True) for m in ROW_BUCKETS]
+        + [("lm_head", m, False) for m in ROW_BUCKETS])
     owner = {"qkv_proj": lambda l: l.self_attn.qkv_proj, "o_proj": lambda l: l.self_attn.o_proj,
-             "gate_up_proj": lambda l: l.mlp.gate_up_proj, "down_proj": lambda l: l.mlp.down_proj}
+             "gate_up_proj": lambda l: l.mlp.gate_up_proj, "down_proj": lambda l: l.mlp.down_proj,
+             "lm_head": lambda l: model.lm_head}
     for r in report:
         times = r["triton_us"]
         best = min(times, key=times.get)

@@ -40,9 +40,10 @@ def counted(monkeypatch):
     those run without it (what they compute is the same); + "unmerged" for merge=False."""
     calls = []
 
-    def run(x, weight, bias=None, *, silu_mul=False, config=None, pdl=False, merge=True):
-        calls.append((x.shape[0], silu_mul, config) + ((True,) if pdl else ()) + (() if merge else ("unmerged",)))
-        return sg.skinny_gemm(x, weight, bias, silu_mul=silu_mul, config=config, merge=merge)
+    def run(x, weight, bias=None, *, silu_mul=False, config=None, pdl=False, merge=True, out=None):
+        calls.append((x.shape[0], silu_mul, config) + ((True,) if pdl else ()) + (() if merge else ("unmerged",))
+                     + (() if out is None else ("out",)))
+        return sg.skinny_gemm(x, weight, bias, silu_mul=silu_mul, config=config, merge=merge, out=out)
     monkeypatch.setattr(linear_module, "skinny_gemm", run)
     monkeypatch.setattr(linear_module, "silu_and_mul", activation.silu_and_mul)
     return calls
@@ -128,3 +129,19 @@ def test_unmerged_output_is_split_sums_where_the_skinny_gemm_runs(counted):
     assert isinstance(sums, SplitSums) and torch.equal(sums.merged(g.dtype), lin.forward_silu_mul(g))
     x3 = torch.randn(3, 48, device=DEVICE)              # no config for 3 rows (bucket 4)
     assert torch.equal(lin(x3, unmerged=True), F.linear(x3, lin.weight, lin.bias))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_out_is_written_in_place_by_either_kernel(counted, bias):
+    """out= (the lm_head into a decode graph's logits buffer): the output lands in the buffer,
+    which is returned, with the values of the call without it: by the skinny GEMM where a config
+    is chosen, by cuBLAS / the CPU's matmul elsewhere."""
+    lin = make_linear(37, 48, bias=bias, seed=8)
+    cfg = sg.SkinnyConfig(16, 16, 2)
+    lin.skinny = {2: cfg}
+    for m in (2, 3):                                    # bucket 2 chosen; 3 rows: F.linear's kernel
+        x = torch.randn(m, 48, device=DEVICE)
+        buf = torch.full((m, 37), float("nan"), device=DEVICE)
+        got = lin(x, out=buf)
+        assert got.data_ptr() == buf.data_ptr() and torch.equal(buf, lin(x))
+    assert counted == [(2, False, cfg, "out"), (2, False, cfg)]

@@ -251,6 +251,10 @@ def test_logits_into_a_float32_buffer_equal_the_float32_logits(hf_and_ours):
     assert got.data_ptr() == buf.data_ptr() and torch.equal(got, want)
     # Rounded to bf16 first, as transformers' lm_head in bf16 gives them.
     assert torch.equal(want, want.bfloat16().float())
+    # A buffer of the model's dtype is written by the lm_head itself: the same values.
+    buf16 = torch.full((5, config.vocab_size), float("nan"), dtype=torch.bfloat16)
+    got16 = model.compute_logits(hidden, out=buf16)
+    assert got16.data_ptr() == buf16.data_ptr() and torch.equal(got16.float(), want)
 
 
 def copy_checkpoint(src, dst, drop=(), config_changes=None):

@@ -121,6 +121,19 @@ def test_split_k_counters_are_back_at_zero_and_results_repeat():
     assert counters.count_nonzero() == 0
 
 
+@pytest.mark.parametrize("config", [SkinnyConfig(32, 32, 1), SkinnyConfig(32, 32, 4)])
+def test_out_is_written_and_returned(config):
+    """out= (a decode graph's logits buffer): y is written into it, a row stride wider than N
+    included, with the bits of the call without it; nothing outside its [M, N] is touched."""
+    gen = torch.Generator().manual_seed(5)
+    x, w, b = make_inputs(3, 100, 256, torch.float32, gen, bias=True)
+    wide = torch.full((3, 104), float("nan"), device=DEVICE)
+    got = skinny_gemm(x, w, b, config=config, out=wide[:, :100])
+    assert got.data_ptr() == wide.data_ptr() and got.shape == (3, 100)
+    assert torch.equal(got, skinny_gemm(x, w, b, config=config))
+    assert torch.isnan(wide[:, 100:]).all()
+
+
 def test_zero_rows_and_zero_k():
     w = torch.zeros(7, 0, device=DEVICE)
     b = torch.arange(7.0, device=DEVICE)
@@ -147,6 +160,10 @@ def _bad_inputs():
         "dtype": (dict(x=x.half(), weight=w), "share one dtype"),
         "w stride": (dict(x=x, weight=torch.zeros(64, 8, device=DEVICE).T), "unit column stride"),
         "bias shape": (dict(x=x, weight=w, bias=torch.zeros(7, device=DEVICE)), "bias must be"),
+        "out shape": (dict(x=x, weight=w, out=torch.zeros(2, 7, device=DEVICE)), "out must be"),
+        "out dtype": (dict(x=x, weight=w, out=torch.zeros(2, 8, device=DEVICE).half()), "out must be"),
+        "out stride": (dict(x=x, weight=w, out=torch.zeros(8, 2, device=DEVICE).T), "out must be"),
+        "out unmerged": (dict(x=x, weight=w, out=torch.zeros(2, 8, device=DEVICE), merge=False), "out must be"),
     }
 
 

@@ -63,15 +63,22 @@ class Linear(nn.Linear):
             return None
         return table.get(row_bucket(x.shape[0]))
 
-    def forward(self, x: torch.Tensor, pdl: bool = False, unmerged: bool = False) -> torch.Tensor | SplitSums:
+    def forward(self, x: torch.Tensor, pdl: bool = False, unmerged: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor | SplitSums:
         """pdl: the call is in a chain launched with programmatic dependent launch. unmerged:
-        where the skinny GEMM runs, return its partials as SplitSums (module docstring)."""
+        where the skinny GEMM runs, return its partials as SplitSums (module docstring). out: a
+        [T, out_features] buffer of x's dtype to write the output into (and return), with no
+        copy: the lm_head's logits in a decode graph."""
         cfg = self._config(self.skinny_chain if pdl else self.skinny, x)
         if cfg is None:
-            return F.linear(x, self.weight, self.bias)
+            if out is None:
+                return F.linear(x, self.weight, self.bias)
+            if self.bias is None:
+                return torch.matmul(x, self.weight.t(), out=out)
+            return torch.addmm(self.bias, x, self.weight.t(), out=out)
         if unmerged:
             return SplitSums(skinny_gemm(x, self.weight, config=cfg, pdl=pdl, merge=False), self.bias)
-        return skinny_gemm(x, self.weight, self.bias, config=cfg, pdl=pdl)
+        return skinny_gemm(x, self.weight, self.bias, config=cfg, pdl=pdl, out=out)
 
     def forward_silu_mul(self, gate_up: torch.Tensor, pdl: bool = False,
                          unmerged: bool = False) -> torch.Tensor | SplitSums:

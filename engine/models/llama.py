@@ -270,8 +270,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, fused_kernels)
         self.lm_head = None
-        if not config.tie_word_embeddings:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if not config.tie_word_embeddings:      # a Linear: decode rows may run the skinny GEMM
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(
         self,
@@ -291,10 +291,17 @@ class LlamaForCausalLM(nn.Module):
         x, _ = self.norm(x, residual, pdl=attn.launch_pdl)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, out: torch.Tensor | None = None,
+                       pdl: bool = False) -> torch.Tensor:
         """hidden [N, hidden] -> logits [N, vocab] in float32, rounded to the model's dtype first.
         out: a [N, vocab] buffer of the model's dtype or float32 to write them into instead (no
-        float32 temporary: at 256 rows and a 128k vocabulary that is 131 MB written and read)."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        logits = F.linear(hidden, weight)
+        float32 temporary: at 256 rows and a 128k vocabulary that is 131 MB written and read); in
+        the model's dtype the lm_head writes it directly. pdl: the call ends a decode graph's PDL
+        chain (the lm_head runs its skinny GEMM in it, engine/models/linear.py)."""
+        if self.lm_head is None:
+            logits = F.linear(hidden, self.embed_tokens.weight)
+        elif out is not None and out.dtype == hidden.dtype:
+            return self.lm_head(hidden, pdl=pdl, out=out)
+        else:
+            logits = self.lm_head(hidden, pdl=pdl)
         return logits.float() if out is None else out.copy_(logits)
