@@ -50,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 
 CASCADE_GROUP_ROWS = 16
+_WHOLE_TABLE_ROWS_BYTES = 64 << 10     # block-table rows a decode step copies whole, at most
 # Longest contexts of each plain-graph variant: one under 512 * 2^k, the most keys for which
 # choose_num_kv_splits (256 keys a split at least) still picks the smaller count.
 KV_SPLIT_CONTEXTS = tuple(512 * 2**k - 1 for k in range(7))       # 511 ... 32767
@@ -94,9 +95,11 @@ class DecodeGraphs:
         self.use_graphs = use_graphs
         self.sizes = graph_batch_sizes(max_batch)
         i32, i64 = torch.int32, torch.int64
-        self.input_ids = torch.zeros(max_batch, dtype=i64, device=device)
-        self.positions = torch.zeros(max_batch, dtype=i64, device=device)
-        self.slot_mapping = torch.full((max_batch,), -1, dtype=i64, device=device)
+        # Input ids, positions and slots are rows of one buffer: a step fills them (padding
+        # included) with one copy (`run`).
+        self._rows = torch.zeros(3, max_batch, dtype=i64, device=device)
+        self.input_ids, self.positions, self.slot_mapping = self._rows.unbind()
+        self.slot_mapping.fill_(-1)
         self.block_table = torch.zeros(max_batch, max_blocks_per_seq, dtype=i32, device=device)
         self.seq_lens = torch.ones(max_batch, dtype=i32, device=device)
         self.cu_seqlens_q = torch.arange(max_batch + 1, dtype=i32, device=device)
@@ -157,7 +160,7 @@ class DecodeGraphs:
         meta = self._metadata(batch, max_seqlen_k or self.max_seqlen_k, splits, kv_splits)
         hidden = self.model(self.input_ids[:batch], self.positions[:batch], self.kv_caches, meta)
         return self.model.compute_logits(
-            hidden, out=None if self.logits is None else self.logits[:batch])
+            hidden, out=None if self.logits is None else self.logits[:batch], pdl=meta.launch_pdl)
 
     def padded_size(self, batch: int) -> int:
         return next(s for s in self.sizes if s >= batch)
@@ -206,6 +209,31 @@ class DecodeGraphs:
                     {b: v for b in self.sizes if len(v := self.kv_split_variants(b)) > 1},
                     sorted(self.cascade_graphs))
 
+    def _copy_inputs(self, batch: int, size: int, input_ids: np.ndarray, positions: np.ndarray,
+                     slot_mapping: np.ndarray, block_table: np.ndarray, seq_lens: np.ndarray) -> None:
+        """The step's rows into the persistent buffers, padding rows (batch..size: token 0 at
+        position 0, no KV write, one key of block 0) included, in as few copies as the shapes
+        allow: at small batches each copy costs the GPU a few microseconds of a step of a few
+        milliseconds. Every row of _rows and seq_lens is copied (bytes per row); the block
+        table's whole rows where they are few (a copy into a narrower, strided region of it is a
+        copy and a kernel), else its first `width` columns and a fill of the padding rows."""
+        rows = np.zeros((3, self.max_batch), dtype=np.int64)
+        rows[2] = -1
+        rows[0, :batch], rows[1, :batch], rows[2, :batch] = input_ids, positions, slot_mapping
+        copy_into(self._rows, rows)
+        lens = np.ones(self.max_batch, dtype=np.int32)
+        lens[:batch] = seq_lens
+        copy_into(self.seq_lens, lens)
+        width = block_table.shape[1]
+        if size * self.block_table.stride(0) * 4 <= _WHOLE_TABLE_ROWS_BYTES:
+            table = np.zeros((size, self.block_table.shape[1]), dtype=np.int32)
+            table[:batch, :width] = block_table
+            copy_into(self.block_table[:size], table)
+        else:
+            copy_into(self.block_table[:batch, :width], block_table)
+            if size > batch:
+                self.block_table[batch:size, 0].fill_(0)
+
     def can_run(self, batch: int) -> bool:
         return batch <= self.max_batch
 
@@ -220,18 +248,9 @@ class DecodeGraphs:
         does not have yet (tokens the previous step sampled: async scheduling)."""
         batch = len(input_ids)
         size = self.padded_size(batch)
-        width = block_table.shape[1]
-        copy_into(self.input_ids[:batch], input_ids)
+        self._copy_inputs(batch, size, input_ids, positions, slot_mapping, block_table, seq_lens)
         if input_fill is not None:
             self.input_ids.index_copy_(0, *input_fill)
-        copy_into(self.positions[:batch], positions)
-        copy_into(self.slot_mapping[:batch], slot_mapping)
-        copy_into(self.block_table[:batch, :width], block_table)
-        copy_into(self.seq_lens[:batch], seq_lens)
-        if size > batch:                           # padding rows: write nothing, read little
-            self.slot_mapping[batch:size].fill_(-1)
-            self.seq_lens[batch:size].fill_(1)
-            self.block_table[batch:size, 0].fill_(0)
         max_len = int(seq_lens.max())
         kv_splits = self.kv_splits(size, max_len)
         graph_key, graphs, splits = (size, kv_splits), self.graphs, None

@@ -29,7 +29,7 @@ class SamplingMetadata:
     Tensors live on the logits' device. A feature no row uses is None and costs nothing.
     """
 
-    temperature: Tensor                      # [B] float32, 0 = greedy
+    temperature: Tensor | None               # [B] float32, 0 = greedy; None: every row greedy
     top_k: Tensor | None                     # [B] int64, 0 = off
     top_p: Tensor | None                     # [B] float32, 1.0 = off
     min_p: Tensor | None                     # [B] float32, 0 = off
@@ -73,8 +73,8 @@ class SamplingMetadata:
         repetition_penalty = per_row([p.repetition_penalty for p in params], 1.0, torch.float32)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         return cls(
-            temperature=list_to_device([0.0 if g else p.temperature for p, g in rows],
-                                   torch.float32, device),
+            temperature=None if all(greedy) else list_to_device(
+                [0.0 if g else p.temperature for p, g in rows], torch.float32, device),
             top_k=per_row([0 if g else p.top_k for p, g in rows], 0, torch.int64),
             top_p=per_row([1.0 if g else p.top_p for p, g in rows], 1.0, torch.float32),
             min_p=per_row([0.0 if g else p.min_p for p, g in rows], 0.0, torch.float32),

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from engine import LLM, SamplingParams
+from engine import cuda_graphs
 from engine.cuda_graphs import graph_batch_sizes
 from scripts.make_tiny_model import make_tiny_model
 
@@ -23,7 +24,12 @@ def model_dir(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("m") / "qwen2", arch="qwen2", seed=5))
 
 
-def test_padded_decode_equals_eager(model_dir):
+@pytest.mark.parametrize("whole_rows", [True, False])
+def test_padded_decode_equals_eager(model_dir, whole_rows, monkeypatch):
+    """whole_rows: the block table's rows are copied whole (few rows), or only their first
+    columns with the padding rows filled apart (DecodeGraphs._copy_inputs)."""
+    if not whole_rows:
+        monkeypatch.setattr(cuda_graphs, "_WHOLE_TABLE_ROWS_BYTES", 0)
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 1000) for _ in range(rng.randint(1, 40))] for _ in range(11)]
     # Different lengths: the batch shrinks 11 -> 1 and crosses padding sizes 16, 8, 4, 2, 1.
@@ -40,6 +46,30 @@ def test_padded_decode_equals_eager(model_dir):
         stats = llm.get_stats()
         assert stats.num_free_kv_blocks == stats.num_kv_blocks
     assert results[True] == results[False]
+
+
+@pytest.mark.parametrize("whole_rows", [True, False])
+def test_a_step_fills_its_rows_and_pads_the_rest(model_dir, whole_rows, monkeypatch):
+    """Whatever the buffers held before, a step of 3 rows (padded to 4) leaves its rows' inputs
+    in them and padding that writes no KV and reads one key of block 0 after them: token 0 at
+    position 0, slot -1, one key, block 0."""
+    import torch
+    if not whole_rows:
+        monkeypatch.setattr(cuda_graphs, "_WHOLE_TABLE_ROWS_BYTES", 0)
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=128, max_num_seqs=8)
+    graphs = llm.core.runner.decode_graphs
+    for buf in (graphs.input_ids, graphs.positions, graphs.slot_mapping, graphs.seq_lens, graphs.block_table):
+        buf.fill_(77)
+    ids, pos, slots = (np.array(v, dtype=np.int64) for v in ([5, 6, 7], [3, 9, 20], [3, 41, 100]))
+    table = np.array([[0], [2], [6]], dtype=np.int32)
+    graphs.run(ids, pos, slots, table, (pos + 1).astype(np.int32))
+    assert graphs.padded_size(3) == 4
+    assert graphs.input_ids[:4].tolist() == [5, 6, 7, 0]
+    assert graphs.positions[:4].tolist() == [3, 9, 20, 0]
+    assert graphs.slot_mapping[:4].tolist() == [3, 41, 100, -1]
+    assert graphs.seq_lens[:4].tolist() == [4, 10, 21, 1]
+    assert graphs.block_table[:4, 0].tolist() == [0, 2, 6, 0]
+    assert torch.equal(graphs.slot_mapping, graphs._rows[2])
 
 
 def test_every_size_writes_its_logits_into_one_shared_buffer(model_dir):

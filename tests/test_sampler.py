@@ -328,6 +328,8 @@ def test_from_params_leaves_unused_features_none():
     for name in ("top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
                  "frequency_penalty", "prompt_token_ids", "max_num_logprobs"):
         assert getattr(meta, name) is None, name
+    # An all-greedy batch copies no temperatures to the device: only the argmax reads it.
+    assert _meta([SamplingParams(temperature=0.0), SamplingParams(temperature=1e-7)]).temperature is None
     assert meta.seeds == [None, None]
     assert meta.no_stop_token_ids == [[], []]
     assert (meta.all_greedy, meta.all_random) == (False, False)
