@@ -276,6 +276,10 @@ class ModelRunner:
         meta = SamplingMetadata.from_params(params, [[1, 2]] * 3, [[3]] * 3,
                                             self.eos_token_ids, self.device)
         self.sampler(logits, meta)
+        # Decode graphs hand over logits in the model's dtype; greedy rows take their argmax so.
+        greedy = SamplingMetadata.from_params(params[:1], [[1, 2]], [[3]], self.eos_token_ids,
+                                              self.device)
+        self.sampler(logits[:1].to(self.dtype), greedy)
         for q_lens, seq_lens, step in self.cascade.warm_up_steps():   # eager cascade variants
             positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)])
             n = len(q_lens)
