@@ -173,16 +173,16 @@ def test_batch1_short_context_step_runs_one_attention_kernel_per_layer(model_dir
     from engine.cuda_graphs import DecodeGraphs
     from engine.models.attention import triton_backend
     from engine.models.loader import load_model
-    from tests.kernel_support import load_kernels, require_runnable
+    from tests.kernel_support import DEVICE, load_kernels, require_runnable
     pa = load_kernels("kernels.paged_attention")
     require_runnable(pa)
-    model, config = load_model(model_dir, torch.float32, torch.device("cpu"),
-                               attention_backend=triton_backend())
+    device = torch.device(DEVICE)           # interpreted on CPU, compiled where there is a GPU
+    model, config = load_model(model_dir, torch.float32, device, attention_backend=triton_backend())
     shape = (64, 16, config.num_key_value_heads, config.head_dim)
-    caches = [(torch.randn(shape), torch.randn(shape)) for _ in range(config.num_hidden_layers)]
+    caches = [(torch.randn(shape, device=device), torch.randn(shape, device=device))
+              for _ in range(config.num_hidden_layers)]
     graphs = DecodeGraphs(model, caches, max_batch=1, max_blocks_per_seq=64, max_seqlen_k=1024,
-                          device=torch.device("cpu"), use_graphs=False,
-                          kv_merge_in_kernel=merge_in_kernel)
+                          device=device, use_graphs=False, kv_merge_in_kernel=merge_in_kernel)
     for context, want_splits in (((300, 8), (600, 16)) if merge_in_kernel else ((300, 1), (600, 3))):
         assert graphs.kv_splits(1, context) == want_splits
         attention = _CountedKernel(pa._paged_attention_kernel)
