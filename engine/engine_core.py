@@ -82,9 +82,9 @@ class EngineCore:
         gc.freeze()
         on = (str(self.device) if self.device.type == "cuda"
               else f"cpu, {torch.get_num_threads()} threads")
-        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d, max_model_len %d",
+        logger.info("engine ready: %s on %s (%s), %d KV blocks of %d (%s), max_model_len %d",
                     config.model, on, self.dtype, num_blocks, config.block_size,
-                    self.max_model_len)
+                    self.runner.kv_dtype, self.max_model_len)
 
     def make_request(self, request_id: int | str, prompt_token_ids: list[int],
                      params: SamplingParams) -> Request:

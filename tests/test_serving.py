@@ -217,6 +217,26 @@ def test_stream_equals_direct_engine(server, direct):
     assert all("finish_reason" not in o for o, _ in responses[:-1])
 
 
+def test_fp8_kv_cache_served_equals_the_direct_fp8_engine(model_dir, tmp_path_factory):
+    """kv_cache_dtype as a Triton parameter: the served engine keeps its KV cache in FP8 (its
+    log says so) and its streams and BLS answers are the direct FP8 engine's, token for token;
+    the pool is whole afterwards."""
+    settings = {**SETTINGS, "kv_cache_dtype": "fp8"}
+    direct_fp8 = LLM(model_dir, dtype="float32", device="cpu", **settings)
+    prompts = PROMPTS[:4]
+    expected = [o.outputs[0].text for o in direct_fp8.generate(prompts, SamplingParams(**greedy(16)))]
+    del direct_fp8
+    repo = tmp_path_factory.mktemp("repo")
+    copy_repository(repo, model_dir, {"dtype": "float32", **settings}, keep_params=False)
+    with start_server(repo, log_dir=tmp_path_factory.mktemp("log")) as fp8_server:
+        assert "(torch.float8_e4m3fn)" in open(fp8_server.log_path).read()
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+            texts = list(pool.map(lambda p: text_of(stream_request(fp8_server, p, greedy(16))), prompts))
+        assert texts == expected
+        assert bls_grpc(fp8_server, prompts[0], greedy(16))["text_output"][0].decode() == expected[0]
+        wait_pool_whole(fp8_server)
+
+
 def test_stream_false_gives_one_response_with_the_whole_text(server, direct):
     prompt = "The harbour at dawn"
     expected = direct.generate(prompt, SamplingParams(**greedy(12)))[0].outputs[0].text
