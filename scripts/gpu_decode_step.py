@@ -19,6 +19,12 @@ Variants, each with the decode CUDA graphs captured afresh:
               engine before issue 13: EngineConfig(fuse_rope_kv_write=False, skinny_gemm="off",
               fuse_kv_split_merge=False))
   rope_kv     fused RoPE + KV write only
+Ablations (timing only: the logits are garbage), "on" with some kernels not launched, to see what
+each group of kernels costs in the PDL chain, i.e. what fusing it away could save at most:
+  skip_attention       no attention kernel (o_proj reads an unwritten buffer)
+  skip_rope_attention  neither rotary + KV write nor attention
+  skip_norms           no RMSNorm kernel (the projections read unwritten buffers)
+  skip_small           none of those nor SiLU-and-mul: the chain of weight GEMMs alone
 Per variant: the GPU time of one replay of the batch-1 graph at --context tokens (median of
 replays back to back), ms/token of a greedy generation (128-token prompt, as
 scripts/bench_latency.py), the step's kernels (torch.profiler over 3 replays), and the logits'
@@ -68,6 +74,46 @@ def _set_variant(runner, fuse_rope: bool, tables: dict | None, kv_merge_in_kerne
     torch.cuda.empty_cache()
     graphs.capture()
     runner.decode_graphs = graphs
+
+
+ABLATIONS = {"skip_attention": ("attention",), "skip_rope_attention": ("attention", "rope"),
+             "skip_norms": ("norms",), "skip_small": ("attention", "rope", "norms", "silu")}
+
+
+def _ablate(runner, skip: tuple[str, ...]):
+    """Patches the model so the kernels of `skip` are not launched (outputs left unwritten) and
+    returns a function undoing it."""
+    import dataclasses
+
+    import engine.models.linear as linear_module
+    import engine.models.llama as llama_module
+    undo = []
+    attns = [layer.self_attn.attn for layer in runner.model.layers]
+    backends = [a.backend for a in attns]
+    changes = {}
+    if "attention" in skip:
+        changes["paged_attention"] = lambda q, *a, out=None, **k: torch.empty_like(q) if out is None else out
+    if "rope" in skip:
+        changes["rotary_write_kv"] = lambda *a, **k: None
+    if changes:
+        for a in attns:
+            a.backend = dataclasses.replace(a.backend, **changes)
+        undo.append(lambda: [setattr(a, "backend", b) for a, b in zip(attns, backends)])
+    if "norms" in skip:
+        real = llama_module.rms_norm
+
+        def no_norm(x, weight, eps, residual=None, *, x_parts=None, **kw):
+            ref = residual if residual is not None else x
+            out = torch.empty_like(ref)
+            return out if residual is None else (out, ref)
+        llama_module.rms_norm = no_norm
+        undo.append(lambda: setattr(llama_module, "rms_norm", real))
+    if "silu" in skip:
+        real_silu = linear_module.silu_and_mul
+        linear_module.silu_and_mul = lambda g, out=None, pdl=False: torch.empty(
+            g.shape[0], g.shape[1] // 2, dtype=g.dtype, device=g.device)
+        undo.append(lambda: setattr(linear_module, "silu_and_mul", real_silu))
+    return lambda: [u() for u in reversed(undo)]
 
 
 def _step_graph(runner, context: int):
@@ -202,6 +248,20 @@ def check_engine(args, out: dict) -> None:
               + (f"; logits vs on: {row['logits_vs_on']}" if "logits_vs_on" in row else ""))
         for r in row["kernels"][:getattr(args, "top_kernels", 16)]:
             print(f"  {r['us_per_step']:8.1f} us/step {r['per_step']:5.0f} x {r['us_each']:7.2f} us  {r['kernel']}")
+    for name, skip in ABLATIONS.items():
+        if name not in getattr(args, "variants", []):
+            continue
+        restore = _ablate(runner, skip)
+        _set_variant(runner, True, tables, True, pdl_on, merge_on)
+        graph, _, kv_splits = _step_graph(runner, args.context)
+        row = {"step_ms": _replay_ms(graph), "skipped": list(skip), "kernels": _kernel_table(graph)}
+        row["kernel_launches_per_step"] = sum(r["per_step"] for r in row["kernels"])
+        restore()
+        report["variants"][name] = row
+        print(f"\n[{name}] step (graph replay) {row['step_ms']:.3f} ms in {row['kernel_launches_per_step']:.0f} "
+              f"launches per step")
+    if any(name in report["variants"] for name in ABLATIONS):     # the graphs as the engine runs them
+        _set_variant(runner, True, tables, True, pdl_on, merge_on)
     if "logits_on_vs_off" in report:
         print(f"\nlogits on vs off: {report['logits_on_vs_off']}")
     if "logits_on_vs_merge_apart" in report:
@@ -219,7 +279,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--top-kernels", type=int, default=16)
     ap.add_argument("--variants", nargs="+", default=["on", "no_pdl", "merge_apart", "off", "rope_kv"],
-                    help="of: on silu_in_down late_merge early_merge no_pdl merge_apart off rope_kv")
+                    help="of: on silu_in_down late_merge early_merge no_pdl merge_apart off rope_kv "
+                         + " ".join(ABLATIONS))
     args = ap.parse_args()
     out: dict = {"gpu": torch.cuda.get_device_name()}
     check_engine(args, out)
