@@ -184,13 +184,12 @@ def _own_kernel(
             tl.store(ptrs, zeros, mask=mask[:, None])
         return
 
-    # All four loads before the branch (kernels/paged_attention.py: one trip to memory less).
     q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int64) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    prefix_len = tl.load(prefix_lens_ptr + seq).to(tl.int64)
     if pid_m * BLOCK_M >= q_len:
         return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
+    prefix_len = tl.load(prefix_lens_ptr + seq).to(tl.int64)
 
     first_pos = seq_len - q_len + pid_m * BLOCK_M   # position of the tile's first query
     row_in_seq = pid_m * BLOCK_M + row_pos

@@ -314,13 +314,11 @@ def _paged_attention_kernel(
                 tl.store(ptrs, zeros, mask=mask[:, None])
         return
 
-    # All three loads before the branch: read after it, seq_len (and so the block ids and the
-    # keys) waited for cu_seqlens_q first, one more trip to memory on a decode row's path.
     q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
     q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int64) - q_start
-    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
     if pid_m * BLOCK_M >= q_len:
         return
+    seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
 
     first_pos = seq_len - q_len + pid_m * BLOCK_M   # position of the tile's first query
     row_in_seq = pid_m * BLOCK_M + row_pos
