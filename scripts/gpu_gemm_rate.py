@@ -1,0 +1,72 @@
+"""What the weight GEMMs of a Llama-3.1-8B layer reach on this GPU (bf16, cuBLAS through F.linear),
+at the row counts our steps give them: TFLOP/s per projection and for a whole layer, and the
+time the GEMMs of a job of N tokens take at that rate (issue 12's shared-prefix floor and issue
+13's 1000 x 1000 roofline count FLOPs at the bf16 peak; this is what cuBLAS gives).
+
+Each projection runs in a CUDA graph over 32 layers' own weights (HBM, not L2), as
+engine/gemm_tuning.py times them; the median of a few replays.
+
+    python3 scripts/gpu_gemm_rate.py --out $OUT/gemm_rate.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from engine.gemm_tuning import replay_ms  # noqa: E402
+from scripts.bench_common import BF16_DENSE_FLOPS, PRESETS, git_commit, hardware  # noqa: E402
+
+
+def layer_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
+    """(N, K) of each projection of one decoder layer."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    return {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * i, h), "down_proj": (h, i)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[256, 512, 2048, 8192])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    cfg = PRESETS["llama-3.1-8b"]
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    results = []
+    for rows in args.rows:
+        layer_us, layer_flops = 0.0, 0
+        for name, (n, k) in layer_shapes(cfg).items():
+            weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+                       for _ in range(args.layers)]
+            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
+            us = replay_ms(lambda: [F.linear(x, w) for w in weights], dev) * 1e3 / args.layers
+            flops = 2 * rows * n * k
+            layer_us, layer_flops = layer_us + us, layer_flops + flops
+            results.append({"rows": rows, "proj": name, "n": n, "k": k, "us": us, "tflops": flops / us / 1e6})
+            print(f"M={rows:5d} {name:>12} N={n:5d} K={k:5d}: {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s",
+                  flush=True)
+            del weights
+            torch.cuda.empty_cache()
+        results.append({"rows": rows, "proj": "layer", "us": layer_us, "tflops": layer_flops / layer_us / 1e6,
+                        "fraction_of_peak": layer_flops / layer_us / 1e-6 / BF16_DENSE_FLOPS})
+        print(f"M={rows:5d} {'layer':>12}: {layer_us:8.1f} us  {layer_flops / layer_us / 1e6:6.1f} TFLOP/s "
+              f"({layer_flops / layer_us / 1e-6 / BF16_DENSE_FLOPS:.1%} of the bf16 peak)", flush=True)
+    out = {"meta": {"hardware": hardware(), "commit": git_commit(),
+                    "command": "python3 scripts/gpu_gemm_rate.py " + " ".join(sys.argv[1:]),
+                    "peak_flops": BF16_DENSE_FLOPS},
+           "results": results}
+    with open(args.out, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
