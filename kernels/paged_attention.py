@@ -45,14 +45,6 @@ output and sets the counter back to 0. Without the second launch a split is wort
 contexts too: `choose_fused_kv_splits` picks S so that small decode batches fill the SMs (a
 decode program streams its keys at what one SM pulls), over 64-key steps.
 
-PDL (kernels/pdl.py; decode graphs of up to 16 rows). A decode program with its keys loaded
-ahead (`_kv_ahead`: split calls of one program per SM at most, batch 1 and 2 in practice) reads
-its sequence's bounds, block ids and the first step of its older keys *before* waiting for the
-kernel ahead (EARLY_KV): that kernel (rotary + KV write) writes only the new token's key and
-value, and everything else it reads was in memory before the graph began, so these trips to
-memory overlap the kernel ahead instead of following it. A first step holding the new key is
-read again after the wait; q is read after it. The padding programs, which write, wait first.
-
 CUDA graphs. The launcher reads no device value: grids come from tensor shapes and the ints
 max_seqlen_q / num_kv_splits; shorter sequences exit early or mask. The caller must pass
 max_seqlen_q >= every q_len (unchecked, as checking would sync). The split workspace is a
@@ -292,12 +284,11 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, KV_AHEAD: tl.constexpr, PROMPT: tl.constexpr,
-    I32: tl.constexpr, EARLY_KV: tl.constexpr,
+    I32: tl.constexpr,
 ):
-    if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read ...
-        if not EARLY_KV:    # ... or, with EARLY_KV, before anything it may have written
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
+    if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
     # Longest-running tiles (last positions of a prompt see the most keys) start first.
     pid_m = num_m_tiles - 1 - tl.program_id(0).to(tl.int64)
     seq = tl.program_id(1).to(tl.int64)
@@ -312,10 +303,6 @@ def _paged_attention_kernel(
     offs_d = tl.arange(0, HEAD_DIM)
 
     if seq == num_seqs:
-        if EARLY_KV:        # these programs write: not before the kernel ahead is done
-            if USE_PDL:
-                tl.extra.cuda.gdc_wait()
-                tl.extra.cuda.gdc_launch_dependents()
         # Padding rows past cu_seqlens_q[-1] come back zero, as in the reference.
         if split == 0:
             zeros = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=out_ptr.dtype.element_ty)
@@ -359,35 +346,15 @@ def _paged_attention_kernel(
         k_full_hi = tl.maximum(k_full_hi, k_full_lo)
 
     t = q_start + row_in_seq
+    q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
+    q = _q_for_keys(tl.load(q_ptrs, mask=row_valid[:, None], other=0.0), k_cache_ptr)
+
     m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
     l_i = tl.full([BLOCK_Q], 0.0, dtype=tl.float32)
     acc = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=tl.float32)
     table_row = block_table_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kh
     v_base = v_cache_ptr + kv_head * stride_vh
-    if EARLY_KV:
-        # The first step of the unmasked range, read before the wait for the kernel ahead (PDL):
-        # the rotary + KV write kernel writes only the new tokens' keys (positions >= first_pos:
-        # masked out here, and the step read again after the wait if it holds any), and the
-        # block table, lengths and older keys were in memory before the graph began.
-        k_first, v_first = _kv_tiles(table_row, k_base, v_base, k_full_lo, tl.minimum(k_full_hi, first_pos),
-                                     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-                                     BLOCK_N, HEAD_DIM, PAGE_SIZE, True, I32)
-        if USE_PDL:
-            tl.extra.cuda.gdc_wait()
-            tl.extra.cuda.gdc_launch_dependents()
-        if k_full_lo + BLOCK_N > first_pos:
-            k_first, v_first = _kv_tiles(table_row, k_base, v_base, k_full_lo, k_full_hi, stride_kb, stride_ks,
-                                         stride_kd, stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE,
-                                         True, I32)
-    q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = _q_for_keys(tl.load(q_ptrs, mask=row_valid[:, None], other=0.0), k_cache_ptr)
-    if EARLY_KV:            # its first step from those tiles, then the rest as below
-        if k_full_lo < k_full_hi:
-            acc, m_i, l_i = _online_step(acc, m_i, l_i, q, k_first, v_first, q_pos,
-                                         k_full_lo + tl.arange(0, BLOCK_N), k_full_hi, qk_scale, sliding_window,
-                                         False, True, HAS_WINDOW, DOT_PRECISION, False)
-        k_full_lo = tl.minimum(k_full_lo + BLOCK_N, k_full_hi)
     if HAS_WINDOW:          # the window's ragged start
         acc, m_i, l_i = _attend_keys(
             acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_lo, k_full_lo, qk_scale, sliding_window,
@@ -611,7 +578,6 @@ def paged_attention(
     kv_ahead: bool | None = None,
     prompt_loop: bool | None = None,
     i32_offsets: bool | None = None,
-    early_kv: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of the new query rows, as `paged_attention_ref`. Returns [T, Hq, D].
 
@@ -627,10 +593,6 @@ def paged_attention(
     loop of prompt tiles: block ids a step ahead, K key by key) and i32_offsets (int32 K/V
     offsets, where the caches allow): None, the rules (`_prompt_loop`, `_int32_offsets`); for probes (the
     same values: int32 offsets the same bits, K read key by key the same to fp32 rounding).
-    early_kv (decode calls with K and V loaded ahead, no window): each program reads its first
-    step's K and V of the keys before the new tokens first, and with pdl before its wait for the
-    kernel ahead (kernels/pdl.py); the same bits. None: with pdl where it applies; True without
-    pdl: the same order of loads, no wait (how the CPU tests run it).
     """
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     check_pdl(pdl, q.device, "paged_attention")
@@ -656,14 +618,14 @@ def paged_attention(
                        fp8_cache=k_cache.dtype in FP8_KV_DTYPES)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
             out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl, kv_ahead,
-            i32_offsets, prompt_loop, early_kv)
+            i32_offsets, prompt_loop)
     return out
 
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale, sliding_window,
             max_seqlen_q, num_kv_splits, cfg: _TileConfig, merge_in_kernel: bool = False,
             pdl: bool = False, kv_ahead: bool | None = None, i32_offsets: bool | None = None,
-            prompt_loop: bool | None = None, early_kv: bool | None = None) -> None:
+            prompt_loop: bool | None = None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -685,12 +647,6 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
     else:
         counters = block_table               # unused (an argument whose alignment is keyed anyway)
     grid = (num_m_tiles, num_seqs + 1, num_kv_heads * num_kv_splits)
-    if kv_ahead is None:
-        kv_ahead = _kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device)
-    applies = kv_ahead and max_seqlen_q == 1 and sliding_window is None
-    if early_kv and not applies:
-        raise ValueError("early_kv needs a decode call (max_seqlen_q 1) with K and V loaded ahead and no window")
-    early_kv = applies and (pdl if early_kv is None else early_kv)
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, counters,
         block_table, cu_seqlens_q, seq_lens,
@@ -700,7 +656,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
         NUM_SPLITS=num_kv_splits, MERGE_IN_KERNEL=merge_in_kernel, HAS_WINDOW=sliding_window is not None,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", USE_PDL=pdl,
-        KV_AHEAD=kv_ahead, EARLY_KV=early_kv,
+        KV_AHEAD=_kv_ahead(max_seqlen_q, grid, num_kv_splits, q.device) if kv_ahead is None else kv_ahead,
         PROMPT=_prompt_loop(max_seqlen_q, k_cache) if prompt_loop is None else prompt_loop,
         I32=_int32_offsets(k_cache, v_cache) if i32_offsets is None else
         i32_offsets and _offsets_fit_int32(k_cache, v_cache),

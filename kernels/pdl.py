@@ -11,9 +11,7 @@ of it in the stream has finished. Each kernel launched so (`launch_pdl=True`) be
 visible, and then at once `griddepcontrol.launch_dependents`, which lets the next kernel start.
 What PDL buys: the next kernel is launched and its programs placed while the one ahead still
 runs, so the gap between two kernels (launch, ramp-up, tail) shrinks. Our kernels do nothing but
-address arithmetic before their wait, save the decode attention at one or two rows, which reads
-what the kernel ahead cannot have written (block ids, lengths, older keys) before it
-(kernels/paged_attention.py, EARLY_KV). Starting the skinny GEMM's weight stream before it (weights
+address arithmetic before their wait. Starting the skinny GEMM's weight stream before it (weights
 are read-only) was tried on the H200 and made the step slower: prefetching into L2 (2 MB in all
 as fast as none, 16 MB +0.3 ms, 48 MB +1.2 ms a step) and loading the first weight step (PDL's
 gain fell from 0.22 to 0.08 ms a step); benchmarks/h200/decode_pdl.md.

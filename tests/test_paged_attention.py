@@ -59,14 +59,14 @@ def make_batch(q_lens, ctx_lens, hq, hkv, d, block_size, dtype, seed, pad_rows=3
 
 
 def check(args, q_lens, ctx_lens, sliding_window=None, num_kv_splits=None, max_seqlen_q=None,
-          merge_in_kernel=False, kv_ahead=None, early_kv=None):
+          merge_in_kernel=False, kv_ahead=None):
     """Run the kernel into a NaN-poisoned buffer and compare every element with the reference."""
     q = args[0]
     scale = q.shape[-1] ** -0.5
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     got = paged_attention(*args, scale, sliding_window, max_seqlen_q=max_seqlen_q or max(q_lens),
                           max_seqlen_k=max(ctx_lens), num_kv_splits=num_kv_splits,
-                          merge_in_kernel=merge_in_kernel, out=out, kv_ahead=kv_ahead, early_kv=early_kv)
+                          merge_in_kernel=merge_in_kernel, out=out, kv_ahead=kv_ahead)
     assert got is out
     ref = paged_attention_ref(*args, scale, sliding_window)
     atol, rtol = TOLS[q.dtype]
@@ -444,32 +444,6 @@ def test_decode_loading_the_next_keys_ahead_changes_no_bits(merge_in_kernel, num
         got[ahead] = check(args, q_lens, ctx, sliding_window=window, num_kv_splits=num_kv_splits,
                            merge_in_kernel=merge_in_kernel, kv_ahead=ahead)
     assert torch.equal(got[True], got[False]) and torch.equal(got[None], got[True])
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("merge_in_kernel,num_kv_splits", [(True, 4), (False, 3), (True, 1), (True, 8)])
-def test_decode_reading_the_first_keys_early_changes_no_bits(dtype, merge_in_kernel, num_kv_splits):
-    """early_kv (PDL decode: each program's first step of older keys read before its wait for the
-    kernel ahead, the new token's key after it): the same values into the same operations, so
-    the same bits as without, and the reference's values. Run here without PDL (the same loads
-    in the same order, no wait). Contexts: a whole split in one step, several steps a split,
-    one key (nothing before the new token), the new key closing a whole step (its step read
-    again after the wait: 64 and 48 are multiples of the fp32 tiles' 16 keys)."""
-    q_lens, ctx = [1] * 6, [300, 1, 47, 129, 64, 48]
-    args = make_batch(q_lens, ctx, 8, 2, 32, 16, dtype, seed=29)
-    got = {early: check(args, q_lens, ctx, num_kv_splits=num_kv_splits, merge_in_kernel=merge_in_kernel,
-                        kv_ahead=True, early_kv=early) for early in (False, True)}
-    assert torch.equal(got[True], got[False])
-
-
-def test_early_kv_is_for_decode_calls_with_keys_ahead_and_no_window():
-    scale = 32 ** -0.5
-    decode = make_batch([1, 1], [40, 70], 8, 2, 32, 16, torch.float32, seed=3)
-    prompt = make_batch([5, 1], [5, 70], 8, 2, 32, 16, torch.float32, seed=3)
-    for args, window, max_q, ahead in ((decode, 7, 1, True), (prompt, None, 5, True), (decode, None, 1, False)):
-        with pytest.raises(ValueError, match="early_kv needs a decode call"):
-            paged_attention(*args, scale, window, max_seqlen_q=max_q, max_seqlen_k=70, num_kv_splits=2,
-                            kv_ahead=ahead, early_kv=True)
 
 
 @pytest.mark.parametrize("q_lens,ctx,splits", [
