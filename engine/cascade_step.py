@@ -37,6 +37,13 @@ LARGE_GROUP_ROWS = 128              # max_group_rows of eager steps with a group
 SPLIT_LONE_FROM = 2048
 
 
+def own_rows(q_lens: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+    """(rows of one query token, rows of more) as int32 arrays, when a step has both; else None."""
+    decodes = np.flatnonzero(q_lens == 1).astype(np.int32)
+    prompts = np.flatnonzero(q_lens > 1).astype(np.int32)
+    return (decodes, prompts) if len(decodes) and len(prompts) else None
+
+
 @dataclass
 class CascadeStep:
     """One step's groups, over the rows in `order`, as the kernel takes them."""
@@ -47,6 +54,9 @@ class CascadeStep:
     max_prefix_len: int
     num_prefix_splits: int
     num_cascade_rows: int
+    # A step of one-row sequences beside prompt chunks: the own pass runs each kind apart, in its
+    # own tiles (kernels/cascade_attention.py); their positions in `order`. None otherwise.
+    own_rows: tuple[np.ndarray, np.ndarray] | None = None
 
     def fill_metadata(self, meta, device: torch.device) -> None:
         meta.prefix_lens = to_device(self.prefix_lens, device)
@@ -54,6 +64,8 @@ class CascadeStep:
         meta.max_group_rows = self.max_group_rows
         meta.max_prefix_len = self.max_prefix_len
         meta.num_prefix_splits = self.num_prefix_splits
+        if self.own_rows is not None:
+            meta.own_decode_seqs, meta.own_prompt_seqs = (to_device(r, device) for r in self.own_rows)
 
     def graph_inputs(self) -> tuple[np.ndarray, np.ndarray, int]:
         return self.prefix_lens, self.cu_group_seqs, self.num_prefix_splits
@@ -147,7 +159,8 @@ class CascadeSteps:
         if plan is None:
             return None
         return CascadeStep(plan.order, plan.prefix_lens, plan.cu_group_seqs, kernel_rows,
-                           plan.max_prefix_len, splits, plan.num_cascade_rows)
+                           plan.max_prefix_len, splits, plan.num_cascade_rows,
+                           own_rows(q_lens[np.asarray(plan.order)]))
 
     def warm_up_steps(self):
         """(q_lens, seq_lens, CascadeStep) of fake eager steps, one per kernel variant an eager
@@ -156,10 +169,12 @@ class CascadeSteps:
             return
         prefix = 2 * self.block_size
         for splits in SPLITS:
-            # Decode rows, a group of 3 (16-row tile) and a lone row; then a 40-token prompt chunk
-            # in a group with two decodes (a 128-row tile, the prefill own-pass tiles).
+            # Decode rows, a group of 3 (16-row tile) and a lone row; a 40-token prompt chunk in a
+            # group with two decodes (a 128-row tile; the own pass in decode and prompt tiles
+            # apart); prompt chunks alone (the own pass in one launch of prompt tiles).
             for q_lens, kernel_rows in (([1, 1, 1, 1], CASCADE_GROUP_ROWS),
-                                        ([1, 40, 1], LARGE_GROUP_ROWS)):
+                                        ([1, 40, 1], LARGE_GROUP_ROWS),
+                                        ([2, 40, 3], LARGE_GROUP_ROWS)):
                 n = len(q_lens)
                 members = 3
                 seq_lens = np.asarray([prefix + 8 + q for q in q_lens], dtype=np.int32)
@@ -167,6 +182,6 @@ class CascadeSteps:
                     list(range(n)),
                     np.asarray([prefix] * members + [0] * (n - members), dtype=np.int32),
                     np.asarray([0, members], dtype=np.int32), kernel_rows, prefix, splits,
-                    sum(q_lens[:members]))
+                    sum(q_lens[:members]), own_rows(np.asarray(q_lens)))
                 yield np.asarray(q_lens, dtype=np.int32), seq_lens, step
 

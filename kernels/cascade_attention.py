@@ -43,6 +43,12 @@ Pass 2, `_own_kernel`, grid (query tiles of the longest q, B + 1, Hkv), like pag
 a program takes BLOCK_M positions of one sequence x the G heads of one kv head, attends to keys
 [P_b, seq_len) through b's block table with the causal mask, then, when P_b > 0, folds in the S
 prefix partials of its rows and writes out. The extra "sequence" B zeroes the padding rows.
+A step of decode rows beside prompt chunks runs it twice (own_decode_seqs, own_prompt_seqs):
+over the one-row sequences in decode tiles, and over the others in prompt tiles; each launch
+maps its programs to the sequences it lists. In one launch the decode rows took prompt tiles 32
+positions tall and the grid was every sequence times the longest prompt's tiles: on the H200 the
+own pass took 356 us a layer in such steps of the RFC shared-prefix job (benchmarks/h200/
+cascade_mixed_steps.md).
 
 CUDA graphs. The launcher reads no device value: grids come from tensor shapes (B, T,
 max_groups from the buffers' sizes) and host ints (max_seqlen_q, max_group_rows, S); programs
@@ -147,12 +153,12 @@ def _prefix_kernel(
     tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_m_tiles", "stride_bt"])
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "num_m_tiles", "stride_bt", "num_listed"])
 def _own_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
     part_m_ptr, part_l_ptr, part_acc_ptr,
-    block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr, prefix_lens_ptr,
-    qk_scale, num_seqs, num_tokens, num_heads, num_m_tiles,
+    block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr, prefix_lens_ptr, seq_ids_ptr,
+    qk_scale, num_seqs, num_tokens, num_heads, num_m_tiles, num_listed,
     stride_qt, stride_qh, stride_qd,
     stride_kb, stride_ks, stride_kh, stride_kd,
     stride_vb, stride_vs, stride_vh, stride_vd,
@@ -161,10 +167,14 @@ def _own_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PROMPT: tl.constexpr, I32: tl.constexpr,
+    HAS_SEQ_IDS: tl.constexpr,
 ):
     # Longest-running tiles (last positions of a prompt see the most keys) start first.
     pid_m = num_m_tiles - 1 - tl.program_id(0).to(tl.int64)
     seq = tl.program_id(1).to(tl.int64)
+    if HAS_SEQ_IDS:     # the sequences listed in seq_ids; the program past the list pads
+        listed = tl.load(seq_ids_ptr + tl.minimum(seq, num_listed - 1)).to(tl.int64)
+        seq = tl.where(seq < num_listed, listed, num_seqs)
     kv_head = tl.program_id(2).to(tl.int64)
 
     rows = tl.arange(0, BLOCK_Q)
@@ -378,9 +388,17 @@ def cascade_attention(
     max_prefix_len: int,
     num_prefix_splits: int | None = None,
     out: torch.Tensor | None = None,
+    own_decode_seqs: torch.Tensor | None = None,
+    own_prompt_seqs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal paged attention with shared prefixes read once per group, as `cascade_attention_ref`.
     Returns [T, Hq, D].
+
+    own_decode_seqs, own_prompt_seqs (both or neither; int32 [n] each): the own pass apart for
+    the sequences of one query row (decode tiles) and those of more (prompt tiles), as plain paged
+    attention does a mixed step (engine/models/attention.py): in one launch a decode row takes a
+    prompt tile 32 positions tall. The caller lists every sequence with rows in one of them, by
+    its q_len (unchecked, as max_seqlen_q).
 
     Host ints, none checked on the device (that would sync): max_seqlen_q >= every q_len;
     max_group_rows >= the query rows of every group with a prefix (it sizes the prefix grid);
@@ -396,6 +414,13 @@ def cascade_attention(
             raise ValueError(f"{name} must be >= 1, got {value}")
     if max_prefix_len < 0:
         raise ValueError(f"max_prefix_len must be >= 0, got {max_prefix_len}")
+    if (own_decode_seqs is None) != (own_prompt_seqs is None):
+        raise ValueError("own_decode_seqs and own_prompt_seqs come together (or neither)")
+    for name, ids in (("own_decode_seqs", own_decode_seqs), ("own_prompt_seqs", own_prompt_seqs)):
+        if ids is not None and (ids.dim() != 1 or ids.shape[0] < 1 or ids.dtype != torch.int32
+                                or ids.device != q.device):
+            raise ValueError(f"{name} must be a non-empty int32 [n] tensor on {q.device}, got "
+                             f"{ids.dtype} {tuple(ids.shape)} on {ids.device}")
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     g_pad = triton.next_power_of_2(num_heads // num_kv_heads)
@@ -422,7 +447,11 @@ def cascade_attention(
             prefix_lens.contiguous(), cu_group_seqs.contiguous(), out, part_m, part_l, part_acc, scale)
     if num_groups > 0:
         _launch_prefix(*args, max_group_rows, num_prefix_splits, prefix_cfg)
-    _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg)
+    if own_decode_seqs is None:
+        _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg)
+    else:   # one query row each, in decode tiles; then the prompt rows (and the padding rows)
+        _launch_own(*args, 1, num_prefix_splits, _own_config(1, head_dim, q.dtype), own_decode_seqs, False)
+        _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg, own_prompt_seqs, True)
     return out
 
 
@@ -449,7 +478,10 @@ def _launch_prefix(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, pre
 
 def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
                 cu_group_seqs, out, part_m, part_l, part_acc, scale,
-                max_seqlen_q, num_splits, cfg: _TileConfig) -> None:
+                max_seqlen_q, num_splits, cfg: _TileConfig, seq_ids: torch.Tensor | None = None,
+                pad: bool = True) -> None:
+    """The own pass over every sequence, or over those in seq_ids; pad: one more program that
+    zeroes the rows past cu_seqlens_q[-1]."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -457,14 +489,15 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
     g_pad = triton.next_power_of_2(group)
     block_m = max(cfg.block_q // g_pad, 1)
     num_m_tiles = triton.cdiv(max_seqlen_q, block_m)
-    _own_kernel[(num_m_tiles, num_seqs + 1, num_kv_heads)](
+    num_listed = num_seqs if seq_ids is None else seq_ids.shape[0]
+    _own_kernel[(num_m_tiles, num_listed + int(pad), num_kv_heads)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc,
-        block_table, cu_seqlens_q, seq_lens, prefix_lens,
-        scale * _LOG2E, num_seqs, num_tokens, num_heads, num_m_tiles,
+        block_table, cu_seqlens_q, seq_lens, prefix_lens, cu_seqlens_q if seq_ids is None else seq_ids,
+        scale * _LOG2E, num_seqs, num_tokens, num_heads, num_m_tiles, num_listed,
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_table.stride(0),
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PROMPT=_prompt_loop(max_seqlen_q, k_cache),
-        I32=_int32_offsets(k_cache, v_cache),
+        I32=_int32_offsets(k_cache, v_cache), HAS_SEQ_IDS=seq_ids is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -90,10 +90,12 @@ def make_batch(groups, lone, hq, hkv, d, dtype, seed, pad_rows=3, empty_groups=0
     return args, limits
 
 
-def run(args, limits, num_prefix_splits=None, out=None, **overrides):
+def run(args, limits, num_prefix_splits=None, out=None, own_decode_seqs=None, own_prompt_seqs=None,
+        **overrides):
     q = args[0]
     return cascade_attention(*args, q.shape[-1] ** -0.5, **(limits | overrides),
-                             num_prefix_splits=num_prefix_splits, out=out)
+                             num_prefix_splits=num_prefix_splits, out=out,
+                             own_decode_seqs=own_decode_seqs, own_prompt_seqs=own_prompt_seqs)
 
 
 def check(args, limits, num_prefix_splits=None, **overrides):
@@ -124,6 +126,39 @@ def test_fp8_caches_match_reference(dtype, num_prefix_splits):
     (q, k_cache, v_cache, *rest), limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, dtype, seed=9)
     fp8 = torch.float8_e4m3fn
     check((q, to_cache_dtype(k_cache, fp8), to_cache_dtype(v_cache, fp8), *rest), limits, num_prefix_splits)
+
+
+def own_lists(args):
+    """(one-row sequences, the others with rows) of a batch, as the engine lists them."""
+    cu = args[4].cpu()
+    q_lens = (cu[1:] - cu[:-1]).tolist()
+    ids = lambda keep: torch.tensor([b for b, n in enumerate(q_lens) if keep(n)],  # noqa: E731
+                                    dtype=torch.int32, device=args[0].device)
+    return ids(lambda n: n == 1), ids(lambda n: n > 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_prefix_splits", [1, 3])
+def test_own_pass_apart_for_decode_rows_matches_reference(dtype, num_prefix_splits):
+    """A mixed step's own pass in two launches (decode tiles for the one-row sequences, prompt
+    tiles for the others, each over the sequences it lists): the reference's values, every row
+    written (NaN-poisoned output), the padding rows zeroed by the second."""
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, dtype, seed=17)
+    decodes, prompts = own_lists(args)
+    assert len(decodes) == 7 and len(prompts) == 5          # and a sequence with no rows
+    got = check(args, limits, num_prefix_splits, own_decode_seqs=decodes, own_prompt_seqs=prompts)
+    assert not got[-3:].any()                                # the padding rows
+
+
+def test_own_lists_come_together_and_are_int32():
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, torch.float32, seed=17)
+    decodes, prompts = own_lists(args)
+    with pytest.raises(ValueError, match="come together"):
+        run(args, limits, own_decode_seqs=decodes)
+    with pytest.raises(ValueError, match="own_prompt_seqs must be a non-empty int32"):
+        run(args, limits, own_decode_seqs=decodes, own_prompt_seqs=prompts.long())
+    with pytest.raises(ValueError, match="own_decode_seqs must be a non-empty int32"):
+        run(args, limits, own_decode_seqs=decodes[:0], own_prompt_seqs=prompts)
 
 
 @pytest.mark.parametrize("num_prefix_splits", [1, 2, 5])

@@ -105,22 +105,33 @@ def test_sliding_window_models_keep_the_plain_kernel(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-def test_triton_kernels_interpreted_same_tokens(tiny_models):
+@pytest.mark.parametrize("chunk", [None, 24])
+def test_triton_kernels_interpreted_same_tokens(tiny_models, chunk, monkeypatch):
     """The engine with the Triton kernels (TRITON_INTERPRET=1 on CPU): cascade vs the plain
-    paged-attention kernel, a small shared-prefix workload with groups and lone rows."""
+    paged-attention kernel, a small shared-prefix workload with groups and lone rows. chunk: a
+    small token budget, so that prompt chunks run beside decode rows: the cascade own pass then
+    runs the decode rows apart from the chunks (own_decode_seqs / own_prompt_seqs)."""
     from engine.models.attention import triton_backend
-    from tests.kernel_support import require_runnable
-    import kernels.cascade_attention as ca
+    from tests.kernel_support import load_kernels, require_runnable
+    ca = load_kernels("kernels.cascade_attention")
     require_runnable(ca)
+    apart = []
+    kernel = ca.cascade_attention
+
+    def counted(*args, own_decode_seqs=None, own_prompt_seqs=None, **kwargs):
+        apart.append(own_decode_seqs is not None)
+        return kernel(*args, own_decode_seqs=own_decode_seqs, own_prompt_seqs=own_prompt_seqs, **kwargs)
+    monkeypatch.setattr(ca, "cascade_attention", counted)
     rng = random.Random(5)
     prefix = [rng.randrange(3, 1000) for _ in range(40)]
     prompts = [prefix + [rng.randrange(3, 1000) for _ in range(rng.randint(1, 9))]
                for _ in range(3)] + [[rng.randrange(3, 1000) for _ in range(12)]]
     params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    budget = {} if chunk is None else {"max_num_batched_tokens": chunk}
     results = []
     for cascade in (False, True):
         llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64,
-                  enable_cascade_attention=cascade, enforce_eager=True)
+                  enable_cascade_attention=cascade, enforce_eager=True, **budget)
         backend = triton_backend()
         for layer in llm.core.runner.model.layers:
             layer.self_attn.attn.backend = backend
@@ -129,6 +140,7 @@ def test_triton_kernels_interpreted_same_tokens(tiny_models):
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert (llm.get_stats().num_cascade_rows > 0) == cascade
     assert results[0] == results[1]
+    assert any(apart) == (chunk is not None), apart
 
 
 def test_cpu_default_settings_group_shared_prefixes(tiny_models):

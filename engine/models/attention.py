@@ -50,6 +50,10 @@ class AttentionMetadata:
     max_group_rows: int = 1                    # host ints, fixed for a CUDA graph
     max_prefix_len: int = 0
     num_prefix_splits: int = 1
+    # A cascade step of one-row sequences beside prompt chunks: [n] int32 each, the sequences of
+    # each kind, whose own pass runs apart in its own tiles (kernels/cascade_attention.py).
+    own_decode_seqs: torch.Tensor | None = None
+    own_prompt_seqs: torch.Tensor | None = None
     # The step's Triton kernels (norms, projections, rotary, attention) are launched with
     # programmatic dependent launch (kernels/pdl.py): decode graphs of up to 16 rows with
     # EngineConfig.decode_pdl, on a GPU that has it.
@@ -115,7 +119,8 @@ def triton_backend() -> AttentionBackend:
                 q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q, attn.seq_lens,
                 attn.prefix_lens, attn.cu_group_seqs, scale, max_seqlen_q=attn.max_seqlen_q,
                 max_group_rows=attn.max_group_rows, max_prefix_len=attn.max_prefix_len,
-                num_prefix_splits=attn.num_prefix_splits)
+                num_prefix_splits=attn.num_prefix_splits, own_decode_seqs=attn.own_decode_seqs,
+                own_prompt_seqs=attn.own_prompt_seqs)
         nd = attn.num_decodes
         if attn.max_seqlen_q > 1 and 0 < nd < attn.seq_lens.shape[0]:
             return _mixed_paged_attention(paged_attention, q, k_cache, v_cache, attn, scale,
