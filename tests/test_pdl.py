@@ -64,8 +64,8 @@ def model_dir(tmp_path_factory):
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
 def test_decode_steps_of_up_to_16_rows_launch_every_triton_kernel_with_pdl(model_dir, monkeypatch):
     """DecodeGraphs(pdl=True): a step of up to 16 rows (what the graphs of those sizes capture)
-    asks each RMSNorm, projection, rotary + KV write, attention and SiLU-and-mul call for PDL, and
-    the projections run their skinny_chain config; a 24-row step asks none and runs F.linear.
+    asks each RMSNorm, projection (the lm_head too), rotary + KV write, attention and SiLU-and-mul
+    call for PDL, and the projections run their skinny_chain config; a 24-row step asks none and runs F.linear.
     The kernels run interpreted, without PDL (the recorders drop it); the logits equal those
     of the same steps with pdl=False."""
     import engine.models.linear as linear_module
@@ -117,8 +117,9 @@ def test_decode_steps_of_up_to_16_rows_launch_every_triton_kernel_with_pdl(model
                              if asked else ["paged_attention", "rms_norm", "rotary_write_kv", "silu_and_mul"])
             counts = {k: sum(1 for n, _ in calls if n == k) for k in kinds}
             assert counts["rms_norm"] == 2 * layers + 1 and counts["paged_attention"] == layers
-            if asked:                  # qkv, o_proj, gate_up, down: all skinny, all with PDL
-                assert counts["skinny_gemm"] == 4 * layers
+            if asked:                  # qkv, o_proj, gate_up, down and the lm_head: skinny, PDL
+                assert model.lm_head is not None
+                assert counts["skinny_gemm"] == 4 * layers + 1
     for rows in (3, 20):
         torch.testing.assert_close(logits[True, rows], logits[False, rows], atol=1e-4, rtol=1.3e-6)
 
