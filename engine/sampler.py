@@ -3,8 +3,8 @@ per-request seeds, raw logprobs.
 
 Plain device-agnostic torch (the argmax on CUDA: kernels/argmax.py). Per step the host only
 builds index tensors from Python lists and copies them to the device; nothing reads a device
-value back, so on CUDA a step never waits on the GPU. The one Python loop over rows in the hot path is over *seeded* rows (one generator
-re-seed and one noise kernel each).
+value back, so on CUDA a step never waits on the GPU. The one Python loop over rows in the hot
+path is over *seeded* rows (one generator re-seed and one noise kernel each).
 """
 from __future__ import annotations
 
