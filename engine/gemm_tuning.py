@@ -2,10 +2,9 @@
 the Triton skinny GEMM (kernels/skinny_gemm.py) for decode-sized inputs (up to 16 rows); fills
 the projections' `skinny` / `skinny_silu` tables (engine/models/linear.py), and `skinny_chain`
 with the fastest Triton config whether or not it won (what a decode graph launched with PDL
-runs). The chain's
-configs are chosen by these timings without PDL: timed in a chain of PDL launches of the same
-projection, other configs won, and the decode step with them was slower (H200: 4.68 against
-4.51 ms/token; benchmarks/h200/decode_pdl.md).
+runs). The chain's configs are chosen by these timings without PDL: timed in a chain of PDL
+launches of the same projection, other configs won, and the decode step with them was slower
+(H200: 4.68 against 4.51 ms/token; benchmarks/h200/decode_pdl.md).
 
 Why a start-up timing rather than a per-shape table: which kernel wins depends on the GPU, on
 the cuBLAS version torch ships (its kernel choice for skinny shapes changes between releases),
