@@ -526,7 +526,10 @@ class ModelRunner:
         t1 = time.perf_counter()
         times.wait += t1 - t0
         if handle.events:
-            times.gpu += self._gpu_time(handle)
+            gpu = self._gpu_time(handle)
+            times.gpu += gpu
+            if handle.graph:
+                times.graph_gpu += gpu
         if self._uncollected is handle:
             self._uncollected = None
         x, states = handle.x, handle.states

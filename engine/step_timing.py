@@ -37,6 +37,7 @@ class StepTimes:
     post: float = 0.0
     update: float = 0.0
     gpu: float = 0.0
+    graph_gpu: float = 0.0
     gpu_events: bool = False    # time the GPU too (CUDA events); off by default
 
     def copy(self) -> StepTimes:
@@ -49,12 +50,17 @@ class StepTimes:
                          gpu_events=self.gpu_events)
 
     def per_step_ms(self) -> dict[str, float]:
-        """Mean milliseconds per step of each phase, the wall time, the GPU's time and the
-        share of steps that ran as a CUDA graph."""
+        """Mean milliseconds per step of each phase, the wall time, the GPU's time (in all, and
+        per graph step and per other step) and the share of steps that ran as a CUDA graph."""
         n = max(self.steps, 1)
         out = {p: round(1e3 * getattr(self, p) / n, 4) for p in PHASES}
         out["wall"] = round(sum(out[p] for p in PHASES), 4)
         if self.gpu_events and self.gpu > 0:    # CPU, or not asked: no GPU figure
             out["gpu"] = round(1e3 * self.gpu / n, 4)
+            if self.graph_steps:
+                out["gpu_graph_step"] = round(1e3 * self.graph_gpu / self.graph_steps, 4)
+            if self.steps > self.graph_steps:
+                out["gpu_other_step"] = round(1e3 * (self.gpu - self.graph_gpu)
+                                              / (self.steps - self.graph_steps), 4)
         out["graph_step_share"] = round(self.graph_steps / n, 4)
         return out

@@ -233,12 +233,12 @@ def write_results(out_prefix: str, meta: dict, rows: list[dict], table: list[str
 def step_table(rows: list[dict], label_keys: list[str]) -> list[str]:
     """Markdown: where a step's time went (each row's "step_ms", StepTimes.per_step_ms), per
     row labelled by `label_keys`. Host phases are back to back; wall - gpu is roughly what the
-    GPU waited for the host."""
+    GPU waited for the host. GPU ms per graph step and per other (eager) step where timed."""
     from engine.step_timing import PHASES
     head = (["| " + " | ".join(label_keys) + " | " + " | ".join(PHASES)
-             + " | wall ms | GPU ms | GPU idle | graph steps |"],
+             + " | wall ms | GPU ms | GPU idle | graph steps | GPU ms a graph step | GPU ms an other step |"],
             ["| " + " | ".join("---" for _ in label_keys) + " | "
-             + " | ".join("---:" for _ in PHASES) + " | ---: | ---: | ---: | ---: |"])
+             + " | ".join("---:" for _ in PHASES) + " | ---: | ---: | ---: | ---: | ---: | ---: |"])
     out = head[0] + head[1]
     for r in rows:
         ms = r["step_ms"]
@@ -247,7 +247,9 @@ def step_table(rows: list[dict], label_keys: list[str]) -> list[str]:
         out.append("| " + " | ".join(str(r[k]) for k in label_keys) + " | "
                    + " | ".join(f"{ms[p]:.3f}" for p in PHASES)
                    + f" | {ms['wall']:.3f} | {'-' if gpu is None else f'{gpu:.3f}'} | {idle} | "
-                   + f"{100 * ms['graph_step_share']:.0f}% |")
+                   + f"{100 * ms['graph_step_share']:.0f}% | "
+                   + " | ".join(f"{ms[k]:.3f}" if k in ms else "-" for k in ("gpu_graph_step", "gpu_other_step"))
+                   + " |")
     return out
 
 

@@ -37,12 +37,14 @@ def test_the_phases_add_up_to_the_steps_wall_time(tmp_path, async_scheduling):
 
 def test_since_and_per_step_ms_with_gpu_time():
     a = StepTimes(steps=2, graph_steps=1, schedule=0.002, launch=0.010, wait=0.004, gpu=0.012,
-                  gpu_events=True)
-    b = StepTimes(steps=6, graph_steps=5, schedule=0.006, launch=0.030, wait=0.012, gpu=0.036,
-                  gpu_events=True)
+                  graph_gpu=0.004, gpu_events=True)
+    b = StepTimes(steps=7, graph_steps=5, schedule=0.007, launch=0.035, wait=0.014, gpu=0.047,
+                  graph_gpu=0.024, gpu_events=True)
     ms = b.since(a).per_step_ms()
     assert ms["schedule"] == 1.0 and ms["launch"] == 5.0 and ms["wait"] == 2.0
-    assert ms["gpu"] == 6.0 and ms["wall"] == 8.0 and ms["graph_step_share"] == 1.0
+    assert ms["gpu"] == 7.0 and ms["wall"] == 8.0 and ms["graph_step_share"] == 0.8
+    # 4 graph steps took 20 ms of the GPU's 35; the one eager step took the other 15.
+    assert ms["gpu_graph_step"] == 5.0 and ms["gpu_other_step"] == 15.0
 
 
 class _FakeEvent:
@@ -92,3 +94,19 @@ def test_graph_steps_are_counted_once_from_the_runners_report(tmp_path):
         core.step()
     assert core.times.steps == 4 and core.times.graph_steps == 3     # the prompt's step eager
     assert core.get_stats().num_graph_steps == 3
+
+
+def test_step_table_shows_graph_and_other_steps_gpu_time_where_timed():
+    """scripts/bench_common.step_table: the GPU's ms per graph step and per other step beside
+    the phases; '-' where a run timed no GPU (CPU) or had no step of that kind."""
+    from scripts.bench_common import step_table
+    timed = StepTimes(steps=5, graph_steps=4, schedule=0.005, launch=0.025, wait=0.010, gpu=0.035,
+                      graph_gpu=0.020, gpu_events=True).per_step_ms()
+    untimed = StepTimes(steps=2, schedule=0.002, launch=0.002, wait=0.002).per_step_ms()
+    head, rule, a, b = step_table([{"run": "gpu", "step_ms": timed}, {"run": "cpu", "step_ms": untimed}],
+                                  ["run"])
+    assert head.endswith("| GPU ms a graph step | GPU ms an other step |")
+    assert rule.count("|") == head.count("|")
+    assert a.endswith("| 80% | 5.000 | 15.000 |"), a
+    assert b.endswith("| 0% | - | - |"), b
+    assert a.count("|") == b.count("|") == head.count("|")
