@@ -94,7 +94,7 @@ def _prefix_kernel(
     stride_bt,
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PROMPT: tl.constexpr, I32: tl.constexpr,
 ):
     pid_m = tl.program_id(0).to(tl.int64)
     grp = tl.program_id(1).to(tl.int64)
@@ -139,12 +139,12 @@ def _prefix_kernel(
         acc, m_i, l_i, q, t, table_row, k_base, v_base, k_lo, k_full_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=False, HAS_WINDOW=False,
-        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=False, PROMPT=False, I32=False)
+        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=False, PROMPT=PROMPT, I32=I32)
     acc, m_i, l_i = _attend_keys(
         acc, m_i, l_i, q, t, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, 0,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
         BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=False,
-        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=False, PROMPT=False, I32=False)
+        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=False, PROMPT=PROMPT, I32=I32)
 
     # An empty split stores m = -inf, l = 0, acc = 0: it weighs nothing in the merge.
     part = (split * num_tokens + t) * num_heads + head
@@ -263,6 +263,8 @@ class _TileConfig:
     block_n: int        # keys per step
     num_warps: int
     num_stages: int
+    prompt: bool | None = None      # the key loop's PROMPT form (block ids a step ahead); None: the pass's rule
+    i32: bool | None = None         # int32 K/V offsets (where the caches allow them); None: the pass's rule
 
 
 def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
@@ -472,6 +474,7 @@ def _launch_prefix(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, pre
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PROMPT=bool(cfg.prompt), I32=bool(cfg.i32) and _int32_offsets(k_cache, v_cache),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -497,7 +500,8 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_table.stride(0),
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", PROMPT=_prompt_loop(max_seqlen_q, k_cache),
-        I32=_int32_offsets(k_cache, v_cache), HAS_SEQ_IDS=seq_ids is not None,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        PROMPT=_prompt_loop(max_seqlen_q, k_cache) if cfg.prompt is None else cfg.prompt,
+        I32=(cfg.i32 is not False) and _int32_offsets(k_cache, v_cache), HAS_SEQ_IDS=seq_ids is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

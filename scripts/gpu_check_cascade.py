@@ -284,15 +284,20 @@ def pass_args(batch: Batch, splits: int) -> tuple:
     return (*batch.args(), torch.empty_like(batch.q), part_m, torch.empty_like(part_m), part_acc, D ** -0.5)
 
 
-def sweep(warmup_ms, rep_ms, cases=("groups", "lone")) -> list[dict]:
-    """Each pass alone: the prefix pass over tile configs x split counts, then the decode own pass
-    over tile configs (with the prefix pass's default config and splits ahead of it)."""
+GROUP_SHAPES = ((4, 496), (16, 2000), (64, 8000))      # (members, prefix tokens) of the sweep's decode groups
+# The key loop's forms (the kernels' PROMPT and I32 constexprs): (prompt, i32).
+LOOP_FORMS = ((False, False), (True, False), (False, True), (True, True))
+
+
+def sweep(warmup_ms, rep_ms, cases=("groups", "lone"), shapes=GROUP_SHAPES) -> list[dict]:
+    """Each pass alone: the prefix pass over tile configs (at the tile height the rule picks for
+    the group) x key-loop forms x split counts, then the decode own pass over tile configs x
+    key-loop forms (with the prefix pass's default config and splits ahead of it)."""
     rows = []
     g_pad = triton.next_power_of_2(HQ // HKV)
-    prefix_configs = [ca._TileConfig(*c) for c in (
-        (16, 64, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (64, 64, 8, 3), (64, 32, 4, 3),
-        (64, 64, 4, 2), (64, 64, 4, 4), (128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 2))]
-    own_configs = [ca._TileConfig(16, n, w, st) for n in (32, 64, 128) for w in (2, 4) for st in (1, 2, 3)]
+    prefix_tiles = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (32, 4, 2))       # keys a step, warps, stages
+    own_configs = [ca._TileConfig(16, n, w, st, prompt=pr) for n in (32, 64, 128) for w in (2, 4)
+                   for st in (1, 2, 3) for pr in (False, True)]
 
     def timed(row, fn, nbytes):
         try:
@@ -308,8 +313,12 @@ def sweep(warmup_ms, rep_ms, cases=("groups", "lone")) -> list[dict]:
         b = min(done, key=lambda r: r["us"])
         print(f"  sweep {kind} pass, group {size} prefix {prefix_len}: best {b['cfg']} S={b['splits']} "
               f"{b['us']:.1f} us {b['GB_s']:.0f} GB/s (default {b['default_us']:.1f} us)", flush=True)
+        for form in sorted({(r["cfg"]["prompt"], r["cfg"]["i32"]) for r in done}, key=str):
+            f = min((r for r in done if (r["cfg"]["prompt"], r["cfg"]["i32"]) == form), key=lambda r: r["us"])
+            print(f"    prompt={form[0]} i32={form[1]}: {f['us']:.1f} us at {f['cfg']['block_n']} keys, "
+                  f"{f['cfg']['num_warps']} warps, {f['cfg']['num_stages']} stages, S={f['splits']}", flush=True)
 
-    for size, prefix_len in ((4, 496), (16, 2000), (64, 8000)) if "groups" in cases else ():
+    for size, prefix_len in shapes if "groups" in cases else ():
         batch = Batch(decode_groups(size, prefix_len), seed=size)
         per_token = kv_bytes_per_token()
         own_bytes = sum(n - p for _, n, p, _ in batch.seqs) * per_token
@@ -324,12 +333,12 @@ def sweep(warmup_ms, rep_ms, cases=("groups", "lone")) -> list[dict]:
                                   warmup_ms, rep_ms),
             "own": bench_graph(lambda: ca._launch_own(*parts, 1, default_splits, ca._own_config(1, D, DTYPE)),
                                warmup_ms, rep_ms)}
+        prefix_configs = [ca._TileConfig(default.block_q, n, w, st, prompt=pr, i32=i32)
+                          for n, w, st in prefix_tiles for pr, i32 in LOOP_FORMS]
         for cfg in prefix_configs:
-            if cfg.block_q < g_pad:
-                continue
             block_m = cfg.block_q // g_pad
             prefix_bytes = batch.kv_bytes(block_m)[1] - own_bytes
-            for splits in (1, 2, 3, 4, 6, 8):
+            for splits in (1, 2, 3, 4, 6):
                 p = pass_args(batch, splits)
                 timed(dict(base, cfg=cfg.__dict__, splits=splits, default_us=default_ms["prefix"] * 1e3,
                            **{"pass": "prefix"}),
@@ -366,6 +375,9 @@ def main() -> None:
     ap.add_argument("--sweep", nargs="*", choices=["groups", "lone"], default=None,
                     help="also time tile configs of each pass (and the prefix pass's split counts): on "
                          "decode groups, and the own pass of lone requests beside a group (no value: both)")
+    ap.add_argument("--sweep-shapes", nargs="+", default=None, metavar="MxP",
+                    help="the decode groups the sweep times: members x prefix tokens (default: "
+                         + " ".join(f"{m}x{p}" for m, p in GROUP_SHAPES) + ")")
     ap.add_argument("--skip-timing", action="store_true")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
@@ -388,7 +400,9 @@ def main() -> None:
               f"{HBM_BYTES_PER_S / 1e12:.1f} TB/s)")
         results["timing"] = time_cases(opts.warmup_ms, opts.rep_ms)
     if opts.sweep is not None:
-        results["sweep"] = sweep(opts.warmup_ms, opts.rep_ms, opts.sweep or ("groups", "lone"))
+        shapes = (GROUP_SHAPES if opts.sweep_shapes is None
+                  else tuple(tuple(int(x) for x in v.split("x")) for v in opts.sweep_shapes))
+        results["sweep"] = sweep(opts.warmup_ms, opts.rep_ms, opts.sweep or ("groups", "lone"), shapes)
     json_path = os.path.join(opts.out, "gpu_check_cascade.json")
     with open(json_path, "w") as f:
         json.dump(results, f, indent=1)

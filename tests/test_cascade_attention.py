@@ -4,6 +4,8 @@ Without CUDA the kernels run in Triton's interpreter (set up by tests/kernel_sup
 does not take, every test fails rather than skipping. With CUDA the same tests run on the GPU,
 bf16 included, plus the CUDA-graph check. The cost rule: tests/test_cascade_cost.py.
 """
+import dataclasses
+
 import pytest
 import torch
 
@@ -159,6 +161,25 @@ def test_own_lists_come_together_and_are_int32():
         run(args, limits, own_decode_seqs=decodes, own_prompt_seqs=prompts.long())
     with pytest.raises(ValueError, match="own_decode_seqs must be a non-empty int32"):
         run(args, limits, own_decode_seqs=decodes[:0], own_prompt_seqs=prompts)
+
+
+@pytest.mark.parametrize("prompt,i32", [(True, False), (False, True), (True, True), (False, False)])
+def test_every_key_loop_form_matches_reference(monkeypatch, prompt, i32):
+    """Both passes' key loops in each form a tile config may name (scripts/gpu_check_cascade.py
+    --sweep times them): PROMPT (block ids a step ahead, K read key by key) and int32 offsets,
+    in decode and prompt tiles, with prefix splits."""
+    prefix_config, own_config = ca._prefix_config, ca._own_config
+    monkeypatch.setattr(ca, "_prefix_config",
+                        lambda *a: dataclasses.replace(prefix_config(*a), prompt=prompt, i32=i32))
+    monkeypatch.setattr(ca, "_own_config",
+                        lambda *a: dataclasses.replace(own_config(*a), prompt=prompt, i32=i32))
+    assert ca._prefix_config(4, 4, 32, torch.float16).prompt is prompt
+    # Several key steps in a call: a 320-token prefix, own parts up to 200 keys.
+    groups = MIXED_GROUPS + [(320, [(1, 200), (6, 150), (1, 70)])]
+    args, limits = make_batch(groups, MIXED_LONE + [(1, 210)], 8, 2, 32, torch.float16, seed=5)
+    check(args, limits, num_prefix_splits=1)
+    check(args, limits, num_prefix_splits=2, own_decode_seqs=own_lists(args)[0],
+          own_prompt_seqs=own_lists(args)[1])
 
 
 @pytest.mark.parametrize("num_prefix_splits", [1, 2, 5])
