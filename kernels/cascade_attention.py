@@ -268,19 +268,20 @@ class _TileConfig:
 
 
 def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
-    """Decode: 16-row tiles of 64-key steps on 4 warps, 2 stages (head dim 128). A member's own
-    keys are few, and there smaller steps than kernels/paged_attention.py's 128 keys on 3 stages
-    pay: on an H100 (`gpu_check_cascade.py --sweep`, 256 rows of 200 own keys in groups of 4 / 16
-    / 64) 108 / 109 / 115 against 107 / 117 / 121 us. Lone rows read their whole context here:
-    64 of 2200 keys took 256 against 250 us, 8 of 8000 305 against 245 (32-key steps on 2 warps,
-    best for members at 97-113 us, took 255 and 509: not taken). Lone rows from 2048 cached
-    tokens are moved into the prefix pass where capacity allows (engine/cascade_plan.py).
+    """Decode: 16-row tiles of 32-key steps on 2 warps, 2 stages (head dim 128). A member's own
+    keys are few, and there small steps on small programs pay. H200 (`gpu_check_cascade.py
+    --sweep groups`, 256 rows of 200 own keys in groups of 16, benchmarks/h200/
+    cascade_decode_passes.md): 79.6 us against 89.7 for 64-key steps on 4 warps, the fastest of
+    36 configs and loop forms; an H100 found the same (97-113 us against 108-121 in groups of 4 /
+    16 / 64). Lone rows read their whole context here (on an H100, 64 of 2200 keys took 255
+    against 250 us, 8 of 8000 509 against 245); lone rows from 2048 cached tokens are moved
+    into the prefix pass where capacity allows (engine/cascade_plan.py).
     Prefill tiles as paged attention's (128 x 64 on 8 warps, the key loop's PROMPT form); small
     exact-fp32 tiles (a test path)."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     if max_seqlen_q == 1:
-        return _TileConfig(16, 32, 4, 3) if head_dim == 256 else _TileConfig(16, 64, 4, 2)
+        return _TileConfig(16, 32, 4, 3) if head_dim == 256 else _TileConfig(16, 32, 2, 2)
     if head_dim == 256:
         return _TileConfig(64, 32, 8, 2)
     return _TileConfig(128, 64, 8, 3)
@@ -288,17 +289,18 @@ def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileCo
 
 def _prefix_config(max_group_rows: int, g_pad: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
     """As many of the largest group's rows x heads as fit one tile, up to 128: each K/V step then
-    serves the whole group. Every row sees every key, so the tile is a dense GEMM-shaped loop.
-    64-key steps on 4 warps, 2 stages: on an H100 (`gpu_check_cascade.py --sweep`, 256 decode
-    rows) the fastest tile at 4 x 496, 16 x 2000 and 64 x 8000 (groups x prefix, each at its
-    best split count); 128-row tiles on 8 warps, 3 stages took 150 against 115 us at 64 x 8000
-    in 4 splits."""
+    serves the whole group. Every row sees every key, so the tile is a dense GEMM-shaped loop,
+    read as prompt tiles are (the key loop's PROMPT form: block ids a step ahead; int32 offsets
+    where the caches allow). 64-key steps on 4 warps, 3 stages. H200 (`gpu_check_cascade.py
+    --sweep groups`, 16 groups of 16 decode rows x 2000 prefix tokens, benchmarks/h200/
+    cascade_decode_passes.md): 49.5-50.4 us at 1-2 splits against 54.0 for the plain loop on
+    2 stages (the earlier choice, from an H100 sweep at 4 x 496, 16 x 2000 and 64 x 8000)."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     rows = min(max(triton.next_power_of_2(max_group_rows * g_pad), 16), 128)
     if head_dim == 256:
         return _TileConfig(min(rows, 64), 32, 4 if rows <= 32 else 8, 2)
-    return _TileConfig(rows, 64, 4, 2)
+    return _TileConfig(rows, 64, 4, 3, prompt=True, i32=True)
 
 
 def prefix_rows_per_tile(max_group_rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
@@ -312,10 +314,12 @@ def prefix_rows_per_tile(max_group_rows: int, num_q_heads: int, num_kv_heads: in
 def choose_num_prefix_splits(num_groups: int, num_tiles_per_group: int, num_kv_heads: int,
                              max_prefix_len: int, num_sms: int = _H200_NUM_SMS,
                              min_keys_per_split: int = 256, max_splits: int = 16) -> int:
-    """Splits of each prefix: enough prefix programs for about two per SM, none shorter than
+    """Splits of each prefix: as many prefix programs as fit two per SM (one wave; a second,
+    partial wave costs more than shorter splits save: H200, 16 groups x 2000 tokens, 128
+    programs a split, 2 splits 54.0 against 3 splits 65.3 us), none shorter than
     min_keys_per_split keys (each split costs a partial write and read per query row)."""
     programs = max(num_groups * num_tiles_per_group * num_kv_heads, 1)
-    want = triton.cdiv(2 * num_sms, programs)
+    want = max(1, 2 * num_sms // programs)
     cap = max(max_prefix_len // min_keys_per_split, 1)
     return max(1, min(want, cap, max_splits))
 

@@ -287,6 +287,9 @@ def pass_args(batch: Batch, splits: int) -> tuple:
 GROUP_SHAPES = ((4, 496), (16, 2000), (64, 8000))      # (members, prefix tokens) of the sweep's decode groups
 # The key loop's forms (the kernels' PROMPT and I32 constexprs): (prompt, i32).
 LOOP_FORMS = ((False, False), (True, False), (False, True), (True, True))
+PREFIX_TILES = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (32, 4, 2))       # keys a step, warps, stages
+OWN_CONFIGS = [ca._TileConfig(16, n, w, st, prompt=pr) for n in (32, 64, 128) for w in (2, 4)
+               for st in (1, 2, 3) for pr in (False, True)]
 
 
 def sweep(warmup_ms, rep_ms, cases=("groups", "lone"), shapes=GROUP_SHAPES) -> list[dict]:
@@ -295,9 +298,7 @@ def sweep(warmup_ms, rep_ms, cases=("groups", "lone"), shapes=GROUP_SHAPES) -> l
     key-loop forms (with the prefix pass's default config and splits ahead of it)."""
     rows = []
     g_pad = triton.next_power_of_2(HQ // HKV)
-    prefix_tiles = ((64, 4, 2), (64, 4, 3), (128, 4, 2), (32, 4, 2))       # keys a step, warps, stages
-    own_configs = [ca._TileConfig(16, n, w, st, prompt=pr) for n in (32, 64, 128) for w in (2, 4)
-                   for st in (1, 2, 3) for pr in (False, True)]
+    prefix_tiles, own_configs = PREFIX_TILES, OWN_CONFIGS
 
     def timed(row, fn, nbytes):
         try:

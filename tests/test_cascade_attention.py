@@ -316,9 +316,12 @@ def test_rejects_bad_sizes():
 
 
 def test_choose_num_prefix_splits():
-    # 16 groups of 16 decode rows, Llama-8B: 128 prefix programs -> 3 splits of a 2000 prefix.
-    assert ca.choose_num_prefix_splits(16, 1, 8, 2000) == 3
+    # 16 groups of 16 decode rows, Llama-8B: 128 prefix programs a split -> 2 splits of a 2000
+    # prefix (256 programs, two per SM of 132: one wave; 3 would be 384).
+    assert ca.choose_num_prefix_splits(16, 1, 8, 2000) == 2
+    assert ca.choose_num_prefix_splits(17, 1, 8, 2000) == 1     # 136 programs: 2 splits, 272
     assert ca.choose_num_prefix_splits(64, 1, 8, 2000) == 1     # 512 programs fill 132 SMs
+    assert ca.choose_num_prefix_splits(4, 2, 8, 8000) == 4      # 64 x 4 = 256 programs
     assert ca.choose_num_prefix_splits(1, 1, 8, 300) == 1       # too short to split
     assert ca.choose_num_prefix_splits(1, 1, 1, 10 ** 6) == 16  # capped
 
