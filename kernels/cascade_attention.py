@@ -268,20 +268,20 @@ class _TileConfig:
 
 
 def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
-    """Decode: 16-row tiles of 32-key steps on 2 warps, 2 stages (head dim 128). A member's own
-    keys are few, and there small steps on small programs pay. H200 (`gpu_check_cascade.py
-    --sweep groups`, 256 rows of 200 own keys in groups of 16, benchmarks/h200/
-    cascade_decode_passes.md): 79.6 us against 89.7 for 64-key steps on 4 warps, the fastest of
-    36 configs and loop forms; an H100 found the same (97-113 us against 108-121 in groups of 4 /
-    16 / 64). Lone rows read their whole context here (on an H100, 64 of 2200 keys took 255
-    against 250 us, 8 of 8000 509 against 245); lone rows from 2048 cached tokens are moved
-    into the prefix pass where capacity allows (engine/cascade_plan.py).
+    """Decode: 16-row tiles of 64-key steps on 4 warps, 2 stages (head dim 128). The own pass
+    reads members' own keys (few, in the shared-prefix jobs cascade is for) and lone rows' whole
+    contexts (up to 2048 cached tokens, longer ones where the prefix pass has no room:
+    engine/cascade_plan.py), and no one tile is best for both. H200 (`gpu_check_cascade.py
+    --sweep`, benchmarks/h200/cascade_decode_passes.md): 32-key steps on 2 warps took 79.6-85.2
+    us for 256 members of 200 own keys against 85-90 here, but 206 against 187 us for 64 lone
+    rows of 2200 keys and 480 against 302 for 8 of 8000 (an H100 found the same): not taken, a
+    long own part (a long chat after a shared system prompt) reads like a lone row.
     Prefill tiles as paged attention's (128 x 64 on 8 warps, the key loop's PROMPT form); small
     exact-fp32 tiles (a test path)."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     if max_seqlen_q == 1:
-        return _TileConfig(16, 32, 4, 3) if head_dim == 256 else _TileConfig(16, 32, 2, 2)
+        return _TileConfig(16, 32, 4, 3) if head_dim == 256 else _TileConfig(16, 64, 4, 2)
     if head_dim == 256:
         return _TileConfig(64, 32, 8, 2)
     return _TileConfig(128, 64, 8, 3)
@@ -289,18 +289,22 @@ def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileCo
 
 def _prefix_config(max_group_rows: int, g_pad: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
     """As many of the largest group's rows x heads as fit one tile, up to 128: each K/V step then
-    serves the whole group. Every row sees every key, so the tile is a dense GEMM-shaped loop,
-    read as prompt tiles are (the key loop's PROMPT form: block ids a step ahead; int32 offsets
-    where the caches allow). 64-key steps on 4 warps, 3 stages. H200 (`gpu_check_cascade.py
-    --sweep groups`, 16 groups of 16 decode rows x 2000 prefix tokens, benchmarks/h200/
-    cascade_decode_passes.md): 49.5-50.4 us at 1-2 splits against 54.0 for the plain loop on
-    2 stages (the earlier choice, from an H100 sweep at 4 x 496, 16 x 2000 and 64 x 8000)."""
+    serves the whole group. Every row sees every key, so the tile is a dense GEMM-shaped loop.
+    64-key steps on 4 warps. 64-row tiles (the decode graphs': 16 rows a group x 4 heads) read as
+    prompt tiles do (the key loop's PROMPT form: block ids a step ahead; int32 offsets where the
+    caches allow) on 3 stages; other heights the plain loop on 2 stages. H200 (`gpu_check_cascade.py
+    --sweep groups`, benchmarks/h200/cascade_decode_passes.md), groups x prefix tokens: at 16 x
+    2000 (64-row tiles) 49.5-50.4 us at 1-2 splits against 54.0 for the plain loop on 2 stages,
+    the earlier choice (from an H100 sweep); at 4 x 496 (16-row tiles) 47.5 against 54.4 and at
+    64 x 8000 (128-row tiles) 112.2 against 131.7, the plain loop on 2 stages the faster."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     rows = min(max(triton.next_power_of_2(max_group_rows * g_pad), 16), 128)
     if head_dim == 256:
         return _TileConfig(min(rows, 64), 32, 4 if rows <= 32 else 8, 2)
-    return _TileConfig(rows, 64, 4, 3, prompt=True, i32=True)
+    if rows == 64:
+        return _TileConfig(rows, 64, 4, 3, prompt=True, i32=True)
+    return _TileConfig(rows, 64, 4, 2)
 
 
 def prefix_rows_per_tile(max_group_rows: int, num_q_heads: int, num_kv_heads: int, head_dim: int,
