@@ -272,8 +272,8 @@ def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileCo
     reads members' own keys (few, in the shared-prefix jobs cascade is for) and lone rows' whole
     contexts (up to 2048 cached tokens, longer ones where the prefix pass has no room:
     engine/cascade_plan.py), and no one tile is best for both. H200 (`gpu_check_cascade.py
-    --sweep`, benchmarks/h200/cascade_decode_passes.md): 32-key steps on 2 warps took 79.6-85.2
-    us for 256 members of 200 own keys against 85-90 here, but 206 against 187 us for 64 lone
+    --sweep`, benchmarks/h200/cascade_decode_passes.md): 32-key steps on 2 warps took 75.0-90.6
+    us for 256 members of 200 own keys against 84.3-92.7 here, but 206 against 187 us for 64 lone
     rows of 2200 keys and 480 against 302 for 8 of 8000 (an H100 found the same): not taken, a
     long own part (a long chat after a shared system prompt) reads like a lone row.
     Prefill tiles as paged attention's (128 x 64 on 8 warps, the key loop's PROMPT form); small
@@ -293,10 +293,10 @@ def _prefix_config(max_group_rows: int, g_pad: int, head_dim: int, dtype: torch.
     64-key steps on 4 warps. 64-row tiles (the decode graphs': 16 rows a group x 4 heads) read as
     prompt tiles do (the key loop's PROMPT form: block ids a step ahead; int32 offsets where the
     caches allow) on 3 stages; other heights the plain loop on 2 stages. H200 (`gpu_check_cascade.py
-    --sweep groups`, benchmarks/h200/cascade_decode_passes.md), groups x prefix tokens: at 16 x
-    2000 (64-row tiles) 49.5-50.4 us at 1-2 splits against 54.0 for the plain loop on 2 stages,
-    the earlier choice (from an H100 sweep); at 4 x 496 (16-row tiles) 47.5 against 54.4 and at
-    64 x 8000 (128-row tiles) 112.2 against 131.7, the plain loop on 2 stages the faster."""
+    --sweep groups`, benchmarks/h200/cascade_decode_passes.md), members a group x prefix tokens:
+    at 16 x 2000 (64-row tiles) 49.5-50.4 us at 1-2 splits against 54.0 for the plain loop on 2
+    stages, the earlier choice (from an H100 sweep); at 4 x 496 (16-row tiles) 47.5 against 54.4
+    and at 64 x 8000 (128-row tiles) 112.2 against 131.7, the plain loop on 2 stages the faster."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     rows = min(max(triton.next_power_of_2(max_group_rows * g_pad), 16), 128)
