@@ -17,6 +17,7 @@ nothing sent from the scheduler. `CascadePlanner.plan`:
    keep the groups worth it and say whether the step pays at all, keep at most `max_groups`.
 4. In a cascade step a lone decode row over a long context (`split_lone_from` tokens) becomes a
    group of one over its own cached blocks: the own pass has no split-KV, the prefix pass does.
+5. A step of few rows whose own parts are long stays plain (`CascadeCostRule.own_pass_fills`).
 
 The plan puts each kept group's members next to each other, first, and every other row after
 them in its old order, as kernels/cascade_attention.py needs. No torch here.
@@ -93,6 +94,11 @@ class CascadePlanner:
                          .tolist() if r not in grouped]
             room = len(long_lone) if max_groups is None else max_groups - len(keep)
             keep += [([r], int(caps[r]) * bs, 1) for r in long_lone[:max(room, 0)]]
+        own_lens = np.asarray(starts) + q_lens                  # a row's keys in the own pass
+        for members, prefix, _ in keep:
+            own_lens[members] -= prefix
+        if not rule.own_pass_fills(int(q_lens.sum()), int(own_lens.max())):
+            return None
         return _build(keep, len(q_lens), num_cascade_rows)
 
 

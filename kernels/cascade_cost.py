@@ -20,7 +20,15 @@ These put every measured point on its faster side: cascade lost only for pairs a
 over 128 tokens (1.08x, 1.06x; +96, +112 MiB) and pairs over 496 (1.02x; +112 MiB) up to 4.8x
 (tests/test_cascade_cost.py holds the table). min_prefix_len 128: no shorter prefix was measured.
 Other batch sizes were not measured; the rule's inputs scale with rows, so it carries over as an
-estimate.
+estimate, save one thing bytes do not show: the own pass has no split-KV. One program per
+(sequence, kv head) walks that sequence's own keys, so a step of few rows with long own parts
+leaves SMs idle while the plain kernel splits the same keys over them. H200, decode rows in groups
+of 8-16 over 2000-4000 prefix tokens (benchmarks/h200/cascade_decode_passes.md, tests/test_cascade_cost.py):
+at 8-32 rows (64-256 programs, two per SM is 264) cascade ran 0.42-0.91x the plain kernel with own
+parts of 2000-8000 tokens, and 1.16-1.22x with 500-1000; from 64 rows it won at every own length
+measured (1.06x at 4000 behind a 992-token prefix, 1.31-3.04x otherwise). So a step runs cascade
+only when it has min_own_programs (rows x kv heads) or no own part of long_own_len tokens or more
+(`own_pass_fills`).
 """
 from __future__ import annotations
 
@@ -68,10 +76,12 @@ class CascadeCostRule:
     per_group_bytes: int = 1 << 20
     rows_per_prefix_tile: int = 32
     num_prefix_splits: int = 1
+    min_own_programs: int = 264         # two per SM of an H200's 132
+    long_own_len: int = 1024
 
     def __post_init__(self):
         for name in ("num_q_heads", "num_kv_heads", "head_dim", "kv_dtype_bytes",
-                     "rows_per_prefix_tile", "num_prefix_splits"):
+                     "rows_per_prefix_tile", "num_prefix_splits", "min_own_programs", "long_own_len"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_q_heads % self.num_kv_heads:
@@ -109,3 +119,12 @@ class CascadeCostRule:
 
     def use_cascade(self, groups: Sequence[PrefixGroup]) -> bool:
         return any(self.plan(groups))
+
+    def own_pass_fills(self, num_query_rows: int, longest_own_len: int) -> bool:
+        """Whether a cascade step's own pass keeps the GPU busy: it has at least
+        min_own_programs programs (query rows x kv heads; prompt rows count one each, which
+        only undercounts their work) or no row reads long_own_len own tokens or more
+        (module docstring). longest_own_len: the most keys any row reads in the own pass (a
+        member's context past its prefix, a lone row's whole context)."""
+        return (num_query_rows * self.num_kv_heads >= self.min_own_programs
+                or longest_own_len < self.long_own_len)

@@ -33,6 +33,36 @@ def test_rule_picks_the_faster_kernel_at_every_measured_point(size, prefix_len, 
     assert rule.use_cascade(groups) == (cascade_us < plain_us)
 
 
+# H200, the same shapes, decode rows in groups at smaller batches and longer own parts (a one-off
+# at 38c6fec, benchmarks/h200/cascade_long_own_38c6fec.json): (rows, group size, prefix_len,
+# own_len, prefix splits, cascade us, plain us). Bytes alone say cascade at every one of them.
+H200_OWN_PARTS = [
+    (256, 16, 2000, 200, 2, 128.9, 391.6), (16, 16, 2000, 8000, 7, 328.6, 178.8),
+    (8, 8, 4000, 8000, 15, 302.3, 126.5), (32, 16, 2000, 4000, 7, 201.2, 169.1),
+    (64, 16, 992, 4000, 3, 272.2, 289.6), (16, 16, 4000, 2000, 15, 112.6, 102.5),
+    (64, 16, 2000, 2000, 7, 164.5, 215.2), (128, 16, 2000, 1000, 4, 182.8, 295.0),
+    (64, 16, 2000, 500, 7, 71.9, 126.0), (32, 16, 2000, 1000, 7, 74.8, 91.0),
+    (16, 16, 2000, 2000, 7, 107.3, 79.0), (16, 16, 2000, 500, 7, 45.9, 53.3),
+]
+
+
+@pytest.mark.parametrize("rows,size,prefix_len,own_len,splits,cascade_us,plain_us", H200_OWN_PARTS)
+def test_rule_and_own_pass_pick_the_faster_kernel_at_small_batches(rows, size, prefix_len, own_len,
+                                                                   splits, cascade_us, plain_us):
+    rule = CascadeCostRule(32, 8, 128, num_prefix_splits=splits, rows_per_prefix_tile=size)
+    groups = [PrefixGroup(size, prefix_len, size)] * (rows // size)
+    assert rule.use_cascade(groups)
+    assert (rule.use_cascade(groups) and rule.own_pass_fills(rows, own_len)) == (cascade_us < plain_us)
+
+
+def test_own_pass_fills():
+    assert LLAMA_8B.own_pass_fills(33, 10 ** 6)                 # 264 programs: two per SM
+    assert not LLAMA_8B.own_pass_fills(32, 1024)
+    assert LLAMA_8B.own_pass_fills(32, 1023) and LLAMA_8B.own_pass_fills(1, 0)
+    with pytest.raises(ValueError, match="min_own_programs"):
+        CascadeCostRule(32, 8, 128, min_own_programs=0)
+
+
 def test_counts_bytes():
     assert LLAMA_8B.kv_bytes_per_token == 2 * 8 * 128 * 2
     # 16 decode members of a 2000-token prefix: 15 of 16 prefix reads saved, minus partials.

@@ -7,7 +7,8 @@ from kernels.cascade_cost import CascadeCostRule
 
 BS = 16
 # Every group with a prefix of a block or more and two members is worth it.
-EAGER = CascadeCostRule(4, 2, 32, min_prefix_len=0, min_saved_bytes=0, per_group_bytes=0)
+EAGER = CascadeCostRule(4, 2, 32, min_prefix_len=0, min_saved_bytes=0, per_group_bytes=0,
+                        min_own_programs=1)
 LLAMA_8B = CascadeCostRule(32, 8, 128, rows_per_prefix_tile=16, num_prefix_splits=2)
 
 
@@ -108,6 +109,24 @@ def test_long_lone_decodes_split_as_groups_of_one():
     assert np.diff(plan.cu_group_seqs).tolist() == [2]
     bt, st, q = step(tables[2:], [1100, 60, 500], q_lens=[1, 1, 4])
     assert planner.plan(bt, st, q, EAGER, split_lone_from=1024) is None
+
+
+@pytest.mark.parametrize("own_len,cascade", [(500, True), (2000, False)])
+def test_few_rows_with_long_own_parts_stay_plain(own_len, cascade):
+    """16 decode rows of one group over a 2000-token prefix (125 blocks): worth it by bytes, but
+    16 rows x 8 kv heads are 128 own-pass programs, and an own part of 2000 tokens read by one
+    program each runs slower than the plain kernel's split keys (CascadeCostRule.own_pass_fills)."""
+    own_blocks = -(-own_len // BS)
+    tables = [list(range(1, 126)) + [1000 + own_blocks * i + j for j in range(own_blocks)]
+              for i in range(16)]
+    bt, st, q = step(tables, [2000 + own_len - 1] * 16)
+    plan = CascadePlanner(BS).plan(bt, st, q, LLAMA_8B, max_group_rows=16, max_groups=8)
+    assert (plan is not None) == cascade
+    # With 33 rows (264 programs) the own pass fills the GPU at any own length.
+    tables += [list(range(1, 126)) + [9000 + own_blocks * i + j for j in range(own_blocks)]
+               for i in range(17)]
+    bt, st, q = step(tables, [2000 + own_len - 1] * 33)
+    assert CascadePlanner(BS).plan(bt, st, q, LLAMA_8B, max_group_rows=16, max_groups=8) is not None
 
 
 def test_nothing_shared_or_nothing_worth_it_is_the_plain_kernel():
