@@ -97,7 +97,7 @@ class CascadePlanner:
         own_lens = np.asarray(starts) + q_lens                  # a row's keys in the own pass
         for members, prefix, _ in keep:
             own_lens[members] -= prefix
-        if not rule.own_pass_fills(int(q_lens.sum()), int(own_lens.max())):
+        if not rule.own_pass_fills(rule.own_tiles(q_lens.tolist()), int(own_lens.max())):
             return None
         return _build(keep, len(q_lens), num_cascade_rows)
 

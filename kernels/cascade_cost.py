@@ -78,10 +78,11 @@ class CascadeCostRule:
     num_prefix_splits: int = 1
     min_own_programs: int = 264         # two per SM of an H200's 132
     long_own_len: int = 1024
+    own_prompt_tile_rows: int = 32      # query positions of an own-pass prompt tile (128 rows / 4 heads)
 
     def __post_init__(self):
-        for name in ("num_q_heads", "num_kv_heads", "head_dim", "kv_dtype_bytes",
-                     "rows_per_prefix_tile", "num_prefix_splits", "min_own_programs", "long_own_len"):
+        for name in ("num_q_heads", "num_kv_heads", "head_dim", "kv_dtype_bytes", "rows_per_prefix_tile",
+                     "num_prefix_splits", "min_own_programs", "long_own_len", "own_prompt_tile_rows"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.num_q_heads % self.num_kv_heads:
@@ -120,11 +121,16 @@ class CascadeCostRule:
     def use_cascade(self, groups: Sequence[PrefixGroup]) -> bool:
         return any(self.plan(groups))
 
-    def own_pass_fills(self, num_query_rows: int, longest_own_len: int) -> bool:
-        """Whether a cascade step's own pass keeps the GPU busy: it has at least
-        min_own_programs programs (query rows x kv heads; prompt rows count one each, which
-        only undercounts their work) or no row reads long_own_len own tokens or more
-        (module docstring). longest_own_len: the most keys any row reads in the own pass (a
-        member's context past its prefix, a lone row's whole context)."""
-        return (num_query_rows * self.num_kv_heads >= self.min_own_programs
+    def own_tiles(self, q_lens: Sequence[int]) -> int:
+        """The own pass's query tiles for sequences of these query lengths: one per decode row,
+        cdiv(q_len, own_prompt_tile_rows) per prompt chunk."""
+        rows = self.own_prompt_tile_rows
+        return sum(1 if n == 1 else -(-n // rows) for n in q_lens)
+
+    def own_pass_fills(self, num_own_tiles: int, longest_own_len: int) -> bool:
+        """Whether a cascade step's own pass keeps the GPU busy: at least min_own_programs
+        programs (own_tiles x kv heads), or no sequence reads long_own_len own keys or more
+        (module docstring). longest_own_len: the most keys a sequence reads in the own pass (a
+        member's context past its prefix, a lone sequence's whole context)."""
+        return (num_own_tiles * self.num_kv_heads >= self.min_own_programs
                 or longest_own_len < self.long_own_len)

@@ -59,6 +59,8 @@ def test_own_pass_fills():
     assert LLAMA_8B.own_pass_fills(33, 10 ** 6)                 # 264 programs: two per SM
     assert not LLAMA_8B.own_pass_fills(32, 1024)
     assert LLAMA_8B.own_pass_fills(32, 1023) and LLAMA_8B.own_pass_fills(1, 0)
+    # Decode rows are a tile each, a prompt chunk one per 32 positions, an empty row none.
+    assert LLAMA_8B.own_tiles([1] * 20 + [200, 32, 33, 0]) == 20 + 7 + 1 + 2
     with pytest.raises(ValueError, match="min_own_programs"):
         CascadeCostRule(32, 8, 128, min_own_programs=0)
 
