@@ -97,7 +97,8 @@ class CascadePlanner:
         own_lens = np.asarray(starts) + q_lens                  # a row's keys in the own pass
         for members, prefix, _ in keep:
             own_lens[members] -= prefix
-        if not rule.own_pass_fills(rule.own_tiles(q_lens.tolist()), int(own_lens.max())):
+        longest_own = int(own_lens[q_lens > 0].max(initial=0))  # rows with no query read nothing
+        if not rule.own_pass_fills(rule.own_tiles(q_lens.tolist()), longest_own):
             return None
         return _build(keep, len(q_lens), num_cascade_rows)
 

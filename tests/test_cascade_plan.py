@@ -122,6 +122,11 @@ def test_few_rows_with_long_own_parts_stay_plain(own_len, cascade):
     bt, st, q = step(tables, [2000 + own_len - 1] * 16)
     plan = CascadePlanner(BS).plan(bt, st, q, LLAMA_8B, max_group_rows=16, max_groups=8)
     assert (plan is not None) == cascade
+    # A sequence with no query this step reads nothing: its long context does not count.
+    bt2, st2, q2 = step(tables + [list(range(5000, 5200))], [2000 + own_len - 1] * 16 + [3200],
+                        [1] * 16 + [0])
+    assert (CascadePlanner(BS).plan(bt2, st2, q2, LLAMA_8B, max_group_rows=16, max_groups=8)
+            is not None) == cascade
     # With 33 rows (264 programs) the own pass fills the GPU at any own length.
     tables += [list(range(1, 126)) + [9000 + own_blocks * i + j for j in range(own_blocks)]
                for i in range(17)]
