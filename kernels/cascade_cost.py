@@ -23,7 +23,8 @@ Other batch sizes were not measured; the rule's inputs scale with rows, so it ca
 estimate, save one thing bytes do not show: the own pass has no split-KV. One program per
 (sequence, kv head) walks that sequence's own keys, so a step of few rows with long own parts
 leaves SMs idle while the plain kernel splits the same keys over them. H200, decode rows in groups
-of 8-16 over 2000-4000 prefix tokens (benchmarks/h200/cascade_decode_passes.md, tests/test_cascade_cost.py):
+of 8-16 over 2000-4000 prefix tokens (scripts/gpu_cascade_own_parts.py, benchmarks/h200/
+cascade_decode_passes.md, tests/test_cascade_cost.py):
 at 8-32 rows (64-256 programs, two per SM is 264) cascade ran 0.42-0.91x the plain kernel with own
 parts of 2000-8000 tokens, and 1.16-1.22x with 500-1000; from 64 rows it won at every own length
 measured (1.06x at 4000 behind a 992-token prefix, 1.31-3.04x otherwise). So a step runs cascade
