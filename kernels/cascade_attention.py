@@ -465,6 +465,15 @@ def cascade_attention(
     return out
 
 
+def _loop_form(cfg: _TileConfig, k_cache: torch.Tensor, v_cache: torch.Tensor, *, prompt: bool,
+               i32: bool) -> dict:
+    """The key loop's PROMPT and I32 constexprs for a launch: the config's where it names them,
+    else the pass's rule (`prompt`, `i32`); int32 offsets only where the caches allow them."""
+    use_i32 = i32 if cfg.i32 is None else cfg.i32
+    return {"PROMPT": prompt if cfg.prompt is None else cfg.prompt,
+            "I32": use_i32 and _int32_offsets(k_cache, v_cache)}
+
+
 def _launch_prefix(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
                    cu_group_seqs, out, part_m, part_l, part_acc, scale,
                    max_group_rows, num_splits, cfg: _TileConfig) -> None:
@@ -482,7 +491,7 @@ def _launch_prefix(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, pre
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PROMPT=bool(cfg.prompt), I32=bool(cfg.i32) and _int32_offsets(k_cache, v_cache),
+        **_loop_form(cfg, k_cache, v_cache, prompt=False, i32=False),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -509,7 +518,7 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
         GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        PROMPT=_prompt_loop(max_seqlen_q, k_cache) if cfg.prompt is None else cfg.prompt,
-        I32=(cfg.i32 is not False) and _int32_offsets(k_cache, v_cache), HAS_SEQ_IDS=seq_ids is not None,
+        **_loop_form(cfg, k_cache, v_cache, prompt=_prompt_loop(max_seqlen_q, k_cache), i32=True),
+        HAS_SEQ_IDS=seq_ids is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

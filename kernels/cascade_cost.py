@@ -123,10 +123,10 @@ class CascadeCostRule:
         return any(self.plan(groups))
 
     def own_tiles(self, q_lens: Sequence[int]) -> int:
-        """The own pass's query tiles for sequences of these query lengths: one per decode row,
-        cdiv(q_len, own_prompt_tile_rows) per prompt chunk."""
+        """The own pass's query tiles for sequences of these query lengths: cdiv(q_len,
+        own_prompt_tile_rows) each, so one per decode row."""
         rows = self.own_prompt_tile_rows
-        return sum(1 if n == 1 else -(-n // rows) for n in q_lens)
+        return sum(-(-n // rows) for n in q_lens)
 
     def own_pass_fills(self, num_own_tiles: int, longest_own_len: int) -> bool:
         """Whether a cascade step's own pass keeps the GPU busy: at least min_own_programs
