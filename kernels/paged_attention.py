@@ -435,10 +435,11 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
     (scripts/gpu_check_attention.py --sweep) at D = 128; every size
     here compiles for sm_90 without spilling, save a few bytes with splits and a window.
     fused_splits (decode splits merged in the kernel): 64 keys a step, so that a split can be
-    as short as 64 keys (splits are whole steps): twice as many programs at short contexts; 2
-    stages, not 3: at 32 rows (2 splits) 3 stages took 1.33-1.49x as long at 500-16,000 keys
-    (204.3 against 143.6 us at 4,000), and 2 stages were as fast or faster from 1 to 24 rows
-    within 2.5% at one point (H200, benchmarks/h200/decode_attention_stages.md).
+    as short as 64 keys (splits are whole steps): twice as many programs at short contexts; over
+    a bf16 cache 2 stages, not 3: at 32 rows (2 splits) 3 stages took 1.33-1.49x as long at
+    500-16,000 keys (204.3 against 143.6 us at 4,000), and 2 stages were as fast or faster from
+    1 to 24 rows but for one point (2.5% slower); over an FP8 cache 3 stages stay, faster at 16-32
+    rows (131.7 against 149.0 us at 32 x 4,000) (H200, benchmarks/h200/decode_attention_stages.md).
     fp8_cache (prefill over an FP8 cache): 128 keys a step, 148 against 162 us for a 2048-token
     prompt (H200, benchmarks/h200/fp8_kv_cache.md); decode keeps its sizes (fastest there too)."""
     if dtype == torch.float32:
@@ -446,8 +447,9 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
         # out of local memory. fp32 on the GPU is a test path, not a fast one.
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     if max_seqlen_q == 1 and fused_splits:
-        return (_TileConfig(16, 32, 4, 3) if head_dim == 256
-                else _TileConfig(16, _FUSED_DECODE_BLOCK_N, 4, 2))
+        if head_dim == 256:
+            return _TileConfig(16, 32, 4, 3)
+        return _TileConfig(16, _FUSED_DECODE_BLOCK_N, 4, 3 if fp8_cache else 2)
     if max_seqlen_q == 1:
         return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
     if head_dim == 256:
