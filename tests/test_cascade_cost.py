@@ -55,6 +55,24 @@ def test_rule_and_own_pass_pick_the_faster_kernel_at_small_batches(rows, size, p
     assert (rule.use_cascade(groups) and rule.own_pass_fills(rows, own_len)) == (cascade_us < plain_us)
 
 
+# H200, the engine (groups mode, bf16, dummy weights) at dd75bd1: GPU ms of a decode graph step
+# with the own-pass check (plain) and without it (cascade), same engine, same call
+# (benchmarks/h200/decode_attention_stages.md): (rows, group size, prefix_len, own_len, prefix
+# splits of the capture, cascade ms, plain ms); 200 tokens out, so own parts grow by up to 200.
+H200_ENGINE_STEPS = [
+    (32, 16, 2000, 4000, 7, 10.691, 9.421), (24, 24, 2000, 4000, 7, 10.460, 8.903),
+    (32, 16, 2000, 2000, 7, 8.248, 7.692), (16, 16, 2000, 4000, 7, 9.883, 7.484),
+]
+
+
+@pytest.mark.parametrize("rows,size,prefix_len,own_len,splits,cascade_ms,plain_ms", H200_ENGINE_STEPS)
+def test_rule_picks_the_faster_engine_step(rows, size, prefix_len, own_len, splits, cascade_ms, plain_ms):
+    rule = CascadeCostRule(32, 8, 128, num_prefix_splits=splits, rows_per_prefix_tile=min(size, 16))
+    groups = [PrefixGroup(size, prefix_len, size)] * (rows // size)
+    assert rule.use_cascade(groups)
+    assert (rule.use_cascade(groups) and rule.own_pass_fills(rows, own_len)) == (cascade_ms < plain_ms)
+
+
 def test_own_pass_fills():
     assert LLAMA_8B.own_pass_fills(33, 10 ** 6)                 # 264 programs: two per SM
     assert not LLAMA_8B.own_pass_fills(32, 1024)
