@@ -20,6 +20,7 @@ from engine.outputs import EngineStats
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+HISTOGRAMS = ("ttft", "itl", "send", "loop_lag")     # ServingMetrics' histogram attributes
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -103,6 +104,13 @@ class ServingMetrics:
         with self._lock:
             return dict(self.counters)
 
+    def snapshot(self) -> tuple[dict[str, int], dict[str, tuple[list[int], float, int]]]:
+        """(counters, histograms) as they stand: the counters read first. The serving code
+        observes a request's latencies before it counts the request finished, so histograms
+        read after the counters hold the latencies of every request the counters count."""
+        counters = self.snapshot_counters()
+        return counters, {key: getattr(self, key).snapshot() for key in HISTOGRAMS}
+
 
 class TritonMetrics:
     """Publishes a ServingMetrics to Triton's /metrics (call `publish` from one thread)."""
@@ -175,20 +183,14 @@ class TritonMetrics:
         }
         self._sent: dict[str, float] = {}   # what each counter showed at the last publish
 
-    def publish(self, m: ServingMetrics) -> None:
-        # The counters are read before the histograms and published after them. The serving
-        # code observes a request's latencies before it counts the request finished, so a
-        # scrape that shows a request finished shows its latencies too.
-        counters = m.snapshot_counters()
-        snapshots = {key: getattr(m, key).snapshot() for key in self._hist}
-        for key, (buckets, sum_metric, count_metric) in self._hist.items():
-            cumulative, total, n = snapshots[key]
-            for i, (metric, value) in enumerate(zip(buckets, cumulative)):
-                self._increment(f"{key}:{i}", metric, value)
-            self._increment(f"{key}:sum", sum_metric, total)
-            self._increment(f"{key}:count", count_metric, n)
-        for key, value in counters.items():
-            self._increment(key, self._counters[key], value)
+    def publish(self, m: ServingMetrics, cut=None) -> None:
+        """Sends what changed since the last call. cut: `m.snapshot()` taken before m.stats
+        was fetched (the serving loop's order), else taken here. Published in the reverse of
+        the order read: the engine's stats (fetched after the cut, so they count every step
+        of every request the cut counts), then the histograms, then the counters. So a scrape
+        that shows a request finished also shows its latencies and the engine steps that
+        produced its tokens (scripts/server_probe.py's `server_side` relies on it)."""
+        counters, snapshots = cut if cut is not None else m.snapshot()
         self._gauges["loop_lag_max"].set(m.loop_lag_max)
         stats = m.stats
         if stats is not None:
@@ -204,6 +206,14 @@ class TritonMetrics:
             self._increment("cascade_rows", self._cascade_rows, stats.num_cascade_rows)
             self._increment("graph_steps", self._graph_steps, stats.num_graph_steps)
             self._increment("steps", self._steps, stats.num_steps)
+        for key, (buckets, sum_metric, count_metric) in self._hist.items():
+            cumulative, total, n = snapshots[key]
+            for i, (metric, value) in enumerate(zip(buckets, cumulative)):
+                self._increment(f"{key}:{i}", metric, value)
+            self._increment(f"{key}:sum", sum_metric, total)
+            self._increment(f"{key}:count", count_metric, n)
+        for key, value in counters.items():
+            self._increment(key, self._counters[key], value)
 
     def _increment(self, key: str, metric, value: float) -> None:
         delta = value - self._sent.get(key, 0)

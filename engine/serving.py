@@ -555,13 +555,14 @@ class ServingEngine:
     def _publish(self) -> None:
         self.metrics.on_loop_lag_max(self._max_lag)
         self._max_lag = 0.0
-        if self.engine.is_alive:
+        cut = self.metrics.snapshot()    # before the engine's stats, which then count every
+        if self.engine.is_alive:         # step of every request the cut counts finished
             try:
                 self.metrics.on_stats(self.engine.get_stats())
             except EngineDeadError:
                 pass
         if self._publisher is not None:
-            self._publisher.publish(self.metrics)
+            self._publisher.publish(self.metrics, cut)
 
     # ------------------------------------------------------------------ engine death
     def _engine_died(self, reason: str) -> None:

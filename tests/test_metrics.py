@@ -1,6 +1,7 @@
 """engine/metrics.py's publication order, with a stand-in for Triton's metrics API that logs
 each increment (the real one is exercised through tritonserver in tests/test_serving.py)."""
 from engine.metrics import ServingMetrics, TritonMetrics
+from engine.outputs import EngineStats
 
 
 class _FakePbUtils:
@@ -50,3 +51,36 @@ def test_a_request_counted_finished_is_published_after_its_latencies():
     pb.log.clear()
     published.publish(m)            # nothing changed: nothing sent again
     assert [e for e in pb.log if e[0] != "llm_event_loop_lag_max_seconds"] == []
+
+
+def _stats(num_steps: int) -> EngineStats:
+    return EngineStats(num_running=0, num_waiting=0, num_kv_blocks=64, num_free_kv_blocks=64,
+                       num_cached_kv_blocks=0, num_steps=num_steps, num_prompt_tokens=10,
+                       num_computed_prompt_tokens=10, num_cached_prompt_tokens=0,
+                       num_generated_tokens=6, num_preemptions=0, num_graph_steps=num_steps // 2)
+
+
+def test_engine_steps_go_out_before_the_finished_requests_of_the_cut():
+    """The serving loop reads the counters (the cut), then fetches the engine's stats: a scrape
+    that shows a request finished must show the steps that produced its tokens, so the stats
+    are published first, and a request that finished after the cut waits for the next call."""
+    pb = _FakePbUtils()
+    published = TritonMetrics(pb, {"model": "llm", "version": "1"})
+    m = ServingMetrics()
+    m.on_tokens(10, 6)
+    m.on_finish("length")
+    cut = m.snapshot()
+    m.on_finish("stop")             # after the cut: not in this publication
+    m.on_stats(_stats(7))           # fetched after the cut: counts the first request's steps
+    published.publish(m, cut)
+    names = [name for name, _, _ in pb.log]
+    finished = names.index("llm_requests_finished_total")
+    for family in ("llm_engine_steps_total", "llm_engine_graph_steps_total", "llm_num_requests_running"):
+        assert names.index(family) < finished, family
+    assert ("llm_engine_steps_total", None, 7) in pb.log
+    assert [e for e in pb.log if e[0] == "llm_requests_finished_total"] == [
+        ("llm_requests_finished_total", "length", 1)]
+    pb.log.clear()
+    published.publish(m)            # the next call takes its own cut: the later request now
+    assert [e for e in pb.log if e[0] == "llm_requests_finished_total"] == [
+        ("llm_requests_finished_total", "stop", 1)]
