@@ -98,7 +98,7 @@ class CascadePlanner:
         for members, prefix, _ in keep:
             own_lens[members] -= prefix
         longest_own = int(own_lens[q_lens > 0].max(initial=0))  # rows with no query read nothing
-        if not rule.own_pass_fills(rule.own_tiles(q_lens.tolist()), longest_own):
+        if not rule.own_pass_fills(rule.own_tiles(q_lens), longest_own):
             return None
         return _build(keep, len(q_lens), num_cascade_rows)
 

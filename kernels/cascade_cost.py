@@ -29,12 +29,17 @@ at 8-32 rows (64-256 programs, two per SM is 264) cascade ran 0.42-0.91x the pla
 parts of 2000-8000 tokens, and 1.16-1.22x with 500-1000; from 64 rows it won at every own length
 measured (1.06x at 4000 behind a 992-token prefix, 1.31-3.04x otherwise). So a step runs cascade
 only when it has min_own_programs (rows x kv heads) or no own part of long_own_len tokens or more
-(`own_pass_fills`).
+(`own_pass_fills`). Those kernel timings ran the plain kernel with its separate merge; in the
+engine, steps of 16-32 rows replay the splits-merged-in-the-kernel form, and there the engine's
+own steps (scripts/gpu_cascade_own_check.py, benchmarks/h200/decode_attention_stages.md) put plain
+ahead at all ten points measured, 16-32 rows with 2000-8000 own tokens (0.66-0.96x for cascade).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
+
+import numpy as np
 
 __all__ = ["CascadeCostRule", "PrefixGroup"]
 
@@ -125,8 +130,7 @@ class CascadeCostRule:
     def own_tiles(self, q_lens: Sequence[int]) -> int:
         """The own pass's query tiles for sequences of these query lengths: cdiv(q_len,
         own_prompt_tile_rows) each, so one per decode row."""
-        rows = self.own_prompt_tile_rows
-        return sum(-(-n // rows) for n in q_lens)
+        return int((-(-np.asarray(q_lens, dtype=np.int64) // self.own_prompt_tile_rows)).sum())
 
     def own_pass_fills(self, num_own_tiles: int, longest_own_len: int) -> bool:
         """Whether a cascade step's own pass keeps the GPU busy: at least min_own_programs

@@ -58,7 +58,9 @@ def test_rule_and_own_pass_pick_the_faster_kernel_at_small_batches(rows, size, p
 # H200, the engine (groups mode, bf16, dummy weights) at dd75bd1: GPU ms of a decode graph step
 # with the own-pass check (plain) and without it (cascade), same engine, same call
 # (benchmarks/h200/decode_attention_stages.md): (rows, group size, prefix_len, own_len, prefix
-# splits of the capture, cascade ms, plain ms); 200 tokens out, so own parts grow by up to 200.
+# splits as the kernel-level table has them for 2000-token prefixes, cascade ms, plain ms); 200
+# tokens out, so own parts grow by up to 200. Bytes say cascade here at every split count from 1
+# to 16 and prefix tile of 16-64 rows, so the own-pass check alone decides.
 H200_ENGINE_STEPS = [
     (32, 16, 2000, 4000, 7, 10.691, 9.421), (24, 24, 2000, 4000, 7, 10.460, 8.903),
     (32, 16, 2000, 2000, 7, 8.248, 7.692), (16, 16, 2000, 4000, 7, 9.883, 7.484),
