@@ -1,10 +1,17 @@
 """Start-up choice, per decoder projection (and the lm_head) and row bucket, between cuBLAS and
 the Triton skinny GEMM (kernels/skinny_gemm.py) for decode-sized inputs (up to 16 rows); fills
 the projections' `skinny` / `skinny_silu` tables (engine/models/linear.py), and `skinny_chain`
-with the fastest Triton config whether or not it won (what a decode graph launched with PDL
-runs). The chain's configs are chosen by these timings without PDL: timed in a chain of PDL
-launches of the same projection, other configs won, and the decode step with them was slower
-(H200: 4.68 against 4.51 ms/token; benchmarks/h200/decode_pdl.md).
+with a Triton config whether or not it won (what a decode graph launched with PDL runs).
+
+The chain's configs are timed in the form the chain runs them: unmerged where the model hands
+the K slices' partials to the kernel after (`late_merge`: qkv_proj, o_proj, down_proj), merged
+elsewhere; without PDL (timed in a chain of PDL launches of the same projection, other configs
+won, and the decode step with them was slower: H200, 4.68 against 4.51 ms/token,
+benchmarks/h200/decode_pdl.md). Among the candidates within CHAIN_MARGIN of the fastest,
+`pick_chain` takes the fewest K slices: the timing alone misses what each slice costs the step
+(the kernel after reads every slice's partial; more programs are placed early beside the kernel
+ahead). H200, batch 1: that rule picked exactly the configs that made the whole step fastest in
+a search over the step itself, 4.29 -> 4.19 ms (benchmarks/h200/chain_configs.md).
 
 Why a start-up timing rather than a per-shape table: which kernel wins depends on the GPU, on
 the cuBLAS version torch ships (its kernel choice for skinny shapes changes between releases),
@@ -28,11 +35,12 @@ import torch.nn.functional as F
 
 from engine.models.linear import ROW_BUCKETS, Linear
 from kernels.activation import silu_and_mul
-from kernels.skinny_gemm import SkinnyConfig, candidate_configs, skinny_gemm
+from kernels.skinny_gemm import SkinnyConfig, candidate_configs, chain_candidate_configs, num_k_slices, skinny_gemm
 
 logger = logging.getLogger(__name__)
 
 MARGIN = 0.03           # the Triton kernel must be this much faster than cuBLAS to be chosen
+CHAIN_MARGIN = 0.02     # chain candidates this close to the fastest count as ties (pick_chain)
 _CHOICES: dict[tuple, tuple[dict, dict, dict, list]] = {}
 
 
@@ -43,6 +51,23 @@ def pick(baseline_us: float, candidates_us: dict[SkinnyConfig, float],
         return None
     best = min(candidates_us, key=candidates_us.get)
     return best if candidates_us[best] < (1.0 - margin) * baseline_us else None
+
+
+def pick_chain(candidates_us: dict[SkinnyConfig, float], k: int,
+               margin: float = CHAIN_MARGIN) -> SkinnyConfig:
+    """The chain's config for a weight of k columns: of the candidates within `margin` of the
+    fastest, the one with the fewest K slices, then the fastest."""
+    best = min(candidates_us.values())
+    near = [c for c, t in candidates_us.items() if t <= (1.0 + margin) * best]
+    return min(near, key=lambda c: (num_k_slices(k, c), candidates_us[c]))
+
+
+def unmerged_in_chain(model) -> frozenset[str]:
+    """The projections whose K slices a decode graph hands unmerged to the kernel after them
+    (LlamaForCausalLM.late_merge; qkv_proj's to the fused rotary + KV write)."""
+    if not getattr(model, "late_merge", False):
+        return frozenset()
+    return frozenset({"o_proj", "down_proj"} | ({"qkv_proj"} if model.fuse_rope_kv_write else set()))
 
 
 def replay_ms(body: Callable[[], object], device: torch.device, replays: int = 7) -> float:
@@ -90,14 +115,15 @@ def tune_skinny_gemms(model, device: torch.device) -> list[dict]:
     """Times cuBLAS and every candidate config for each projection and row bucket, sets the
     projections' tables to the winners and returns one report row per (projection, rows)."""
     num_sms = torch.cuda.get_device_properties(device).multi_processor_count
+    unmerged = unmerged_in_chain(model)
     report: list[dict] = []
     for name, linears in _projections(model).items():
         weight, bias = linears[0].weight, linears[0].bias
         n, k = weight.shape
         key = (torch.cuda.get_device_name(device), torch.__version__, name, n, k, weight.dtype,
-               bias is not None, len(linears), ROW_BUCKETS)
+               bias is not None, len(linears), ROW_BUCKETS, name in unmerged)
         if key not in _CHOICES:
-            _CHOICES[key] = _tune(name, linears, n, k, weight.dtype, device, num_sms)
+            _CHOICES[key] = _tune(name, linears, n, k, weight.dtype, device, num_sms, name in unmerged)
         skinny, skinny_silu, chain, rows = _CHOICES[key]
         for lin in linears:
             lin.skinny, lin.skinny_silu, lin.skinny_chain = dict(skinny), dict(skinny_silu), dict(chain)
@@ -110,8 +136,10 @@ def tune_skinny_gemms(model, device: torch.device) -> list[dict]:
 
 
 def _tune(name: str, linears: list[Linear], n: int, k: int, dtype: torch.dtype, device: torch.device,
-          num_sms: int) -> tuple[dict, dict, dict, list]:
+          num_sms: int, unmerged: bool) -> tuple[dict, dict, dict, list]:
+    """unmerged: the chain runs this projection with merge=False (unmerged_in_chain)."""
     configs = candidate_configs(n, k, num_sms)
+    chain_configs = chain_candidate_configs(n, k, num_sms)
     gen = torch.Generator(device=device).manual_seed(0)
     skinny: dict[int, SkinnyConfig] = {}
     skinny_silu: dict[int, SkinnyConfig] = {}
@@ -125,8 +153,18 @@ def _tune(name: str, linears: list[Linear], n: int, k: int, dtype: torch.dtype, 
         choice = pick(baseline, times)
         if choice is not None:
             skinny[rows] = choice
-        chain[rows] = min(times, key=times.get)
-        rows_out.append(_row(name, n, k, rows, False, "cuBLAS", baseline, times, choice))
+        if unmerged:        # the reader adds the partials and the bias
+            chain_times = {c: _time_us(lambda lin, c=c: skinny_gemm(x, lin.weight, config=c, merge=False),
+                                       linears, device) for c in chain_configs}
+        else:
+            chain_times = {c: times[c] if c in times else
+                           _time_us(lambda lin, c=c: skinny_gemm(x, lin.weight, lin.bias, config=c), linears, device)
+                           for c in chain_configs}
+        chain[rows] = pick_chain(chain_times, k)
+        row = _row(name, n, k, rows, False, "cuBLAS", baseline, times, choice)
+        row.update(chain=str(chain[rows]), chain_form="unmerged" if unmerged else "merged",
+                   chain_us={str(c): t for c, t in chain_times.items()})
+        rows_out.append(row)
     if name == "down_proj":       # SiLU-and-mul in the prologue vs its own kernel before the GEMM
         for lin in linears:
             lin.skinny = dict(skinny)

@@ -161,10 +161,10 @@ class ModelRunner:
             fused_kernels=on_gpu, fuse_rope_kv_write=config.fuse_rope_kv_write)
         # Decode-sized projections run cuBLAS or the Triton skinny GEMM, whichever a start-up
         # timing found faster for their shape and row count (before any graph is captured).
+        self.model.late_merge = config.decode_late_merge    # (the timing times the chain's form)
         self.gemm_report: list[dict] = []
         if on_gpu and config.skinny_gemm == "auto":
             self.gemm_report = tune_skinny_gemms(self.model, device)
-        self.model.late_merge = config.decode_late_merge
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _RunnerRequest] = {}
         self.block_tables = _BlockTables()

@@ -52,7 +52,8 @@ import triton.language as tl
 from kernels.arrival_counters import arrival_counters
 from kernels.pdl import check as check_pdl, launch_options
 
-__all__ = ["SkinnyConfig", "candidate_configs", "default_config", "skinny_gemm", "skinny_gemm_ref",
+__all__ = ["SkinnyConfig", "candidate_configs", "chain_candidate_configs", "default_config", "skinny_gemm",
+           "skinny_gemm_ref",
            "MAX_ROWS", "num_k_slices", "add_k_slices"]
 
 MAX_ROWS = 16                   # x rows per call: the MMA's narrow side
@@ -179,6 +180,21 @@ def candidate_configs(n: int, k: int, num_sms: int = _H200_NUM_SMS) -> list[Skin
     out = []
     for block_n, block_k, warps, stages, per_sm in _TILES:
         cfg = SkinnyConfig(block_n, block_k, _split(n, k, block_n, block_k, num_sms, per_sm), warps, stages)
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def chain_candidate_configs(n: int, k: int, num_sms: int = _H200_NUM_SMS) -> list[SkinnyConfig]:
+    """`candidate_configs`, and the first tile also at every split count below its own: the
+    candidates for a decode graph's PDL chain (engine/gemm_tuning.py). There, fewer K slices
+    than the kernel alone runs fastest with made the step faster: H200, batch 1, 64 x 128 tiles
+    on 4 stages with 2 / 3 / 3 slices for qkv / o / down against the 3 / 5 / 5 of two programs an
+    SM (benchmarks/h200/chain_configs.md)."""
+    out = candidate_configs(n, k, num_sms)
+    first = out[0]
+    for split in range(1, first.split_k):
+        cfg = SkinnyConfig(first.block_n, first.block_k, split, first.num_warps, first.num_stages)
         if cfg not in out:
             out.append(cfg)
     return out

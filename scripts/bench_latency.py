@@ -76,6 +76,9 @@ def main() -> None:
            "output_len": args.output_len, "enforce_eager": args.enforce_eager,
            "async_scheduling": not args.sync_scheduling, "decode_pdl": llm.config.decode_pdl,
            "decode_late_merge": llm.config.decode_late_merge,
+           # the skinny GEMM config each projection runs in a one-row decode graph (PDL chain)
+           "chain_configs_1_row": {r["proj"]: r.get("chain") for r in getattr(core.runner, "gemm_report", [])
+                                   if r["rows"] == 1 and not r["silu_mul"]},
            "ms_per_token_median": ms, "ms_per_token_p90": statistics.quantiles(step_ms, n=10)[8],
            "tokens_per_s": 1e3 / ms, "ttft_ms_median": statistics.median(ttft_ms),
            "ttft_cached_tokens": cached,        # prefix-cache hits of the measured runs: 0 each
