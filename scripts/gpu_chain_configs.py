@@ -66,6 +66,59 @@ def _tables(base: dict, linears_by_proj: dict, chosen: dict) -> dict:
     return tables
 
 
+ATTENTION_TILES = ((16, 64, 4, 2), (16, 32, 4, 2), (16, 64, 2, 2), (16, 64, 4, 3), (16, 64, 8, 2),
+                   (16, 128, 4, 2), (16, 32, 2, 3))     # (rows, keys a step, warps, stages); the first: today's
+
+
+def attention_search(llm, runner, args, out: dict, save) -> None:
+    """The batch-1 step with the decode attention's split count (graphs of contexts up to 511
+    keys) and tile forced, every pair; then the default and the fastest pair alternately."""
+    import engine.cuda_graphs as cg
+    import kernels.paged_attention as pa
+    from scripts.gpu_decode_step import _replay_ms, _set_variant, _step_graph
+
+    real_splits, real_pick = cg.decode_kv_splits, pa._pick_config
+    tables = {id(lin): (dict(lin.skinny), dict(lin.skinny_silu), dict(lin.skinny_chain))
+              for lin in runner.model.modules() if hasattr(lin, "skinny_chain")}
+
+    def force(splits: int | None, tile: tuple | None) -> None:
+        def kv_splits(size, num_kv_heads, context, merge_in_kernel):
+            if splits is not None and size == 1 and context <= 511:
+                return splits
+            return real_splits(size, num_kv_heads, context, merge_in_kernel)
+
+        def pick(max_seqlen_q, head_dim, dtype, fused_splits=False, fp8_cache=False):
+            if tile is not None and max_seqlen_q == 1 and fused_splits:
+                return pa._TileConfig(*tile)
+            return real_pick(max_seqlen_q, head_dim, dtype, fused_splits, fp8_cache)
+        cg.decode_kv_splits, pa._pick_config = kv_splits, pick
+        _set_variant(runner, True, tables, True, True, True)
+
+    rows, logits = [], {}
+    default_splits = real_splits(1, runner.model.config.num_key_value_heads, 511, True)
+    for splits in args.attention_splits:
+        for tile in ATTENTION_TILES:
+            force(splits, tile)
+            graph, lg, used = _step_graph(runner, args.context)
+            rows.append({"splits": splits, "used_splits": used, "tile": list(tile), "step_ms": _replay_ms(graph)})
+            logits[(splits, tile)] = lg
+            print(f"  attention {splits} splits, tile {tile}: {rows[-1]['step_ms']:.4f} ms", flush=True)
+    best = min(rows, key=lambda r: r["step_ms"])
+    final = []
+    for rnd in range(3):
+        for tag, splits, tile in (("default", None, None), ("best", best["splits"], tuple(best["tile"]))):
+            force(splits, tile)
+            graph, lg, used = _step_graph(runner, args.context)
+            logits[tag] = lg
+            final.append({"round": rnd, "variant": tag, "splits": used, "step_ms": _replay_ms(graph)})
+            print(f"  round {rnd} {tag}: {final[-1]}", flush=True)
+    cg.decode_kv_splits, pa._pick_config = real_splits, real_pick
+    out["attention"] = {"default_splits": default_splits, "default_tile": list(ATTENTION_TILES[0]),
+                        "trials": rows, "best": best, "final": final,
+                        "logits_best_vs_default_max_abs_diff": (logits["best"] - logits["default"]).abs().max().item()}
+    save()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True)
@@ -74,6 +127,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--budget-s", type=float, default=480.0)
     ap.add_argument("--start", nargs="*", default=[], help="proj=config to start the step's search from")
+    ap.add_argument("--phases", nargs="+", default=["gemm"], choices=["gemm", "attention"])
+    ap.add_argument("--attention-splits", nargs="+", type=int, default=[3, 4, 5, 8])
     args = ap.parse_args()
     t_start = time.monotonic()
 
@@ -107,122 +162,125 @@ def main() -> None:
     print(f"engine up in {time.monotonic() - t_start:.0f} s; start-up chain configs: {out['start_up_chain']}",
           flush=True)
 
-    cfg_model = runner.model.config
-    hq, hkv, hd = cfg_model.num_attention_heads, cfg_model.num_key_value_heads, cfg_model.head_dim
-    hidden = cfg_model.hidden_size
-    x = torch.randn(1, 14336, device=device, dtype=torch.bfloat16)
-    residual = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
-    norm_w = torch.ones(hidden, device=device, dtype=torch.bfloat16)
-    k_cache = torch.zeros(4, 16, hkv, hd, device=device, dtype=torch.bfloat16)
-    v_cache = torch.zeros_like(k_cache)
-    slot = torch.tensor([17], device=device)
-    pos = torch.tensor([300], device=device)
-    cos = torch.rand(1024, hd // 2, device=device)
-    sin = torch.rand(1024, hd // 2, device=device)
-    qkv_buf = torch.empty(1, (hq + 2 * hkv) * hd, device=device, dtype=torch.bfloat16)
-    q3, k3, v3 = (t.view(1, -1, hd) for t in qkv_buf.split([hq * hd, hkv * hd, hkv * hd], dim=-1))
+    if "gemm" in args.phases:
+        cfg_model = runner.model.config
+        hq, hkv, hd = cfg_model.num_attention_heads, cfg_model.num_key_value_heads, cfg_model.head_dim
+        hidden = cfg_model.hidden_size
+        x = torch.randn(1, 14336, device=device, dtype=torch.bfloat16)
+        residual = torch.randn(1, hidden, device=device, dtype=torch.bfloat16)
+        norm_w = torch.ones(hidden, device=device, dtype=torch.bfloat16)
+        k_cache = torch.zeros(4, 16, hkv, hd, device=device, dtype=torch.bfloat16)
+        v_cache = torch.zeros_like(k_cache)
+        slot = torch.tensor([17], device=device)
+        pos = torch.tensor([300], device=device)
+        cos = torch.rand(1024, hd // 2, device=device)
+        sin = torch.rand(1024, hd // 2, device=device)
+        qkv_buf = torch.empty(1, (hq + 2 * hkv) * hd, device=device, dtype=torch.bfloat16)
+        q3, k3, v3 = (t.view(1, -1, hd) for t in qkv_buf.split([hq * hd, hkv * hd, hkv * hd], dim=-1))
 
-    def pair_call(name: str, c: SkinnyConfig, method: str):
-        """fn(lin) for _time_us: the projection as the chain runs it, alone or followed by the
-        kernel that reads its output in the step, without or with PDL."""
-        k = by_proj[name][0].weight.shape[1]
-        xin = x[:, :k]
-        if method == "alone":
-            return lambda lin: skinny_gemm(xin, lin.weight, config=c, merge=name not in UNMERGED)
-        pdl = method == "pair_pdl"
-        if name == "gate_up_proj":
-            return lambda lin: silu_and_mul(skinny_gemm(xin, lin.weight, config=c, pdl=pdl), pdl=pdl)
-        if name == "qkv_proj":
-            return lambda lin: rotary_write_kv(
-                q3, k3, v3, k_cache, v_cache, slot, pos, cos, sin, pdl=pdl,
-                qkv_parts=skinny_gemm(xin, lin.weight, config=c, merge=False, pdl=pdl))
-        return lambda lin: rms_norm(None, norm_w, 1e-5, residual, pdl=pdl,
-                                    x_parts=skinny_gemm(xin, lin.weight, config=c, merge=False, pdl=pdl))
+        def pair_call(name: str, c: SkinnyConfig, method: str):
+            """fn(lin) for _time_us: the projection as the chain runs it, alone or followed by the
+            kernel that reads its output in the step, without or with PDL."""
+            k = by_proj[name][0].weight.shape[1]
+            xin = x[:, :k]
+            if method == "alone":
+                return lambda lin: skinny_gemm(xin, lin.weight, config=c, merge=name not in UNMERGED)
+            pdl = method == "pair_pdl"
+            if name == "gate_up_proj":
+                return lambda lin: silu_and_mul(skinny_gemm(xin, lin.weight, config=c, pdl=pdl), pdl=pdl)
+            if name == "qkv_proj":
+                return lambda lin: rotary_write_kv(
+                    q3, k3, v3, k_cache, v_cache, slot, pos, cos, sin, pdl=pdl,
+                    qkv_parts=skinny_gemm(xin, lin.weight, config=c, merge=False, pdl=pdl))
+            return lambda lin: rms_norm(None, norm_w, 1e-5, residual, pdl=pdl,
+                                        x_parts=skinny_gemm(xin, lin.weight, config=c, merge=False, pdl=pdl))
 
-    # 1. alone, as the chain runs each projection; and in pairs with the kernel that reads its
-    #    output (the partials' reader for the unmerged ones), without and with PDL
-    alone: dict[str, dict[str, dict[str, float]]] = {m: {} for m in METHODS}
-    configs: dict[str, dict[str, SkinnyConfig]] = {}
-    with torch.inference_mode():
-        for name in PROJECTIONS:
-            linears = by_proj[name]
-            n, k = linears[0].weight.shape
-            cands = wide_configs(n, k, num_sms)
-            if start_up[name] not in cands:
-                cands.append(start_up[name])
-            cfgs = {}
-            for c in cands:
-                try:
-                    row = {m: _time_us(pair_call(name, c, m), linears, device) for m in METHODS}
-                except Exception as e:      # out of shared memory or registers: not a candidate
-                    print(f"  {name} {c}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                    continue
-                cfgs[str(c)] = c
+        # 1. alone, as the chain runs each projection; and in pairs with the kernel that reads its
+        #    output (the partials' reader for the unmerged ones), without and with PDL
+        alone: dict[str, dict[str, dict[str, float]]] = {m: {} for m in METHODS}
+        configs: dict[str, dict[str, SkinnyConfig]] = {}
+        with torch.inference_mode():
+            for name in PROJECTIONS:
+                linears = by_proj[name]
+                n, k = linears[0].weight.shape
+                cands = wide_configs(n, k, num_sms)
+                if start_up[name] not in cands:
+                    cands.append(start_up[name])
+                cfgs = {}
+                for c in cands:
+                    try:
+                        row = {m: _time_us(pair_call(name, c, m), linears, device) for m in METHODS}
+                    except Exception as e:      # out of shared memory or registers: not a candidate
+                        print(f"  {name} {c}: {type(e).__name__}: {str(e)[:120]}", flush=True)
+                        continue
+                    cfgs[str(c)] = c
+                    for m in METHODS:
+                        alone[m].setdefault(name, {})[str(c)] = row[m]
+                configs[name] = cfgs
                 for m in METHODS:
-                    alone[m].setdefault(name, {})[str(c)] = row[m]
-            configs[name] = cfgs
-            for m in METHODS:
-                times = alone[m][name]
-                best = min(times, key=times.get)
-                print(f"{name} N={n} K={k} {m}: start-up {start_up[name]} {times[str(start_up[name])]:.2f} us, "
-                      f"best {best} {times[best]:.2f} us ({len(times)} configs, {time.monotonic() - t_start:.0f} s)",
-                      flush=True)
-    out["alone_us"] = alone
-    picks = {m: {name: configs[name][min(alone[m][name], key=alone[m][name].get)] for name in PROJECTIONS}
-             for m in METHODS}
-    out["picks"] = {m: {p: str(c) for p, c in v.items()} for m, v in picks.items()}
-    save()
-
-    # 2. the step, one projection at a time
-    chosen = dict(start_up)
-    for item in args.start:
-        name, cfg_name = item.split("=")
-        chosen[name] = configs[name][cfg_name]
-    trials = []
-    for name in PROJECTIONS:
-        tries = [str(chosen[name])]
-        for m in METHODS:
-            tries += [c for c in ranked(alone[m][name], args.keep, str(chosen[name])) if c not in tries]
-        for cfg_name in tries:
-            if time.monotonic() - t_start > args.budget_s:
-                print(f"budget spent: {name} {cfg_name} not tried", flush=True)
-                break
-            trial = dict(chosen, **{name: configs[name][cfg_name]})
-            _set_variant(runner, True, _tables(base, by_proj, trial), True, True, True)
-            graph, _, _ = _step_graph(runner, args.context)
-            ms = _replay_ms(graph)
-            trials.append({"proj": name, "config": cfg_name, "step_ms": ms,
-                           "others": {p: str(c) for p, c in chosen.items() if p != name}})
-            print(f"  step with {name} {cfg_name}: {ms:.4f} ms", flush=True)
-        tried = [t for t in trials if t["proj"] == name]
-        if tried:
-            best = min(tried, key=lambda t: t["step_ms"])
-            chosen[name] = configs[name][best["config"]]
-        out["trials"], out["chosen"] = trials, {p: str(c) for p, c in chosen.items()}
+                    times = alone[m][name]
+                    best = min(times, key=times.get)
+                    print(f"{name} N={n} K={k} {m}: start-up {start_up[name]} {times[str(start_up[name])]:.2f} us, "
+                          f"best {best} {times[best]:.2f} us ({len(times)} configs, {time.monotonic() - t_start:.0f} s)",
+                          flush=True)
+        out["alone_us"] = alone
+        picks = {m: {name: configs[name][min(alone[m][name], key=alone[m][name].get)] for name in PROJECTIONS}
+                 for m in METHODS}
+        out["picks"] = {m: {p: str(c) for p, c in v.items()} for m, v in picks.items()}
         save()
 
-    # 3. start-up choice against the best found, alternating
-    final = []
-    logits = {}
-    variants = [("start_up", start_up), ("best", chosen)] + [(f"pick_{m}", picks[m]) for m in METHODS]
-    for rnd in range(3):
-        for tag, pick in variants:
-            _set_variant(runner, True, _tables(base, by_proj, pick), True, True, True)
-            graph, lg, _ = _step_graph(runner, args.context)
-            logits[tag] = lg
-            row = {"round": rnd, "variant": tag, "step_ms": _replay_ms(graph)}
-            if rnd == 0:
-                vocab = PRESETS["llama-3.1-8b"]["vocab_size"]
-                prompt = [(i * 7919) % vocab for i in range(128)]
-                row["ms_per_token"] = _ms_per_token(llm, f"{tag}{rnd}", prompt, args.output_len)
-            final.append(row)
-            print(f"  round {rnd} {tag}: {row}", flush=True)
-    diff = (logits["start_up"] - logits["best"]).abs().max().item()
-    out["final"] = final
-    out["logits_best_vs_start_up"] = {"max_abs_diff": diff, "max_abs": logits["start_up"].abs().max().item(),
-                                      "same_argmax": bool(logits["start_up"].argmax() == logits["best"].argmax())}
-    print(f"logits best vs start-up: {out['logits_best_vs_start_up']}", flush=True)
-    save()
+        # 2. the step, one projection at a time
+        chosen = dict(start_up)
+        for item in args.start:
+            name, cfg_name = item.split("=")
+            chosen[name] = configs[name][cfg_name]
+        trials = []
+        for name in PROJECTIONS:
+            tries = [str(chosen[name])]
+            for m in METHODS:
+                tries += [c for c in ranked(alone[m][name], args.keep, str(chosen[name])) if c not in tries]
+            for cfg_name in tries:
+                if time.monotonic() - t_start > args.budget_s:
+                    print(f"budget spent: {name} {cfg_name} not tried", flush=True)
+                    break
+                trial = dict(chosen, **{name: configs[name][cfg_name]})
+                _set_variant(runner, True, _tables(base, by_proj, trial), True, True, True)
+                graph, _, _ = _step_graph(runner, args.context)
+                ms = _replay_ms(graph)
+                trials.append({"proj": name, "config": cfg_name, "step_ms": ms,
+                               "others": {p: str(c) for p, c in chosen.items() if p != name}})
+                print(f"  step with {name} {cfg_name}: {ms:.4f} ms", flush=True)
+            tried = [t for t in trials if t["proj"] == name]
+            if tried:
+                best = min(tried, key=lambda t: t["step_ms"])
+                chosen[name] = configs[name][best["config"]]
+            out["trials"], out["chosen"] = trials, {p: str(c) for p, c in chosen.items()}
+            save()
+
+        # 3. start-up choice against the best found, alternating
+        final = []
+        logits = {}
+        variants = [("start_up", start_up), ("best", chosen)] + [(f"pick_{m}", picks[m]) for m in METHODS]
+        for rnd in range(3):
+            for tag, pick in variants:
+                _set_variant(runner, True, _tables(base, by_proj, pick), True, True, True)
+                graph, lg, _ = _step_graph(runner, args.context)
+                logits[tag] = lg
+                row = {"round": rnd, "variant": tag, "step_ms": _replay_ms(graph)}
+                if rnd == 0:
+                    vocab = PRESETS["llama-3.1-8b"]["vocab_size"]
+                    prompt = [(i * 7919) % vocab for i in range(128)]
+                    row["ms_per_token"] = _ms_per_token(llm, f"{tag}{rnd}", prompt, args.output_len)
+                final.append(row)
+                print(f"  round {rnd} {tag}: {row}", flush=True)
+        diff = (logits["start_up"] - logits["best"]).abs().max().item()
+        out["final"] = final
+        out["logits_best_vs_start_up"] = {"max_abs_diff": diff, "max_abs": logits["start_up"].abs().max().item(),
+                                          "same_argmax": bool(logits["start_up"].argmax() == logits["best"].argmax())}
+        print(f"logits best vs start-up: {out['logits_best_vs_start_up']}", flush=True)
+        save()
+    if "attention" in args.phases:
+        attention_search(llm, runner, args, out, save)
     llm.core.shutdown()
 
 
