@@ -427,7 +427,7 @@ class _TileConfig:
 
 
 def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
-                 fused_splits: bool = False, fp8_cache: bool = False) -> _TileConfig:
+                 fused_splits: bool = False, fp8_cache: bool = False, num_seqs: int = 0) -> _TileConfig:
     """Decode: 16-row tiles (the dot only has to reach tensor-core size; the kernel is bound by
     K/V reads), 128 keys a step. Prefill: 128-row tiles, 64 keys a step, 8 warps (wgmma; with
     the block ids read a step ahead the fastest of the H100 probe in benchmarks/h100/
@@ -440,6 +440,10 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
     500-16,000 keys (204.3 against 143.6 us at 4,000), and 2 stages were as fast or faster from
     1 to 24 rows but for one point (2.5% slower); over an FP8 cache 3 stages stay, faster at 16-32
     rows (131.7 against 149.0 us at 32 x 4,000) (H200, benchmarks/h200/decode_attention_stages.md).
+    Calls of one or two sequences (num_seqs) run those tiles on 8 warps, not 4: 1 row 11.7 -> 11.2
+    us at 300 keys, 21.8 -> 18.8 at 4,000, 52.1 -> 43.6 at 16,000; 2 rows 4-15% faster at 300-16,000
+    keys; from 4 rows 4 warps were as fast or faster but at 300 keys (H200, 30 us off a batch-1 decode
+    step; benchmarks/h200/chain_configs.md).
     fp8_cache (prefill over an FP8 cache): 128 keys a step, 148 against 162 us for a 2048-token
     prompt (H200, benchmarks/h200/fp8_kv_cache.md); decode keeps its sizes (fastest there too)."""
     if dtype == torch.float32:
@@ -449,7 +453,9 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
     if max_seqlen_q == 1 and fused_splits:
         if head_dim == 256:
             return _TileConfig(16, 32, 4, 3)
-        return _TileConfig(16, _FUSED_DECODE_BLOCK_N, 4, 3 if fp8_cache else 2)
+        if fp8_cache:
+            return _TileConfig(16, _FUSED_DECODE_BLOCK_N, 4, 3)
+        return _TileConfig(16, _FUSED_DECODE_BLOCK_N, 8 if num_seqs <= 2 else 4, 2)
     if max_seqlen_q == 1:
         return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
     if head_dim == 256:
@@ -621,7 +627,7 @@ def paged_attention(
         return out
     merge_in_kernel = merge_in_kernel and num_kv_splits > 1
     cfg = _pick_config(max_seqlen_q, head_dim, q.dtype, fused_splits=merge_in_kernel,
-                       fp8_cache=k_cache.dtype in FP8_KV_DTYPES)
+                       fp8_cache=k_cache.dtype in FP8_KV_DTYPES, num_seqs=num_seqs)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
             out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl, kv_ahead,
             i32_offsets, prompt_loop)

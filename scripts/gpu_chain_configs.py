@@ -66,8 +66,9 @@ def _tables(base: dict, linears_by_proj: dict, chosen: dict) -> dict:
     return tables
 
 
-ATTENTION_TILES = ((16, 64, 4, 2), (16, 32, 4, 2), (16, 64, 2, 2), (16, 64, 4, 3), (16, 64, 8, 2),
-                   (16, 128, 4, 2), (16, 32, 2, 3))     # (rows, keys a step, warps, stages); the first: today's
+# (rows, keys a step, warps, stages); the first: the engine's at batch 1
+ATTENTION_TILES = ((16, 64, 8, 2), (16, 64, 4, 2), (16, 32, 4, 2), (16, 64, 2, 2), (16, 64, 4, 3),
+                   (16, 128, 4, 2), (16, 32, 2, 3))
 
 
 def attention_search(llm, runner, args, out: dict, save) -> None:
@@ -87,10 +88,10 @@ def attention_search(llm, runner, args, out: dict, save) -> None:
                 return splits
             return real_splits(size, num_kv_heads, context, merge_in_kernel)
 
-        def pick(max_seqlen_q, head_dim, dtype, fused_splits=False, fp8_cache=False):
+        def pick(max_seqlen_q, head_dim, dtype, fused_splits=False, fp8_cache=False, num_seqs=0):
             if tile is not None and max_seqlen_q == 1 and fused_splits:
                 return pa._TileConfig(*tile)
-            return real_pick(max_seqlen_q, head_dim, dtype, fused_splits, fp8_cache)
+            return real_pick(max_seqlen_q, head_dim, dtype, fused_splits, fp8_cache, num_seqs)
         cg.decode_kv_splits, pa._pick_config = kv_splits, pick
         _set_variant(runner, True, tables, True, True, True)
 

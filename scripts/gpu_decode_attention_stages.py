@@ -1,6 +1,6 @@
 """Decode attention at the engine's decode-graph sizes (issues 12 and 13), on a GPU: the kernel
 with its splits merged inside (what decode graphs of up to 32 rows run) in tile configs of 64 or
-128 keys a step on 2 or 3 pipeline stages, and the separate-merge kernel (`unfused`: 128 keys a
+128 keys a step on 2 or 3 pipeline stages (4 warps, or 8 at 64 keys), and the separate-merge kernel (`unfused`: 128 keys a
 step, `choose_num_kv_splits`, a second launch), us per call replayed from a CUDA graph.
 Llama-3.1-8B heads (Hq 32, Hkv 8, D 128), bf16, 16-key pages scattered at random; every row has
 `ctx` keys, and the split count is the graph's for the context bucket holding ctx.
@@ -25,10 +25,10 @@ from scripts.bench_common import git_commit  # noqa: E402
 from scripts.gpu_check_cascade import bench_graph  # noqa: E402
 
 HQ, HKV, D, BLOCK = 32, 8, 128, 16
-# name: (keys a step, stages); the split count is the graph's rule at 64 keys, at 128 keys the
-# same rule with 128-key splits (None: the separate-merge kernel).
-VARIANTS = {"n64_st3": (64, 3), "n64_st2": (64, 2), "n128_st3": (128, 3), "n128_st2": (128, 2),
-            "unfused": None}
+# name: (keys a step, stages, warps); the split count is the graph's rule at 64 keys, at 128 keys
+# the same rule with 128-key splits (None: the separate-merge kernel).
+VARIANTS = {"n64_st3": (64, 3, 4), "n64_st2": (64, 2, 4), "n128_st3": (128, 3, 4), "n128_st2": (128, 2, 4),
+            "n64_st2_w8": (64, 2, 8), "n64_st3_w8": (64, 3, 8), "unfused": None}
 
 
 def time_case(rows: int, ctx: int) -> dict:
@@ -53,12 +53,13 @@ def time_case(rows: int, ctx: int) -> dict:
             s, cfg, fused = r["splits_unfused"], pa._TileConfig(16, 128, 4, 3), False
         else:
             s = r["splits_64"] if variant[0] == 64 else r["splits_128"]
-            cfg, fused = pa._TileConfig(16, variant[0], 4, variant[1]), True
+            cfg, fused = pa._TileConfig(16, variant[0], variant[2], variant[1]), True
         call = lambda: pa._launch(q, k, v, table, cu, lens, out, D ** -0.5, None, 1, s, cfg,  # noqa: E731
                                   fused and s > 1)
         r[name] = bench_graph(call, 10, 40) * 1e3
         outs[name] = out.float()
-    r["max_abs_diff"] = max((o - outs["n64_st3"]).abs().max().item() for o in outs.values())
+    first = next(iter(outs.values()))
+    r["max_abs_diff"] = max((o - first).abs().max().item() for o in outs.values())
     return r
 
 
@@ -67,7 +68,10 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 24, 32])
     ap.add_argument("--contexts", type=int, nargs="+", default=[500, 1000, 2000, 4000, 8000, 16000])
     ap.add_argument("--out", required=True)
+    ap.add_argument("--variants", nargs="+", default=list(VARIANTS), choices=list(VARIANTS))
     args = ap.parse_args()
+    for name in [n for n in VARIANTS if n not in args.variants]:
+        del VARIANTS[name]
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     results = []

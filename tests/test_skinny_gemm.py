@@ -149,6 +149,17 @@ def test_candidate_configs_fill_the_gpu_without_empty_slices():
             assert tiles * cfg.split_k >= min(2 * 132, tiles * max(1, k // (2 * cfg.block_k)))
 
 
+def test_chain_candidates_add_the_first_tile_at_fewer_slices():
+    for n, k in ((6144, 4096), (4096, 4096), (4096, 14336), (28672, 4096)):
+        plain = sg.candidate_configs(n, k, num_sms=132)
+        chain = sg.chain_candidate_configs(n, k, num_sms=132)
+        first = plain[0]
+        assert chain[:len(plain)] == plain and len(set(chain)) == len(chain)
+        same_tile = {c.split_k for c in chain if (c.block_n, c.block_k, c.num_warps, c.num_stages)
+                     == (first.block_n, first.block_k, first.num_warps, first.num_stages)}
+        assert set(range(1, first.split_k + 1)) <= same_tile
+
+
 def _bad_inputs():
     x = torch.zeros(2, 64, device=DEVICE)
     w = torch.zeros(8, 64, device=DEVICE)
