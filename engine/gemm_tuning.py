@@ -8,10 +8,10 @@ the K slices' partials to the kernel after (`late_merge`: qkv_proj, o_proj, down
 elsewhere; without PDL (timed in a chain of PDL launches of the same projection, other configs
 won, and the decode step with them was slower: H200, 4.68 against 4.51 ms/token,
 benchmarks/h200/decode_pdl.md). Among the candidates within CHAIN_MARGIN of the fastest,
-`pick_chain` takes the fewest K slices: the timing alone misses what each slice costs the step
-(the kernel after reads every slice's partial; more programs are placed early beside the kernel
-ahead). H200, batch 1: that rule picked exactly the configs that made the whole step fastest in
-a search over the step itself, 4.29 -> 4.19 ms (benchmarks/h200/chain_configs.md).
+`pick_chain` takes the fewest K slices: timed alone, slices look nearly free, but in the step
+each one costs (the kernel after reads every slice's partial). H200, batch 1: that rule picked
+the configs that made the whole step fastest in a search over the step itself, 4.29 -> 4.19 ms
+a step (benchmarks/h200/chain_configs.md).
 
 Why a start-up timing rather than a per-shape table: which kernel wins depends on the GPU, on
 the cuBLAS version torch ships (its kernel choice for skinny shapes changes between releases),

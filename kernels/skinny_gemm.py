@@ -53,8 +53,7 @@ from kernels.arrival_counters import arrival_counters
 from kernels.pdl import check as check_pdl, launch_options
 
 __all__ = ["SkinnyConfig", "candidate_configs", "chain_candidate_configs", "default_config", "skinny_gemm",
-           "skinny_gemm_ref",
-           "MAX_ROWS", "num_k_slices", "add_k_slices"]
+           "skinny_gemm_ref", "MAX_ROWS", "num_k_slices", "add_k_slices"]
 
 MAX_ROWS = 16                   # x rows per call: the MMA's narrow side
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -189,8 +188,8 @@ def chain_candidate_configs(n: int, k: int, num_sms: int = _H200_NUM_SMS) -> lis
     """`candidate_configs`, and the first tile also at every split count below its own: the
     candidates for a decode graph's PDL chain (engine/gemm_tuning.py). There, fewer K slices
     than the kernel alone runs fastest with made the step faster: H200, batch 1, 64 x 128 tiles
-    on 4 stages with 2 / 3 / 3 slices for qkv / o / down against the 3 / 5 / 5 of two programs an
-    SM (benchmarks/h200/chain_configs.md)."""
+    on 4 stages with 2 / 2-3 / 3 slices for qkv / o / down against the 3 / 5 / 5 of two programs
+    an SM (benchmarks/h200/chain_configs.md)."""
     out = candidate_configs(n, k, num_sms)
     first = out[0]
     for split in range(1, first.split_k):

@@ -1,21 +1,28 @@
 """Which skinny GEMM configs make the batch-1 decode step fastest (issue 13's single stream).
 
 A decode graph launched with PDL runs every projection as the Triton skinny GEMM, at the config
-the start-up timing (engine/gemm_tuning.py) put in `skinny_chain`: the fastest of a few
-candidates, each timed with its K slices merged in the kernel (the last program's store, atomic
-and reload). In the chain, though, qkv_proj, o_proj and down_proj run unmerged (late merge: the
-kernel after them adds the slices' partials as it reads them), where more K slices cost less.
+the start-up timing (engine/gemm_tuning.py) put in `skinny_chain`. Until d78d2cc that was the
+fastest of a few candidates, each timed with its K slices merged in the kernel (the last
+program's store, atomic and reload), while the chain runs qkv_proj, o_proj and down_proj
+unmerged (late merge: the kernel after them adds the slices' partials as it reads them). This
+script is how the rule that replaced it was found and is checked.
 
-This script
-  1. times a wider set of configs for each projection alone, the way the chain runs it
-     (unmerged for qkv_proj, o_proj, down_proj; merged for gate_up_proj), as the start-up timing
-     does: a CUDA graph of the projection over every layer's weights, one row;
+It
+  1. times a wider set of configs for each projection three ways: alone, the way the chain runs
+     it (unmerged for qkv_proj, o_proj, down_proj; merged for gate_up_proj), as the start-up
+     timing does (a CUDA graph of the projection over every layer's weights, one row); followed
+     by the kernel that reads its output in the step (`pair`); and that pair with PDL
+     (`pair_pdl`);
   2. puts the best few of each projection into the real batch-1 step graph, one projection at a
      time, keeping whichever made the step fastest (graph replay at --context keys);
-  3. replays the start-up choice and the best found alternately, and runs a greedy generation
-     with each (ms/token as bench_latency.py counts it), and compares their logits.
+  3. replays the start-up choice, the best found and each timing's own top picks alternately,
+     runs a greedy generation with each (ms/token as bench_latency.py counts it), and compares
+     the logits of the start-up choice and the best.
+With `--phases attention` (after or instead of the above) it forces the batch-1 graph's decode
+attention split count and tile, every pair, and replays the default against the fastest pair.
+Results: benchmarks/h200/chain_configs.md.
 
-    PYTHONPATH=. python3 scripts/gpu_chain_configs.py --out $OUT/chain_configs.json
+    PYTHONPATH=. python3 scripts/gpu_chain_configs.py --out $OUT/chain_configs.json [--phases gemm attention]
 """
 from __future__ import annotations
 
