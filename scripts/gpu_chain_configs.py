@@ -123,7 +123,8 @@ def attention_search(llm, runner, args, out: dict, save) -> None:
     cg.decode_kv_splits, pa._pick_config = real_splits, real_pick
     out["attention"] = {"default_splits": default_splits, "default_tile": list(ATTENTION_TILES[0]),
                         "trials": rows, "best": best, "final": final,
-                        "logits_best_vs_default_max_abs_diff": (logits["best"] - logits["default"]).abs().max().item()}
+                        "logits_best_vs_default_max_abs_diff":
+                            (logits["best"] - logits["default"]).abs().max().item()}
     save()
 
 
@@ -229,7 +230,8 @@ def main() -> None:
                     times = alone[m][name]
                     best = min(times, key=times.get)
                     print(f"{name} N={n} K={k} {m}: start-up {start_up[name]} {times[str(start_up[name])]:.2f} us, "
-                          f"best {best} {times[best]:.2f} us ({len(times)} configs, {time.monotonic() - t_start:.0f} s)",
+                          f"best {best} {times[best]:.2f} us ({len(times)} configs, "
+                          f"{time.monotonic() - t_start:.0f} s)",
                           flush=True)
         out["alone_us"] = alone
         picks = {m: {name: configs[name][min(alone[m][name], key=alone[m][name].get)] for name in PROJECTIONS}

@@ -4,9 +4,11 @@ time the GEMMs of a job of N tokens take at that rate (issue 12's shared-prefix 
 13's 1000 x 1000 roofline count FLOPs at the bf16 peak; this is what cuBLAS gives).
 
 Each projection runs in a CUDA graph over 32 layers' own weights (HBM, not L2), as
-engine/gemm_tuning.py times them; the median of a few replays.
+engine/gemm_tuning.py times them; the median of a few replays. --blas cublas cublaslt times
+each row count under both of torch's BLAS back ends (torch.backends.cuda.preferred_blas_library:
+cuBLASLt's heuristics may pick other kernels for these shapes).
 
-    python3 scripts/gpu_gemm_rate.py --out $OUT/gemm_rate.json
+    python3 scripts/gpu_gemm_rate.py --out $OUT/gemm_rate.json [--blas cublas cublaslt]
 """
 from __future__ import annotations
 
@@ -36,30 +38,36 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[256, 512, 2048, 8192])
     ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--blas", nargs="+", default=["cublas"], choices=["cublas", "cublaslt"])
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     cfg = PRESETS["llama-3.1-8b"]
     dev = torch.device("cuda")
     gen = torch.Generator(device=dev).manual_seed(0)
     results = []
-    for rows in args.rows:
-        layer_us, layer_flops = 0.0, 0
-        for name, (n, k) in layer_shapes(cfg).items():
-            weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
-                       for _ in range(args.layers)]
-            x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
-            us = replay_ms(lambda: [F.linear(x, w) for w in weights], dev) * 1e3 / args.layers
-            flops = 2 * rows * n * k
-            layer_us, layer_flops = layer_us + us, layer_flops + flops
-            results.append({"rows": rows, "proj": name, "n": n, "k": k, "us": us, "tflops": flops / us / 1e6})
-            print(f"M={rows:5d} {name:>12} N={n:5d} K={k:5d}: {us:8.1f} us  {flops / us / 1e6:6.1f} TFLOP/s",
-                  flush=True)
-            del weights
-            torch.cuda.empty_cache()
-        results.append({"rows": rows, "proj": "layer", "us": layer_us, "tflops": layer_flops / layer_us / 1e6,
-                        "fraction_of_peak": layer_flops / layer_us / 1e-6 / BF16_DENSE_FLOPS})
-        print(f"M={rows:5d} {'layer':>12}: {layer_us:8.1f} us  {layer_flops / layer_us / 1e6:6.1f} TFLOP/s "
-              f"({layer_flops / layer_us / 1e-6 / BF16_DENSE_FLOPS:.1%} of the bf16 peak)", flush=True)
+    for blas in args.blas:
+        torch.backends.cuda.preferred_blas_library(blas)
+        for rows in args.rows:
+            layer_us, layer_flops = 0.0, 0
+            for name, (n, k) in layer_shapes(cfg).items():
+                weights = [torch.randn(n, k, device=dev, dtype=torch.bfloat16, generator=gen) * 0.02
+                           for _ in range(args.layers)]
+                x = torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
+                us = replay_ms(lambda: [F.linear(x, w) for w in weights], dev) * 1e3 / args.layers
+                flops = 2 * rows * n * k
+                layer_us, layer_flops = layer_us + us, layer_flops + flops
+                results.append({"blas": blas, "rows": rows, "proj": name, "n": n, "k": k, "us": us,
+                                "tflops": flops / us / 1e6})
+                print(f"{blas:8} M={rows:5d} {name:>12} N={n:5d} K={k:5d}: {us:8.1f} us  "
+                      f"{flops / us / 1e6:6.1f} TFLOP/s", flush=True)
+                del weights
+                torch.cuda.empty_cache()
+            results.append({"blas": blas, "rows": rows, "proj": "layer", "us": layer_us,
+                            "tflops": layer_flops / layer_us / 1e6,
+                            "fraction_of_peak": layer_flops / layer_us / 1e-6 / BF16_DENSE_FLOPS})
+            print(f"{blas:8} M={rows:5d} {'layer':>12}: {layer_us:8.1f} us  "
+                  f"{layer_flops / layer_us / 1e6:6.1f} TFLOP/s "
+                  f"({layer_flops / layer_us / 1e-6 / BF16_DENSE_FLOPS:.1%} of the bf16 peak)", flush=True)
     out = {"meta": {"hardware": hardware(), "commit": git_commit(),
                     "command": "python3 scripts/gpu_gemm_rate.py " + " ".join(sys.argv[1:]),
                     "peak_flops": BF16_DENSE_FLOPS},

@@ -69,6 +69,7 @@ def test_tuning_fills_every_layers_tables_by_the_rule(tmp_path):
             assert r["chosen"] == ("triton " + str(table[r["rows"]]) if r["rows"] in table else "baseline")
             if not r["silu_mul"]:       # the chain's config: timed in the chain's form, by pick_chain
                 assert r["chain"] == str(lin.skinny_chain[r["rows"]])
-                assert r["chain_form"] == ("unmerged" if r["proj"] in ("qkv_proj", "o_proj", "down_proj") else "merged")
+                unmerged = r["proj"] in ("qkv_proj", "o_proj", "down_proj")
+                assert r["chain_form"] == ("unmerged" if unmerged else "merged")
                 chain_us = r["chain_us"]
                 assert chain_us[r["chain"]] <= (1 + CHAIN_MARGIN) * min(chain_us.values())
