@@ -7,10 +7,11 @@ F.linear. It starts empty (CPU, tests, EngineConfig.skinny_gemm = "off"): the st
 engine/gemm_tuning.py fills it. `skinny_silu` is the same for `forward_silu_mul` (down_proj with
 SiLU-and-mul folded into the kernel's prologue).
 
-`skinny_chain` holds the fastest skinny config per bucket whether or not it beat cuBLAS: a call
-with pdl=True (a decode graph's chain of kernels launched with programmatic dependent launch,
-kernels/pdl.py) runs it, because a cuBLAS kernel takes no part in PDL: it starts only when the
-kernel ahead has finished, and so does the kernel after it.
+`skinny_chain` holds a skinny config per bucket whether or not it beat cuBLAS (chosen by
+engine/gemm_tuning.py's `pick_chain`: timed as the chain runs it, the fewest K slices among the
+near-fastest). A call with pdl=True (a decode graph's chain of kernels launched with
+programmatic dependent launch, kernels/pdl.py) runs it, because a cuBLAS kernel takes no part
+in PDL: it starts only when the kernel ahead has finished, and so does the kernel after it.
 
 unmerged=True (LlamaForCausalLM.late_merge: qkv_proj, whose output goes to the rotary + KV
 write kernel, o_proj and down_proj, whose output goes to an RMSNorm with the residual add):
