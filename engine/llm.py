@@ -28,16 +28,21 @@ def load_tokenizer(config: EngineConfig):
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
-    """Text is tokenized with the tokenizer's special tokens (e.g. BOS); a list of ints is
-    taken as token ids."""
+    """Text is tokenized with the tokenizer's special tokens (e.g. BOS); a list or tuple of
+    ints (Python or NumPy integers, not bools) is taken as token ids."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer, and skip_tokenizer_init is set: "
                              "give token ids")
         return prompt, tokenizer.encode(prompt)
-    if isinstance(prompt, (list, tuple)) and all(
-            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in prompt):
-        return None, [int(t) for t in prompt]
+    if isinstance(prompt, (list, tuple)):
+        # The element types checked once each, not per token (an offline job's millions of
+        # ids took seconds, with the GPU idle, in a per-token isinstance loop).
+        types = set(map(type, prompt))
+        if types <= {int}:
+            return None, list(prompt)
+        if all(t is int or issubclass(t, np.integer) for t in types):
+            return None, [int(t) for t in prompt]
     raise ValueError(f"a prompt must be a string or a list of token ids, got "
                      f"{type(prompt).__name__}")
 

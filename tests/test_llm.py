@@ -232,3 +232,21 @@ def test_skip_tokenizer_init_works_on_token_ids(tiny_models):
         llm.generate(["text needs a tokenizer"], GREEDY)
     with pytest.raises(ValueError, match="stop strings"):
         llm.generate([prompt], SamplingParams(max_tokens=4, stop=["x"]))
+
+
+def test_token_id_prompts_are_checked_by_type_and_copied():
+    import numpy as np
+
+    from engine.llm import encode_prompt
+    ids = [5, 7, 11]
+    text, got = encode_prompt(None, ids)
+    assert text is None and got == ids and got is not ids
+    assert encode_prompt(None, (5, 7))[1] == [5, 7]
+    got = encode_prompt(None, [np.int64(5), 7, np.int32(3)])[1]
+    assert got == [5, 7, 3] and all(type(t) is int for t in got)
+    assert encode_prompt(None, [])[1] == []
+    for bad in ([1, True], [True], [1, 2.0], [np.bool_(True)], ["1"], [[1]], {1, 2}):
+        with pytest.raises(ValueError, match="a string or a list of token ids"):
+            encode_prompt(None, bad)
+    with pytest.raises(ValueError, match="needs a tokenizer"):
+        encode_prompt(None, "hello")
