@@ -49,6 +49,10 @@ class StepTimes:
                             for f in dataclasses.fields(self) if f.name != "gpu_events"},
                          gpu_events=self.gpu_events)
 
+    def wall_s(self) -> float:
+        """Seconds spent in steps: every phase, summed."""
+        return sum(getattr(self, p) for p in PHASES)
+
     def per_step_ms(self) -> dict[str, float]:
         """Mean milliseconds per step of each phase, the wall time, the GPU's time (in all, and
         per graph step and per other step) and the share of steps that ran as a CUDA graph."""

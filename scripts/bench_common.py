@@ -7,6 +7,7 @@ import platform
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -251,6 +252,23 @@ def step_table(rows: list[dict], label_keys: list[str]) -> list[str]:
                    + " | ".join(f"{ms[k]:.3f}" if k in ms else "-" for k in ("gpu_graph_step", "gpu_other_step"))
                    + " |")
     return out
+
+
+class FirstStepClock:
+    """When `core`'s first step after this starts (perf_counter seconds in `.t`, None before), by
+    wrapping core.step: how long a generate call spent on its prompts before the GPU got work."""
+
+    def __init__(self, core):
+        self.core, self.t, self._step = core, None, core.step
+        core.step = self._timed_step
+
+    def _timed_step(self):
+        if self.t is None:
+            self.t = time.perf_counter()
+        return self._step()
+
+    def close(self) -> None:
+        self.core.step = self._step
 
 
 class StepProfiler:

@@ -34,8 +34,9 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from scripts.bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS,  # noqa: E402
-                                  StepProfiler, git_commit, hardware, kv_bytes_per_token, param_count,
-                                  preset_dir, step_table, write_results)
+                                  FirstStepClock, StepProfiler, git_commit, hardware,
+                                  kv_bytes_per_token, param_count, preset_dir, step_table,
+                                  write_results)
 
 MODES = {"off": dict(enable_prefix_caching=False, enable_prefix_groups=False,
                      enable_cascade_attention=False),
@@ -128,10 +129,13 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
             llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
             times = llm.core.times.copy()
             prof = StepProfiler(llm.core, args.profile_after, args.profile_steps)
+            first_step = FirstStepClock(llm.core)
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             elapsed = time.perf_counter() - t0
+            first_step.close()
             prof.close()
+            step_times = llm.core.times.since(times)
             after = llm.get_stats()
             assert all(len(o.outputs[0].token_ids) == w["out"] for o in outs)
             n = w["num_requests"]
@@ -147,7 +151,10 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
                        steps=after.num_steps - before.num_steps, floor_s=floor,
                        floor_requests_per_s=n / floor, fraction_of_floor=floor / elapsed,
                        engine_start_s=start_s,
-                       step_ms=llm.core.times.since(times).per_step_ms())
+                       # Host time before the first step (prompt intake), and outside steps in all
+                       intake_s=first_step.t - t0,
+                       outside_steps_s=elapsed - step_times.wall_s(),
+                       step_ms=step_times.per_step_ms())
             print(json.dumps(row), flush=True)
             if prof.tables is not None:
                 row["profile"] = prof.tables

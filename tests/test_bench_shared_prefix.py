@@ -13,6 +13,8 @@ def test_quick_run_writes_every_mode_and_order(tmp_path):
     assert set(rows) == {(m, o) for m in ("off", "apc", "groups") for o in ("grouped", "shuffled")}
     for (mode, order), r in rows.items():
         assert r["requests_per_s"] > 0 and r["num_requests"] == 12
+        # Host time before the first step and outside steps: parts of the run's wall time.
+        assert 0 < r["intake_s"] <= r["outside_steps_s"] < r["elapsed_s"]
         # 3 groups of 4 over a 64-token prefix, 16 own tokens each.
         full = 12 * 80
         if mode == "off":

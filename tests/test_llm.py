@@ -1,4 +1,5 @@
 """The engine against HF transformers, end to end, on tiny random models in float32 on CPU."""
+import gc
 import json
 import random
 import shutil
@@ -163,8 +164,27 @@ def test_prompt_longer_than_max_model_len_is_rejected(tiny_models):
         llm.generate([[10**7]], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY)
-    # The engine still works afterwards.
+    # The engine still works afterwards, and the collector paused for the intake is back on.
+    assert gc.isenabled()
     assert llm.generate([[5] * 10], GREEDY)[0].outputs[0].finish_reason in ("length", "stop")
+
+
+def test_gc_paused_restores_the_collector_as_it_found_it():
+    from engine.llm import gc_paused
+    assert gc.isenabled()
+    with gc_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    with pytest.raises(ValueError), gc_paused():
+        raise ValueError("a bad prompt")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with gc_paused():
+            pass
+        assert not gc.isenabled()      # off before, off after: the caller's choice kept
+    finally:
+        gc.enable()
 
 
 def test_fp8_kv_cache_holds_four_times_the_fp32_blocks(tiny_models):

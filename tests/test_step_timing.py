@@ -43,6 +43,7 @@ def test_since_and_per_step_ms_with_gpu_time():
     ms = b.since(a).per_step_ms()
     assert ms["schedule"] == 1.0 and ms["launch"] == 5.0 and ms["wait"] == 2.0
     assert ms["gpu"] == 7.0 and ms["wall"] == 8.0 and ms["graph_step_share"] == 0.8
+    assert b.since(a).wall_s() == pytest.approx(0.040)     # 5 steps of 8 ms, the GPU's not added
     # 4 graph steps took 20 ms of the GPU's 35; the one eager step took the other 15.
     assert ms["gpu_graph_step"] == 5.0 and ms["gpu_other_step"] == 15.0
 
