@@ -19,11 +19,10 @@ prompt token's hidden state is sampled from). No torch here.
 """
 from __future__ import annotations
 
+import array
 import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 __all__ = ["PromptGroup", "choose_groups", "group_prompts", "shareable_len"]
 
@@ -129,26 +128,49 @@ def shareable_len(num_tokens: int, block_size: int) -> int:
     return (num_tokens - 1) // block_size * block_size
 
 
+# A prompt's first n ids as 4-byte unsigned ints, in the machine's byte order. Sorted as byte
+# strings (memcmp, much faster than comparing lists of ints), prompts that share a prefix of ids
+# share a prefix of bytes and so sit next to each other, which is all the grouping needs (the
+# order among unrelated prompts does not matter). `array` makes a key in one pass over the
+# Python ints; NumPy's conversion and byte-order cast took three, and with the ints scattered over
+# memory, as a big job's shuffled prompts leave them, each pass is cache misses: 1.4 s of the
+# intake for issue 12's 6,400 x 2,200 ids on the H200 host.
+_ID_BYTES = 4
+assert array.array("I").itemsize == _ID_BYTES
+
+
+def _sort_key(prompt: Sequence[int], n: int) -> bytes:
+    return array.array("I", prompt[:n]).tobytes()
+
+
+def _shared_blocks(a: bytes, b: bytes, block_size: int) -> int:
+    """Whole blocks two sort keys start with alike: a binary search of prefix compares (memcmp)."""
+    step = block_size * _ID_BYTES
+    lo, hi = 0, min(len(a), len(b)) // step
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid * step] == b[:mid * step]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
 def group_prompts(prompts: Sequence[Sequence[int]], block_size: int,
                   min_prefix_len: int | None = None) -> list[PromptGroup]:
     """Every prompt in exactly one group, groups ordered by their first member (so the input
     order is kept as far as grouping allows); a lone prompt is a group of one with prefix 0.
     A group's prefix is the longest its members share, in whole blocks, and at least
-    min_prefix_len tokens (default: one block). Token ids must be in [0, 2**31)."""
+    min_prefix_len tokens (default: one block). Token ids must be in [0, 2**32)."""
     min_len = max(block_size if min_prefix_len is None else min_prefix_len, 1)
     n = len(prompts)
     shareable = [shareable_len(len(p), block_size) for p in prompts]
     candidates = [i for i in range(n) if shareable[i] >= min_len]
-    arrays = {i: np.asarray(prompts[i][:shareable[i]], dtype=np.int64) for i in candidates}
-    # Big-endian bytes sort like the id sequences (memcmp), much faster than lists of ints.
-    keys = {i: arrays[i].astype(">u4").tobytes() for i in candidates}
+    keys = {i: _sort_key(prompts[i], shareable[i]) for i in candidates}
     order = sorted(candidates, key=keys.__getitem__)
     lcp = [0] * len(order)
     for k in range(1, len(order)):
-        a, b = arrays[order[k - 1]], arrays[order[k]]
-        m = min(len(a), len(b))
-        differ = np.flatnonzero(a[:m] != b[:m])
-        shared = (int(differ[0]) if differ.size else m) // block_size * block_size
+        shared = _shared_blocks(keys[order[k - 1]], keys[order[k]], block_size) * block_size
         lcp[k] = shared if shared >= min_len else 0
     chosen = choose_groups(lcp, lambda count, _, prefix: (count - 1) * prefix)
     groups = [PromptGroup(prefix, tuple(sorted(order[k] for k in items)))

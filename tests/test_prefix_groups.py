@@ -94,6 +94,41 @@ def test_ids_beyond_16_bits_sort_correctly():
     assert [(g.prefix_len, g.members) for g in groups] == [(32, (0, 2)), (32, (1, 3))]
 
 
+def reference_groups(prompts, block_size, min_len):
+    """group_prompts spelt out on lists: sorted as tuples, each neighbour pair's shared blocks
+    counted id by id."""
+    share = [shareable_len(len(p), block_size) for p in prompts]
+    order = sorted((i for i in range(len(prompts)) if share[i] >= min_len),
+                   key=lambda i: tuple(prompts[i][:share[i]]))
+    lcp = [0] * len(order)
+    for k in range(1, len(order)):
+        a, b = prompts[order[k - 1]][:share[order[k - 1]]], prompts[order[k]][:share[order[k]]]
+        same = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        shared = same // block_size * block_size
+        lcp[k] = shared if shared >= min_len else 0
+    return sorted((prefix, tuple(sorted(order[k] for k in items)))
+                  for items, prefix in choose_groups(lcp, lambda n, _, prefix: (n - 1) * prefix))
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_groups_match_the_reference_on_near_miss_prefixes(seed):
+    # Prefixes that part at every offset, ids from a tiny vocabulary and around 2**16 (the sort
+    # keys are four bytes an id: ids alike in their low bytes must still part).
+    rng = random.Random(seed)
+    vocab = rng.choice([(0, 3), (65_530, 65_542), (1, 200_000)])
+    base = [rng.randint(*vocab) for _ in range(8 * BS)]
+    prompts = []
+    for _ in range(rng.randint(2, 40)):
+        cut = rng.randint(0, len(base))
+        tail = [rng.randint(*vocab) for _ in range(rng.randint(1, 3 * BS))]
+        prompts.append(base[:cut] + tail)
+    min_len = rng.choice([BS, 2 * BS, 5 * BS])
+    groups = group_prompts(prompts, BS, min_prefix_len=min_len)
+    check_groups(prompts, [g for g in groups if g.prefix_len >= min_len or g.prefix_len == 0])
+    got = sorted((g.prefix_len, g.members) for g in groups if len(g.members) >= 2)
+    assert got == [g for g in reference_groups(prompts, BS, min_len) if len(g[1]) >= 2]
+
+
 def set_partitions(items):
     if not items:
         yield []
