@@ -167,7 +167,7 @@ def _own_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PROMPT: tl.constexpr, I32: tl.constexpr,
-    HAS_SEQ_IDS: tl.constexpr, HAS_PREFIX: tl.constexpr,
+    HAS_SEQ_IDS: tl.constexpr,
 ):
     # Longest-running tiles (last positions of a prompt see the most keys) start first.
     pid_m = num_m_tiles - 1 - tl.program_id(0).to(tl.int64)
@@ -231,22 +231,21 @@ def _own_kernel(
         BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=False,
         DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=True, PROMPT=PROMPT, I32=I32)
 
-    if HAS_PREFIX:      # compiled out where no listed sequence has a prefix (fewer registers)
-        if prefix_len > 0:
-            # Fold in the prefix pass's partials. Valid rows saw their own key, so m_i is finite.
-            for s in range(NUM_SPLITS):
-                part = (s * num_tokens + t) * num_heads + head
-                m_s = tl.load(part_m_ptr + part, mask=row_valid, other=float("-inf"))
-                l_s = tl.load(part_l_ptr + part, mask=row_valid, other=0.0)
-                acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                                mask=row_valid[:, None], other=0.0)
-                m_new = tl.maximum(m_i, m_s)
-                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-                alpha = tl.exp2(m_i - m_sub)
-                beta = tl.exp2(m_s - m_sub)
-                acc = acc * alpha[:, None] + acc_s * beta[:, None]
-                l_i = l_i * alpha + l_s * beta
-                m_i = m_new
+    if prefix_len > 0:
+        # Fold in the prefix pass's partials. Valid rows saw their own key, so m_i is finite.
+        for s in range(NUM_SPLITS):
+            part = (s * num_tokens + t) * num_heads + head
+            m_s = tl.load(part_m_ptr + part, mask=row_valid, other=float("-inf"))
+            l_s = tl.load(part_l_ptr + part, mask=row_valid, other=0.0)
+            acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                            mask=row_valid[:, None], other=0.0)
+            m_new = tl.maximum(m_i, m_s)
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m_i - m_sub)
+            beta = tl.exp2(m_s - m_sub)
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            l_i = l_i * alpha + l_s * beta
+            m_i = m_new
 
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
@@ -401,7 +400,6 @@ def cascade_attention(
     out: torch.Tensor | None = None,
     own_decode_seqs: torch.Tensor | None = None,
     own_prompt_seqs: torch.Tensor | None = None,
-    prompt_prefixes: bool = True,
 ) -> torch.Tensor:
     """Causal paged attention with shared prefixes read once per group, as `cascade_attention_ref`.
     Returns [T, Hq, D].
@@ -410,10 +408,7 @@ def cascade_attention(
     the sequences of one query row (decode tiles) and those of more (prompt tiles), as plain paged
     attention does a mixed step (engine/models/attention.py): in one launch a decode row takes a
     prompt tile 32 positions tall. The caller lists every sequence with rows in one of them, by
-    its q_len (unchecked, as max_seqlen_q). prompt_prefixes=False (with them) promises that no
-    sequence in own_prompt_seqs has a prefix (unchecked): their launch is compiled without
-    folding in prefix partials. The fold's registers made the prompt tiles spill more, and the
-    engine's prompt chunks are never group members (engine/cascade_plan.py, step 1).
+    its q_len (unchecked, as max_seqlen_q).
 
     Host ints, none checked on the device (that would sync): max_seqlen_q >= every q_len;
     max_group_rows >= the query rows of every group with a prefix (it sizes the prefix grid);
@@ -466,8 +461,7 @@ def cascade_attention(
         _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg)
     else:   # one query row each, in decode tiles; then the prompt rows (and the padding rows)
         _launch_own(*args, 1, num_prefix_splits, _own_config(1, head_dim, q.dtype), own_decode_seqs, False)
-        _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg, own_prompt_seqs, True,
-                    has_prefix=prompt_prefixes)
+        _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg, own_prompt_seqs, True)
     return out
 
 
@@ -505,10 +499,9 @@ def _launch_prefix(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, pre
 def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
                 cu_group_seqs, out, part_m, part_l, part_acc, scale,
                 max_seqlen_q, num_splits, cfg: _TileConfig, seq_ids: torch.Tensor | None = None,
-                pad: bool = True, has_prefix: bool = True) -> None:
+                pad: bool = True) -> None:
     """The own pass over every sequence, or over those in seq_ids; pad: one more program that
-    zeroes the rows past cu_seqlens_q[-1]; has_prefix=False: none of them has a prefix, so the
-    kernel is compiled without the partials' fold."""
+    zeroes the rows past cu_seqlens_q[-1]."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -526,6 +519,6 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **_loop_form(cfg, k_cache, v_cache, prompt=_prompt_loop(max_seqlen_q, k_cache), i32=True),
-        HAS_SEQ_IDS=seq_ids is not None, HAS_PREFIX=has_prefix,
+        HAS_SEQ_IDS=seq_ids is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

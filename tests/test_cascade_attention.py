@@ -93,12 +93,11 @@ def make_batch(groups, lone, hq, hkv, d, dtype, seed, pad_rows=3, empty_groups=0
 
 
 def run(args, limits, num_prefix_splits=None, out=None, own_decode_seqs=None, own_prompt_seqs=None,
-        prompt_prefixes=True, **overrides):
+        **overrides):
     q = args[0]
     return cascade_attention(*args, q.shape[-1] ** -0.5, **(limits | overrides),
                              num_prefix_splits=num_prefix_splits, out=out,
-                             own_decode_seqs=own_decode_seqs, own_prompt_seqs=own_prompt_seqs,
-                             prompt_prefixes=prompt_prefixes)
+                             own_decode_seqs=own_decode_seqs, own_prompt_seqs=own_prompt_seqs)
 
 
 def check(args, limits, num_prefix_splits=None, **overrides):
@@ -151,33 +150,6 @@ def test_own_pass_apart_for_decode_rows_matches_reference(dtype, num_prefix_spli
     assert len(decodes) == 7 and len(prompts) == 5          # and a sequence with no rows
     got = check(args, limits, num_prefix_splits, own_decode_seqs=decodes, own_prompt_seqs=prompts)
     assert not got[-3:].any()                                # the padding rows
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_prefix_splits", [1, 3])
-def test_prompt_tiles_without_the_fold_where_no_prompt_row_has_a_prefix(dtype, num_prefix_splits):
-    """prompt_prefixes=False, as the engine passes it when its prompt chunks are all alone (the
-    shared-prefix jobs' prompt steps: decode members beside lone chunks): the prompt launch is
-    compiled without folding in prefix partials, and the values are the reference's. Where a
-    prompt row does have a prefix, the promise is broken and its rows miss the prefix's keys:
-    the flag really takes the fold out."""
-    decode_groups = [(32, [(1, 5), (1, 123), (1, 1)]), (64, [(1, 2), (1, 40)])]
-    lone = [(1, 40), (11, 11), (20, 57), (0, 7)]            # prompt chunks, fresh and after keys
-    args, limits = make_batch(decode_groups, lone, 8, 2, 32, dtype, seed=23)
-    decodes, prompts = own_lists(args)
-    assert len(prompts) == 2 and not args[6][prompts.long()].any()
-    check(args, limits, num_prefix_splits, own_decode_seqs=decodes, own_prompt_seqs=prompts,
-          prompt_prefixes=False)
-
-    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, dtype, seed=17)
-    decodes, prompts = own_lists(args)
-    members = prompts[args[6][prompts.long()] > 0].long()
-    assert len(members) == 4
-    rows = torch.cat([torch.arange(int(args[4][b]), int(args[4][b + 1])) for b in members.tolist()])
-    ref = cascade_attention_ref(*args, args[0].shape[-1] ** -0.5)
-    got = run(args, limits, num_prefix_splits, own_decode_seqs=decodes, own_prompt_seqs=prompts,
-              prompt_prefixes=False)
-    assert not torch.allclose(got[rows].float(), ref[rows].float(), atol=0.1)
 
 
 def test_own_lists_come_together_and_are_int32():
