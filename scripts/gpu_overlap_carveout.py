@@ -30,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-H, I, HQ, HKV, D, LAYERS, BLOCK = 4096, 14336, 32, 8, 128, 32, 16
+from scripts.gpu_overlap_probe import D, H, HKV, HQ, I, LAYERS, decode_layers  # noqa: E402
 COPY_BYTES_PER_S = 4.28e12      # the H200's measured device copy
 
 
@@ -65,10 +65,8 @@ def summarize(row: dict) -> dict:
 
 def main() -> None:
     import torch
-    import torch.nn.functional as F
 
     from engine.gemm_tuning import replay_ms
-    from kernels.paged_attention import paged_attention
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=parse_pair, nargs="+", default=[(256, 2048), (256, 8192), (128, 128)])
@@ -87,26 +85,7 @@ def main() -> None:
                "num_sms": torch.cuda.get_device_properties(dev).multi_processor_count, "runs": []}
     side = torch.cuda.Stream()
     for attn_rows, gemm_rows in args.pairs:
-        blocks_per_seq = -(-args.context // BLOCK)
-        num_blocks = attn_rows * blocks_per_seq
-        k_cache = torch.randn(num_blocks, BLOCK, HKV, D, device=dev, dtype=dt)
-        v_cache = torch.randn_like(k_cache)
-        table = torch.randperm(num_blocks, device=dev, dtype=torch.int32).view(attn_rows, blocks_per_seq)
-        cu = torch.arange(attn_rows + 1, device=dev, dtype=torch.int32)
-        lens = torch.full((attn_rows,), args.context, device=dev, dtype=torch.int32)
-        q = torch.randn(attn_rows, HQ, D, device=dev, dtype=dt)
-        x = torch.randn(gemm_rows, H, device=dev, dtype=dt)
-        act = torch.randn(gemm_rows, I, device=dev, dtype=dt)
-
-        def attn_layer():
-            paged_attention(q, k_cache, v_cache, table, cu, lens, D ** -0.5, max_seqlen_q=1,
-                            max_seqlen_k=args.context, merge_in_kernel=True)
-
-        def gemm_layer():
-            F.linear(x, w[0])
-            F.linear(x, w[1])
-            F.linear(x, w[2])
-            F.linear(act, w[3])
+        attn_layer, gemm_layer = decode_layers(attn_rows, gemm_rows, args.context, w)
 
         def streams():
             main_stream = torch.cuda.current_stream()
@@ -134,7 +113,7 @@ def main() -> None:
             results["runs"].append(row)
             print(json.dumps(row), flush=True)
         torch._C._set_sm_carveout_experimental(None)
-        del k_cache, v_cache
+        del attn_layer, gemm_layer
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)

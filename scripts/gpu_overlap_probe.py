@@ -35,6 +35,34 @@ from engine.gemm_tuning import replay_ms  # noqa: E402
 H, I, HQ, HKV, D, LAYERS, BLOCK = 4096, 14336, 32, 8, 128, 32, 16
 
 
+def decode_layers(attn_rows: int, gemm_rows: int, context: int, weights: list):
+    """(attention, projections) of one layer as closures: paged attention of attn_rows decode rows
+    at `context` keys each over scattered 16-key pages, and the four projections (`weights`:
+    qkv, o_proj, gate_up, down) of gemm_rows rows. The cache lives as long as the closures."""
+    dev, dt = weights[0].device, weights[0].dtype
+    blocks_per_seq = -(-context // BLOCK)
+    num_blocks = attn_rows * blocks_per_seq
+    k_cache = torch.randn(num_blocks, BLOCK, HKV, D, device=dev, dtype=dt)
+    v_cache = torch.randn_like(k_cache)
+    table = torch.randperm(num_blocks, device=dev, dtype=torch.int32).view(attn_rows, blocks_per_seq)
+    cu = torch.arange(attn_rows + 1, device=dev, dtype=torch.int32)
+    lens = torch.full((attn_rows,), context, device=dev, dtype=torch.int32)
+    q = torch.randn(attn_rows, HQ, D, device=dev, dtype=dt)
+    x = torch.randn(gemm_rows, H, device=dev, dtype=dt)
+    act = torch.randn(gemm_rows, I, device=dev, dtype=dt)
+
+    def attn_layer():
+        paged_attention(q, k_cache, v_cache, table, cu, lens, D ** -0.5, max_seqlen_q=1,
+                        max_seqlen_k=context, merge_in_kernel=True)
+
+    def gemm_layer():
+        F.linear(x, weights[0])
+        F.linear(x, weights[1])
+        F.linear(x, weights[2])
+        F.linear(act, weights[3])
+    return attn_layer, gemm_layer
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[128, 208, 256])
@@ -48,27 +76,7 @@ def main() -> None:
     results = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("BENCH_COMMIT", "?"),
                "context": args.context, "runs": []}
     for rows in args.rows:
-        blocks_per_seq = -(-args.context // BLOCK)
-        num_blocks = rows * blocks_per_seq
-        k_cache = torch.randn(num_blocks, BLOCK, HKV, D, device=dev, dtype=dt)
-        v_cache = torch.randn_like(k_cache)
-        table = torch.randperm(num_blocks, device=dev, dtype=torch.int32).view(rows, blocks_per_seq)
-        cu = torch.arange(rows + 1, device=dev, dtype=torch.int32)
-        lens = torch.full((rows,), args.context, device=dev, dtype=torch.int32)
-        q = torch.randn(rows, HQ, D, device=dev, dtype=dt)
-        x = torch.randn(rows, H, device=dev, dtype=dt)
-        act = torch.randn(rows, I, device=dev, dtype=dt)
-
-        def attn_layer():
-            paged_attention(q, k_cache, v_cache, table, cu, lens, D ** -0.5, max_seqlen_q=1,
-                            max_seqlen_k=args.context, merge_in_kernel=True)
-
-        def gemm_layer():
-            F.linear(x, w[0])
-            F.linear(x, w[1])
-            F.linear(x, w[2])
-            F.linear(act, w[3])
-
+        attn_layer, gemm_layer = decode_layers(rows, rows, args.context, w)
         side = torch.cuda.Stream()
 
         def streams(join_every_layer: bool):
@@ -96,7 +104,7 @@ def main() -> None:
         row["bytes_floor_ms"] = (kv_bytes + w_bytes) / 4.28e12 * 1e3
         results["runs"].append(row)
         print(json.dumps(row), flush=True)
-        del k_cache, v_cache
+        del attn_layer, gemm_layer
         torch.cuda.empty_cache()
     with open(args.out, "w") as f:
         json.dump(results, f, indent=1)
