@@ -5,6 +5,7 @@ import gc
 import logging
 import time
 
+import numpy as np
 import torch
 
 from engine.config import EngineConfig
@@ -87,9 +88,12 @@ class EngineCore:
                     self.runner.kv_dtype, self.max_model_len)
 
     def make_request(self, request_id: int | str, prompt_token_ids: list[int],
-                     params: SamplingParams) -> Request:
-        """Checks a request against this engine's limits; raises ValueError naming the field."""
-        check_request(prompt_token_ids, params, self.max_model_len, self.vocab_size)
+                     params: SamplingParams, ids_array: np.ndarray | None = None) -> Request:
+        """Checks a request against this engine's limits; raises ValueError naming the field.
+        ids_array: the same ids as an int64 array, where the caller has one (the check then
+        converts nothing)."""
+        check_request(prompt_token_ids if ids_array is None else ids_array, params,
+                      self.max_model_len, self.vocab_size)
         return Request(request_id, prompt_token_ids, params, self.eos_token_ids)
 
     def add_request(self, request: Request) -> None:

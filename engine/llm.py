@@ -1,6 +1,7 @@
 """The offline API: `LLM(model=...).generate(prompts, SamplingParams(...))`."""
 from __future__ import annotations
 
+import array
 import contextlib
 import gc
 import itertools
@@ -47,6 +48,16 @@ def encode_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
             return None, [int(t) for t in prompt]
     raise ValueError(f"a prompt must be a string or a list of token ids, got "
                      f"{type(prompt).__name__}")
+
+
+def token_array(ids: list[int]) -> np.ndarray | None:
+    """The ids as an int64 array, made in one pass over them (`array`; NumPy's conversion of a
+    list of ints took about three times as long), for the request check and the grouping to
+    share; None if one does not fit int64 (the check on the list then names it)."""
+    try:
+        return np.frombuffer(array.array("q", ids), dtype=np.int64)
+    except OverflowError:
+        return None
 
 
 @contextlib.contextmanager
@@ -98,10 +109,11 @@ class LLM:
         with gc_paused():
             for prompt, params in zip(prompts, sampling_params):
                 text, ids = encode_prompt(self.tokenizer, prompt)
-                req = self.core.make_request(str(next(self._ids)), ids, params)
+                arr = token_array(ids)
+                req = self.core.make_request(str(next(self._ids)), ids, params, arr)
                 processor.add_request(req.request_id, req.request_id, text, ids, params)
                 requests.append(req)
-                prompt_ids.append(ids)
+                prompt_ids.append(ids if arr is None else arr)
             if self.config.enable_prefix_groups and len(requests) > 1:
                 # Prompts sharing a prefix run as groups: the prefix computed once, kept
                 # resident.

@@ -24,6 +24,8 @@ import itertools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 __all__ = ["PromptGroup", "choose_groups", "group_prompts", "shareable_len"]
 
 
@@ -139,7 +141,9 @@ _ID_BYTES = 4
 assert array.array("I").itemsize == _ID_BYTES
 
 
-def _sort_key(prompt: Sequence[int], n: int) -> bytes:
+def _sort_key(prompt: Sequence[int] | np.ndarray, n: int) -> bytes:
+    if isinstance(prompt, np.ndarray):      # an int64 array (LLM.generate's): converted in C
+        return prompt[:n].astype(np.uint32).tobytes()
     return array.array("I", prompt[:n]).tobytes()
 
 
@@ -156,7 +160,7 @@ def _shared_blocks(a: bytes, b: bytes, block_size: int) -> int:
     return lo
 
 
-def group_prompts(prompts: Sequence[Sequence[int]], block_size: int,
+def group_prompts(prompts: Sequence[Sequence[int] | np.ndarray], block_size: int,
                   min_prefix_len: int | None = None) -> list[PromptGroup]:
     """Every prompt in exactly one group, groups ordered by their first member (so the input
     order is kept as far as grouping allows); a lone prompt is a group of one with prefix 0.

@@ -14,3 +14,13 @@ def test_a_small_run_writes_both_timings(tmp_path):
     assert (row["num_requests"], row["degree"], row["prefix_len"], row["own_len"]) == (32, 8, 64, 16)
     assert row["token_ids"] == 32 * 80 and row["encode_prompt_s"] > 0 and row["group_prompts_s"] > 0
     assert "encode_prompt s" in out.with_suffix(".md").read_text()
+
+
+def test_generate_intake_is_timed_up_to_the_first_step(tmp_path):
+    out = tmp_path / "intake"
+    subprocess.run([sys.executable, "scripts/bench_prompt_intake.py", "--workload", "g8-p64", "--num-requests", "32",
+                    "--own-len", "16", "--repeats", "2", "--generate", "--out", str(out)],
+                   check=True, capture_output=True)
+    row = json.loads(out.with_suffix(".json").read_text())["results"][0]
+    assert row["generate_intake_first_s"] > 0 and row["generate_intake_s"] > 0
+    assert "generate intake s (first / median)" in out.with_suffix(".md").read_text()

@@ -162,11 +162,24 @@ def test_prompt_longer_than_max_model_len_is_rejected(tiny_models):
         llm.generate([[5] * 65], GREEDY)
     with pytest.raises(ValueError, match="token ids"):
         llm.generate([[10**7]], GREEDY)
+    for too_big in (2**63, -2**63 - 1):       # past int64: the check on the list names them
+        with pytest.raises(ValueError, match="token ids"):
+            llm.generate([[5, too_big]], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY)
     # The engine still works afterwards, and the collector paused for the intake is back on.
     assert gc.isenabled()
     assert llm.generate([[5] * 10], GREEDY)[0].outputs[0].finish_reason in ("length", "stop")
+
+
+def test_token_array_is_the_ids_in_int64_or_none_past_it():
+    import numpy as np
+
+    from engine.llm import token_array
+    got = token_array([5, 0, 128_255, -1])
+    assert got.dtype == np.int64 and got.tolist() == [5, 0, 128_255, -1]
+    assert token_array([]).tolist() == []
+    assert token_array([1, 2**63]) is None and token_array([-2**63 - 1]) is None
 
 
 def test_gc_paused_restores_the_collector_as_it_found_it():

@@ -129,6 +129,19 @@ def test_groups_match_the_reference_on_near_miss_prefixes(seed):
     assert got == [g for g in reference_groups(prompts, BS, min_len) if len(g[1]) >= 2]
 
 
+def test_int64_arrays_group_as_lists():
+    # LLM.generate hands over its checked int64 arrays: the same groups as from the lists.
+    import numpy as np
+    rng = random.Random(7)
+    prefixes = [rand_tokens(rng, 3 * BS) for _ in range(3)]
+    prompts = [prefixes[i % 3] + rand_tokens(rng, rng.randint(1, 2 * BS)) for i in range(12)]
+    prompts.append([70_000] * (2 * BS) + [1])
+    prompts.append([70_000] * (2 * BS) + [2])
+    arrays = [np.asarray(p, dtype=np.int64) for p in prompts]
+    assert group_prompts(arrays, BS) == group_prompts(prompts, BS)
+    assert group_prompts(arrays[:5] + prompts[5:], BS) == group_prompts(prompts, BS)
+
+
 def set_partitions(items):
     if not items:
         yield []
