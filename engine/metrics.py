@@ -20,7 +20,17 @@ from engine.outputs import EngineStats
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-HISTOGRAMS = ("ttft", "itl", "send", "loop_lag")     # ServingMetrics' histogram attributes
+# ServingMetrics' histograms: attribute -> (Prometheus name, description, bucket bounds).
+HISTOGRAMS = {
+    "ttft": ("llm_time_to_first_token_seconds", "Time from arrival to the first generated token",
+             LATENCY_BUCKETS),
+    "itl": ("llm_inter_token_latency_seconds", "Time between generated tokens of a request, as sent",
+            LATENCY_BUCKETS),
+    "send": ("llm_response_send_seconds", "Time to hand one response to tritonserver",
+             LATENCY_BUCKETS),
+    "loop_lag": ("llm_event_loop_lag_seconds",
+                 "How late the serving event loop wakes from a 10 ms sleep", LAG_BUCKETS),
+}
 FINISH_REASONS = ("stop", "length", "abort")
 
 
@@ -54,12 +64,14 @@ class Histogram:
 
 class ServingMetrics:
     """What the serving code records. Counters only grow; gauges hold the last value."""
+    ttft: Histogram             # one attribute per HISTOGRAMS key
+    itl: Histogram
+    send: Histogram
+    loop_lag: Histogram
 
     def __init__(self) -> None:
-        self.ttft = Histogram(LATENCY_BUCKETS)
-        self.itl = Histogram(LATENCY_BUCKETS)
-        self.send = Histogram(LATENCY_BUCKETS)
-        self.loop_lag = Histogram(LAG_BUCKETS)
+        for key, (_, _, buckets) in HISTOGRAMS.items():
+            setattr(self, key, Histogram(buckets))
         self._lock = threading.Lock()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "responses": 0,
                          "response_tokens": 0, **{f"finished_{r}": 0 for r in FINISH_REASONS}}
@@ -137,18 +149,8 @@ class TritonMetrics:
                     counter(f"{name}_sum", f"{description} (sum)"),
                     counter(f"{name}_count", f"{description} (count)"))
 
-        self._hist = {
-            "ttft": histogram("llm_time_to_first_token_seconds",
-                              "Time from arrival to the first generated token", LATENCY_BUCKETS),
-            "itl": histogram("llm_inter_token_latency_seconds",
-                             "Time between generated tokens of a request, as sent",
-                             LATENCY_BUCKETS),
-            "send": histogram("llm_response_send_seconds",
-                              "Time to hand one response to tritonserver", LATENCY_BUCKETS),
-            "loop_lag": histogram("llm_event_loop_lag_seconds",
-                                  "How late the serving event loop wakes from a 10 ms sleep",
-                                  LAG_BUCKETS),
-        }
+        self._hist = {key: histogram(name, description, buckets)
+                      for key, (name, description, buckets) in HISTOGRAMS.items()}
         finished = family("llm_requests_finished_total", "Finished requests by reason",
                           MF.COUNTER)
         self._counters = {
