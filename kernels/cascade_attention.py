@@ -70,13 +70,12 @@ import triton.language as tl
 from kernels.attention_ref import cascade_attention_ref
 from kernels.cascade_cost import CascadeCostRule, PrefixGroup
 # The paged kernel's loop over keys: the same loads and math, so the same bits.
-from kernels.paged_attention import _attend_keys, _int32_offsets, _prompt_loop, _q_for_keys, check_cache_dtypes
+from kernels.paged_attention import _attend_keys, _int32_offsets, _prompt_loop, _q_for_keys, check_q_and_caches
 
 __all__ = ["cascade_attention", "cascade_attention_ref", "choose_num_prefix_splits",
            "prefix_rows_per_tile", "CascadeCostRule", "PrefixGroup"]
 
 _LOG2E = 1.4426950408889634
-_HEAD_DIMS = (16, 32, 64, 128, 256)
 _H200_NUM_SMS = 132
 _MAX_GRID_YZ = 65535
 
@@ -336,21 +335,7 @@ def _num_sms(device: torch.device) -> int:
 
 def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
                   cu_group_seqs, out):
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
-            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of "
-            f"dim {cache_head_dim}: the head dims must match and Hq must be a multiple of Hkv")
-    if head_dim not in _HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {_HEAD_DIMS}, got {head_dim}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16 (16, 32, 64, ...), got {block_size}")
-    check_cache_dtypes(q, k_cache, v_cache)
+    check_q_and_caches(q, k_cache, v_cache)
     ints = (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens),
             ("prefix_lens", prefix_lens), ("cu_group_seqs", cu_group_seqs))
     for name, t in ints:

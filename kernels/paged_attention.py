@@ -532,21 +532,7 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out):
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
-            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of "
-            f"dim {cache_head_dim}: the head dims must match and Hq must be a multiple of Hkv")
-    if head_dim not in _HEAD_DIMS:
-        raise ValueError(f"head_dim must be one of {_HEAD_DIMS}, got {head_dim}")
-    if block_size < 16 or block_size & (block_size - 1):
-        raise ValueError(f"block_size must be a power of two >= 16 (16, 32, 64, ...), got {block_size}")
-    check_cache_dtypes(q, k_cache, v_cache)
+    check_q_and_caches(q, k_cache, v_cache)
     for name, t in (("block_table", block_table), ("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
         if t.dtype != torch.int32:
             raise ValueError(f"{name} must be int32, got {t.dtype}")
@@ -562,6 +548,26 @@ def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
         raise ValueError("all tensors must be on q's device")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
         raise ValueError(f"out must be {tuple(q.shape)} {q.dtype}, got {tuple(out.shape)} {out.dtype}")
+
+
+def check_q_and_caches(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """What the attention kernels (this one and kernels/cascade_attention.py) need of q and the
+    caches: their shapes, head counts and dims, the page size, the dtypes."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of "
+            f"dim {cache_head_dim}: the head dims must match and Hq must be a multiple of Hkv")
+    if head_dim not in _HEAD_DIMS:
+        raise ValueError(f"head_dim must be one of {_HEAD_DIMS}, got {head_dim}")
+    if block_size < 16 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a power of two >= 16 (16, 32, 64, ...), got {block_size}")
+    check_cache_dtypes(q, k_cache, v_cache)
 
 
 def check_cache_dtypes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
