@@ -30,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from scripts.gpu_overlap_probe import D, H, HKV, HQ, I, LAYERS, decode_layers  # noqa: E402
+from scripts.gpu_overlap_probe import D, HKV, LAYERS, PROJECTIONS, decode_layers  # noqa: E402
 COPY_BYTES_PER_S = 4.28e12      # the H200's measured device copy
 
 
@@ -42,20 +42,15 @@ def parse_pair(text: str) -> tuple[int, int]:
     return int(attn), int(gemm)
 
 
-def weight_shapes() -> list[tuple[int, int]]:
-    """(N, K) of qkv, o_proj, gate_up, down."""
-    return [(HQ * D + 2 * HKV * D, H), (H, HQ * D), (2 * I, H), (H, I)]
-
-
 def bytes_floor_ms(attn_rows: int, gemm_rows: int, context: int) -> float:
     """The pair's HBM bytes (K/V read once, weights read once, activations ignored) at copy speed."""
     kv = LAYERS * attn_rows * context * HKV * D * 2 * 2
-    weights = LAYERS * sum(n * k for n, k in weight_shapes()) * 2
+    weights = LAYERS * sum(n * k for n, k in PROJECTIONS) * 2
     return (kv + weights) / COPY_BYTES_PER_S * 1e3
 
 
 def gemm_flops(gemm_rows: int) -> int:
-    return LAYERS * 2 * gemm_rows * sum(n * k for n, k in weight_shapes())
+    return LAYERS * 2 * gemm_rows * sum(n * k for n, k in PROJECTIONS)
 
 
 def summarize(row: dict) -> dict:
@@ -78,7 +73,7 @@ def main() -> None:
     torch.backends.cuda.preferred_blas_library(args.blas)
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
-    w = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for n, k in weight_shapes()]
+    w = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for n, k in PROJECTIONS]
     results = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("BENCH_COMMIT", "?"),
                "command": "python3 scripts/gpu_overlap_carveout.py " + " ".join(sys.argv[1:]),
                "context": args.context, "blas": args.blas,

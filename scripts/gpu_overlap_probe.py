@@ -31,8 +31,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.paged_attention import paged_attention  # noqa: E402
 from engine.gemm_tuning import replay_ms  # noqa: E402
+from scripts.bench_common import PRESETS  # noqa: E402
+from scripts.gpu_gemm_rate import layer_shapes  # noqa: E402
 
 H, I, HQ, HKV, D, LAYERS, BLOCK = 4096, 14336, 32, 8, 128, 32, 16
+# (N, K) of qkv, o_proj, gate_up and down at Llama-3.1-8B's shapes
+PROJECTIONS = list(layer_shapes(PRESETS["llama-3.1-8b"]).values())
 
 
 def decode_layers(attn_rows: int, gemm_rows: int, context: int, weights: list):
@@ -71,8 +75,7 @@ def main() -> None:
     args = ap.parse_args()
     dev, dt = torch.device("cuda"), torch.bfloat16
     torch.manual_seed(0)
-    w = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5
-         for n, k in ((HQ * D + 2 * HKV * D, H), (H, HQ * D), (2 * I, H), (H, I))]
+    w = [torch.randn(n, k, device=dev, dtype=dt) / k ** 0.5 for n, k in PROJECTIONS]
     results = {"gpu": torch.cuda.get_device_name(), "commit": os.environ.get("BENCH_COMMIT", "?"),
                "context": args.context, "runs": []}
     for rows in args.rows:
