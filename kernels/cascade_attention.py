@@ -50,6 +50,11 @@ positions tall and the grid was every sequence times the longest prompt's tiles:
 own pass took 356 us a layer in such steps of the RFC shared-prefix job (benchmarks/h200/
 cascade_mixed_steps.md).
 
+Side by side (`side_by_side=True`, a step without own lists): the prefix pass on a side stream
+beside the own pass, which stores the partial of each row with a prefix in one more workspace
+slot; then `_merge_kernel` folds the splits into it as the own pass would have (the same
+operations in the same order: the same bits).
+
 CUDA graphs. The launcher reads no device value: grids come from tensor shapes (B, T,
 max_groups from the buffers' sizes) and host ints (max_seqlen_q, max_group_rows, S); programs
 beyond a group's or sequence's rows exit at once. The workspace is a torch.empty per call, from
@@ -61,6 +66,7 @@ worth it.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -166,7 +172,7 @@ def _own_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PROMPT: tl.constexpr, I32: tl.constexpr,
-    HAS_SEQ_IDS: tl.constexpr,
+    HAS_SEQ_IDS: tl.constexpr, OWN_PARTIAL: tl.constexpr,
 ):
     # Longest-running tiles (last positions of a prompt see the most keys) start first.
     pid_m = num_m_tiles - 1 - tl.program_id(0).to(tl.int64)
@@ -230,25 +236,84 @@ def _own_kernel(
         BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=False,
         DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=True, PROMPT=PROMPT, I32=I32)
 
-    if prefix_len > 0:
-        # Fold in the prefix pass's partials. Valid rows saw their own key, so m_i is finite.
-        for s in range(NUM_SPLITS):
-            part = (s * num_tokens + t) * num_heads + head
-            m_s = tl.load(part_m_ptr + part, mask=row_valid, other=float("-inf"))
-            l_s = tl.load(part_l_ptr + part, mask=row_valid, other=0.0)
-            acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
-                            mask=row_valid[:, None], other=0.0)
-            m_new = tl.maximum(m_i, m_s)
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m_i - m_sub)
-            beta = tl.exp2(m_s - m_sub)
-            acc = acc * alpha[:, None] + acc_s * beta[:, None]
-            l_i = l_i * alpha + l_s * beta
-            m_i = m_new
+    if OWN_PARTIAL:
+        if prefix_len > 0:      # the prefix pass runs beside this one: `_merge_kernel` folds
+            part = (NUM_SPLITS * num_tokens + t) * num_heads + head
+            tl.store(part_m_ptr + part, m_i, mask=row_valid)
+            tl.store(part_l_ptr + part, l_i, mask=row_valid)
+            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_valid[:, None])
+        else:
+            _store_rows(out_ptr, acc, l_i, t, head, row_valid, stride_ot, stride_oh, stride_od, HEAD_DIM)
+    else:
+        if prefix_len > 0:      # valid rows saw their own key, so m_i is finite
+            acc, m_i, l_i = _fold_prefix(acc, m_i, l_i, part_m_ptr, part_l_ptr, part_acc_ptr, t, head,
+                                         row_valid, num_tokens, num_heads, HEAD_DIM, NUM_SPLITS)
+        _store_rows(out_ptr, acc, l_i, t, head, row_valid, stride_ot, stride_oh, stride_od, HEAD_DIM)
 
+
+@triton.jit
+def _fold_prefix(acc, m_i, l_i, part_m_ptr, part_l_ptr, part_acc_ptr, t, head, row_valid, num_tokens,
+                 num_heads, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+    """(acc, m_i, l_i) of a tile's own keys with the prefix pass's NUM_SPLITS partials folded in,
+    split 0 first."""
+    offs_d = tl.arange(0, HEAD_DIM)
+    for s in range(NUM_SPLITS):
+        part = (s * num_tokens + t) * num_heads + head
+        m_s = tl.load(part_m_ptr + part, mask=row_valid, other=float("-inf"))
+        l_s = tl.load(part_l_ptr + part, mask=row_valid, other=0.0)
+        acc_s = tl.load(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :],
+                        mask=row_valid[:, None], other=0.0)
+        m_new = tl.maximum(m_i, m_s)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_sub)
+        beta = tl.exp2(m_s - m_sub)
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        l_i = l_i * alpha + l_s * beta
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _store_rows(out_ptr, acc, l_i, t, head, row_valid, stride_ot, stride_oh, stride_od, HEAD_DIM: tl.constexpr):
+    offs_d = tl.arange(0, HEAD_DIM)
     out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
     out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None])
+
+
+@triton.jit(do_not_specialize=["num_tokens", "num_m_tiles"])
+def _merge_kernel(
+    out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, cu_seqlens_q_ptr, prefix_lens_ptr,
+    num_tokens, num_heads, num_m_tiles, stride_ot, stride_oh, stride_od,
+    GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
+    HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """The own pass's partial (slot NUM_SPLITS) of each row with a prefix, the prefix splits
+    folded in as `_own_kernel` folds them (the same operations in the same order: the same
+    bits), written out. Grid (query tiles, B, Hkv), tiles as the own pass's."""
+    pid_m = tl.program_id(0).to(tl.int64)
+    seq = tl.program_id(1).to(tl.int64)
+    kv_head = tl.program_id(2).to(tl.int64)
+    if tl.load(prefix_lens_ptr + seq) == 0:
+        return
+    q_start = tl.load(cu_seqlens_q_ptr + seq).to(tl.int64)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1).to(tl.int64) - q_start
+    if pid_m * BLOCK_M >= q_len:
+        return
+    rows = tl.arange(0, BLOCK_Q)
+    row_g = rows % G_PAD
+    head = kv_head * GROUP + row_g
+    row_in_seq = pid_m * BLOCK_M + rows // G_PAD
+    row_valid = (row_g < GROUP) & (row_in_seq < q_len)
+    t = q_start + row_in_seq
+    offs_d = tl.arange(0, HEAD_DIM)
+    own = (NUM_SPLITS * num_tokens + t) * num_heads + head
+    m_i = tl.load(part_m_ptr + own, mask=row_valid, other=float("-inf"))
+    l_i = tl.load(part_l_ptr + own, mask=row_valid, other=0.0)
+    acc = tl.load(part_acc_ptr + own[:, None] * HEAD_DIM + offs_d[None, :], mask=row_valid[:, None], other=0.0)
+    acc, m_i, l_i = _fold_prefix(acc, m_i, l_i, part_m_ptr, part_l_ptr, part_acc_ptr, t, head,
+                                 row_valid, num_tokens, num_heads, HEAD_DIM, NUM_SPLITS)
+    _store_rows(out_ptr, acc, l_i, t, head, row_valid, stride_ot, stride_oh, stride_od, HEAD_DIM)
 
 
 # triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
@@ -385,6 +450,7 @@ def cascade_attention(
     out: torch.Tensor | None = None,
     own_decode_seqs: torch.Tensor | None = None,
     own_prompt_seqs: torch.Tensor | None = None,
+    side_by_side: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention with shared prefixes read once per group, as `cascade_attention_ref`.
     Returns [T, Hq, D].
@@ -401,6 +467,11 @@ def cascade_attention(
     pass all three and num_prefix_splits at their capture-time capacities.
     num_prefix_splits=None: `choose_num_prefix_splits` for max_groups groups. out: optional
     [T, Hq, D] buffer (any strides) to write into.
+    side_by_side (a step without own_decode_seqs): the prefix pass runs on a side stream beside
+    the own pass, which leaves each prefixed row's partial for `_merge_kernel` (same bits; on
+    the CPU interpreter the same three launches in turn). A decode step's prefix pass is a few
+    programs a group over long prefixes, the own pass many short ones over few keys: side by
+    side each fills what the other leaves of the SMs and of HBM.
     """
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
                   cu_group_seqs, out)
@@ -433,13 +504,22 @@ def cascade_attention(
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     if num_tokens == 0:
         return out
-    # fp32 partials of every (split, row, head); torch.empty is graph-safe (private pool).
-    part_m = torch.empty(num_prefix_splits, num_tokens, num_heads, dtype=torch.float32, device=q.device)
+    side_by_side = side_by_side and num_groups > 0 and own_decode_seqs is None
+    # fp32 partials of every (split, row, head), and the own pass's after them when side by
+    # side; torch.empty is graph-safe (private pool).
+    slots = num_prefix_splits + int(side_by_side)
+    part_m = torch.empty(slots, num_tokens, num_heads, dtype=torch.float32, device=q.device)
     part_l = torch.empty_like(part_m)
-    part_acc = torch.empty(num_prefix_splits, num_tokens, num_heads, head_dim,
-                           dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(slots, num_tokens, num_heads, head_dim, dtype=torch.float32, device=q.device)
     args = (q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
             prefix_lens.contiguous(), cu_group_seqs.contiguous(), out, part_m, part_l, part_acc, scale)
+    if side_by_side:
+        with _side_stream(q.device) as side:
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                _launch_prefix(*args, max_group_rows, num_prefix_splits, prefix_cfg)
+            _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg, own_partial=True)
+        _launch_merge(*args, max_seqlen_q, num_prefix_splits, own_cfg)
+        return out
     if num_groups > 0:
         _launch_prefix(*args, max_group_rows, num_prefix_splits, prefix_cfg)
     if own_decode_seqs is None:
@@ -481,12 +561,49 @@ def _launch_prefix(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, pre
     )
 
 
+_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
+
+
+@contextlib.contextmanager
+def _side_stream(device: torch.device):
+    """Yields a side stream of `device` that has waited for the current stream's work (None on
+    the CPU); on leaving, the current stream waits for the side stream's. One stream a device,
+    made on first use (a warm-up call: making it under CUDA-graph capture is not asked of CUDA)."""
+    if device.type != "cuda":
+        yield None
+        return
+    side = _SIDE_STREAMS.get(device)
+    if side is None:
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+    main = torch.cuda.current_stream(device)
+    side.wait_stream(main)
+    yield side
+    main.wait_stream(side)
+
+
+def _launch_merge(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
+                  cu_group_seqs, out, part_m, part_l, part_acc, scale,
+                  max_seqlen_q, num_splits, cfg: _TileConfig) -> None:
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    block_m = max(cfg.block_q // g_pad, 1)
+    num_m_tiles = triton.cdiv(max_seqlen_q, block_m)
+    _merge_kernel[(num_m_tiles, seq_lens.shape[0], num_kv_heads)](
+        out, part_m, part_l, part_acc, cu_seqlens_q, prefix_lens, num_tokens, num_heads, num_m_tiles,
+        *out.stride(), GROUP=group, G_PAD=g_pad, BLOCK_M=block_m, BLOCK_Q=block_m * g_pad,
+        HEAD_DIM=head_dim, NUM_SPLITS=num_splits, num_warps=4,
+    )
+
+
 def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
                 cu_group_seqs, out, part_m, part_l, part_acc, scale,
                 max_seqlen_q, num_splits, cfg: _TileConfig, seq_ids: torch.Tensor | None = None,
-                pad: bool = True) -> None:
+                pad: bool = True, own_partial: bool = False) -> None:
     """The own pass over every sequence, or over those in seq_ids; pad: one more program that
-    zeroes the rows past cu_seqlens_q[-1]."""
+    zeroes the rows past cu_seqlens_q[-1]; own_partial: rows with a prefix leave their partial
+    for `_merge_kernel` (slot num_splits of the workspace)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -504,6 +621,6 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **_loop_form(cfg, k_cache, v_cache, prompt=_prompt_loop(max_seqlen_q, k_cache), i32=True),
-        HAS_SEQ_IDS=seq_ids is not None,
+        HAS_SEQ_IDS=seq_ids is not None, OWN_PARTIAL=own_partial,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -93,11 +93,12 @@ def make_batch(groups, lone, hq, hkv, d, dtype, seed, pad_rows=3, empty_groups=0
 
 
 def run(args, limits, num_prefix_splits=None, out=None, own_decode_seqs=None, own_prompt_seqs=None,
-        **overrides):
+        side_by_side=False, **overrides):
     q = args[0]
     return cascade_attention(*args, q.shape[-1] ** -0.5, **(limits | overrides),
                              num_prefix_splits=num_prefix_splits, out=out,
-                             own_decode_seqs=own_decode_seqs, own_prompt_seqs=own_prompt_seqs)
+                             own_decode_seqs=own_decode_seqs, own_prompt_seqs=own_prompt_seqs,
+                             side_by_side=side_by_side)
 
 
 def check(args, limits, num_prefix_splits=None, **overrides):
@@ -150,6 +151,30 @@ def test_own_pass_apart_for_decode_rows_matches_reference(dtype, num_prefix_spli
     assert len(decodes) == 7 and len(prompts) == 5          # and a sequence with no rows
     got = check(args, limits, num_prefix_splits, own_decode_seqs=decodes, own_prompt_seqs=prompts)
     assert not got[-3:].any()                                # the padding rows
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_prefix_splits", [1, 3])
+@pytest.mark.parametrize("lone_first", [False, True])
+def test_passes_side_by_side_give_the_same_bits(dtype, num_prefix_splits, lone_first):
+    """side_by_side: the prefix pass beside the own pass, a merge kernel folding their partials
+    as the own pass folds them in turn: bit for bit the same output, every row written, the
+    padding rows zeroed; lone rows (prefix 0, before or after the groups) written by the own pass."""
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, dtype, seed=23, lone_first=lone_first)
+    in_turn = check(args, limits, num_prefix_splits)
+    side = check(args, limits, num_prefix_splits, side_by_side=True)
+    assert torch.equal(side, in_turn)
+    assert not side[-3:].any()
+
+
+def test_side_by_side_with_no_group_or_own_lists_runs_in_turn():
+    """No group, or the own pass apart (own lists): nothing to run beside it; the flag is a no-op."""
+    args, limits = make_batch([], MIXED_LONE, 8, 2, 32, torch.float32, seed=5)
+    torch.testing.assert_close(check(args, limits, side_by_side=True), check(args, limits), rtol=0, atol=0)
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, torch.float32, seed=17)
+    decodes, prompts = own_lists(args)
+    got = check(args, limits, own_decode_seqs=decodes, own_prompt_seqs=prompts, side_by_side=True)
+    assert torch.equal(got, check(args, limits, own_decode_seqs=decodes, own_prompt_seqs=prompts))
 
 
 def test_own_lists_come_together_and_are_int32():
@@ -356,3 +381,20 @@ def test_cuda_graph_replay_follows_new_groups():
     torch.cuda.synchronize()
     ref = cascade_attention_ref(*args, 0.125)
     torch.testing.assert_close(out, ref, atol=1.5e-2, rtol=1e-2)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs and streams need a GPU")
+def test_side_by_side_in_a_cuda_graph_gives_the_same_bits():
+    """The two passes on two streams, captured (fork and join inside the graph), replayed after
+    the step changes in place: the same bits as the passes in turn, run eagerly."""
+    groups = [(64, [(1, 10), (1, 30), (1, 3)]), (32, [(1, 5), (1, 6)])]
+    args, _ = make_batch(groups, [(1, 50)], 8, 2, 64, torch.bfloat16, seed=8, empty_groups=2)
+    q, k_cache, v_cache, table, cu, lens, prefix_lens, cu_groups = args
+    limits = dict(max_seqlen_q=2, max_group_rows=8, max_prefix_len=128, num_prefix_splits=2)
+    graph, out = capture_graph(lambda: cascade_attention(*args, 0.125, **limits, side_by_side=True))
+    lens.add_(1)
+    prefix_lens[3:5] = 0
+    cu_groups.copy_(torch.tensor([0, 3, 3, 3, 3], dtype=torch.int32))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, cascade_attention(*args, 0.125, **limits))

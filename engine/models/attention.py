@@ -104,6 +104,11 @@ TORCH_REF_BACKEND = AttentionBackend("torch_ref", write_kv_ref, _with_metadata(p
 TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, _torch_attention)
 
 
+# Cascade steps without own lists run the prefix pass beside the own pass (two streams, a merge
+# kernel; the same bits): kernels/cascade_attention.py, benchmarks/h200/cascade_side_by_side.md.
+CASCADE_SIDE_BY_SIDE = True
+
+
 def triton_backend() -> AttentionBackend:
     """The GPU kernels (imported on demand; CUDA-graph safe)."""
     from kernels.cascade_attention import cascade_attention
@@ -120,7 +125,7 @@ def triton_backend() -> AttentionBackend:
                 attn.prefix_lens, attn.cu_group_seqs, scale, max_seqlen_q=attn.max_seqlen_q,
                 max_group_rows=attn.max_group_rows, max_prefix_len=attn.max_prefix_len,
                 num_prefix_splits=attn.num_prefix_splits, own_decode_seqs=attn.own_decode_seqs,
-                own_prompt_seqs=attn.own_prompt_seqs)
+                own_prompt_seqs=attn.own_prompt_seqs, side_by_side=CASCADE_SIDE_BY_SIDE)
         nd = attn.num_decodes
         if attn.max_seqlen_q > 1 and 0 < nd < attn.seq_lens.shape[0]:
             return _mixed_paged_attention(paged_attention, q, k_cache, v_cache, attn, scale,

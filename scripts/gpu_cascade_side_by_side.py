@@ -1,0 +1,77 @@
+"""Cascade attention's two passes in turn against side by side, on the GPU (issue 12).
+
+A shared-prefix job's decode step runs the prefix pass (a few programs a group over long
+prefixes: 128 for 16 groups at Llama-8B shapes, 2.3 TB/s) and then the own pass (one program a
+member and kv head over ~200-300 own keys, 3.0 TB/s): benchmarks/h200/cascade_decode_passes.md.
+`cascade_attention(side_by_side=True)` runs the prefix pass on a side stream beside the own
+pass and folds the two with a merge kernel. Each case: decode rows in groups over one prefix
+each, both forms captured in one CUDA graph of 32 layers' calls (the same cache each layer, far
+larger than L2), do_bench medians of the replay, us a layer; the outputs compared bit for bit.
+
+    PYTHONPATH=. python3 scripts/gpu_cascade_side_by_side.py --out $OUT/cascade_side_by_side.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+LAYERS = 32
+# (decode rows, members a group, prefix tokens (whole pages), own tokens)
+CASES = [(256, 16, 2000, 250), (256, 16, 2000, 100), (128, 16, 2000, 250), (64, 16, 2000, 250),
+         (32, 16, 2000, 250), (256, 4, 496, 200), (256, 64, 8000, 200), (16, 16, 2000, 2000)]
+
+
+def parse_case(text: str) -> tuple[int, int, int, int]:
+    """'256,16,2000,250' -> (rows, members a group, prefix, own)."""
+    parts = text.split(",")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"a case is ROWS,GROUP,PREFIX,OWN, e.g. 256,16,2000,250, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
+def main() -> None:
+    import torch
+    import triton.testing
+
+    from scripts.bench_common import capture_graph, git_commit, hardware
+    from scripts.gpu_check_cascade import Batch, decode_groups
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--cases", type=parse_case, nargs="+", default=CASES)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    rows = []
+    for num_rows, size, prefix, own in args.cases:
+        batch = Batch(decode_groups(size, prefix, num_rows=num_rows, own_len=own), seed=num_rows + own)
+        times, outs = {}, {}
+        for form in ("in_turn", "side_by_side"):
+            out = torch.empty_like(batch.q)
+            layers = lambda: [batch.cascade(out=out, side_by_side=form == "side_by_side")  # noqa: E731
+                              for _ in range(LAYERS)]
+            graph, _ = capture_graph(layers)
+            times[form] = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
+            graph.replay()
+            torch.cuda.synchronize()
+            outs[form] = out.clone()
+            del graph
+        r = dict(num_rows=num_rows, group=size, prefix=prefix, own=own,
+                 in_turn_us=times["in_turn"] * 1e3 / LAYERS, side_by_side_us=times["side_by_side"] * 1e3 / LAYERS,
+                 same_bits=bool(torch.equal(outs["in_turn"], outs["side_by_side"])))
+        r["gain"] = r["in_turn_us"] / r["side_by_side_us"]
+        rows.append(r)
+        print(f"{num_rows:4d} rows, groups of {size:3d}, prefix {prefix:5d}, own {own:5d}: in turn "
+              f"{r['in_turn_us']:7.1f} us, side by side {r['side_by_side_us']:7.1f} us a layer, "
+              f"{r['gain']:5.3f}x, same bits {r['same_bits']}", flush=True)
+        del batch, outs
+        torch.cuda.empty_cache()
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump({"commit": git_commit(), "hardware": hardware(), "layers": LAYERS, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
