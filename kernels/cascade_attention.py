@@ -267,8 +267,10 @@ def _fold_prefix(acc, m_i, l_i, part_m_ptr, part_l_ptr, part_acc_ptr, t, head, r
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp2(m_i - m_sub)
         beta = tl.exp2(m_s - m_sub)
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        l_i = l_i * alpha + l_s * beta
+        # Explicit FMAs: the compiler may contract a * b + c * d either way round, and the own
+        # pass and the merge kernel must round alike.
+        acc = tl.fma(acc, alpha[:, None], acc_s * beta[:, None])
+        l_i = tl.fma(l_i, alpha, l_s * beta)
         m_i = m_new
     return acc, m_i, l_i
 
