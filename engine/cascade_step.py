@@ -58,6 +58,13 @@ class CascadeStep:
     # own tiles (kernels/cascade_attention.py); their positions in `order`. None otherwise.
     own_rows: tuple[np.ndarray, np.ndarray] | None = None
 
+    @property
+    def prompt_prefixes(self) -> bool:
+        """Whether a sequence of the prompt rows (own_rows[1]) reads a group's prefix. The
+        planner keeps prompt chunks longer than a prefix tile alone, so mostly not, and then
+        their own pass runs without the partials' fold (kernels/cascade_attention.py)."""
+        return self.own_rows is None or bool(self.prefix_lens[self.own_rows[1]].any())
+
     def fill_metadata(self, meta, device: torch.device) -> None:
         meta.prefix_lens = to_device(self.prefix_lens, device)
         meta.cu_group_seqs = to_device(self.cu_group_seqs, device)
@@ -66,6 +73,7 @@ class CascadeStep:
         meta.num_prefix_splits = self.num_prefix_splits
         if self.own_rows is not None:
             meta.own_decode_seqs, meta.own_prompt_seqs = (to_device(r, device) for r in self.own_rows)
+            meta.prompt_prefixes = self.prompt_prefixes
 
     def graph_inputs(self) -> tuple[np.ndarray, np.ndarray, int]:
         return self.prefix_lens, self.cu_group_seqs, self.num_prefix_splits
@@ -171,12 +179,14 @@ class CascadeSteps:
         for splits in SPLITS:
             # Decode rows, a group of 3 (16-row tile) and a lone row; a 40-token prompt chunk in a
             # group with two decodes (a 128-row tile; the own pass in decode and prompt tiles
-            # apart); prompt chunks alone (the own pass in one launch of prompt tiles).
-            for q_lens, kernel_rows in (([1, 1, 1, 1], CASCADE_GROUP_ROWS),
-                                        ([1, 40, 1], LARGE_GROUP_ROWS),
-                                        ([2, 40, 3], LARGE_GROUP_ROWS)):
+            # apart); a lone prompt chunk beside a group of two decodes (the prompt tiles without
+            # the partials' fold); prompt chunks alone (the own pass in one launch of prompt
+            # tiles).
+            for q_lens, kernel_rows, members in (([1, 1, 1, 1], CASCADE_GROUP_ROWS, 3),
+                                                 ([1, 40, 1], LARGE_GROUP_ROWS, 3),
+                                                 ([1, 1, 40], CASCADE_GROUP_ROWS, 2),
+                                                 ([2, 40, 3], LARGE_GROUP_ROWS, 3)):
                 n = len(q_lens)
-                members = 3
                 seq_lens = np.asarray([prefix + 8 + q for q in q_lens], dtype=np.int32)
                 step = CascadeStep(
                     list(range(n)),

@@ -172,7 +172,7 @@ def _own_kernel(
     GROUP: tl.constexpr, G_PAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, PROMPT: tl.constexpr, I32: tl.constexpr,
-    HAS_SEQ_IDS: tl.constexpr, OWN_PARTIAL: tl.constexpr,
+    HAS_SEQ_IDS: tl.constexpr, OWN_PARTIAL: tl.constexpr, HAS_PREFIX: tl.constexpr,
 ):
     # Longest-running tiles (last positions of a prompt see the most keys) start first.
     pid_m = num_m_tiles - 1 - tl.program_id(0).to(tl.int64)
@@ -204,11 +204,16 @@ def _own_kernel(
     if pid_m * BLOCK_M >= q_len:
         return
     seq_len = tl.load(seq_lens_ptr + seq).to(tl.int64)
-    # A whole number of pages (the contract). Said to the compiler, the key loop's start has the
-    # page alignment a start of 0 has in the plain kernel: its block-id loads and slot offsets
-    # then come a page at a time. Unsaid, the own pass took 1.18-1.19x the time of the same loop
-    # from a literal 0 on the H200's prompt tiles (benchmarks/h200/cascade_side_by_side.md).
-    prefix_len = tl.multiple_of(tl.load(prefix_lens_ptr + seq).to(tl.int64), PAGE_SIZE)
+    if HAS_PREFIX:
+        # A whole number of pages (the contract), said to the compiler.
+        prefix_len = tl.multiple_of(tl.load(prefix_lens_ptr + seq).to(tl.int64), PAGE_SIZE)
+    else:
+        # No listed sequence has a prefix: the key loops start at a literal 0, as the plain
+        # kernel's do, and there is nothing to fold. On the H200's prompt tiles the same loops
+        # from a prefix length read at run time (0) took 1.23-1.24x the time
+        # (benchmarks/h200/cascade_side_by_side.md): the sm_90 code kept 255 registers
+        # against 220 and ~1,000 more instructions, the fold's share of them small.
+        prefix_len = 0
 
     first_pos = seq_len - q_len + pid_m * BLOCK_M   # position of the tile's first query
     row_in_seq = pid_m * BLOCK_M + row_pos
@@ -240,7 +245,9 @@ def _own_kernel(
         BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=False,
         DOT_PRECISION=DOT_PRECISION, KV_AHEAD=False, CAUSAL=True, PROMPT=PROMPT, I32=I32)
 
-    if OWN_PARTIAL:
+    if not HAS_PREFIX:
+        _store_rows(out_ptr, acc, l_i, t, head, row_valid, stride_ot, stride_oh, stride_od, HEAD_DIM)
+    elif OWN_PARTIAL:
         if prefix_len > 0:      # the prefix pass runs beside this one: `_merge_kernel` folds
             part = (NUM_SPLITS * num_tokens + t) * num_heads + head
             tl.store(part_m_ptr + part, m_i, mask=row_valid)
@@ -456,6 +463,7 @@ def cascade_attention(
     out: torch.Tensor | None = None,
     own_decode_seqs: torch.Tensor | None = None,
     own_prompt_seqs: torch.Tensor | None = None,
+    prompt_prefixes: bool = True,
     side_by_side: bool = False,
 ) -> torch.Tensor:
     """Causal paged attention with shared prefixes read once per group, as `cascade_attention_ref`.
@@ -465,7 +473,12 @@ def cascade_attention(
     the sequences of one query row (decode tiles) and those of more (prompt tiles), as plain paged
     attention does a mixed step (engine/models/attention.py): in one launch a decode row takes a
     prompt tile 32 positions tall. The caller lists every sequence with rows in one of them, by
-    its q_len (unchecked, as max_seqlen_q).
+    its q_len (unchecked, as max_seqlen_q). prompt_prefixes=False (with them): the prompt
+    launch is compiled for a prefix of literal 0 with no fold of prefix partials, as fast as the
+    plain kernel's prompt tiles. For sequences with no prefix that is exact; one with a prefix
+    would read its prefix's keys there too (the values still right, its prefix partials unused
+    and wasted), so the engine passes False only where no prompt row has a prefix (its prompt
+    chunks longer than a prefix tile are never group members: engine/cascade_plan.py, step 1).
 
     Host ints, none checked on the device (that would sync): max_seqlen_q >= every q_len;
     max_group_rows >= the query rows of every group with a prefix (it sizes the prefix grid);
@@ -532,7 +545,8 @@ def cascade_attention(
         _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg)
     else:   # one query row each, in decode tiles; then the prompt rows (and the padding rows)
         _launch_own(*args, 1, num_prefix_splits, _own_config(1, head_dim, q.dtype), own_decode_seqs, False)
-        _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg, own_prompt_seqs, True)
+        _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg, own_prompt_seqs, True,
+                    has_prefix=prompt_prefixes)
     return out
 
 
@@ -606,10 +620,11 @@ def _launch_merge(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, pref
 def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
                 cu_group_seqs, out, part_m, part_l, part_acc, scale,
                 max_seqlen_q, num_splits, cfg: _TileConfig, seq_ids: torch.Tensor | None = None,
-                pad: bool = True, own_partial: bool = False) -> None:
+                pad: bool = True, own_partial: bool = False, has_prefix: bool = True) -> None:
     """The own pass over every sequence, or over those in seq_ids; pad: one more program that
     zeroes the rows past cu_seqlens_q[-1]; own_partial: rows with a prefix leave their partial
-    for `_merge_kernel` (slot num_splits of the workspace)."""
+    for `_merge_kernel` (slot num_splits of the workspace); has_prefix=False: none of them has a
+    prefix (the kernel compiled for prefix 0)."""
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -627,6 +642,6 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
         BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         **_loop_form(cfg, k_cache, v_cache, prompt=_prompt_loop(max_seqlen_q, k_cache), i32=True),
-        HAS_SEQ_IDS=seq_ids is not None, OWN_PARTIAL=own_partial,
+        HAS_SEQ_IDS=seq_ids is not None, OWN_PARTIAL=own_partial, HAS_PREFIX=has_prefix,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -2,12 +2,22 @@
 shared-prefix job's prompt steps spend ~16% of their GPU time in the cascade own pass at ~240
 TFLOP/s, benchmarks/h200/intake_and_overlap.md).
 
-Llama-3.1-8B shapes (Hq 32, Hkv 8, D 128, 16-key pages, bf16). Each case runs through
-`paged_attention` (the plain kernel) and through `cascade_attention` with every row alone (its own
-pass, as the engine runs prompt chunks: engine/cascade_plan.py keeps them out of groups), once
-per config: (rows a tile, keys a step, warps, stages) put in place of the prompt tiles' default
-(`_pick_config` / `_own_config` for max_seqlen_q > 1). A config whose output is off the default's
-by more than 2e-2 is marked bad (its time is still shown). us per call (L2 flushed), TFLOP/s.
+Llama-3.1-8B shapes (Hq 32, Hkv 8, D 128, 16-key pages, bf16). Each case's prompt chunks are
+alone (prefix 0), as the engine runs them (engine/cascade_plan.py keeps chunks longer than a
+prefix tile out of groups), beside two decode rows in a group over a 64-token prefix, as in a
+shared-prefix job's prompt steps. Kernels:
+
+  paged              `paged_attention`, the plain kernel
+  cascade_own        `cascade_attention`, the own pass in one launch (the partials' fold compiled)
+  cascade_apart      the own pass apart: decode tiles for the two decode rows, prompt tiles for
+                     the chunks, as the engine runs such steps
+  cascade_apart_nofold   the same with prompt_prefixes=False (prompt tiles compiled for prefix 0:
+                         key loops from a literal 0, no fold)
+
+once per config: (rows a tile, keys a step, warps, stages) put in place of the prompt tiles'
+default (`_pick_config` / `_own_config` for max_seqlen_q > 1). A config whose output is off the
+default's by more than 2e-2 is marked bad (its time is still shown). us per call (L2 flushed),
+TFLOP/s of the chunks' attention.
 
     PYTHONPATH=. python3 scripts/gpu_prompt_tiles.py --out $OUT/prompt_tiles.json
 """
@@ -32,6 +42,7 @@ CASES = [
 CONFIGS = [(128, 64, 8, 3), (128, 64, 8, 2), (128, 64, 8, 4), (128, 32, 8, 3), (128, 128, 8, 2),
            (128, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 2), (256, 64, 8, 2), (256, 32, 8, 3)]
 BAD_DIFF = 2e-2
+DECODE_GROUP = (64, [(1, 10), (1, 10)])     # two decode rows over a 64-token prefix
 
 
 def causal_pairs_of(groups, lone) -> int:
@@ -64,19 +75,28 @@ def main() -> None:
     pick, own = pa._pick_config, ca._own_config
     rows = []
     for name, groups, lone in CASES:
-        b = Batch(groups, lone, seed=3)
+        b = Batch([DECODE_GROUP] + groups, lone, seed=3)
         q, k, v, table, cu, seq_lens, prefix_lens, _ = b.args()
-        alone = torch.zeros_like(prefix_lens)
-        no_groups = torch.zeros(1, dtype=torch.int32, device=q.device)
+        # The decode group keeps its prefix; the chunks read theirs in the own pass.
+        prefix_lens = torch.where(torch.arange(len(prefix_lens), device=q.device) < 2, prefix_lens, 0)
+        one_group = torch.tensor([0, 2], dtype=torch.int32, device=q.device)
+        decodes = torch.tensor([0, 1], dtype=torch.int32, device=q.device)
+        prompts = torch.arange(2, len(prefix_lens), dtype=torch.int32, device=q.device)
         flops = 4 * HQ * D * causal_pairs_of(groups, lone)
         max_q = b.max_seqlen_q
         max_k = int(seq_lens.max())
+
+        def cascade(out, **apart):
+            return ca.cascade_attention(q, k, v, table, cu, seq_lens, prefix_lens, one_group, D ** -0.5,
+                                        max_seqlen_q=max_q, max_group_rows=2, max_prefix_len=64,
+                                        out=out, **apart)
         calls = {
             "paged": lambda out: pa.paged_attention(q, k, v, table, cu, seq_lens, D ** -0.5, None,
                                                     max_seqlen_q=max_q, max_seqlen_k=max_k, out=out),
-            "cascade_own": lambda out: ca.cascade_attention(
-                q, k, v, table, cu, seq_lens, alone, no_groups, D ** -0.5, max_seqlen_q=max_q,
-                max_group_rows=1, max_prefix_len=0, out=out),
+            "cascade_own": cascade,
+            "cascade_apart": lambda out: cascade(out, own_decode_seqs=decodes, own_prompt_seqs=prompts),
+            "cascade_apart_nofold": lambda out: cascade(out, own_decode_seqs=decodes, own_prompt_seqs=prompts,
+                                                        prompt_prefixes=False),
         }
         reference = {}
         for cfg in args.configs:
@@ -96,7 +116,7 @@ def main() -> None:
                         rows.append(row)
                         print(json.dumps(row), flush=True)
                         continue
-                    ref = reference.setdefault(kernel, out.clone())
+                    ref = reference.setdefault("out", out.clone())     # the first: paged, default tile
                     row["max_abs_diff"] = (out.float() - ref.float()).abs().max().item()
                     row["bad"] = row["max_abs_diff"] > BAD_DIFF or bool(out.isnan().any())
                     row["tflops"] = flops / row["us"] / 1e6

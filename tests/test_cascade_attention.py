@@ -93,12 +93,12 @@ def make_batch(groups, lone, hq, hkv, d, dtype, seed, pad_rows=3, empty_groups=0
 
 
 def run(args, limits, num_prefix_splits=None, out=None, own_decode_seqs=None, own_prompt_seqs=None,
-        side_by_side=False, **overrides):
+        prompt_prefixes=True, side_by_side=False, **overrides):
     q = args[0]
     return cascade_attention(*args, q.shape[-1] ** -0.5, **(limits | overrides),
                              num_prefix_splits=num_prefix_splits, out=out,
                              own_decode_seqs=own_decode_seqs, own_prompt_seqs=own_prompt_seqs,
-                             side_by_side=side_by_side)
+                             prompt_prefixes=prompt_prefixes, side_by_side=side_by_side)
 
 
 def check(args, limits, num_prefix_splits=None, **overrides):
@@ -175,6 +175,38 @@ def test_side_by_side_with_no_group_or_own_lists_runs_in_turn():
     decodes, prompts = own_lists(args)
     got = check(args, limits, own_decode_seqs=decodes, own_prompt_seqs=prompts, side_by_side=True)
     assert torch.equal(got, check(args, limits, own_decode_seqs=decodes, own_prompt_seqs=prompts))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_prefix_splits", [1, 3])
+def test_prompt_tiles_without_the_fold_where_no_prompt_row_has_a_prefix(dtype, num_prefix_splits):
+    """prompt_prefixes=False, as the engine passes it when its prompt chunks are all alone (the
+    shared-prefix jobs' prompt steps: decode members beside lone chunks): the prompt launch is
+    compiled for prefix 0 (its key loops from a literal 0, no fold of prefix partials), and the
+    values are the reference's. Where a prompt row does have a prefix, that launch reads the
+    prefix's keys itself and ignores the prefix pass's partials: still the reference's values,
+    summed in another order (in fp32 not the same bits as with the fold: the flag takes effect)."""
+    decode_groups = [(32, [(1, 5), (1, 123), (1, 1)]), (64, [(1, 2), (1, 40)])]
+    lone = [(1, 40), (11, 11), (20, 57), (0, 7)]            # prompt chunks, fresh and after keys
+    args, limits = make_batch(decode_groups, lone, 8, 2, 32, dtype, seed=23)
+    decodes, prompts = own_lists(args)
+    assert len(prompts) == 2 and not args[6][prompts.long()].any()
+    check(args, limits, num_prefix_splits, own_decode_seqs=decodes, own_prompt_seqs=prompts,
+          prompt_prefixes=False)
+
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, dtype, seed=17)
+    decodes, prompts = own_lists(args)
+    members = prompts[args[6][prompts.long()] > 0].long()
+    assert len(members) == 4
+    rows = torch.cat([torch.arange(int(args[4][b]), int(args[4][b + 1])) for b in members.tolist()])
+    got = check(args, limits, num_prefix_splits, own_decode_seqs=decodes, own_prompt_seqs=prompts,
+                prompt_prefixes=False)
+    folded = check(args, limits, num_prefix_splits, own_decode_seqs=decodes, own_prompt_seqs=prompts)
+    if dtype == torch.float32:      # 16-bit outputs may round the two orders' sums alike
+        assert not torch.equal(got[rows], folded[rows])
+    others = torch.ones(got.shape[0], dtype=torch.bool)
+    others[rows] = False
+    assert torch.equal(got[others], folded[others])
 
 
 def test_own_lists_come_together_and_are_int32():

@@ -105,12 +105,15 @@ def test_sliding_window_models_keep_the_plain_kernel(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning")
-@pytest.mark.parametrize("chunk", [None, 24])
-def test_triton_kernels_interpreted_same_tokens(tiny_models, chunk, monkeypatch):
+@pytest.mark.parametrize("chunk,chunks_alone", [(None, False), (24, False), (24, True)])
+def test_triton_kernels_interpreted_same_tokens(tiny_models, chunk, chunks_alone, monkeypatch):
     """The engine with the Triton kernels (TRITON_INTERPRET=1 on CPU): cascade vs the plain
     paged-attention kernel, a small shared-prefix workload with groups and lone rows. chunk: a
     small token budget, so that prompt chunks run beside decode rows: the cascade own pass then
-    runs the decode rows apart from the chunks (own_decode_seqs / own_prompt_seqs)."""
+    runs the decode rows apart from the chunks (own_decode_seqs / own_prompt_seqs).
+    chunks_alone: prefix tiles of two rows (the GPU's hold 32), so that prompt chunks stay out
+    of groups and their launch runs without the partials' fold (prompt_prefixes=False); on CPU
+    the rule counts one prefix read a group, and chunks join groups."""
     from engine.models.attention import triton_backend
     from tests.kernel_support import load_kernels, require_runnable
     ca = load_kernels("kernels.cascade_attention")
@@ -118,9 +121,14 @@ def test_triton_kernels_interpreted_same_tokens(tiny_models, chunk, monkeypatch)
     apart = []
     kernel = ca.cascade_attention
 
-    def counted(*args, own_decode_seqs=None, own_prompt_seqs=None, **kwargs):
+    folds = []
+
+    def counted(*args, own_decode_seqs=None, own_prompt_seqs=None, prompt_prefixes=True, **kwargs):
         apart.append(own_decode_seqs is not None)
-        return kernel(*args, own_decode_seqs=own_decode_seqs, own_prompt_seqs=own_prompt_seqs, **kwargs)
+        if own_decode_seqs is not None:
+            folds.append(prompt_prefixes)
+        return kernel(*args, own_decode_seqs=own_decode_seqs, own_prompt_seqs=own_prompt_seqs,
+                      prompt_prefixes=prompt_prefixes, **kwargs)
     monkeypatch.setattr(ca, "cascade_attention", counted)
     rng = random.Random(5)
     prefix = [rng.randrange(3, 1000) for _ in range(40)]
@@ -137,10 +145,15 @@ def test_triton_kernels_interpreted_same_tokens(tiny_models, chunk, monkeypatch)
             layer.self_attn.attn.backend = backend
         if cascade:
             force_cascade(llm)
+            if chunks_alone:
+                monkeypatch.setattr(llm.core.runner.cascade, "_rows_per_tile", lambda rows: 2)
         results.append([o.outputs[0].token_ids for o in llm.generate(prompts, params)])
         assert (llm.get_stats().num_cascade_rows > 0) == cascade
     assert results[0] == results[1]
     assert any(apart) == (chunk is not None), apart
+    # Launches apart: with the fold where a chunk is in a group, without where none is.
+    assert (False in folds) == chunks_alone, folds
+    assert (True in folds) == (chunk is not None and not chunks_alone), folds
 
 
 def test_cpu_default_settings_group_shared_prefixes(tiny_models):

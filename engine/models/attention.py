@@ -54,6 +54,8 @@ class AttentionMetadata:
     # each kind, whose own pass runs apart in its own tiles (kernels/cascade_attention.py).
     own_decode_seqs: torch.Tensor | None = None
     own_prompt_seqs: torch.Tensor | None = None
+    # False: no sequence in own_prompt_seqs has a prefix (their launch skips the partials' fold).
+    prompt_prefixes: bool = True
     # The step's Triton kernels (norms, projections, rotary, attention) are launched with
     # programmatic dependent launch (kernels/pdl.py): decode graphs of up to 16 rows with
     # EngineConfig.decode_pdl, on a GPU that has it.
@@ -125,7 +127,8 @@ def triton_backend() -> AttentionBackend:
                 attn.prefix_lens, attn.cu_group_seqs, scale, max_seqlen_q=attn.max_seqlen_q,
                 max_group_rows=attn.max_group_rows, max_prefix_len=attn.max_prefix_len,
                 num_prefix_splits=attn.num_prefix_splits, own_decode_seqs=attn.own_decode_seqs,
-                own_prompt_seqs=attn.own_prompt_seqs, side_by_side=CASCADE_SIDE_BY_SIDE)
+                own_prompt_seqs=attn.own_prompt_seqs, prompt_prefixes=attn.prompt_prefixes,
+                side_by_side=CASCADE_SIDE_BY_SIDE)
         nd = attn.num_decodes
         if attn.max_seqlen_q > 1 and 0 < nd < attn.seq_lens.shape[0]:
             return _mixed_paged_attention(paged_attention, q, k_cache, v_cache, attn, scale,
