@@ -35,6 +35,16 @@ HBM_BYTES_PER_S = 4.8e12
 BF16_DENSE_FLOPS = 989.4e12
 
 
+def positive_ints(text: str, what: str, fields: str, example: str, sep: str = ",") -> tuple[int, ...]:
+    """An argparse type's work: `text` as len(fields) positive ints, e.g. '128,64,8,3' -> (128,
+    64, 8, 3); else an ArgumentTypeError naming the fields and an example."""
+    import argparse
+    parts = text.split(sep)
+    if len(parts) != len(fields.split(sep)) or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{what} is {fields}, e.g. {example}, got {text!r}")
+    return tuple(int(p) for p in parts)
+
+
 def preset_dir(name: str, tokenizer: bool = False) -> str:
     """A model folder holding the preset's config.json (for dummy weights) and, with
     `tokenizer`, a tokenizer covering the preset's whole vocabulary (`bench_tokenizer`)."""

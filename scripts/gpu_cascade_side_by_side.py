@@ -19,6 +19,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.bench_common import positive_ints  # noqa: E402
+
 LAYERS = 32
 # (decode rows, members a group, prefix tokens (whole pages), own tokens)
 CASES = [(256, 16, 2000, 250), (256, 16, 2000, 100), (128, 16, 2000, 250), (64, 16, 2000, 250),
@@ -27,10 +29,7 @@ CASES = [(256, 16, 2000, 250), (256, 16, 2000, 100), (128, 16, 2000, 250), (64, 
 
 def parse_case(text: str) -> tuple[int, int, int, int]:
     """'256,16,2000,250' -> (rows, members a group, prefix, own)."""
-    parts = text.split(",")
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"a case is ROWS,GROUP,PREFIX,OWN, e.g. 256,16,2000,250, got {text!r}")
-    return tuple(int(p) for p in parts)
+    return positive_ints(text, "a case", "ROWS,GROUP,PREFIX,OWN", "256,16,2000,250")
 
 
 def main() -> None:

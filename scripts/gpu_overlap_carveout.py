@@ -30,16 +30,14 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.bench_common import positive_ints  # noqa: E402
 from scripts.gpu_overlap_probe import D, HKV, LAYERS, PROJECTIONS, decode_layers  # noqa: E402
 COPY_BYTES_PER_S = 4.28e12      # the H200's measured device copy
 
 
 def parse_pair(text: str) -> tuple[int, int]:
     """'256:2048' -> (attention rows, GEMM rows)."""
-    attn, sep, gemm = text.partition(":")
-    if not sep or not attn.isdigit() or not gemm.isdigit() or int(attn) < 1 or int(gemm) < 1:
-        raise argparse.ArgumentTypeError(f"a pair is ATTN_ROWS:GEMM_ROWS, e.g. 256:2048, got {text!r}")
-    return int(attn), int(gemm)
+    return positive_ints(text, "a pair", "ATTN_ROWS:GEMM_ROWS", "256:2048", sep=":")
 
 
 def bytes_floor_ms(attn_rows: int, gemm_rows: int, context: int) -> float:

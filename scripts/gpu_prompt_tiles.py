@@ -30,6 +30,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from scripts.bench_common import positive_ints  # noqa: E402
+
 # (name, groups, lone) as gpu_check_cascade.Batch takes them: groups' members share the prefix's
 # physical blocks (as a prefix group pins them) but read them in the own pass (prefix 0).
 CASES = [
@@ -53,10 +55,7 @@ def causal_pairs_of(groups, lone) -> int:
 
 def parse_config(text: str) -> tuple[int, int, int, int]:
     """'128,64,8,3' -> (rows a tile, keys a step, warps, stages)."""
-    parts = text.split(",")
-    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"a config is ROWS,KEYS,WARPS,STAGES, e.g. 128,64,8,3, got {text!r}")
-    return tuple(int(p) for p in parts)
+    return positive_ints(text, "a config", "ROWS,KEYS,WARPS,STAGES", "128,64,8,3")
 
 
 def main() -> None:
