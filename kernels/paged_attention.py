@@ -427,7 +427,7 @@ class _TileConfig:
 
 
 def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
-                 fused_splits: bool = False, fp8_cache: bool = False, num_seqs: int = 0) -> _TileConfig:
+                 fused_splits: bool = False, fp8_cache: bool = False, num_seqs: int | None = None) -> _TileConfig:
     """Decode: 16-row tiles (the dot only has to reach tensor-core size; the kernel is bound by
     K/V reads), 128 keys a step. Prefill: 128-row tiles, 64 keys a step, 8 warps (wgmma; with
     the block ids read a step ahead the fastest of the H100 probe in benchmarks/h100/
@@ -445,7 +445,9 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
     keys; from 4 rows 4 warps were as fast or faster but at 300 keys (H200, 30 us off a batch-1 decode
     step; benchmarks/h200/chain_configs.md).
     fp8_cache (prefill over an FP8 cache): 128 keys a step, 148 against 162 us for a 2048-token
-    prompt (H200, benchmarks/h200/fp8_kv_cache.md); decode keeps its sizes (fastest there too)."""
+    prompt (H200, benchmarks/h200/fp8_kv_cache.md); decode keeps its sizes (fastest there too).
+    num_seqs: the call's sequences, which a fused decode tile needs (no default that would pick
+    the 1-2-sequence warps for a caller that did not say)."""
     if dtype == torch.float32:
         # An exact fp32 dot (input_precision="ieee") runs on the FMA units; only small tiles stay
         # out of local memory. fp32 on the GPU is a test path, not a fast one.
@@ -455,6 +457,8 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
             return _TileConfig(16, 32, 4, 3)
         if fp8_cache:
             return _TileConfig(16, _FUSED_DECODE_BLOCK_N, 4, 3)
+        if num_seqs is None:
+            raise ValueError("a fused decode tile depends on the call's num_seqs (1-2 sequences take 8 warps)")
         return _TileConfig(16, _FUSED_DECODE_BLOCK_N, 8 if num_seqs <= 2 else 4, 2)
     if max_seqlen_q == 1:
         return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)

@@ -95,7 +95,7 @@ def attention_search(llm, runner, args, out: dict, save) -> None:
                 return splits
             return real_splits(size, num_kv_heads, context, merge_in_kernel)
 
-        def pick(max_seqlen_q, head_dim, dtype, fused_splits=False, fp8_cache=False, num_seqs=0):
+        def pick(max_seqlen_q, head_dim, dtype, fused_splits=False, fp8_cache=False, num_seqs=None):
             if tile is not None and max_seqlen_q == 1 and fused_splits:
                 return pa._TileConfig(*tile)
             return real_pick(max_seqlen_q, head_dim, dtype, fused_splits, fp8_cache, num_seqs)

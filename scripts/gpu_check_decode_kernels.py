@@ -294,7 +294,7 @@ def check_attention(args, out: dict) -> None:
                     return o
                 us = graph_us([lambda kc=kc, vc=vc: call(kc, vc) for kc, vc in caches])
                 r = {**err(call(*caches[0]), ref), "splits": splits, "merge_in_kernel": merge,
-                     "block_n": block_n or pa._pick_config(1, D, DTYPE, merge and splits > 1).block_n, "us": us,
+                     "block_n": block_n or pa._pick_config(1, D, DTYPE, merge and splits > 1, num_seqs=batch).block_n, "us": us,
                      "GB_per_s": batch * context * HKV * D * 2 * 2 / us / 1e3}
                 if merge:
                     o = torch.empty_like(q)
@@ -302,7 +302,7 @@ def check_attention(args, out: dict) -> None:
                     r["counters_zero"] = arrival_counters("paged_attention", q.device, 0).count_nonzero().item() == 0
                 row["variants"][name] = r
             # Same tiling, the two merges: bitwise (both run _merge_splits), or how far apart.
-            cfg = pa._pick_config(1, D, DTYPE, fused_splits=True)
+            cfg = pa._pick_config(1, D, DTYPE, fused_splits=True, num_seqs=batch)
             two = [torch.empty_like(q) for _ in range(2)]
             for o, merge in zip(two, (False, True)):
                 pa._launch(q, *caches[0], table, cu, lens, o, scale, None, 1, fused, cfg, merge)

@@ -352,7 +352,7 @@ def test_merge_in_kernel_is_bitwise_the_merge_kernel(dtype, num_kv_splits, windo
     the separate merge 128, so there they agree to rounding only: compared in the test above.)"""
     q_lens, ctx = [1, 1, 1, 1, 0, 1], [300, 1, 47, 129, 5, 64]
     q, k_cache, v_cache, table, cu, lens = make_batch(q_lens, ctx, 8, 2, 32, 16, dtype, seed=num_kv_splits)
-    cfg = pa._pick_config(1, 32, dtype, fused_splits=True)
+    cfg = pa._pick_config(1, 32, dtype, fused_splits=True, num_seqs=len(q_lens))
     got = {}
     for fused in (True, False):       # fused first: its workspace holds no partials of the other
         out = torch.full(q.shape, float("nan"), dtype=dtype, device=q.device)
@@ -416,7 +416,7 @@ def test_merge_in_kernel_graph_replays_agree_bitwise():
     (the programs racing differently each time) give the same bits and the separate merge's."""
     q_lens, ctx = [1] * 4, [300, 1000, 77, 1]
     q, k_cache, v_cache, table, cu, lens = make_batch(q_lens, ctx, 32, 8, 128, 16, torch.bfloat16, seed=14)
-    cfg = pa._pick_config(1, 128, torch.bfloat16, fused_splits=True)
+    cfg = pa._pick_config(1, 128, torch.bfloat16, fused_splits=True, num_seqs=len(q_lens))
     want = torch.empty_like(q)
     pa._launch(q, k_cache, v_cache, table, cu, lens, want, 0.088, None, 1, 16, cfg)
     out = torch.empty_like(q)
@@ -489,3 +489,14 @@ def test_the_next_keys_are_loaded_ahead_only_in_split_decode_calls_of_one_progra
     assert not pa._kv_ahead(1, (1, 3, 8 * 16), 16, dev)      # batch 2: 256 programs
     assert not pa._kv_ahead(1, (1, 2, 8), 1, dev)            # unsplit
     assert not pa._kv_ahead(2, (1, 2, 16), 2, dev)           # a prompt chunk
+
+
+def test_fused_decode_tile_needs_the_calls_sequence_count():
+    """One or two sequences take a fused decode tile on 8 warps, more on 4; a caller that does
+    not say how many gets an error, not the few-sequence tile."""
+    bf16 = torch.bfloat16
+    assert pa._pick_config(1, 128, bf16, fused_splits=True, num_seqs=2).num_warps == 8
+    assert pa._pick_config(1, 128, bf16, fused_splits=True, num_seqs=3).num_warps == 4
+    with pytest.raises(ValueError, match="num_seqs"):
+        pa._pick_config(1, 128, bf16, fused_splits=True)
+    assert pa._pick_config(1, 128, bf16).num_warps == 4          # split merged apart: no count needed
