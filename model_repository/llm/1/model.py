@@ -78,6 +78,9 @@ class TritonPythonModel:
     def finalize(self):
         # Every thread of ours that calls pb_utils has ended when this returns: a call under
         # way as the stub exits can leave the server a lock held by a dead process (README).
+        # The first line says the server got as far as unloading us (a stop that hangs before
+        # it is the server's: a gRPC stream it still counts open holds the model).
+        self.logger.log_info("llm: finalize: stopping the engine")
         self.signal_watch.close()
         self.serving.shutdown()
         if self.board is not None:
