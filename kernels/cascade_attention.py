@@ -512,7 +512,7 @@ def cascade_attention(
     prefix_cfg = _prefix_config(max_group_rows, g_pad, head_dim, q.dtype)
     own_cfg = _own_config(max_seqlen_q, head_dim, q.dtype)
     num_groups = cu_group_seqs.shape[0] - 1
-    num_tiles = triton.cdiv(max_group_rows, max(prefix_cfg.block_q // g_pad, 1))
+    num_tiles = triton.cdiv(max_group_rows, _tile_rows(num_heads, num_kv_heads, prefix_cfg)[2])
     if num_prefix_splits is None:
         num_prefix_splits = choose_num_prefix_splits(num_groups, num_tiles, num_kv_heads,
                                                      max_prefix_len, _num_sms(q.device))
@@ -559,14 +559,20 @@ def _loop_form(cfg: _TileConfig, k_cache: torch.Tensor, v_cache: torch.Tensor, *
             "I32": use_i32 and _int32_offsets(k_cache, v_cache)}
 
 
+def _tile_rows(num_heads: int, num_kv_heads: int, cfg: _TileConfig) -> tuple[int, int, int]:
+    """(query heads a kv head, that padded to a power of two, query positions a tile) of a
+    launch: a tile's cfg.block_q rows are positions x padded heads."""
+    group = num_heads // num_kv_heads
+    g_pad = triton.next_power_of_2(group)
+    return group, g_pad, max(cfg.block_q // g_pad, 1)
+
+
 def _launch_prefix(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,
                    cu_group_seqs, out, part_m, part_l, part_acc, scale,
                    max_group_rows, num_splits, cfg: _TileConfig) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
-    group = num_heads // num_kv_heads
-    g_pad = triton.next_power_of_2(group)
-    block_m = max(cfg.block_q // g_pad, 1)
+    group, g_pad, block_m = _tile_rows(num_heads, num_kv_heads, cfg)
     grid = (triton.cdiv(max_group_rows, block_m), cu_group_seqs.shape[0] - 1, num_kv_heads * num_splits)
     _prefix_kernel[grid](
         q, k_cache, v_cache, part_m, part_l, part_acc,
@@ -606,9 +612,7 @@ def _launch_merge(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, pref
                   max_seqlen_q, num_splits, cfg: _TileConfig) -> None:
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
-    group = num_heads // num_kv_heads
-    g_pad = triton.next_power_of_2(group)
-    block_m = max(cfg.block_q // g_pad, 1)
+    group, g_pad, block_m = _tile_rows(num_heads, num_kv_heads, cfg)
     num_m_tiles = triton.cdiv(max_seqlen_q, block_m)
     _merge_kernel[(num_m_tiles, seq_lens.shape[0], num_kv_heads)](
         out, part_m, part_l, part_acc, cu_seqlens_q, prefix_lens, num_tokens, num_heads, num_m_tiles,
@@ -628,9 +632,7 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
-    group = num_heads // num_kv_heads
-    g_pad = triton.next_power_of_2(group)
-    block_m = max(cfg.block_q // g_pad, 1)
+    group, g_pad, block_m = _tile_rows(num_heads, num_kv_heads, cfg)
     num_m_tiles = triton.cdiv(max_seqlen_q, block_m)
     num_listed = num_seqs if seq_ids is None else seq_ids.shape[0]
     _own_kernel[(num_m_tiles, num_listed + int(pad), num_kv_heads)](
