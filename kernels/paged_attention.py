@@ -284,7 +284,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, KV_AHEAD: tl.constexpr, PROMPT: tl.constexpr,
-    I32: tl.constexpr,
+    I32: tl.constexpr, ONE_LOOP: tl.constexpr,
 ):
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
@@ -361,11 +361,14 @@ def _paged_attention_kernel(
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
             BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=HAS_WINDOW,
             DOT_PRECISION=DOT_PRECISION, KV_AHEAD=KV_AHEAD, CAUSAL=True, PROMPT=PROMPT, I32=I32)
-    acc, m_i, l_i = _attend_keys(
-        acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_lo, k_full_hi, qk_scale, sliding_window,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=False, HAS_WINDOW=HAS_WINDOW,
-        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=KV_AHEAD, CAUSAL=True, PROMPT=PROMPT, I32=I32)
+    if ONE_LOOP:    # unsplit decode (`_one_loop`): one pipelined loop, the last block's mask on every step
+        k_full_hi = k_full_lo
+    else:
+        acc, m_i, l_i = _attend_keys(
+            acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_lo, k_full_hi, qk_scale, sliding_window,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=False, HAS_WINDOW=HAS_WINDOW,
+            DOT_PRECISION=DOT_PRECISION, KV_AHEAD=KV_AHEAD, CAUSAL=True, PROMPT=PROMPT, I32=I32)
     acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
         acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
         stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
@@ -507,6 +510,19 @@ def _kv_ahead(max_seqlen_q: int, grid: tuple[int, int, int], num_kv_splits: int,
     return max_seqlen_q == 1 and num_kv_splits > 1 and real_programs <= _num_sms(device)
 
 
+def _one_loop(max_seqlen_q: int, num_kv_splits: int) -> bool:
+    """Unsplit decode calls read their keys in one loop, the last block's mask on every step. The
+    loop over the keys every row sees and the one over the last partial block (where a prompt
+    tile's causal diagonal falls) are two pipelines: the second's loads cannot start during the
+    first's steps. H200, bf16, 32 layers in a CUDA graph (benchmarks/h200/one_loop.md), one
+    loop against two: unsplit (33 rows or more) 1.5-11% faster up to 8,000 keys (256 rows: 300
+    keys 93.9 against 103.9 us, 2,000 keys 481.9 against 491.9), 2.7% slower at 256 x 16,000 (more
+    KV than an 8B model's cache holds); split calls (a few rows) faster over a few hundred keys,
+    up to 10% slower over thousands. The masked steps' products round apart from the unmasked
+    ones' fused multiply-add: the same values to within bf16's last bit."""
+    return max_seqlen_q == 1 and num_kv_splits == 1
+
+
 def _int32_offsets(k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
     """The key loop computes K/V offsets in int32 wherever the caches allow it (the same bits):
     prompt tiles ran 1.05-1.15x (H100, benchmarks/h100/prefill_attention.md), decode calls 2.7-3.2%
@@ -600,6 +616,7 @@ def paged_attention(
     kv_ahead: bool | None = None,
     prompt_loop: bool | None = None,
     i32_offsets: bool | None = None,
+    one_loop: bool | None = None,
 ) -> torch.Tensor:
     """Causal paged attention of the new query rows, as `paged_attention_ref`. Returns [T, Hq, D].
 
@@ -613,8 +630,9 @@ def paged_attention(
     kv_ahead: load each step's K and V one step ahead (the same bits); None: where `_kv_ahead`
     found it faster (split decode calls of at most one program per SM). prompt_loop (the key
     loop of prompt tiles: block ids a step ahead, K key by key) and i32_offsets (int32 K/V
-    offsets, where the caches allow): None, the rules (`_prompt_loop`, `_int32_offsets`); for probes (the
-    same values: int32 offsets the same bits, K read key by key the same to fp32 rounding).
+    offsets, where the caches allow) and one_loop (a decode call's keys in one masked loop): None,
+    the rules (`_prompt_loop`, `_int32_offsets`, `_one_loop`); for probes (the same values: int32
+    offsets the same bits, K read key by key and one loop the same to fp32 rounding).
     """
     _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
     check_pdl(pdl, q.device, "paged_attention")
@@ -640,14 +658,14 @@ def paged_attention(
                        fp8_cache=k_cache.dtype in FP8_KV_DTYPES, num_seqs=num_seqs)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
             out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl, kv_ahead,
-            i32_offsets, prompt_loop)
+            i32_offsets, prompt_loop, one_loop)
     return out
 
 
 def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale, sliding_window,
             max_seqlen_q, num_kv_splits, cfg: _TileConfig, merge_in_kernel: bool = False,
             pdl: bool = False, kv_ahead: bool | None = None, i32_offsets: bool | None = None,
-            prompt_loop: bool | None = None) -> None:
+            prompt_loop: bool | None = None, one_loop: bool | None = None) -> None:
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -682,6 +700,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         PROMPT=_prompt_loop(max_seqlen_q, k_cache) if prompt_loop is None else prompt_loop,
         I32=_int32_offsets(k_cache, v_cache) if i32_offsets is None else
         i32_offsets and _offsets_fit_int32(k_cache, v_cache),
+        ONE_LOOP=_one_loop(max_seqlen_q, num_kv_splits) if one_loop is None else one_loop and max_seqlen_q == 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:

@@ -59,14 +59,14 @@ def make_batch(q_lens, ctx_lens, hq, hkv, d, block_size, dtype, seed, pad_rows=3
 
 
 def check(args, q_lens, ctx_lens, sliding_window=None, num_kv_splits=None, max_seqlen_q=None,
-          merge_in_kernel=False, kv_ahead=None):
+          merge_in_kernel=False, kv_ahead=None, one_loop=None):
     """Run the kernel into a NaN-poisoned buffer and compare every element with the reference."""
     q = args[0]
     scale = q.shape[-1] ** -0.5
     out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
     got = paged_attention(*args, scale, sliding_window, max_seqlen_q=max_seqlen_q or max(q_lens),
                           max_seqlen_k=max(ctx_lens), num_kv_splits=num_kv_splits,
-                          merge_in_kernel=merge_in_kernel, out=out, kv_ahead=kv_ahead)
+                          merge_in_kernel=merge_in_kernel, out=out, kv_ahead=kv_ahead, one_loop=one_loop)
     assert got is out
     ref = paged_attention_ref(*args, scale, sliding_window)
     atol, rtol = TOLS[q.dtype]
@@ -444,6 +444,26 @@ def test_decode_loading_the_next_keys_ahead_changes_no_bits(merge_in_kernel, num
         got[ahead] = check(args, q_lens, ctx, sliding_window=window, num_kv_splits=num_kv_splits,
                            merge_in_kernel=merge_in_kernel, kv_ahead=ahead)
     assert torch.equal(got[True], got[False]) and torch.equal(got[None], got[True])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_kv_splits,window", [(1, None), (1, 7), (3, None), (2, 50)])
+def test_decode_keys_in_one_masked_loop_match_the_two_loops(dtype, num_kv_splits, window):
+    """Unsplit decode calls read their keys in one loop, masked at every step (`_one_loop`);
+    forced either way, split or not, with and without a window, over contexts of whole steps,
+    partial ones and a single key, both forms equal the reference and each other."""
+    q_lens, ctx = [1, 1, 1, 1, 1, 1], [300, 1, 47, 129, 64, 16]
+    args = make_batch(q_lens, ctx, 8, 2, 32, 16, dtype, seed=37)
+    got = {one: check(args, q_lens, ctx, sliding_window=window, num_kv_splits=num_kv_splits, one_loop=one)
+           for one in (True, False)}
+    atol, rtol = TOLS[dtype]
+    torch.testing.assert_close(got[True], got[False], atol=atol, rtol=rtol)
+
+
+def test_only_unsplit_decode_calls_read_their_keys_in_one_loop():
+    assert pa._one_loop(1, 1)
+    assert not pa._one_loop(1, 4)           # split decode: long contexts at a few rows ran slower
+    assert not pa._one_loop(7, 1)           # prompt tiles: their causal diagonal's loop apart
 
 
 @pytest.mark.parametrize("q_lens,ctx,splits", [
