@@ -518,8 +518,9 @@ def _one_loop(max_seqlen_q: int, num_kv_splits: int) -> bool:
     loop against two: unsplit calls (33 rows or more under the engine's fused split rule)
     1.5-11% faster up to 8,000 keys (256 rows: 300 keys 93.9 against 103.9 us, 2,000 keys 481.9
     against 491.9), 2.7% slower at 256 x 16,000 (more KV than an 8B model's cache holds); split
-    calls (a few rows) faster over a few hundred keys, up to 10% slower over thousands. The masked steps' products round apart from the unmasked
-    ones' fused multiply-add: the same values to within bf16's last bit."""
+    calls (a few rows) faster over a few hundred keys, up to 10% slower over thousands. The
+    masked steps' products round apart from the unmasked ones' fused multiply-add: the same
+    values to within bf16's last bit."""
     return max_seqlen_q == 1 and num_kv_splits == 1
 
 
