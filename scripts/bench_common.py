@@ -281,6 +281,50 @@ class FirstStepClock:
         self.core.step = self._step
 
 
+class StepTrace:
+    """Every engine step of `core` from here on, by wrapping core.step (like FirstStepClock):
+    when it started, its host phases and the GPU's time (engine/step_timing.py; with
+    `gpu_events` on), the rows running after it and the requests it finished. `.rows` once
+    closed; `summary()` says where the GPU idled: inside steps (a step's host phases longer
+    than the GPU's step) and between them (the caller's own work, e.g. LLM.generate's outputs)."""
+
+    FIELDS = ("t_ms", "schedule", "prepare", "launch", "wait", "post", "update", "gpu", "graph",
+              "running", "outputs", "finished")
+
+    def __init__(self, core):
+        self.core, self.rows, self._step = core, [], core.step
+        self._t0 = time.perf_counter()
+        core.step = self._traced_step
+
+    def _traced_step(self):
+        times = self.core.times
+        before, t = times.copy(), time.perf_counter()
+        outs = self._step()
+        d = times.since(before)
+        self.rows.append([round(1e3 * (t - self._t0), 3)]
+                         + [round(1e3 * getattr(d, p), 3) for p in
+                            ("schedule", "prepare", "launch", "wait", "post", "update", "gpu")]
+                         + [d.graph_steps, self.core.scheduler.num_running, len(outs),
+                            sum(o.finish_reason is not None for o in outs)])
+        return outs
+
+    def close(self) -> None:
+        self.core.step = self._step
+
+    def summary(self, top: int = 15) -> dict:
+        """Host time in steps beyond the GPU's (summed where positive), the gaps between steps,
+        and the steps with the most such time."""
+        host = lambda r: sum(r[1:7])  # noqa: E731 - schedule .. update
+        over = [(max(0.0, host(r) - r[7]), i) for i, r in enumerate(self.rows)]
+        gaps = [self.rows[i + 1][0] - (r[0] + host(r)) for i, r in enumerate(self.rows[:-1])]
+        worst = sorted(over, reverse=True)[:top]
+        return {"steps": len(self.rows),
+                "host_over_gpu_ms": round(sum(o for o, _ in over), 1),
+                "between_steps_ms": round(sum(gaps), 1),
+                "worst": [dict(zip(("step",) + self.FIELDS, [i] + self.rows[i]), over_ms=round(o, 3))
+                          for o, i in worst]}
+
+
 class StepProfiler:
     """torch.profiler over engine steps [start, start + count) of `core` (counted from here),
     by wrapping core.step; `.tables` (CUDA and CPU kernel tables) once the window closed. GPU

@@ -34,7 +34,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from scripts.bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS,  # noqa: E402
-                                  FirstStepClock, StepProfiler, git_commit, hardware,
+                                  FirstStepClock, StepProfiler, StepTrace, git_commit, hardware,
                                   kv_bytes_per_token, param_count, preset_dir, step_table,
                                   write_results)
 
@@ -130,9 +130,12 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
             times = llm.core.times.copy()
             prof = StepProfiler(llm.core, args.profile_after, args.profile_steps)
             first_step = FirstStepClock(llm.core)
+            trace = StepTrace(llm.core) if args.step_trace else None
             t0 = time.perf_counter()
             outs = llm.generate(prompts, params)
             elapsed = time.perf_counter() - t0
+            if trace is not None:
+                trace.close()
             first_step.close()
             prof.close()
             step_times = llm.core.times.since(times)
@@ -155,6 +158,12 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
                        intake_s=first_step.t - t0,
                        outside_steps_s=elapsed - step_times.wall_s(),
                        step_ms=step_times.per_step_ms())
+            if trace is not None:
+                row["step_trace"] = trace.summary()
+                path = f"{args.out}_trace_{w['name']}_{mode}_{order}.json"
+                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+                with open(path, "w") as f:
+                    json.dump({"fields": StepTrace.FIELDS, "rows": trace.rows}, f)
             print(json.dumps(row), flush=True)
             if prof.tables is not None:
                 row["profile"] = prof.tables
@@ -237,6 +246,10 @@ def main(argv: list[str] | None = None) -> None:
                     help="torch.profiler over this many steps of each run (GPU only)")
     ap.add_argument("--profile-after", type=int, default=300,
                     help="the steps profiled start after this many steps of the run")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="record every step (host phases, GPU time, rows, finishes) to "
+                         "<out>_trace_<workload>_<mode>_<order>.json and summarise where the "
+                         "GPU idled in the results")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model on CPU, a few requests: a smoke test")
     ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",

@@ -53,3 +53,24 @@ def test_floor_counts_each_prefix_once():
     assert 35 < t < 60, t
     more_sharing = dict(rfc, degree=64)
     assert floor_s(cfg, more_sharing, 256, 2) < t
+
+
+def test_step_trace_records_every_step(tmp_path):
+    out = tmp_path / "sp"
+    main(["--quick", "--step-trace", "--modes", "groups", "--orders", "shuffled", "--out", str(out)])
+    row = json.loads((tmp_path / "sp.json").read_text())["results"][0]
+    trace = json.loads((tmp_path / "sp_trace_g4-p64_groups_shuffled.json").read_text())
+    fields, rows = trace["fields"], trace["rows"]
+    summary = row["step_trace"]
+    # Every step() call of the run, in order; the last only collects (nothing left running).
+    assert summary["steps"] == len(rows) >= row["steps"]
+    at = {f: [r[i] for r in rows] for i, f in enumerate(fields)}
+    assert at["t_ms"] == sorted(at["t_ms"]) and at["running"][-1] == 0
+    # Each request finishes once and each of its 4 tokens comes out once.
+    assert sum(at["finished"]) == 12 and sum(at["outputs"]) == 12 * 4
+    # On CPU the GPU's time is 0: a step's host time is all over it.
+    assert all(g == 0 for g in at["gpu"])
+    host = sum(sum(r[1:7]) for r in rows)
+    assert abs(summary["host_over_gpu_ms"] - host) < 0.1 * len(rows) + 1e-6
+    assert abs(summary["worst"][0]["over_ms"] - max(sum(r[1:7]) for r in rows)) < 1e-3
+    assert summary["between_steps_ms"] >= 0
