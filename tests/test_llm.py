@@ -200,6 +200,57 @@ def test_gc_paused_restores_the_collector_as_it_found_it():
         gc.enable()
 
 
+def passes_of(fn) -> list[tuple[int, int]]:
+    """(generation, full-pass threshold then) of each collector pass while fn() runs, under
+    thresholds (50, 1, 1): a pass every few allocations, a full one as often as allowed."""
+    passes = []
+
+    def on_gc(phase, info):
+        if phase == "start":
+            passes.append((info["generation"], gc.get_threshold()[2]))
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50, 1, 1)
+    gc.callbacks.append(on_gc)
+    try:
+        fn()
+        n = len(passes)      # no allocation since fn returned: every pass so far was fn's
+        assert gc.get_threshold() == (50, 1, 1)
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.set_threshold(*thresholds)
+    return passes[:n]
+
+
+def test_gc_young_only_puts_off_full_passes_and_freezes_nothing_after():
+    from engine.llm import gc_young_only
+    keep = []
+
+    def make_long_lived():
+        keep.append([[] for _ in range(200_000)])   # enough to set off full passes
+
+    gc.collect()
+    assert 2 in {g for g, _ in passes_of(make_long_lived)}
+    gc.collect()
+    frozen = gc.get_freeze_count()
+
+    def inside():
+        with gc_young_only():
+            assert gc.get_freeze_count() > frozen
+            make_long_lived()
+    assert {g for g, _ in passes_of(inside)} == {0, 1}
+    assert gc.get_freeze_count() == 0
+
+
+def test_generate_steps_collect_young_objects_only(tiny_models):
+    """A full pass walks every prompt's ids: generate's steps run under gc_young_only."""
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=256)
+    prompts = mixed_prompts(llm.core.vocab_size, n=8)
+    passes = passes_of(lambda: llm.generate(prompts, GREEDY))
+    in_steps = [g for g, t2 in passes if t2 == 2 ** 31 - 1]    # the rest: before and after them
+    assert len(in_steps) > len(passes) / 2 and set(in_steps) == {0, 1}, passes
+    assert gc.get_freeze_count() == 0
+
+
 def test_fp8_kv_cache_holds_four_times_the_fp32_blocks(tiny_models):
     """kv_cache_dtype="fp8": one byte a value, so a block takes a quarter of float32's bytes and a
     CPU budget holds 4x the blocks."""
