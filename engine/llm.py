@@ -127,24 +127,28 @@ class LLM:
         # collector passes over the growing prompt lists (see gc_paused).
         processor = OutputProcessor(self.tokenizer, stream_deltas=False)
         requests, prompt_ids = [], []
-        with gc_paused():
-            for prompt, params in zip(prompts, sampling_params):
-                text, ids = encode_prompt(self.tokenizer, prompt)
-                arr = token_array(ids)
-                req = self.core.make_request(str(next(self._ids)), ids, params, arr)
-                processor.add_request(req.request_id, req.request_id, text, ids, params)
-                requests.append(req)
-                prompt_ids.append(ids if arr is None else arr)
-            if self.config.enable_prefix_groups and len(requests) > 1:
-                # Prompts sharing a prefix run as groups: the prefix computed once, kept
-                # resident.
-                for group in group_prompts(prompt_ids, self.config.block_size):
-                    self.core.add_group([requests[i] for i in group.members], group.prefix_len)
-            else:
-                for req in requests:
-                    self.core.add_request(req)
         finished: dict[str, RequestOutput] = {}
-        with gc_young_only():
+        with contextlib.ExitStack() as collector:
+            with gc_paused():
+                for prompt, params in zip(prompts, sampling_params):
+                    text, ids = encode_prompt(self.tokenizer, prompt)
+                    arr = token_array(ids)
+                    req = self.core.make_request(str(next(self._ids)), ids, params, arr)
+                    processor.add_request(req.request_id, req.request_id, text, ids, params)
+                    requests.append(req)
+                    prompt_ids.append(ids if arr is None else arr)
+                if self.config.enable_prefix_groups and len(requests) > 1:
+                    # Prompts sharing a prefix run as groups: the prefix computed once, kept
+                    # resident.
+                    for group in group_prompts(prompt_ids, self.config.block_size):
+                        self.core.add_group([requests[i] for i in group.members],
+                                            group.prefix_len)
+                else:
+                    for req in requests:
+                        self.core.add_request(req)
+                # Frozen while the collector is still off: its first pass after would walk
+                # everything the intake made (0.2 s for issue 12's job on a 2-core CPU).
+                collector.enter_context(gc_young_only())
             while processor.has_unfinished():
                 outs, to_abort = processor.process(self.core.step())
                 if to_abort:

@@ -251,6 +251,32 @@ def test_generate_steps_collect_young_objects_only(tiny_models):
     assert gc.get_freeze_count() == 0
 
 
+def test_no_collector_pass_walks_the_intake(tiny_models):
+    """generate freezes what its intake made before the collector is back on: from the call to
+    its first step, no pass runs (one would walk every prompt taken in)."""
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=256)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, llm.core.vocab_size) for _ in range(4)] for _ in range(300)]
+    at_first_step = []
+    step = llm.core.step
+
+    def first_step():
+        if not at_first_step:
+            at_first_step.append(gc.get_stats()[0]["collections"])
+        return step()
+    llm.core.step = first_step
+    thresholds = gc.get_threshold()
+    gc.set_threshold(700, 10, 10)
+    try:
+        gc.collect()
+        before = gc.get_stats()[0]["collections"]
+        llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
+    finally:
+        gc.set_threshold(*thresholds)
+    # The intake's allocations alone would set off a pass (checked by freezing after it).
+    assert at_first_step == [before]
+
+
 def test_fp8_kv_cache_holds_four_times_the_fp32_blocks(tiny_models):
     """kv_cache_dtype="fp8": one byte a value, so a block takes a quarter of float32's bytes and a
     CPU budget holds 4x the blocks."""
