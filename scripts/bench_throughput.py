@@ -22,8 +22,8 @@ import sys
 import threading
 import time
 
-from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, add_model_args, add_scheduling_arg, kv_elem_bytes, kv_note,
-                          git_commit, hardware, kv_bytes_per_token, model_and_config,
+from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, StepTrace, add_model_args, add_scheduling_arg,
+                          kv_elem_bytes, kv_note, git_commit, hardware, kv_bytes_per_token, model_and_config,
                           param_count, step_table, write_results)
 
 from engine.config import CAPACITY_POLICIES  # noqa: E402 - bench_common puts the root on the path
@@ -86,6 +86,7 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
         prompts = prompts_of[(inp, out)]
         run_engine(llm, prompts[:8], min(8, out))             # warm-up
         before, stats0 = llm.core.times.copy(), llm.get_stats()
+        trace = StepTrace(llm.core) if args.step_trace else None
         t = run_engine(llm, prompts, out)
         stats1 = llm.get_stats()
         roof = roofline_s(cfg, args.num_prompts, inp, out, max_num_seqs, elem, kv_elem_bytes(args))
@@ -98,6 +99,12 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
                # More sequences than the KV cache holds at full length: preempted, recomputed.
                "preemptions": stats1.num_preemptions - stats0.num_preemptions,
                "kv_blocks": stats1.num_kv_blocks}
+        if trace is not None:
+            trace.close()
+            row["step_trace"] = trace.summary()
+            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
+            with open(f"{args.out}_trace_{inp}x{out}_seqs{max_num_seqs}.json", "w") as f:
+                json.dump({"fields": StepTrace.FIELDS, "rows": trace.rows}, f)
         print(MESSAGE_PREFIX + "row: " + json.dumps(row), flush=True)
 
 
@@ -230,6 +237,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[128],
                     help="HF generate's static batch sizes: each is run, the best is the baseline")
     ap.add_argument("--out", default="benchmarks/throughput")
+    ap.add_argument("--step-trace", action="store_true",
+                    help="record every step of each run (host phases, GPU time, rows, finishes) "
+                         "to <out>_trace_<in>x<out>_seqs<max_num_seqs>.json and summarise where "
+                         "the GPU idled in the results")
     add_scheduling_arg(ap)
     ap.add_argument("--one-engine", type=int, default=None, metavar="MAX_NUM_SEQS",
                     help=argparse.SUPPRESS)       # the child: one engine, rows to stdout

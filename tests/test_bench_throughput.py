@@ -25,15 +25,16 @@ def sweep(tmp_path_factory):
     r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_throughput.py"),
                         "--model", str(model), "--dtype", "float32", "--workloads", "8x4",
                         "16x4", "--num-prompts", "4", "--max-num-seqs", "2", "0", "4",
-                        "--hf-prompts", "2", "--hf-batch", "1", "2", "--out", str(out)],
+                        "--hf-prompts", "2", "--hf-batch", "1", "2", "--step-trace",
+                        "--out", str(out)],
                        cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     rows = json.loads(out.with_suffix(".json").read_text())["results"]
-    return rows, out.with_suffix(".md").read_text()
+    return rows, out.with_suffix(".md").read_text(), out
 
 
 def test_a_row_per_workload_and_max_num_seqs(sweep):
-    rows, md = sweep
+    rows, md, _ = sweep
     assert sorted((r["workload"], r["max_num_seqs"]) for r in rows) == sorted(
         (w, n) for w in ("8/4", "16/4") for n in (2, 0, 4))
     ok = [r for r in rows if not r["failed"]]
@@ -52,8 +53,20 @@ def test_a_row_per_workload_and_max_num_seqs(sweep):
     assert "- HF generate on 8/4 by batch: 1: " in md
 
 
+def test_step_trace_has_every_step_of_each_run(sweep):
+    rows, _, out = sweep
+    for r in (r for r in rows if not r["failed"]):
+        inp, n_out = r["workload"].split("/")
+        trace = json.loads(open(f"{out}_trace_{inp}x{n_out}_seqs{r['max_num_seqs']}.json").read())
+        at = {f: [row[i] for row in trace["rows"]] for i, f in enumerate(trace["fields"])}
+        assert r["step_trace"]["steps"] == len(trace["rows"]) > 0
+        # Each of the 4 prompts finishes once, with all its tokens.
+        assert sum(at["finished"]) == 4 and sum(at["outputs"]) == 4 * int(n_out)
+        assert at["t_ms"] == sorted(at["t_ms"])
+
+
 def test_a_failing_child_is_a_failed_row(sweep):
-    rows, md = sweep
+    rows, md, _ = sweep
     failed = [r for r in rows if r["failed"]]
     assert [r["max_num_seqs"] for r in failed] == [0, 0]
     for r in failed:
@@ -63,7 +76,7 @@ def test_a_failing_child_is_a_failed_row(sweep):
 
 
 def test_the_best_max_num_seqs_per_workload_is_marked(sweep):
-    rows, md = sweep
+    rows, md, _ = sweep
     for w in ("8/4", "16/4"):
         best = max((r for r in rows if r["workload"] == w and not r["failed"]),
                    key=lambda r: r["engine_output_tok_s"])
