@@ -285,8 +285,10 @@ class StepTrace:
     """Every engine step of `core` from here on, by wrapping core.step (like FirstStepClock):
     when it started, its host phases and the GPU's time (engine/step_timing.py; with
     `gpu_events` on), the rows running after it and the requests it finished. `.rows` once
-    closed; `summary()` says where the GPU idled: inside steps (a step's host phases longer
-    than the GPU's step) and between them (the caller's own work, e.g. LLM.generate's outputs)."""
+    closed; `summary()`: the GPU's busy time (a run's elapsed time minus it is the GPU's idle
+    time), the host time in steps beyond the GPU's step (an upper bound on idle time within
+    steps: an eager launch that waits for room in the GPU's queue counts too), the time between
+    steps (the caller's own work, e.g. LLM.generate's outputs) and the steps most over."""
 
     FIELDS = ("t_ms", "schedule", "prepare", "launch", "wait", "post", "update", "gpu", "graph",
               "running", "outputs", "finished")
@@ -312,13 +314,14 @@ class StepTrace:
         self.core.step = self._step
 
     def summary(self, top: int = 15) -> dict:
-        """Host time in steps beyond the GPU's (summed where positive), the gaps between steps,
-        and the steps with the most such time."""
+        """The GPU's time summed, host time in steps beyond the GPU's (summed where positive),
+        the gaps between steps, and the steps with the most host time over the GPU's."""
         host = lambda r: sum(r[1:7])  # noqa: E731 - schedule .. update
         over = [(max(0.0, host(r) - r[7]), i) for i, r in enumerate(self.rows)]
         gaps = [self.rows[i + 1][0] - (r[0] + host(r)) for i, r in enumerate(self.rows[:-1])]
         worst = sorted(over, reverse=True)[:top]
         return {"steps": len(self.rows),
+                "gpu_busy_ms": round(sum(r[7] for r in self.rows), 1),
                 "host_over_gpu_ms": round(sum(o for o, _ in over), 1),
                 "between_steps_ms": round(sum(gaps), 1),
                 "worst": [dict(zip(("step",) + self.FIELDS, [i] + self.rows[i]), over_ms=round(o, 3))

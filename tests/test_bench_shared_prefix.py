@@ -69,7 +69,7 @@ def test_step_trace_records_every_step(tmp_path):
     # Each request finishes once and each of its 4 tokens comes out once.
     assert sum(at["finished"]) == 12 and sum(at["outputs"]) == 12 * 4
     # On CPU the GPU's time is 0: a step's host time is all over it.
-    assert all(g == 0 for g in at["gpu"])
+    assert all(g == 0 for g in at["gpu"]) and summary["gpu_busy_ms"] == 0
     host = sum(sum(r[1:7]) for r in rows)
     assert abs(summary["host_over_gpu_ms"] - host) < 0.1 * len(rows) + 1e-6
     assert abs(summary["worst"][0]["over_ms"] - max(sum(r[1:7]) for r in rows)) < 1e-3
