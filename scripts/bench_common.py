@@ -313,6 +313,12 @@ class StepTrace:
     def close(self) -> None:
         self.core.step = self._step
 
+    def write(self, path: str) -> None:
+        """The rows, with their field names, to `path` (JSON)."""
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"fields": self.FIELDS, "rows": self.rows}, f)
+
     def summary(self, top: int = 15) -> dict:
         """The GPU's time summed, host time in steps beyond the GPU's (summed where positive),
         the gaps between steps, and the steps with the most host time over the GPU's."""

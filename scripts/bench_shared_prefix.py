@@ -160,10 +160,7 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
                        step_ms=step_times.per_step_ms())
             if trace is not None:
                 row["step_trace"] = trace.summary()
-                path = f"{args.out}_trace_{w['name']}_{mode}_{order}.json"
-                os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-                with open(path, "w") as f:
-                    json.dump({"fields": StepTrace.FIELDS, "rows": trace.rows}, f)
+                trace.write(f"{args.out}_trace_{w['name']}_{mode}_{order}.json")
             print(json.dumps(row), flush=True)
             if prof.tables is not None:
                 row["profile"] = prof.tables

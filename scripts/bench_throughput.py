@@ -102,9 +102,7 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
         if trace is not None:
             trace.close()
             row["step_trace"] = trace.summary()
-            os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
-            with open(f"{args.out}_trace_{inp}x{out}_seqs{max_num_seqs}.json", "w") as f:
-                json.dump({"fields": StepTrace.FIELDS, "rows": trace.rows}, f)
+            trace.write(f"{args.out}_trace_{inp}x{out}_seqs{max_num_seqs}.json")
         print(MESSAGE_PREFIX + "row: " + json.dumps(row), flush=True)
 
 

@@ -74,3 +74,22 @@ def test_step_trace_records_every_step(tmp_path):
     assert abs(summary["host_over_gpu_ms"] - host) < 0.1 * len(rows) + 1e-6
     assert abs(summary["worst"][0]["over_ms"] - max(sum(r[1:7]) for r in rows)) < 1e-3
     assert summary["between_steps_ms"] >= 0
+
+
+def test_step_trace_summary_on_known_rows():
+    """The summary's figures for three hand-made steps (ms): host phases 3 over a GPU step of 5
+    (nothing over), 9 over 4 (5 over), 2 over 0 (2 over); gaps between them 1 and 4."""
+    from scripts.bench_common import StepTrace
+
+    class Core:
+        step = None
+    trace = StepTrace(Core())
+    trace.close()
+    #              t_ms  sched prep  launch wait post  update gpu  graph run out fin
+    trace.rows = [[0.0, 1.0, 0.5, 1.0, 0.5, 0.0, 0.0, 5.0, 1, 8, 8, 0],
+                  [4.0, 2.0, 1.0, 4.0, 0.0, 1.0, 1.0, 4.0, 1, 8, 8, 2],
+                  [17.0, 0.5, 0.5, 0.5, 0.0, 0.0, 0.5, 0.0, 0, 6, 6, 6]]
+    s = trace.summary(top=2)
+    assert s["steps"] == 3 and s["gpu_busy_ms"] == 9.0
+    assert s["host_over_gpu_ms"] == 7.0 and s["between_steps_ms"] == 5.0
+    assert [(w["step"], w["over_ms"], w["finished"]) for w in s["worst"]] == [(1, 5.0, 2), (2, 2.0, 6)]
