@@ -1,4 +1,4 @@
-"""The two probe kernels here against the reference under Triton's interpreter (CPU, float32):
+"""The probe kernels here against their references under Triton's interpreter (CPU, float32):
 mixed context lengths, GQA, a sliding window, padding rows (NaN-poisoned), a row with no query,
 and program / split counts that cut items. Run from the repository root:
 
@@ -17,6 +17,7 @@ import torch  # noqa: E402
 from kernels.attention_ref import paged_attention_ref  # noqa: E402
 from page_decode import page_decode_attention  # noqa: E402
 from stream_decode import stream_decode_attention  # noqa: E402
+from tile_gemm import TileConfig, candidate_configs, tile_gemm  # noqa: E402
 from tests.test_paged_attention import make_batch  # noqa: E402
 
 CTX = [5, 70, 1, 100, 33, 16, 17, 200]
@@ -42,3 +43,13 @@ for name, run in (("stream", lambda o: stream_decode_attention(*args, o, 0.25, N
     run(out)
     worst[name] = max(worst[name], (out - ref).abs().max().item())
 print("largest |difference| from the reference:", worst)
+
+gen = torch.Generator().manual_seed(0)
+gemm_worst = 0.0
+for c in candidate_configs() + [TileConfig(64, 64, 64, 4, 3, 3)]:
+    for m, n, k in [(5, 200, 100), (70, 128, 256), (128, 300, 192)]:
+        x, w = torch.randn(m, k, generator=gen), torch.randn(n, k, generator=gen)
+        err = (tile_gemm(x, w, c) - x @ w.T).abs().max().item()
+        assert err < 1e-3, (str(c), m, n, k, err)
+        gemm_worst = max(gemm_worst, err)
+print("tile_gemm, largest |difference| from x @ w.T:", gemm_worst)

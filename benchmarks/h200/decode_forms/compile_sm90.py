@@ -96,3 +96,12 @@ for keys, st, nw in ((8, 3, 4), (16, 3, 8), (4, 3, 4)):
         HAS_WINDOW=False, DOT_PRECISION="tf32", USE_PDL=False, NUM_STAGES=st, num_warps=nw, num_stages=st,
         grid=(1,))
     report(f"page {keys} keys st{st} w{nw}", k)
+
+import tile_gemm as tg  # noqa: E402
+
+for c in tg.candidate_configs():
+    k = tg._tile_gemm_kernel.warmup(
+        Ptr(), Ptr(), Ptr(), Ptr(F32), Ptr(I32), 256, 4096, 4096, 4096, 4096, 4096,
+        BLOCK_M=c.block_m, BLOCK_N=c.block_n, BLOCK_K=c.block_k, SPLIT_K=c.split_k, EVEN_K=True,
+        NUM_STAGES=c.num_stages, DOT_PRECISION="tf32", num_warps=c.num_warps, num_stages=c.num_stages, grid=(1,))
+    report("tile_gemm " + str(c).replace("/", "_"), k)
