@@ -85,7 +85,8 @@ def child(rows: int, n: int, k: int, layers: int, max_algos: int) -> list[dict]:
     desc = ctypes.c_void_p()
     _check(lt.cublasLtMatmulDescCreate(ctypes.byref(desc), CUBLAS_COMPUTE_32F, CUDA_R_32F), "DescCreate")
     transa = ctypes.c_int32(CUBLAS_OP_T)
-    _check(lt.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSA, ctypes.byref(transa), ctypes.c_size_t(4)), "DescSetAttribute")
+    _check(lt.cublasLtMatmulDescSetAttribute(desc, DESC_TRANSA, ctypes.byref(transa), ctypes.c_size_t(4)),
+           "DescSetAttribute")
     ops = gemm_operands(rows, n, k)
     layouts = {}
     for name in ("a", "b", "c"):
@@ -97,7 +98,8 @@ def child(rows: int, n: int, k: int, layers: int, max_algos: int) -> list[dict]:
     pref = ctypes.c_void_p()
     _check(lt.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "PreferenceCreate")
     ws = ctypes.c_uint64(WORKSPACE_BYTES)
-    _check(lt.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws), ctypes.c_size_t(8)), "PrefSet")
+    _check(lt.cublasLtMatmulPreferenceSetAttribute(pref, PREF_MAX_WORKSPACE_BYTES, ctypes.byref(ws),
+                                                   ctypes.c_size_t(8)), "PrefSet")
     results = (HeuristicResult * max_algos)()
     returned = ctypes.c_int(0)
     _check(lt.cublasLtMatmulAlgoGetHeuristic(handle, desc, layouts["a"], layouts["b"], layouts["c"], layouts["c"],

@@ -1,11 +1,12 @@
 """Does triton 3.6 warp-specialize a flash-attention key loop for an H100/H200 (sm_90)? A
 FlashAttention-3-class prompt kernel needs one warp group's softmax to overlap another's wgmma
 (ncu_attention_and_rows.md: the prompt tiles are compute-bound at ~335 TFLOP/s, FA2-structured).
-Compiles one minimal key loop on a machine without a GPU, with `tl.range(...,
-warp_specialize=...)` off and on, with pointer loads and with TMA tensor descriptors, at 4 and 8
-warps, and counts what the TTGIR holds: `ttg.warp_specialize` (the partitioned region), TMA copies, wgmmas,
-and the warps and shared memory the kernel ends with. The same loop for a B200 (sm_100) is the
-control. Each compile runs in a process of its own (triton keeps the first target it sees).
+Compiles ws_attention_probe.py's key loops (the ones it times) on a machine without a GPU,
+with `tl.range(..., warp_specialize=...)` off and on, with pointer loads and with TMA tensor
+descriptors, at 4 and 8 warps, and counts what the TTGIR holds: `ttg.warp_specialize` (the
+partitioned region), TMA copies, wgmmas, and the warps and shared memory the kernel ends
+with. The same loops for a B200 (sm_100) are the control. Each compile runs in a process of
+its own (triton keeps the first target it sees).
 Twenty-third session: on sm_90 the loop is partitioned only with TMA descriptors at 4 warps
 (12 warps in all: a producer and two consumer warp groups); pointer loads at 4 warps stop the
 compiler (an assertion in its Hopper warp specialization); at 8 warps nothing is partitioned.
@@ -19,11 +20,11 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import triton  # noqa: E402
-import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
 from sm90_target import Ptr, Sm90Driver  # noqa: E402 - makes the sm_90 stand-in the active driver
+from ws_attention_probe import _attn_descriptors, _attn_pointers  # noqa: E402 - the loops it times
 
 
 class Sm100Driver(Sm90Driver):
@@ -31,57 +32,14 @@ class Sm100Driver(Sm90Driver):
         return GPUTarget("cuda", 100, 32)
 
 
-@triton.jit
-def _loop_pointers(Q, K, V, O, N, sm_scale, WS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                   D: tl.constexpr):
-    offs_m = tl.program_id(0) * BM + tl.arange(0, BM)
-    offs_d = tl.arange(0, D)
-    q = tl.load(Q + offs_m[:, None] * D + offs_d[None, :])
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, D], tl.float32)
-    for start in tl.range(0, N, BN, warp_specialize=WS):
-        offs_n = start + tl.arange(0, BN)
-        qk = tl.dot(q, tl.load(K + offs_n[None, :] * D + offs_d[:, None])) * sm_scale
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(tl.bfloat16), tl.load(V + offs_n[:, None] * D + offs_d[None, :]), acc * alpha[:, None])
-        m_i = m_ij
-    tl.store(O + offs_m[:, None] * D + offs_d[None, :], (acc / l_i[:, None]).to(tl.bfloat16))
-
-
-@triton.jit
-def _loop_descriptors(Q, K, V, O, N, sm_scale, WS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                      D: tl.constexpr):
-    qd = tl.make_tensor_descriptor(Q, shape=[N, D], strides=[D, 1], block_shape=[BM, D])
-    kd = tl.make_tensor_descriptor(K, shape=[N, D], strides=[D, 1], block_shape=[BN, D])
-    vd = tl.make_tensor_descriptor(V, shape=[N, D], strides=[D, 1], block_shape=[BN, D])
-    od = tl.make_tensor_descriptor(O, shape=[N, D], strides=[D, 1], block_shape=[BM, D])
-    q = qd.load([tl.program_id(0) * BM, 0])
-    m_i = tl.full([BM], float("-inf"), tl.float32)
-    l_i = tl.zeros([BM], tl.float32)
-    acc = tl.zeros([BM, D], tl.float32)
-    for start in tl.range(0, N, BN, warp_specialize=WS):
-        qk = tl.dot(q, kd.load([start, 0]).T) * sm_scale
-        m_ij = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_ij[:, None])
-        alpha = tl.math.exp2(m_i - m_ij)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = tl.dot(p.to(tl.bfloat16), vd.load([start, 0]), acc * alpha[:, None])
-        m_i = m_ij
-    od.store([tl.program_id(0) * BM, 0], (acc / l_i[:, None]).to(tl.bfloat16))
-
-
 def compile_one(arch: int, form: str, warps: int, ws: bool) -> str:
     """One compile, in this process: what its TTGIR holds, as a line."""
     if arch != 90:
         driver.set_active(Sm100Driver())
     triton.set_allocator(lambda size, align, stream: Ptr())      # the descriptors' scratch
-    kernel = {"pointers": _loop_pointers, "descriptors": _loop_descriptors}[form]
-    k = kernel.warmup(Ptr(), Ptr(), Ptr(), Ptr(), 4096, 0.1, WS=ws, BM=128, BN=64, D=128,
-                      num_warps=warps, num_stages=3, grid=(1,))
+    args = (Ptr(), Ptr(), Ptr(), Ptr(), 4096) + ((0.1,) if form == "pointers" else (32, 0.1))
+    kernel = {"pointers": _attn_pointers, "descriptors": _attn_descriptors}[form]
+    k = kernel.warmup(*args, WS=ws, BM=128, BN=64, D=128, num_warps=warps, num_stages=3, grid=(1,))
     ttgir = k.asm["ttgir"]
     return (f"ttg.warp_specialize {ttgir.count('ttg.warp_specialize')}, warps {k.metadata.num_warps}, "
             f"smem {k.metadata.shared} B, TMA copies {ttgir.count('async_tma_copy_global_to_local')}, "
