@@ -9,12 +9,16 @@ from engine.config import EngineConfig, settings_from_triton
 from engine.instance_board import InstanceBoard
 from engine.metrics import TritonMetrics
 from engine.protocol import CONTROL_INPUT_NAMES, INPUT_NAMES
-from engine.serving import ServingEngine
 from engine.signal_watch import SignalWatch
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        # Imported here, not above: the server also loads this file in a stub of its own to
+        # complete the model's config, and the serving engine's imports (the tokenizer's
+        # transformers, torch) take seconds there for nothing.
+        from engine.serving import ServingEngine
+
         self.logger = pb_utils.Logger
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
