@@ -559,8 +559,10 @@ def test_bls_threads_are_bounded_and_a_cancel_is_passed_on_beyond_the_server_thr
     wait_for(lambda: metric(server, "llm_engine_steps_total") >= steps + 2,
              "the target's llm request to run")
     flood = _Answers()
-    long = greedy(MAX_MODEL_LEN - 32)
-    _send_bls(clients, [f"Flood {i}" for i in range(40)], long, flood)
+    # Long enough that the first 15 are still running when the abort has gone through (it
+    # takes a watcher round, ~0.1 s; 256 steps take seconds), short enough for three waves.
+    flood_tokens = MAX_MODEL_LEN // 4
+    _send_bls(clients, [f"Flood {i}" for i in range(40)], greedy(flood_tokens), flood)
     most_running = _wait_running(server, cap, f"{cap} requests in llm")
     client_of_target.close()          # cancels its request in flight (the target)
     wait_for(lambda: finished(server, "abort") > baseline[0], "the target to be aborted")
@@ -568,7 +570,7 @@ def test_bls_threads_are_bounded_and_a_cancel_is_passed_on_beyond_the_server_thr
     assert flood.all_in.wait(120), f"{flood.count()} of 40 answered"
     for result, error in flood.results:
         assert error is None, error
-        assert result.as_numpy("num_output_tokens")[0] == MAX_MODEL_LEN - 32
+        assert result.as_numpy("num_output_tokens")[0] == flood_tokens
     most_running = max(most_running, metric(server, "llm_num_requests_running"))
     assert most_running <= cap, most_running
     # The workers a burst made are kept; none beyond the cap (the warm-up made the first).
