@@ -38,8 +38,15 @@ $(TINY_MODEL)/model.safetensors: | $(VENV)/.done
 
 tiny-model: $(TINY_MODEL)/model.safetensors
 
+# Two pytest workers (pytest-xdist), a test file to each at a time (module fixtures such as a
+# server are made once): most of the suite waits on servers and engine processes, so two
+# workers take ~55% of one's time on CI's two cores. `make test PYTEST_WORKERS=0` runs in one
+# process. On a GPU machine run the GPU test files directly (they size the KV cache from free
+# GPU memory, which another worker's test would share).
+PYTEST_WORKERS ?= 2
+
 test: venv
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadfile tests
 
 # Foreground; Ctrl-C stops the server (SIGINT: it unloads the models and exits).
 serve: venv tiny-model
