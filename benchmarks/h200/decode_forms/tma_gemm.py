@@ -13,10 +13,16 @@ last wave:
   warp groups).
 - "sk" (stream-K, hybrid): the tiles of every full wave but the last are whole tiles as in "dp";
   the rest, tiles x K steps, are cut into one equal run of K steps per program. A program that
-  ends a tile (holds its last K step) adds the partials of the programs before it on that tile,
-  in program order, so the bits do not depend on timing; a program that leaves a tile unfinished
-  stores its fp32 partial in its own slot and raises its flag. Every program is resident (one an
-  SM, the grid is the SM count), and a program waits only on programs with a lower index.
+  starts a tile (holds its first K step) adds the partials of the programs after it on that
+  tile, in program order, so the bits do not depend on timing; a program that starts inside a
+  tile stores its fp32 partial in its own slot and raises its flag. Every program is resident
+  (one an SM, the grid is the SM count). (The session's first form had the tile's last K step
+  own it: each owner then waited at the start of its run for the end of the run before it, a
+  chain through every program: 4-40x slower than cuBLAS, tma_gemm_fcaad8c.json.)
+- "dp_wsk" / "tile_wsk": the K loop warp-specialized, persistent or one program a tile (on
+  sm_90 triton 3.6 partitions only a K loop at 4 warps: a TMA producer and two consumer warp
+  groups, 12 warps; compiled on the CPU machine). In the first call both timed out at their
+  first config, 128 x 256 (tma_gemm_fcaad8c.json).
 
 Math: fp32 accumulation, rounded once to x's dtype.
 """
@@ -83,8 +89,10 @@ def _gemm_dp(a_desc, b_desc, c_desc, c_ptr, M, N, K, NUM_PROGS: tl.constexpr, BM
 
 @triton.jit(do_not_specialize=["M"])
 def _gemm_sk(a_desc, b_desc, c_desc, part_ptr, flag_ptr, M, N, K, NUM_PROGS: tl.constexpr,
-             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    pid = tl.program_id(0)
+             BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, REVERSED: tl.constexpr):
+    # REVERSED: the interpreter runs programs one after another, lowest first; there the ids are
+    # handed out highest first, so every program a wait names has already run.
+    pid = NUM_PROGS - 1 - tl.program_id(0) if REVERSED else tl.program_id(0)
     num_m = tl.cdiv(M, BM)
     tiles = num_m * tl.cdiv(N, BN)
     k_tiles = tl.cdiv(K, BK)
@@ -93,7 +101,10 @@ def _gemm_sk(a_desc, b_desc, c_desc, part_ptr, flag_ptr, M, N, K, NUM_PROGS: tl.
     dp_tiles = tl.maximum(full_waves - 1, 0) * NUM_PROGS
     for tile in tl.range(pid, dp_tiles, NUM_PROGS):
         _whole_tile(a_desc, b_desc, c_desc, tile % num_m, tile // num_m, k_tiles, BM, BN, BK)
-    # The rest, as one run of K steps a program.
+    # The rest, as one run of K steps a program. A run starts inside a tile (it computes that
+    # tile's later K steps: a partial for the program before it) and ends with a tile's first K
+    # steps (it owns that tile and adds the partials of the programs after it). A program's
+    # partial is its run's first piece, done first, so an owner's wait is short.
     total = (tiles - dp_tiles) * k_tiles
     per = total // NUM_PROGS
     extra = total % NUM_PROGS
@@ -111,25 +122,25 @@ def _gemm_sk(a_desc, b_desc, c_desc, part_ptr, flag_ptr, M, N, K, NUM_PROGS: tl.
             a = a_desc.load([pm * BM, ki * BK])
             b = b_desc.load([pn * BN, ki * BK])
             acc = tl.dot(a, b.T, acc)
-        if k1 < k_tiles:
-            # Unfinished: this program's slot, then its flag (the programs after it add it).
+        if k0 > 0:
+            # Another program owns the tile: this program's slot, then its flag.
             tl.store(part_ptr + pid.to(tl.int64) * BM * BN + offs, acc)
             tl.debug_barrier()
             tl.atomic_xchg(flag_ptr + pid, 1, sem="release")
         else:
-            if k0 > 0:
-                # Add the partials of the programs before this one on the tile, nearest first.
-                tile_first = start - k0                 # the tile's first K step, in run units
-                q = pid - 1
-                more = True
-                while more:
+            # Owned: add the partials of the programs after this one, in program order.
+            tile_first = start                      # the tile's first K step, in run units
+            covered = k1
+            q = pid + 1
+            while covered < k_tiles:
+                flag = tl.atomic_add(flag_ptr + q, 0, sem="acquire")
+                while flag == 0:
                     flag = tl.atomic_add(flag_ptr + q, 0, sem="acquire")
-                    while flag == 0:
-                        flag = tl.atomic_add(flag_ptr + q, 0, sem="acquire")
-                    acc += tl.load(part_ptr + q.to(tl.int64) * BM * BN + offs, cache_modifier=".cg")
-                    tl.atomic_xchg(flag_ptr + q, 0)
-                    more = q * per + tl.minimum(q, extra) > tile_first
-                    q -= 1
+                acc += tl.load(part_ptr + q.to(tl.int64) * BM * BN + offs, cache_modifier=".cg")
+                tl.atomic_xchg(flag_ptr + q, 0)
+                q_end = (q + 1) * per + tl.minimum(q + 1, extra)
+                covered = tl.minimum(k_tiles, q_end - tile_first)
+                q += 1
             c_desc.store([pm * BM, pn * BN], acc.to(c_desc.dtype))
         start += k1 - k0
 
@@ -175,7 +186,8 @@ def tma_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig, out: tor
                              torch.zeros(progs, dtype=torch.int32, device=x.device))
         part, flags = _SCRATCH[key]
         _gemm_sk[(progs,)](a_desc, b_desc, c_desc, part, flags, m, n, k, NUM_PROGS=progs, BM=c.block_m,
-                           BN=c.block_n, BK=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+                           BN=c.block_n, BK=c.block_k, REVERSED=x.device.type != "cuda", num_warps=c.num_warps,
+                           num_stages=c.num_stages)
     else:
         raise ValueError(f"form must be one of {FORMS}, got {c.form!r}")
     return y
