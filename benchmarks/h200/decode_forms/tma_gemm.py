@@ -1,4 +1,4 @@
-"""A probe, not used by the engine: a persistent GEMM with TMA loads for 256-512 rows, in three
+"""A probe, not used by the engine: a persistent GEMM with TMA loads for 256-512 rows, in a few
 forms, y = x @ W^T (F.linear without bias). Twenty-fifth session.
 
 Why: at 256 rows cuBLAS runs a Llama-8B layer's projections at ~622 TFLOP/s against ~742 at 512
@@ -9,8 +9,8 @@ last wave:
 
 - "dp": one program an SM, looping over whole tiles (the M tiles of one N tile next to each
   other, so W's tile comes from L2 the second time); TMA descriptors made on the host.
-- "dp_ws": the same loop with `warp_specialize=True` (a TMA producer warp beside the wgmma
-  warp groups).
+- "dp_ws": the same loop with `warp_specialize=True`. Compiled for sm_90 (the CPU machine, with
+  sm90_target.py), triton 3.6 does not partition it: it runs as "dp". Not timed.
 - "sk" (stream-K, hybrid): the tiles of every full wave but the last are whole tiles as in "dp";
   the rest, tiles x K steps, are cut into one equal run of K steps per program. A program that
   starts a tile (holds its first K step) adds the partials of the programs after it on that
@@ -21,8 +21,11 @@ last wave:
   chain through every program: 4-40x slower than cuBLAS, tma_gemm_fcaad8c.json.)
 - "dp_wsk" / "tile_wsk": the K loop warp-specialized, persistent or one program a tile (on
   sm_90 triton 3.6 partitions only a K loop at 4 warps: a TMA producer and two consumer warp
-  groups, 12 warps; compiled on the CPU machine). In the first call both timed out at their
-  first config, 128 x 256 (tma_gemm_fcaad8c.json).
+  groups, 12 warps; compiled on the CPU machine; the output is stored with pointers, as a
+  descriptor store after the loop fails to compile). On the H200 every config of both timed out
+  (hung), in both calls.
+
+On the H200 cuBLAS was faster at every shape (benchmarks/h200/tma_gemm.md).
 
 Math: fp32 accumulation, rounded once to x's dtype.
 """
