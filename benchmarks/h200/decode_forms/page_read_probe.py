@@ -6,6 +6,8 @@ as its decode loop loads, one program a (row, kv head)) summed instead of attend
 engine's layout [blocks, page, Hkv, D] and a head-major one [blocks, Hkv, page, D] (a permuted
 view: the same strides the kernels take); a flat read of the same bytes; and `paged_attention`
 itself in both layouts. CUDA graphs of 32 calls, median of 7 replays. Twenty-fifth session.
+Kept as run: on the H200 the read-only kernels here ran at 2.2-3.2 TB/s, slower than the
+attention (4.19) and the device copy (4.25), so they bound nothing (benchmarks/h200/page_read.md).
 
     PYTHONPATH=. python3 benchmarks/h200/decode_forms/page_read_probe.py --out $OUT/page_read.json
     PYTHONPATH=. python3 benchmarks/h200/decode_forms/page_read_probe.py --cpu-check   # interpreter
