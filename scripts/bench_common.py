@@ -339,9 +339,10 @@ class StepProfiler:
     by wrapping core.step; `.tables` (CUDA and CPU kernel tables) once the window closed. GPU
     only: on CPU it profiles nothing."""
 
-    def __init__(self, core, start: int, count: int):
+    def __init__(self, core, start: int, count: int, kernels_path: str | None = None):
         import torch
         self.core, self.start, self.count, self.tables = core, start, count, None
+        self.kernels_path = kernels_path    # where to write every GPU kernel's (name, start us, us)
         self._step, self._i, self._prof = core.step, 0, None
         if count > 0 and core.device.type == "cuda":
             core.step = self._profiled_step
@@ -366,6 +367,11 @@ class StepProfiler:
             return
         self._torch.cuda.synchronize()
         self._prof.__exit__(None, None, None)
+        if self.kernels_path:
+            kernels = [(e.name, e.time_range.start, e.time_range.elapsed_us())
+                       for e in self._prof.events() if e.device_type == self._torch.autograd.DeviceType.CUDA]
+            with open(self.kernels_path, "w") as f:
+                json.dump(sorted(kernels, key=lambda k: k[1]), f)
         averages = self._prof.key_averages()
         self.tables = {"steps": min(self._i, self.start + self.count) - self.start,
                        "cuda": averages.table(sort_by="cuda_time_total", row_limit=30,

@@ -128,7 +128,8 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
             params = SamplingParams(max_tokens=w["out"], temperature=0.0, ignore_eos=True)
             llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
             times = llm.core.times.copy()
-            prof = StepProfiler(llm.core, args.profile_after, args.profile_steps)
+            prof = StepProfiler(llm.core, args.profile_after, args.profile_steps,
+                                f"{args.out}_kernels_{w['name']}_{mode}_{order}.json" if args.profile_kernels else None)
             first_step = FirstStepClock(llm.core)
             trace = StepTrace(llm.core) if args.step_trace else None
             t0 = time.perf_counter()
@@ -243,6 +244,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="torch.profiler over this many steps of each run (GPU only)")
     ap.add_argument("--profile-after", type=int, default=300,
                     help="the steps profiled start after this many steps of the run")
+    ap.add_argument("--profile-kernels", action="store_true",
+                    help="with --profile-steps: every GPU kernel of the window, (name, start us, us), to "
+                         "<out>_kernels_<workload>_<mode>_<order>.json")
     ap.add_argument("--step-trace", action="store_true",
                     help="record every step (host phases, GPU time, rows, finishes) to "
                          "<out>_trace_<workload>_<mode>_<order>.json and summarise where the "
