@@ -76,8 +76,7 @@ import triton.language as tl
 from kernels.attention_ref import cascade_attention_ref
 from kernels.cascade_cost import CascadeCostRule, PrefixGroup
 # The paged kernel's loop over keys: the same loads and math, so the same bits.
-from kernels.paged_attention import (_MAX, _attend_keys, _fold_scores, _int32_offsets, _kv_at, _prompt_loop, _q_for_keys,
-                                     check_q_and_caches)
+from kernels.paged_attention import _attend_keys, _int32_offsets, _prompt_loop, _q_for_keys, check_q_and_caches
 
 __all__ = ["cascade_attention", "cascade_attention_ref", "choose_num_prefix_splits",
            "prefix_rows_per_tile", "CascadeCostRule", "PrefixGroup"]
@@ -263,132 +262,6 @@ def _own_kernel(
         _store_rows(out_ptr, acc, l_i, t, head, row_valid, stride_ot, stride_oh, stride_od, HEAD_DIM)
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "stride_bt", "num_listed"])
-def _own_packed_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, part_acc_ptr,
-    block_table_ptr, cu_seqlens_q_ptr, seq_lens_ptr, prefix_lens_ptr, seq_ids_ptr,
-    qk_scale, num_seqs, num_tokens, num_heads, num_listed,
-    stride_qt, stride_qh, stride_qd,
-    stride_kb, stride_ks, stride_kh, stride_kd,
-    stride_vb, stride_vs, stride_vh, stride_vd,
-    stride_ot, stride_oh, stride_od,
-    stride_bt,
-    GROUP: tl.constexpr, G_PAD: tl.constexpr, PACK: tl.constexpr, BLOCK_Q: tl.constexpr,
-    KEYS: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, AHEAD: tl.constexpr, I32: tl.constexpr,
-    HAS_SEQ_IDS: tl.constexpr, OWN_PARTIAL: tl.constexpr, HAS_PREFIX: tl.constexpr,
-):
-    """The own pass of PACK decode sequences (one query row each) in one program: tile row r is
-    sequence r // G_PAD's head r % G_PAD, key column c sequence c // KEYS's key, and a row sees
-    only its own sequence's columns (a block-diagonal mask). Each key step reads KEYS keys of
-    every sequence at once, so the program's loop is as long as its longest own part, and a
-    program's start (the lookups before its first key arrives) and end (the prefix fold) are
-    paid once for PACK sequences. Grid (cdiv(listed, PACK) [+ 1 padding program], Hkv)."""
-    pid = tl.program_id(0).to(tl.int64)
-    kv_head = tl.program_id(1).to(tl.int64)
-    rows = tl.arange(0, BLOCK_Q)
-    row_slot = rows // G_PAD                # which of the program's sequences
-    row_g = rows % G_PAD
-    head = kv_head * GROUP + row_g
-    offs_d = tl.arange(0, HEAD_DIM)
-
-    if pid * PACK >= num_listed:
-        # The program past the list: padding rows past cu_seqlens_q[-1] come back zero.
-        zeros = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=out_ptr.dtype.element_ty)
-        tail_start = tl.load(cu_seqlens_q_ptr + num_seqs).to(tl.int64)
-        for t0 in range(tail_start, num_tokens, PACK):
-            t = t0 + row_slot
-            mask = (row_g < GROUP) & (row_slot < PACK) & (t < num_tokens)
-            ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
-            tl.store(ptrs, zeros, mask=mask[:, None])
-        return
-
-    # Rows: each listed sequence's one query row (a sequence with no row this step: none).
-    slot_r = pid * PACK + row_slot
-    seq_r, has_r = _listed_seqs(seq_ids_ptr, cu_seqlens_q_ptr, slot_r, (row_slot < PACK) & (slot_r < num_listed),
-                                HAS_SEQ_IDS)
-    row_valid = (row_g < GROUP) & has_r
-    t = tl.load(cu_seqlens_q_ptr + seq_r, mask=has_r, other=0).to(tl.int64)
-    q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
-    q = _q_for_keys(tl.load(q_ptrs, mask=row_valid[:, None], other=0.0), k_cache_ptr)
-
-    # Columns: key j of a step is key (step * KEYS + j % KEYS) of sequence j // KEYS's own part
-    # [prefix_len, seq_len), all of it before the query row (no causal mask).
-    cols = tl.arange(0, BLOCK_N)
-    col_slot = cols // KEYS
-    slot_c = pid * PACK + col_slot
-    seq_c, has_c = _listed_seqs(seq_ids_ptr, cu_seqlens_q_ptr, slot_c, slot_c < num_listed, HAS_SEQ_IDS)
-    stop_c = tl.load(seq_lens_ptr + seq_c, mask=has_c, other=0).to(tl.int64)
-    if HAS_PREFIX:
-        start_c = tl.load(prefix_lens_ptr + seq_c, mask=has_c, other=0).to(tl.int64)
-    else:
-        start_c = tl.full([BLOCK_N], 0, dtype=tl.int64)
-    num_steps = tl.reduce((stop_c - start_c + KEYS - 1) // KEYS, 0, _MAX)
-    # _kv_at reads keys `start + arange(BLOCK_N)`: the columns' first keys, less their index.
-    first_c = start_c + cols % KEYS - cols
-    table_c = block_table_ptr + seq_c * stride_bt
-    same_seq = row_slot[:, None] == col_slot[None, :]
-
-    m_i = tl.full([BLOCK_Q], float("-inf"), dtype=tl.float32)
-    l_i = tl.full([BLOCK_Q], 0.0, dtype=tl.float32)
-    acc = tl.full([BLOCK_Q, HEAD_DIM], 0.0, dtype=tl.float32)
-    k_base = k_cache_ptr + kv_head * stride_kh
-    v_base = v_cache_ptr + kv_head * stride_vh
-    block_id = _packed_block_ids(table_c, first_c + cols, stop_c, PAGE_SIZE, I32)
-    for step in range(num_steps):
-        k_pos = first_c + step * KEYS + cols
-        if AHEAD:       # the next step's block ids read during this one
-            next_block_id = _packed_block_ids(table_c, k_pos + KEYS, stop_c, PAGE_SIZE, I32)
-        else:
-            block_id = _packed_block_ids(table_c, k_pos, stop_c, PAGE_SIZE, I32)
-        k, v = _kv_at(block_id, k_base, v_base, first_c + step * KEYS, stop_c, stride_kb, stride_ks, stride_kd,
-                      stride_vb, stride_vs, stride_vd, BLOCK_N, HEAD_DIM, PAGE_SIZE, True, False, I32)
-        if AHEAD:
-            block_id = next_block_id
-        k = k.to(q.dtype)       # an FP8 cache widens to q's dtype (_q_for_keys)
-        v = v.to(q.dtype)
-        s = tl.dot(q, k, input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(same_seq & (k_pos < stop_c)[None, :], s, float("-inf"))
-        acc, m_i, l_i = _fold_scores(acc, m_i, l_i, s, v, True, DOT_PRECISION)
-
-    if HAS_PREFIX:
-        prefixed = row_valid & (tl.load(prefix_lens_ptr + seq_r, mask=has_r, other=0) > 0)
-        if OWN_PARTIAL:     # `_merge_kernel` folds the prefix pass's partials in
-            part = (NUM_SPLITS * num_tokens + t) * num_heads + head
-            tl.store(part_m_ptr + part, m_i, mask=prefixed)
-            tl.store(part_l_ptr + part, l_i, mask=prefixed)
-            tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=prefixed[:, None])
-            _store_rows(out_ptr, acc, l_i, t, head, row_valid & (prefixed == 0), stride_ot, stride_oh, stride_od, HEAD_DIM)
-        else:   # rows without a prefix load empty partials: unchanged
-            acc, m_i, l_i = _fold_prefix(acc, m_i, l_i, part_m_ptr, part_l_ptr, part_acc_ptr, t, head,
-                                         prefixed, num_tokens, num_heads, HEAD_DIM, NUM_SPLITS)
-            _store_rows(out_ptr, acc, l_i, t, head, row_valid, stride_ot, stride_oh, stride_od, HEAD_DIM)
-    else:
-        _store_rows(out_ptr, acc, l_i, t, head, row_valid, stride_ot, stride_oh, stride_od, HEAD_DIM)
-
-
-@triton.jit
-def _listed_seqs(seq_ids_ptr, cu_seqlens_q_ptr, slot, listed, HAS_SEQ_IDS: tl.constexpr):
-    """(sequence, has a query row) of each listed slot: seq_ids[slot], or slot itself."""
-    if HAS_SEQ_IDS:
-        seq = tl.load(seq_ids_ptr + slot, mask=listed, other=0).to(tl.int64)
-    else:
-        seq = tl.where(listed, slot, 0)
-    q_start = tl.load(cu_seqlens_q_ptr + seq, mask=listed, other=0)
-    q_end = tl.load(cu_seqlens_q_ptr + seq + 1, mask=listed, other=0)
-    return seq, listed & (q_end > q_start)
-
-
-@triton.jit
-def _packed_block_ids(table_c, k_pos, stop_c, PAGE_SIZE: tl.constexpr, I32: tl.constexpr):
-    """Block ids of keys k_pos, each through its own column's block table row (0 past stop_c)."""
-    ids = tl.load(table_c + k_pos // PAGE_SIZE, mask=k_pos < stop_c, other=0)
-    if not I32:
-        ids = ids.to(tl.int64)
-    return ids
-
-
 @triton.jit
 def _fold_prefix(acc, m_i, l_i, part_m_ptr, part_l_ptr, part_acc_ptr, t, head, row_valid, num_tokens,
                  num_heads, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
@@ -469,7 +342,6 @@ class _TileConfig:
     num_stages: int
     prompt: bool | None = None      # the key loop's PROMPT form (block ids a step ahead); None: the pass's rule
     i32: bool | None = None         # int32 K/V offsets (where the caches allow them); None: the pass's rule
-    pack: int = 1                   # own pass, decode: sequences a program (`_own_packed_kernel`), block_n keys a step in all
 
 
 def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
@@ -763,20 +635,6 @@ def _launch_own(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix
     group, g_pad, block_m = _tile_rows(num_heads, num_kv_heads, cfg)
     num_m_tiles = triton.cdiv(max_seqlen_q, block_m)
     num_listed = num_seqs if seq_ids is None else seq_ids.shape[0]
-    if cfg.pack > 1 and max_seqlen_q == 1:
-        _own_packed_kernel[(triton.cdiv(num_listed, cfg.pack) + int(pad), num_kv_heads)](
-            q, k_cache, v_cache, out, part_m, part_l, part_acc,
-            block_table, cu_seqlens_q, seq_lens, prefix_lens, cu_seqlens_q if seq_ids is None else seq_ids,
-            scale * _LOG2E, num_seqs, num_tokens, num_heads, num_listed,
-            *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(), block_table.stride(0),
-            GROUP=group, G_PAD=g_pad, PACK=cfg.pack, BLOCK_Q=max(triton.next_power_of_2(cfg.pack * g_pad), 16),
-            KEYS=cfg.block_n // cfg.pack, BLOCK_N=cfg.block_n, HEAD_DIM=head_dim, PAGE_SIZE=block_size,
-            NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-            AHEAD=bool(cfg.prompt), I32=(True if cfg.i32 is None else cfg.i32) and _int32_offsets(k_cache, v_cache),
-            HAS_SEQ_IDS=seq_ids is not None, OWN_PARTIAL=own_partial, HAS_PREFIX=has_prefix,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        )
-        return
     _own_kernel[(num_m_tiles, num_listed + int(pad), num_kv_heads)](
         q, k_cache, v_cache, out, part_m, part_l, part_acc,
         block_table, cu_seqlens_q, seq_lens, prefix_lens, cu_seqlens_q if seq_ids is None else seq_ids,

@@ -210,14 +210,6 @@ def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding
         if HAS_WINDOW:
             visible = visible & (k_pos[None, :] > q_pos[:, None] - sliding_window)
         s = tl.where(visible, s, float("-inf"))
-    return _fold_scores(acc, m_i, l_i, s, v, MASKED, DOT_PRECISION)
-
-
-@triton.jit
-def _fold_scores(acc, m_i, l_i, s, v, MASKED: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """The online softmax's update of (acc, m_i, l_i) by one step's scores s [BLOCK_Q, BLOCK_N]
-    (-inf at keys a row does not see, when MASKED) and values v [BLOCK_N, D]."""
-    if MASKED:
         m_new = tl.maximum(m_i, tl.reduce(s, 1, _MAX))
         # A row that has seen no visible key yet keeps m = -inf: subtract 0, not inf - inf.
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
