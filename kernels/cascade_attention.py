@@ -594,21 +594,13 @@ _SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 def _side_stream(device: torch.device):
     """Yields a side stream of `device` that has waited for the current stream's work (None on
     the CPU); on leaving, the current stream waits for the side stream's. One stream a device,
-    made on first use (a warm-up call: making it under CUDA-graph capture is not asked of CUDA).
-
-    The side stream has a higher priority than the default: the block scheduler hands free SM
-    slots to its kernel's programs before the pending ones of a kernel on the main stream (torch
-    instantiates graphs with cudaGraphInstantiateFlagUseNodePriority, so a captured node keeps
-    the priority of the stream it was captured on). At equal priority the own pass's thousands of
-    programs, launched first, held every slot until their last wave: in the RFC job's decode
-    graphs the prefix pass started 139 us into the own pass's 149 and ran after it (a torch
-    profile, benchmarks/h200/cascade_priority.md)."""
+    made on first use (a warm-up call: making it under CUDA-graph capture is not asked of CUDA)."""
     if device.type != "cuda":
         yield None
         return
     side = _SIDE_STREAMS.get(device)
     if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device, priority=-1)
+        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
     main = torch.cuda.current_stream(device)
     side.wait_stream(main)
     yield side
