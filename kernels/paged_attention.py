@@ -8,7 +8,8 @@ Same contract and layouts as `attention_ref.paged_attention_ref` (re-exported he
   block_table      [B, max_blocks] int32, block ids of each sequence in position order
   cu_seqlens_q     [B + 1] int32  sequence b owns q rows cu_seqlens_q[b]:cu_seqlens_q[b + 1]
   seq_lens         [B] int32      context length of b including its new tokens
-  out              [T, Hq, D]     q's dtype; rows past cu_seqlens_q[-1] are written as zeros
+  out              [T, Hq, D]     q's dtype; rows past cu_seqlens_q[-1] are written as zeros, rows
+                                  before cu_seqlens_q[0] (another call's) are left as they are
 
 Query row i of sequence b (q_len rows, L = seq_lens[b]) sits at position p = L - q_len + i and
 query head h reads kv head h // G, G = Hq // Hkv. With scores in fp32,
@@ -412,8 +413,11 @@ def _reduce_splits_kernel(
     t = pid_t * ROWS + offs_r // G_PAD
     g = offs_r % G_PAD
     offs_d = tl.arange(0, HEAD_DIM)
-    # Padding rows past cu_seqlens_q[-1] were zeroed by the main kernel and have no partials.
-    valid = (g < GROUP) & (t < tl.load(cu_seqlens_q_ptr + num_seqs))
+    # Padding rows past cu_seqlens_q[-1] were zeroed by the main kernel and have no partials;
+    # rows before cu_seqlens_q[0] belong to another call (a mixed step's prompt-chunk call reads
+    # its rows of q in place, after the decode rows: engine/models/attention.py).
+    valid = ((g < GROUP) & (t >= tl.load(cu_seqlens_q_ptr))
+             & (t < tl.load(cu_seqlens_q_ptr + num_seqs)))
     head = kv_head * GROUP + g
     out = _merge_splits(part_m_ptr, part_l_ptr, part_acc_ptr, (t * num_heads + head) * NUM_SPLITS,
                         valid, ROWS * G_PAD, NUM_SPLITS, HEAD_DIM)

@@ -106,6 +106,24 @@ def test_split_kv_decode(dtype, num_kv_splits):
     check(args, q_lens, ctx, num_kv_splits=num_kv_splits)
 
 
+@pytest.mark.parametrize("num_kv_splits,merge_in_kernel", [(1, False), (2, False), (3, False), (3, True)])
+def test_rows_before_the_first_sequence_are_left_alone(num_kv_splits, merge_in_kernel):
+    """A call over sequences whose rows start past row 0 (cu_seqlens_q[0] > 0: the prompt-chunk
+    call of engine/models/attention.py's _mixed_paged_attention reads its rows of q in place,
+    after the decode rows another call owns) writes its rows and zeroes the padding after them,
+    and leaves the rows before them as they were, with or without split-KV."""
+    q_lens, ctx = [1, 1, 1, 9, 14], [40, 70, 33, 30, 90]
+    q, k, v, table, cu, lens = make_batch(q_lens, ctx, 4, 2, 16, 16, torch.float32, seed=11)
+    scale = q.shape[-1] ** -0.5
+    ref = paged_attention_ref(q, k, v, table, cu, lens, scale)
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    got = paged_attention(q, k, v, table[3:], cu[3:], lens[3:], scale, max_seqlen_q=14, max_seqlen_k=90,
+                          num_kv_splits=num_kv_splits, merge_in_kernel=merge_in_kernel, out=out)
+    assert got[:3].isnan().all(), "rows of the decode call's were written"
+    atol, rtol = TOLS[q.dtype]
+    torch.testing.assert_close(got[3:], ref[3:], atol=atol, rtol=rtol)
+
+
 def test_split_kv_on_a_mixed_batch():
     args = make_batch(MIXED_Q, MIXED_CTX, 4, 2, 16, 16, torch.float32, seed=5)
     check(args, MIXED_Q, MIXED_CTX, num_kv_splits=3)
