@@ -215,6 +215,13 @@ def git_commit() -> str:
         return "unknown"
 
 
+def write_probe(path: str, rows: list[dict], **meta) -> None:
+    """A GPU probe's rows as JSON at `path`, with the commit and hardware measured and `meta`."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"commit": git_commit(), "hardware": hardware(), **meta, "rows": rows}, f, indent=1)
+
+
 def dump_rows(path: str | None, rows: list[dict]) -> None:
     """The rows as JSON at `path` (a tool's optional --out); nothing when None."""
     if path:

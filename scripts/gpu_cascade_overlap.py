@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
@@ -39,7 +38,7 @@ def main() -> None:
     import triton.testing
 
     import kernels.cascade_attention as ca
-    from scripts.bench_common import capture_graph, git_commit, hardware
+    from scripts.bench_common import capture_graph, write_probe
     from scripts.gpu_check_cascade import Batch, decode_groups
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -98,10 +97,7 @@ def main() -> None:
               flush=True)
         del batch, outs
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"commit": os.environ.get("BENCH_COMMIT") or git_commit(), "hardware": hardware(),
-                   "layers": LAYERS, "rows": rows}, f, indent=1)
+    write_probe(args.out, rows, layers=LAYERS)
 
 
 if __name__ == "__main__":

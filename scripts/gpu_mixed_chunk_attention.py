@@ -22,7 +22,6 @@ fp32 reference.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -43,7 +42,7 @@ def main() -> None:
     import triton.testing
 
     from kernels.paged_attention import paged_attention, paged_attention_ref
-    from scripts.bench_common import capture_graph, git_commit, hardware
+    from scripts.bench_common import capture_graph, write_probe
     from scripts.gpu_check_attention import ATOL, RTOL, D, Pool, errors
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -97,10 +96,7 @@ def main() -> None:
               + ", ".join(f"{f} {t:.1f}" for f, t in times.items())
               + f" us a layer; close {close}; two_calls vs ref {r['two_calls_vs_ref']}", flush=True)
         del outs, ref
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"commit": os.environ.get("BENCH_COMMIT") or git_commit(), "hardware": hardware(),
-                   "layers": LAYERS, "rows": rows}, f, indent=1)
+    write_probe(args.out, rows, layers=LAYERS)
 
 
 if __name__ == "__main__":
