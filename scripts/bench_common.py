@@ -215,6 +215,19 @@ def git_commit() -> str:
         return "unknown"
 
 
+def graph_us_a_call(call, times: int) -> float:
+    """`call` made `times` times in one CUDA graph: the median replay (triton's do_bench, which
+    flushes L2 before each) in us a call. The graph is replayed once more and synchronised, so
+    what the calls wrote is in place when this returns."""
+    import torch
+    import triton.testing
+    graph, _ = capture_graph(lambda: [call() for _ in range(times)])
+    ms = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
+    graph.replay()
+    torch.cuda.synchronize()
+    return ms * 1e3 / times
+
+
 def write_probe(path: str, rows: list[dict], **meta) -> None:
     """A GPU probe's rows as JSON at `path`, with the commit and hardware measured and `meta`."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)

@@ -35,10 +35,9 @@ FORMS = ("in_turn", "own_only", "side_by_side", "swapped", "side_by_side_2st", "
 
 def main() -> None:
     import torch
-    import triton.testing
 
     import kernels.cascade_attention as ca
-    from scripts.bench_common import capture_graph, write_probe
+    from scripts.bench_common import graph_us_a_call, write_probe
     from scripts.gpu_check_cascade import Batch, decode_groups
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -83,12 +82,8 @@ def main() -> None:
         times, outs = {}, {}
         for form in ["in_turn"] + [f for f in args.forms if f != "in_turn"]:
             out = torch.empty_like(batch.q)
-            graph, _ = capture_graph(lambda: [call(batch, out, form) for _ in range(LAYERS)])
-            times[form] = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median") * 1e3 / LAYERS
-            graph.replay()
-            torch.cuda.synchronize()
+            times[form] = graph_us_a_call(lambda: call(batch, out, form), LAYERS)
             outs[form] = out.clone()
-            del graph
         r = dict(num_rows=num_rows, group=size, prefix=prefix, own=own, us_a_layer=times,
                  same_bits={f: bool(torch.equal(outs[f], outs["in_turn"])) for f in outs if f != "own_only"})
         rows.append(r)

@@ -13,7 +13,6 @@ larger than L2), do_bench medians of the replay, us a layer; the outputs compare
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -34,9 +33,8 @@ def parse_case(text: str) -> tuple[int, int, int, int]:
 
 def main() -> None:
     import torch
-    import triton.testing
 
-    from scripts.bench_common import capture_graph, git_commit, hardware
+    from scripts.bench_common import graph_us_a_call, write_probe
     from scripts.gpu_check_cascade import Batch, decode_groups
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -49,16 +47,11 @@ def main() -> None:
         times, outs = {}, {}
         for form in ("in_turn", "side_by_side"):
             out = torch.empty_like(batch.q)
-            layers = lambda: [batch.cascade(out=out, side_by_side=form == "side_by_side")  # noqa: E731
-                              for _ in range(LAYERS)]
-            graph, _ = capture_graph(layers)
-            times[form] = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median")
-            graph.replay()
-            torch.cuda.synchronize()
+            times[form] = graph_us_a_call(lambda: batch.cascade(out=out, side_by_side=form == "side_by_side"),
+                                          LAYERS)
             outs[form] = out.clone()
-            del graph
         r = dict(num_rows=num_rows, group=size, prefix=prefix, own=own,
-                 in_turn_us=times["in_turn"] * 1e3 / LAYERS, side_by_side_us=times["side_by_side"] * 1e3 / LAYERS,
+                 in_turn_us=times["in_turn"], side_by_side_us=times["side_by_side"],
                  same_bits=bool(torch.equal(outs["in_turn"], outs["side_by_side"])))
         r["gain"] = r["in_turn_us"] / r["side_by_side_us"]
         rows.append(r)
@@ -67,9 +60,7 @@ def main() -> None:
               f"{r['gain']:5.3f}x, same bits {r['same_bits']}", flush=True)
         del batch, outs
         torch.cuda.empty_cache()
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump({"commit": git_commit(), "hardware": hardware(), "layers": LAYERS, "rows": rows}, f, indent=1)
+    write_probe(args.out, rows, layers=LAYERS)
 
 
 if __name__ == "__main__":

@@ -39,10 +39,9 @@ def forms(splits=SPLITS) -> list[str]:
 
 def main() -> None:
     import torch
-    import triton.testing
 
     from kernels.paged_attention import paged_attention, paged_attention_ref
-    from scripts.bench_common import capture_graph, write_probe
+    from scripts.bench_common import graph_us_a_call, write_probe
     from scripts.gpu_check_attention import ATOL, RTOL, D, Pool, errors
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -79,12 +78,8 @@ def main() -> None:
         times, outs = {}, {}
         for form in forms():
             out = torch.zeros_like(q)
-            graph, _ = capture_graph(lambda: [calls[form](out) for _ in range(LAYERS)])
-            times[form] = triton.testing.do_bench(graph.replay, warmup=20, rep=100, return_mode="median") * 1e3 / LAYERS
-            graph.replay()
-            torch.cuda.synchronize()
+            times[form] = graph_us_a_call(lambda: calls[form](out), LAYERS)
             outs[form] = out.clone()
-            del graph
         ref = paged_attention_ref(q.float(), k.float(), v.float(), table, cu, lens, scale)
         base = outs["two_calls"]
         close = {f: bool(torch.allclose(o.float(), base.float(), atol=ATOL, rtol=RTOL))
