@@ -17,7 +17,9 @@ decode step reads them), the median of a few replays:
   unmerged   the same programs, each storing its fp32 partial (what the late-merge path hands on)
 
 for a grid of tiles and split counts; every config that compiles (shared memory) is timed, and
-one result per row count is checked against F.linear.
+one result per row count is checked against F.linear. Wider W tiles (--tiles 256,64,8,4) read
+x from L2 fewer times: x [rows, K] is loaded once per W tile, so at 128 rows and 64-row W tiles
+the programs read twice as many bytes of x (from L2) as of W (from HBM).
 
     PYTHONPATH=. python3 scripts/gpu_wide_skinny.py --out $OUT/wide_skinny.json
 """
@@ -54,10 +56,10 @@ def splits_for(n: int, k: int, block_n: int, block_k: int, num_sms: int, per_sm:
     return max(1, min(-(-(per_sm * num_sms) // tiles), k // (2 * block_k)))
 
 
-def configs(n: int, k: int, num_sms: int) -> list[tuple[int, int, int, int, int]]:
+def configs(n: int, k: int, num_sms: int, tiles=TILES) -> list[tuple[int, int, int, int, int]]:
     """(block_n, block_k, warps, stages, split) for every tile and programs-an-SM target."""
     out = []
-    for bn, bk, w, st in TILES:
+    for bn, bk, w, st in tiles:
         for per_sm in PER_SM:
             c = (bn, bk, w, st, splits_for(n, k, bn, bk, num_sms, per_sm))
             if c not in out:
@@ -79,7 +81,10 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--rows", type=int, nargs="+", default=[16, 32, 64, 128, 256])
     ap.add_argument("--projections", nargs="+", default=list(SHAPES))
+    ap.add_argument("--tiles", nargs="+", metavar="BN,BK,WARPS,STAGES", default=None,
+                    help="tiles to try instead of TILES")
     args = ap.parse_args()
+    tiles_tried = TILES if args.tiles is None else tuple(tuple(int(v) for v in t.split(",")) for t in args.tiles)
     dev, dt = torch.device("cuda"), torch.bfloat16
     num_sms = torch.cuda.get_device_properties(dev).multi_processor_count
     rows_out = []
@@ -97,7 +102,7 @@ def main() -> None:
             ref = F.linear(x, ws[0]).float()
             row = {"proj": name, "n": n, "k": k, "rows": rows, "block_m": bm, "weight_mb": n * k * 2 / 1e6,
                    "cublas_us": us(lambda: [F.linear(x, w) for w in ws]), "configs": {}}
-            for bn, bk, warps, stages, split in configs(n, k, num_sms):
+            for bn, bk, warps, stages, split in configs(n, k, num_sms, tiles_tried):
                 per, slices = k_slices(k, bk, split)
                 tiles = triton.cdiv(n, bn)
                 part = torch.empty(slices, tiles * bn, bm, device=dev, dtype=torch.float32)
