@@ -32,6 +32,7 @@ from engine.host_copy import to_device, to_host
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.models.attention import TORCH_BACKEND, AttentionMetadata, triton_backend
 from engine.models.loader import load_model
+from engine.penalty_rows import SINK as PENALTY_SINK, PenaltyRows
 from engine.sampler import Sampler, SamplingMetadata
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, SchedulerOutput
@@ -88,10 +89,15 @@ class _RunnerRequest:
     table_row: int = 0          # its row in the runner's _BlockTables
     num_pending: int = 0        # sampled tokens not collected yet (at most one step's)
     pending_row: int = 0        # this request's row in the last sampled tensor
+    penalty_row: int = PENALTY_SINK     # its row in the runner's PenaltyRows (penalties only)
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids) + self.num_pending
+
+
+def _has_penalties(params: SamplingParams) -> bool:
+    return params.repetition_penalty != 1.0 or bool(params.presence_penalty) or bool(params.frequency_penalty)
 
 
 class _BlockTables:
@@ -168,6 +174,7 @@ class ModelRunner:
         self.sampler = Sampler(seed=config.seed)
         self.requests: dict[str, _RunnerRequest] = {}
         self.block_tables = _BlockTables()
+        self.penalties: PenaltyRows | None = None       # made for the first request with penalties
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.num_blocks = 0
         self.decode_graphs: DecodeGraphs | None = None
@@ -273,9 +280,11 @@ class ModelRunner:
                                  repetition_penalty=1.1, presence_penalty=0.1,
                                  frequency_penalty=0.1),
                   SamplingParams(temperature=1.0, logprobs=2)]
-        meta = SamplingMetadata.from_params(params, [[1, 2]] * 3, [[3]] * 3,
-                                            self.eos_token_ids, self.device)
-        self.sampler(logits, meta)
+        rows = PenaltyRows(self.model_config.vocab_size, self.device, capacity=2)   # as launch runs them
+        counts, seen, index = rows.rows_for([PENALTY_SINK, rows.add([1, 2], [3]), PENALTY_SINK])
+        meta = SamplingMetadata.from_params(params, [[]] * 3, None, self.eos_token_ids, self.device, [1] * 3,
+                                            output_counts=counts, prompt_seen=seen)
+        rows.record(index, self.sampler(logits, meta).sampled_token_ids)
         # Decode graphs hand over logits in the model's dtype; greedy rows take their argmax so.
         greedy = SamplingMetadata.from_params(params[:1], [[1, 2]], [[3]], self.eos_token_ids,
                                               self.device)
@@ -297,20 +306,30 @@ class ModelRunner:
         for rid in sched.finished_request_ids:
             state = self.requests.pop(rid, None)
             if state is not None:
-                tables.remove(state.table_row, len(state.block_ids))
+                self._drop_rows(state)
         for new in sched.new_requests:
             old = self.requests.get(new.request_id)
-            if old is not None:             # not told it ended: its row goes all the same
-                tables.remove(old.table_row, len(old.block_ids))
-            self.requests[new.request_id] = _RunnerRequest(
+            if old is not None:             # not told it ended: its rows go all the same
+                self._drop_rows(old)
+            state = self.requests[new.request_id] = _RunnerRequest(
                 list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens, tables.add(new.block_ids))
+            if _has_penalties(new.sampling_params):
+                if self.penalties is None:
+                    self.penalties = PenaltyRows(self.model_config.vocab_size, self.device)
+                state.penalty_row = self.penalties.add(state.token_ids[:state.num_prompt_tokens],
+                                                       state.token_ids[state.num_prompt_tokens:])
         cached = sched.cached_requests
         for rid, new_block_ids in zip(cached.request_ids, cached.new_block_ids):
             if new_block_ids:
                 state = self.requests[rid]
                 tables.put(state.table_row, len(state.block_ids), new_block_ids)
                 state.block_ids.extend(new_block_ids)
+
+    def _drop_rows(self, state: _RunnerRequest) -> None:
+        self.block_tables.remove(state.table_row, len(state.block_ids))
+        if state.penalty_row != PENALTY_SINK:
+            self.penalties.remove(state.penalty_row)
 
     def _prepare_inputs(self, sched: SchedulerOutput) -> "_StepInputs":
         bs = self.block_size
@@ -472,24 +491,19 @@ class ModelRunner:
             else:
                 logits = self._forward_eager(x, piecewise)
             params = [s.sampling_params for s in states]
-            # Penalties read the outputs' contents: wait for the step in flight (the rest of
-            # the sampler reads only how many there are).
-            needs_outputs = any(p.repetition_penalty != 1.0 or p.presence_penalty
-                                or p.frequency_penalty for p in params)
-            if needs_outputs and self._uncollected is not None:
-                self.collect(self._uncollected)
-            assert not needs_outputs or not any(s.num_pending for s in states)
-            # Prompts and outputs are read only by the penalties: copying them every step
-            # would cost time growing with the whole batch's length. The rest of the sampler
+            # The penalties read their rows kept on the device (engine/penalty_rows.py): no
+            # prompts or outputs copied, no wait for the step in flight. The rest of the sampler
             # needs how many tokens each row has generated, the one in flight included.
-            needs_prompts = any(p.repetition_penalty != 1.0 for p in params)
+            counts = seen = penalty_index = None
+            if any(s.penalty_row != PENALTY_SINK for s in states):
+                counts, seen, penalty_index = self.penalties.rows_for([s.penalty_row for s in states])
             meta_s = SamplingMetadata.from_params(
-                params,
-                [s.token_ids[:s.num_prompt_tokens] if needs_prompts else [] for s in states],
-                [s.token_ids[s.num_prompt_tokens:] for s in states] if needs_outputs else None,
-                self.eos_token_ids, self.device,
-                [len(s.token_ids) - s.num_prompt_tokens + s.num_pending for s in states])
+                params, [[]] * len(states), None, self.eos_token_ids, self.device,
+                [len(s.token_ids) - s.num_prompt_tokens + s.num_pending for s in states],
+                output_counts=counts, prompt_seen=seen)
             out = self.sampler(logits, meta_s)
+            if penalty_index is not None:
+                self.penalties.record(penalty_index, out.sampled_token_ids)
             self._last_sampled = out.sampled_token_ids
             for k, s in enumerate(states):
                 s.num_pending += 1

@@ -47,12 +47,18 @@ class SamplingMetadata:
     max_num_logprobs: int | None             # max SamplingParams.logprobs over rows
     all_greedy: bool
     all_random: bool
+    # What the penalties read, when the caller keeps it on the device (engine/penalty_rows.py):
+    # each row's output token counts [B, V] and its prompt's ids [B, V] bool. Given, they stand
+    # in for output_token_ids and prompt_token_ids (the same penalties, no lists per step).
+    output_counts: Tensor | None = None
+    prompt_seen: Tensor | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
                     output_token_ids: list[list[int]] | None, eos_token_ids: list[int],
                     device: torch.device | str,
-                    num_output_tokens: list[int] | None = None) -> "SamplingMetadata":
+                    num_output_tokens: list[int] | None = None, output_counts: Tensor | None = None,
+                    prompt_seen: Tensor | None = None) -> "SamplingMetadata":
         """Build the batch's metadata; row i is request i.
 
         Top-k / top-p / min-p and seeds only matter for random rows, so greedy rows leave them
@@ -60,7 +66,8 @@ class SamplingMetadata:
         greedy rows too. While the output is shorter than min_tokens a row masks its
         stop_token_ids and, unless ignore_eos, the model's EOS ids. `num_output_tokens` may
         stand in for `output_token_ids` (None) when no row has a presence or frequency
-        penalty or a repetition penalty: those read the outputs themselves.
+        penalty or a repetition penalty: those read the outputs themselves, or
+        `output_counts` and `prompt_seen` where the caller keeps them (engine/penalty_rows.py).
         """
         if num_output_tokens is None:
             num_output_tokens = [len(out) for out in output_token_ids]
@@ -82,7 +89,7 @@ class SamplingMetadata:
             repetition_penalty=repetition_penalty,
             presence_penalty=per_row([p.presence_penalty for p in params], 0.0, torch.float32),
             frequency_penalty=per_row([p.frequency_penalty for p in params], 0.0, torch.float32),
-            prompt_token_ids=prompt_token_ids if repetition_penalty is not None else None,
+            prompt_token_ids=prompt_token_ids if repetition_penalty is not None and prompt_seen is None else None,
             output_token_ids=output_token_ids,
             num_output_tokens=num_output_tokens,
             seeds=[None if g else p.seed for p, g in rows],
@@ -91,6 +98,8 @@ class SamplingMetadata:
             max_num_logprobs=max(logprobs) if logprobs else None,
             all_greedy=all(greedy),
             all_random=not any(greedy),
+            output_counts=output_counts,
+            prompt_seen=prompt_seen if repetition_penalty is not None else None,
         )
 
 
@@ -213,19 +222,26 @@ def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
     if repetition is None and frequency is None and presence is None:
         return logits
     num_rows, vocab_size = logits.shape
-    assert meta.output_token_ids is not None, "penalties need output_token_ids"
-    # Rows are padded with the id `vocab_size`, which lands in an extra column that is dropped.
-    output_ids = _padded(meta.output_token_ids, vocab_size, logits.device)
-    counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
-    counts.scatter_add_(1, output_ids, torch.ones(output_ids.shape, dtype=logits.dtype,
-                                                  device=logits.device))
-    counts = counts[:, :vocab_size]                                          # [B, V]
+    if meta.output_counts is not None:
+        counts = meta.output_counts.to(logits.dtype)
+    else:
+        assert meta.output_token_ids is not None, "penalties need output_token_ids or output_counts"
+        # Rows are padded with the id `vocab_size`, which lands in an extra column that is dropped.
+        output_ids = _padded(meta.output_token_ids, vocab_size, logits.device)
+        counts = torch.zeros(num_rows, vocab_size + 1, dtype=logits.dtype, device=logits.device)
+        counts.scatter_add_(1, output_ids, torch.ones(output_ids.shape, dtype=logits.dtype,
+                                                      device=logits.device))
+        counts = counts[:, :vocab_size]                                      # [B, V]
     if repetition is not None:
-        assert meta.prompt_token_ids is not None, "repetition_penalty needs prompt_token_ids"
-        prompt_ids = _padded(meta.prompt_token_ids, vocab_size, logits.device)
-        seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
-        seen.scatter_(1, prompt_ids, True)
-        seen = seen[:, :vocab_size] | (counts > 0)
+        if meta.prompt_seen is not None:
+            seen = meta.prompt_seen
+        else:
+            assert meta.prompt_token_ids is not None, "repetition_penalty needs prompt_token_ids or prompt_seen"
+            prompt_ids = _padded(meta.prompt_token_ids, vocab_size, logits.device)
+            seen = torch.zeros(num_rows, vocab_size + 1, dtype=torch.bool, device=logits.device)
+            seen.scatter_(1, prompt_ids, True)
+            seen = seen[:, :vocab_size]
+        seen = seen | (counts > 0)
         r = repetition.unsqueeze(1)
         logits = torch.where(seen, torch.where(logits > 0, logits / r, logits * r), logits)
     if frequency is not None:

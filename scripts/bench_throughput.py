@@ -57,9 +57,10 @@ def workload_prompts(cfg: dict, workloads: list[tuple[int, int]], num_prompts: i
                          for _ in range(num_prompts)] for inp, out in workloads}
 
 
-def run_engine(llm, prompts, out_len) -> float:
+def run_engine(llm, prompts, out_len, sampling: dict | None = None) -> float:
+    """Seconds for the prompts, greedy unless `sampling` (SamplingParams fields) says else."""
     from engine import SamplingParams
-    params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
+    params = SamplingParams(**({"temperature": 0.0} | (sampling or {}) | {"max_tokens": out_len, "ignore_eos": True}))
     t0 = time.perf_counter()
     outs = llm.generate(prompts, params)
     elapsed = time.perf_counter() - t0
@@ -84,14 +85,14 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
     llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
     for inp, out in workloads:
         prompts = prompts_of[(inp, out)]
-        run_engine(llm, prompts[:8], min(8, out))             # warm-up
+        run_engine(llm, prompts[:8], min(8, out), args.sampling)             # warm-up
         before, stats0 = llm.core.times.copy(), llm.get_stats()
         trace = StepTrace(llm.core) if args.step_trace else None
-        t = run_engine(llm, prompts, out)
+        t = run_engine(llm, prompts, out, args.sampling)
         stats1 = llm.get_stats()
         roof = roofline_s(cfg, args.num_prompts, inp, out, max_num_seqs, elem, kv_elem_bytes(args))
         row = {"input_len": inp, "output_len": out, "num_prompts": args.num_prompts,
-               "max_num_seqs": max_num_seqs, "failed": False,
+               "max_num_seqs": max_num_seqs, "failed": False, "sampling": args.sampling,
                "engine_s": t, "engine_output_tok_s": args.num_prompts * out / t,
                "engine_total_tok_s": args.num_prompts * (inp + out) / t,
                "roofline_s": roof, "fraction_of_roofline": roof / t,
@@ -234,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="prompts through HF generate (a subset: it is slow), after the engines")
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[128],
                     help="HF generate's static batch sizes: each is run, the best is the baseline")
+    ap.add_argument("--sampling", type=json.loads, default={}, metavar="JSON",
+                    help='SamplingParams fields for the engine\'s requests, e.g. \'{"repetition_penalty": 1.1}\' '
+                         "or '{\"temperature\": 0.8, \"top_p\": 0.95, \"seed\": 1}' (default: greedy)")
     ap.add_argument("--out", default="benchmarks/throughput")
     ap.add_argument("--step-trace", action="store_true",
                     help="record every step of each run (host phases, GPU time, rows, finishes) "
@@ -257,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
             "hardware": None, "commit": git_commit(),       # hardware: the children say
             "command": " ".join(["python"] + sys.argv),
             "capacity_scheduler_policy": args.capacity_policy, "kv_cache_dtype": args.kv_cache_dtype,
+            "sampling": args.sampling,
             "targets": "1000x1000: >= 75% of roofline and >= 10x HF generate"}
     rows: list[dict] = []
 

@@ -25,8 +25,8 @@ def prompts(n=12, seed=0):
 
 def mixed_params(stop_ids: list[int]) -> list[SamplingParams]:
     """Every sampling feature: greedy, seeded random with filters, logprobs, min_tokens,
-    penalties (which make a step wait for the one before), stop tokens that end requests
-    while a step for them is already in flight, and several lengths."""
+    penalties (read from rows kept on the device: engine/penalty_rows.py), stop tokens that
+    end requests while a step for them is already in flight, and several lengths."""
     return [
         SamplingParams(max_tokens=12, temperature=0.0),
         SamplingParams(max_tokens=9, temperature=0.9, top_p=0.8, top_k=40, seed=7),

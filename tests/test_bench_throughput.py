@@ -100,3 +100,36 @@ def test_the_roofline_counts_an_fp8_caches_bytes():
     fp8 = roofline_s(cfg, 1000, 1000, 1000, 256, 2, kv_elem=1)
     assert 0.5 * bf16 < fp8 < 0.75 * bf16
     assert roofline_s(cfg, 1000, 1000, 0, 256, 2, kv_elem=1) == roofline_s(cfg, 1000, 1000, 0, 256, 2)
+
+
+def test_sampling_settings_reach_the_engines_requests(tmp_path):
+    """--sampling: the requests run with those SamplingParams fields (penalties here), and the
+    rows say so."""
+    model = make_tiny_model(tmp_path / "m", arch="llama", seed=4)
+    out = tmp_path / "tp"
+    sampling = {"repetition_penalty": 1.2, "frequency_penalty": 0.5}
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_throughput.py"),
+                        "--model", str(model), "--dtype", "float32", "--workloads", "8x4",
+                        "--num-prompts", "3", "--max-num-seqs", "2", "--hf-prompts", "0",
+                        "--sampling", json.dumps(sampling), "--out", str(out)],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    doc = json.loads(out.with_suffix(".json").read_text())
+    assert doc["meta"]["sampling"] == sampling
+    [row] = doc["results"]
+    assert row["sampling"] == sampling and not row["failed"] and row["engine_output_tok_s"] > 0
+
+
+def test_run_engine_applies_the_sampling_fields(tmp_path):
+    from engine import LLM
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from bench_throughput import run_engine
+    llm = LLM(str(make_tiny_model(tmp_path / "m", arch="llama", seed=4)), dtype="float32", device="cpu",
+              num_kv_blocks=32, max_model_len=64)
+    seen = []
+    generate = llm.generate
+    llm.generate = lambda prompts, params: seen.append(params) or generate(prompts, params)
+    run_engine(llm, [[5, 6, 7]], 3, {"presence_penalty": 0.5, "max_tokens": 99})
+    [params] = seen
+    assert params.presence_penalty == 0.5 and params.temperature == 0.0
+    assert params.max_tokens == 3 and params.ignore_eos        # the workload's length wins
