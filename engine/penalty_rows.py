@@ -42,8 +42,8 @@ class PenaltyRows:
         row = self.free.pop()
         self.counts[row].zero_()
         self.prompt_seen[row].zero_()
-        if prompt_ids:
-            self.prompt_seen[row, list_to_device(prompt_ids, torch.int64, self.device)] = True
+        if prompt_ids:      # index_fill_ takes the value as a kernel argument: no host tensor to copy
+            self.prompt_seen[row].index_fill_(0, list_to_device(prompt_ids, torch.int64, self.device), True)
         if output_ids:
             ids = list_to_device(output_ids, torch.int64, self.device)
             self.counts[row].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))

@@ -80,6 +80,38 @@ def test_penalties_from_rows_equal_penalties_from_lists(seed):
             assert torch.equal(got[i], logits[i])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="checks CUDA host syncs: needs a GPU")
+def test_on_cuda_the_rows_and_the_penalised_sampler_never_wait_for_the_gpu():
+    """Under torch's sync debug mode ("error": a call that makes the host wait for the device
+    raises), with the stream busy: adding rows (the pool growing), reading them, sampling with
+    every penalty and recording the tokens."""
+    from engine.sampler import Sampler
+    vocab = 128256
+    rows = PenaltyRows(vocab, "cuda", capacity=2)
+    logits = torch.randn(4, vocab, device="cuda")
+    params = [SamplingParams(temperature=0.0, repetition_penalty=1.2),
+              SamplingParams(temperature=0.0),
+              SamplingParams(temperature=0.8, seed=3, frequency_penalty=0.5, presence_penalty=0.1),
+              SamplingParams(temperature=0.7, top_p=0.9, repetition_penalty=0.9)]
+    sampler = Sampler(seed=0)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)          # the stream stays busy while the host goes on
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        a = rows.add(list(range(0, 3000, 3)), [5, 6, 6])
+        b, c = rows.add([1], []), rows.add([2, 9], [3])        # past the capacity: the pool grows
+        counts, seen, index = rows.rows_for([a, SINK, b, c])
+        meta = SamplingMetadata.from_params(params, [[]] * 4, None, [], "cuda", [3, 0, 0, 1],
+                                            output_counts=counts, prompt_seen=seen)
+        out = sampler(logits, meta)
+        rows.record(index, out.sampled_token_ids)
+        rows.remove(b)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert int(rows.rows_for([a])[0].sum()) == 4 and int(rows.rows_for([c])[0].sum()) == 2
+
+
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("m") / "llama", arch="llama", seed=3))
