@@ -356,8 +356,9 @@ def test_async_launches_never_wait_for_the_gpu_and_equal_sync(tiny_models):
     without waiting for it (torch's sync debug mode turns any synchronizing call made while
     launching into an error: a blocking copy, .item(), .tolist()), through decode graphs,
     graphs cut at attention with prompt chunks, shared-prefix groups, seeded sampling and
-    logprobs; and the outputs equal the synchronous engine's. Collecting a step (and a launch
-    with penalties, which collects the step before) waits on purpose: it is left out."""
+    logprobs, and penalties (their rows are filled and read on the device: engine/penalty_rows.py);
+    and the outputs equal the synchronous engine's. Collecting a step waits on purpose: the
+    engine core does it outside the launch, unchecked."""
     import random
     from tests.test_async_scheduling import mixed_params, prompts as async_prompts
     rng = random.Random(8)
@@ -372,7 +373,7 @@ def test_async_launches_never_wait_for_the_gpu_and_equal_sync(tiny_models):
         runner = llm.core.runner
         launches = []
         if async_scheduling:
-            launch, collect = runner.launch, runner.collect
+            launch = runner.launch
 
             def checked_launch(sched):
                 torch.cuda.set_sync_debug_mode("error")
@@ -382,15 +383,7 @@ def test_async_launches_never_wait_for_the_gpu_and_equal_sync(tiny_models):
                     torch.cuda.set_sync_debug_mode("default")
                 launches.append(handle)
                 return handle
-
-            def unchecked_collect(handle):
-                mode = torch.cuda.get_sync_debug_mode()
-                torch.cuda.set_sync_debug_mode("default")
-                try:
-                    return collect(handle)
-                finally:
-                    torch.cuda.set_sync_debug_mode(mode)
-            runner.launch, runner.collect = checked_launch, unchecked_collect
+            runner.launch = checked_launch
         try:
             outs = llm.generate(ps, params)
             results.append([(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs])
