@@ -16,7 +16,6 @@ from torch import Tensor
 from engine.host_copy import list_to_device
 from engine.sampling_params import SamplingParams
 from kernels.argmax import argmax_rows
-from kernels.top_k_top_p import top_k_top_p, top_k_top_p_ref
 
 # Temperatures below this are greedy: dividing fp32 logits by them can overflow, and the
 # distribution is a point mass to within rounding anyway (vLLM uses the same cut-off).
@@ -271,13 +270,25 @@ def _apply_min_p(logits: Tensor, min_p: Tensor) -> Tensor:
 
 
 def _apply_top_k_top_p(logits: Tensor, top_k: Tensor | None, top_p: Tensor | None) -> Tensor:
-    """kernels/top_k_top_p.py: keep the k largest logits, then the smallest prefix of those (by
-    probability, renormalized over the survivors) whose mass reaches top_p; ties kept lowest id
-    first; the rest -inf. On CUDA without sorting (the sort took ~3.5 ms of a 256-row step),
-    elsewhere by the sort (the reference)."""
-    if logits.is_cuda:
-        return top_k_top_p(logits.contiguous(), top_k, top_p)
-    return top_k_top_p_ref(logits, top_k, top_p)
+    """Keep the k largest logits, then the smallest prefix of those (by probability,
+    renormalized over the survivors) whose mass reaches top_p; the rest become -inf.
+
+    Works on the descending stable sort, so ties are kept lowest id first.
+    """
+    num_rows, vocab_size = logits.shape
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)   # [B, V]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+        position = torch.arange(vocab_size, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(position >= k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        # Mass strictly before each position: keep a token while that is still below top_p.
+        mass_before = torch.cat([probs.new_zeros(num_rows, 1), probs.cumsum(-1)[:, :-1]], dim=1)
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)
 
 
 def _no_stop_token_ids(params: SamplingParams, num_output_tokens: int,
