@@ -496,7 +496,8 @@ class ModelRunner:
             # needs how many tokens each row has generated, the one in flight included.
             counts = seen = penalty_index = None
             if any(s.penalty_row != PENALTY_SINK for s in states):
-                counts, seen, penalty_index = self.penalties.rows_for([s.penalty_row for s in states])
+                counts, seen, penalty_index = self.penalties.rows_for(
+                    [s.penalty_row for s in states], prompts=any(p.repetition_penalty != 1.0 for p in params))
             meta_s = SamplingMetadata.from_params(
                 params, [[]] * len(states), None, self.eos_token_ids, self.device,
                 [len(s.token_ids) - s.num_prompt_tokens + s.num_pending for s in states],

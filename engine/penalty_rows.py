@@ -58,11 +58,12 @@ class PenaltyRows:
         if row != SINK:
             self.free.append(row)
 
-    def rows_for(self, rows: list[int]) -> tuple[Tensor, Tensor, Tensor]:
-        """The batch's (output counts [B, V] int32, prompt ids seen [B, V] bool) and the rows'
-        index tensor for `record`."""
+    def rows_for(self, rows: list[int], prompts: bool = True) -> tuple[Tensor, Tensor | None, Tensor]:
+        """The batch's output counts [B, V] int32, prompt ids seen [B, V] bool (None with
+        prompts=False: no row has a repetition penalty, the only reader) and the rows' index
+        tensor for `record`."""
         index = list_to_device(rows, torch.int64, self.device)
-        return self.counts[index], self.prompt_seen[index], index
+        return self.counts[index], self.prompt_seen[index] if prompts else None, index
 
     def record(self, index: Tensor, sampled: Tensor) -> None:
         """Count each row's sampled token: counts[index[i], sampled[i]] += 1, on the device."""

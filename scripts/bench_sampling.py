@@ -54,12 +54,11 @@ def main(argv: list[str] | None = None) -> None:
     add_scheduling_arg(ap)
     args = ap.parse_args(argv)
 
-    import random
+    from bench_throughput import workload_prompts
     from engine import LLM, SamplingParams
     model_dir, cfg = model_and_config(args.preset, args.model)
     inp, out = (int(x) for x in args.workload.split("x"))
-    rng = random.Random(0)
-    prompts = [[rng.randrange(cfg["vocab_size"]) for _ in range(inp)] for _ in range(args.num_prompts)]
+    prompts = workload_prompts(cfg, [(inp, out)], args.num_prompts)[(inp, out)]
     llm = LLM(model_dir, load_format="dummy", dtype=args.dtype, skip_tokenizer_init=True,
               max_num_seqs=args.max_num_seqs, max_model_len=inp + out, enable_prefix_caching=False,
               async_scheduling=not args.sync_scheduling, kv_cache_dtype=args.kv_cache_dtype)

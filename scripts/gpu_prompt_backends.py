@@ -39,11 +39,6 @@ CASES = [
 ]
 
 
-def causal_pairs(seqs) -> int:
-    """(query, key) pairs: row i of a sequence's q_len new rows sees seq_len - q_len + i + 1 keys."""
-    return sum(sum(range(n - q + 1, n + 1)) for q, n in seqs)
-
-
 def main() -> None:
     import torch
     import torch.nn.functional as F
@@ -53,6 +48,7 @@ def main() -> None:
     from scripts.bench_common import write_probe
     from scripts.gpu_check_attention import BLOCK, D, HKV, HQ, bench_ms
     from scripts.gpu_check_cascade import Batch
+    from scripts.gpu_prompt_tiles import causal_pairs_of
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
@@ -63,7 +59,7 @@ def main() -> None:
     for name, seqs in CASES:
         b = Batch([], seqs, seed=5)
         q, k, v, table, cu, lens, _, _ = b.args()
-        flops = 4 * HQ * D * causal_pairs(seqs)
+        flops = 4 * HQ * D * causal_pairs_of([], seqs)
         max_q, max_k = b.max_seqlen_q, b.max_seqlen_k
         # Flat cache slots of every sequence's keys, in order: the gather's index.
         slots = torch.cat([(table[i, :(n + BLOCK - 1) // BLOCK].long()[:, None] * BLOCK

@@ -31,6 +31,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import kernels.skinny_gemm as sg  # noqa: E402 - the root is on the path now
+
 LAYERS = 32
 SHAPES = {"qkv_proj": (6144, 4096), "o_proj": (4096, 4096), "gate_up_proj": (28672, 4096), "down_proj": (4096, 14336)}
 # (block_n, block_k, num_warps, num_stages)
@@ -44,24 +46,12 @@ def block_m(rows: int) -> int:
     return max(16, 1 << (rows - 1).bit_length())
 
 
-def k_slices(k: int, block_k: int, split: int) -> tuple[int, int]:
-    """(K per slice, slices), as kernels/skinny_gemm.py's _k_slices."""
-    per = -(-(-(-k // split)) // block_k) * block_k
-    return per, -(-k // per)
-
-
-def splits_for(n: int, k: int, block_n: int, block_k: int, num_sms: int, per_sm: int) -> int:
-    """kernels/skinny_gemm.py's _split: per_sm programs an SM, each at least two K steps."""
-    tiles = -(-n // block_n)
-    return max(1, min(-(-(per_sm * num_sms) // tiles), k // (2 * block_k)))
-
-
 def configs(n: int, k: int, num_sms: int, tiles=TILES) -> list[tuple[int, int, int, int, int]]:
     """(block_n, block_k, warps, stages, split) for every tile and programs-an-SM target."""
     out = []
     for bn, bk, w, st in tiles:
         for per_sm in PER_SM:
-            c = (bn, bk, w, st, splits_for(n, k, bn, bk, num_sms, per_sm))
+            c = (bn, bk, w, st, sg._split(n, k, bn, bk, num_sms, per_sm))
             if c not in out:
                 out.append(c)
     return out
@@ -72,7 +62,6 @@ def main() -> None:
     import torch.nn.functional as F
     import triton
 
-    import kernels.skinny_gemm as sg
     from engine.gemm_tuning import replay_ms
     from kernels.arrival_counters import arrival_counters
     from scripts.bench_common import write_probe
@@ -103,7 +92,7 @@ def main() -> None:
             row = {"proj": name, "n": n, "k": k, "rows": rows, "block_m": bm, "weight_mb": n * k * 2 / 1e6,
                    "cublas_us": us(lambda: [F.linear(x, w) for w in ws]), "configs": {}}
             for bn, bk, warps, stages, split in configs(n, k, num_sms, tiles_tried):
-                per, slices = k_slices(k, bk, split)
+                per, slices = sg._k_slices(k, sg.SkinnyConfig(bn, bk, split))
                 tiles = triton.cdiv(n, bn)
                 part = torch.empty(slices, tiles * bn, bm, device=dev, dtype=torch.float32)
                 parts = torch.empty(slices, rows, n, device=dev, dtype=torch.float32)
