@@ -1,0 +1,198 @@
+"""The sampler's last step, top-k / top-p and the exponential race, without sorting the logits.
+
+Math (`race_sample_ref`, the sampler's definition): order a row's logits x descending, equal
+values by ascending id (a stable sort). Keep the first k (k = 0 or >= V: all). Over the kept ones,
+renormalised, keep an element while the mass of those before it is below top_p; the first is
+always kept (top_p = 1: all). The sampled token is the kept one with the largest p_i / q_i, the
+first on ties, where q [B, V] is the caller's Exp(1) noise: a draw from the kept distribution.
+
+Why not the sort: at 256 rows of Llama 3's 128,256 logits the sort, its softmax, cumulative sum,
+scatter back, the second softmax and the division cost ~3.5 ms of a ~17 ms decode step on an
+H200 (benchmarks/h200/penalties.md, sampling_635bcc5).
+
+Here one program owns a row and never needs the whole kept set, only whether the race's winner
+is in it. With e_i = exp(x_i - max x), "ahead of j" meaning before j in the order above:
+- the race: w = argmax e_i / q_i over the candidates (the first on ties);
+- the check: w is kept iff #(ahead of w) < k and mass(ahead of w) / Z < top_p, Z the mass of the
+  k largest: mass(x > t) + (k - #(x > t)) exp(t - max x), t the k-th largest value (`kth`, from
+  torch.topk; top-k off: -inf and Z is the whole row's mass);
+- if w is not kept, neither is anything behind it (both rules only grow along the order), so
+  the next race is over what is ahead of w; the row's largest value is always kept, so it ends.
+The winner of the whole race is the kept set's winner as soon as it is kept, which is the common
+case: a step is a pass for the max and mass, one for the race, one for the check, and another
+race and check for each rejection (with probability about the mass outside the kept set).
+Candidates start at the values >= t, so top-k alone never rejects past the ties at t.
+
+The kernel compares e_i / q_i where the reference compares (e_i / Z') / q_i (Z' the kept mass,
+torch's softmax), and sums the masses in its own order where the reference takes torch's
+cumulative sum: a row whose two best ratios lie within rounding, or whose winner's mass before it
+lies within rounding of top_p, may sample another token. Everything else is exact.
+
+Layouts: logits and noise [B, V] fp32 with unit column stride (noise > 0); top_k [B] int64 (0 or
+>= V: off) or None; top_p [B] fp32 in (0, 1] (1: off) or None. Returns [B] int64.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "BLOCK", "NUM_WARPS"]
+
+BLOCK = 4096
+NUM_WARPS = 8
+# Triton's own combine functions through tl.reduce, so the kernel also runs interpreted
+# (kernels/paged_attention.py says why).
+_MAX = tl.standard._elementwise_max
+_MIN = tl.standard._elementwise_min
+_SUM = tl.standard._sum_combine
+
+
+@triton.jit
+def _race(x_row, q_row, V, m, kth, bound_x, bound_i, BLOCK: tl.constexpr):
+    """The first id of the largest exp(x - m) / q among the values >= kth ahead of
+    (bound_x, bound_i): x > bound_x, or x == bound_x with a smaller id."""
+    cols = tl.arange(0, BLOCK)
+    best = tl.full((), -1.0, tl.float32)
+    best_i = tl.full((), 0, tl.int32) + V
+    for c in range(0, V, BLOCK):
+        idx = c + cols
+        inside = idx < V
+        x = tl.load(x_row + idx, mask=inside, other=float("-inf"))
+        q = tl.load(q_row + idx, mask=inside, other=1.0)
+        cand = inside & (x >= kth) & ((x > bound_x) | ((x == bound_x) & (idx < bound_i)))
+        score = tl.where(cand, tl.exp(x - m) / q, -1.0)
+        top = tl.reduce(score, 0, _MAX)
+        first = tl.reduce(tl.where(cand & (score == top), idx, V), 0, _MIN)
+        take = top > best
+        best = tl.where(take, top, best)
+        best_i = tl.where(take, first, best_i)
+    return best_i
+
+
+@triton.jit
+def _ahead(x_row, V, m, wx, wi, BLOCK: tl.constexpr):
+    """How many values are ahead of (wx, wi) and their mass sum exp(x - m)."""
+    cols = tl.arange(0, BLOCK)
+    count = tl.full((), 0, tl.int32)
+    mass = tl.full((), 0.0, tl.float32)
+    for c in range(0, V, BLOCK):
+        idx = c + cols
+        inside = idx < V
+        x = tl.load(x_row + idx, mask=inside, other=float("-inf"))
+        ahead = inside & ((x > wx) | ((x == wx) & (idx < wi)))
+        count += tl.reduce(ahead.to(tl.int32), 0, _SUM)
+        mass += tl.reduce(tl.where(ahead, tl.exp(x - m), 0.0), 0, _SUM)
+    return count, mass
+
+
+@triton.jit
+def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_x, stride_q,
+                        BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_x
+    q_row = q_ptr + row * stride_q
+    kth = tl.load(kth_ptr + row)
+    k = tl.load(k_ptr + row)
+    top_p = tl.load(p_ptr + row)
+    cols = tl.arange(0, BLOCK)
+
+    # The max m, and the mass and count of the values above kth (online, rescaled as m grows).
+    m = tl.full((), float("-inf"), tl.float32)
+    above_mass = tl.full((), 0.0, tl.float32)
+    above = tl.full((), 0, tl.int32)
+    for c in range(0, V, BLOCK):
+        idx = c + cols
+        inside = idx < V
+        x = tl.load(x_row + idx, mask=inside, other=float("-inf"))
+        m_new = tl.maximum(m, tl.reduce(x, 0, _MAX))
+        scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
+        over = inside & (x > kth)
+        above_mass = above_mass * scale + tl.reduce(tl.where(over, tl.exp(x - m_new), 0.0), 0, _SUM)
+        above += tl.reduce(over.to(tl.int32), 0, _SUM)
+        m = m_new
+    kept_mass = above_mass + (k - above).to(tl.float32) * tl.exp(kth - m)
+    kept_mass = tl.where(kth == float("-inf"), above_mass, kept_mass)
+
+    w = _race(x_row, q_row, V, m, kth, float("-inf"), V + 1, BLOCK)
+    wx = tl.load(x_row + w)
+    rejected = w < 0                      # false, as a scalar tensor
+    if (k < V) | (top_p < 1.0):
+        count, mass = _ahead(x_row, V, m, wx, w, BLOCK)
+        rejected = (count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))
+    while rejected:
+        w = _race(x_row, q_row, V, m, kth, wx, w, BLOCK)
+        wx = tl.load(x_row + w)
+        count, mass = _ahead(x_row, V, m, wx, w, BLOCK)
+        rejected = (count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))
+    tl.store(out_ptr + row, w.to(tl.int64))
+
+
+def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,
+                top_p: torch.Tensor | None, max_top_k: int = 0, *, block: int = BLOCK,
+                num_warps: int = NUM_WARPS) -> torch.Tensor:
+    """`race_sample_ref` without the sort (module docstring): [B] int64.
+    max_top_k: the largest k of the rows with top-k on (a host value, so no step waits to read
+    it). block / num_warps: the values a program reads a step and its warps."""
+    for name, t in (("logits", logits), ("noise", noise)):
+        if t.dim() != 2 or t.dtype != torch.float32 or (t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name} must be [B, V] fp32 with unit column stride, got {t.dtype} "
+                             f"{list(t.shape)} stride {t.stride()}")
+    if noise.shape != logits.shape:
+        raise ValueError(f"noise must be shaped like logits {list(logits.shape)}, got {list(noise.shape)}")
+    num_rows, vocab = logits.shape
+    device = logits.device
+    for name, t, dtype in (("top_k", top_k, torch.int64), ("top_p", top_p, torch.float32)):
+        if t is not None and (t.shape != (num_rows,) or t.dtype != dtype or t.device != device):
+            raise ValueError(f"{name} must be a {dtype} [{num_rows}] tensor on {device}")
+    if top_k is not None and not 0 < max_top_k:
+        raise ValueError(f"max_top_k must be the largest k (> 0) when top_k is given, got {max_top_k}")
+    out = torch.empty(num_rows, dtype=torch.int64, device=device)
+    if num_rows == 0:
+        return out
+    if vocab == 0:
+        raise ValueError("logits must have at least one column")
+    # What is off comes in as its neutral value (k = V with kth = -inf, top_p = 1): one variant.
+    kth = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=device)
+    if top_k is None:
+        k = torch.full((num_rows,), vocab, dtype=torch.int64, device=device)
+    else:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
+        width = min(max_top_k, vocab)
+        kth_values = logits.topk(width, dim=-1).values                        # [B, width]
+        kth = torch.where(k <= width, kth_values.gather(1, (k.clamp(max=width) - 1).unsqueeze(1)).squeeze(1), kth)
+    if top_p is None:
+        top_p = torch.ones(num_rows, dtype=torch.float32, device=device)
+    _race_sample_kernel[(num_rows,)](logits, noise, kth, k, top_p, out, vocab, logits.stride(0),
+                                     noise.stride(0), BLOCK=block, num_warps=num_warps)
+    return out
+
+
+def race_sample_ref(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,
+                    top_p: torch.Tensor | None) -> torch.Tensor:
+    """[B] int64: the kept token with the largest p / q (module docstring), by the sort."""
+    if top_k is not None or top_p is not None:
+        logits = keep_top_k_top_p(logits, top_k, top_p)
+    return (logits.softmax(-1) / noise).argmax(-1)
+
+
+def keep_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    """Keep the k largest logits, then the smallest prefix of those (by probability,
+    renormalized over the survivors) whose mass reaches top_p; the rest become -inf.
+
+    Works on the descending stable sort, so ties are kept lowest id first.
+    """
+    num_rows, vocab_size = logits.shape
+    sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)   # [B, V]
+    if top_k is not None:
+        k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
+        position = torch.arange(vocab_size, device=logits.device)
+        sorted_logits = sorted_logits.masked_fill(position >= k.unsqueeze(1), float("-inf"))
+    if top_p is not None:
+        probs = sorted_logits.softmax(-1)
+        # Mass strictly before each position: keep a token while that is still below top_p.
+        mass_before = torch.cat([probs.new_zeros(num_rows, 1), probs.cumsum(-1)[:, :-1]], dim=1)
+        drop = (mass_before >= top_p.unsqueeze(1)) & (top_p < 1.0).unsqueeze(1)
+        drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(logits).scatter_(1, sorted_ids, sorted_logits)

@@ -1,0 +1,117 @@
+"""kernels/race_sample.py against its reference (the stable sort, softmax and race): the same
+token for every row and draw, with ties at both cuts (kept lowest id first), -0.0 beside +0.0,
+-inf values (min-p, min_tokens), k past V, top_p 1, and winners of the whole race that the cuts
+reject (the kernel's loop).
+
+Without CUDA the kernel runs under Triton's interpreter on CPU at small block sizes, with CUDA on
+the GPU at the real block and a 128k vocabulary too.
+"""
+import random
+
+import pytest
+import torch
+
+from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
+
+rs = load_kernels("kernels.race_sample")
+
+
+@pytest.fixture(autouse=True)
+def kernels_can_run_here():
+    require_runnable(rs)
+
+
+def logit_rows(seed, num_rows, vocab, scale, ties, neg_inf, zeros):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(num_rows, vocab, generator=gen) * scale
+    if ties:
+        x = (x * 2).round() / 2                 # a few dozen distinct values: ties everywhere
+    if neg_inf:
+        x[0, 3] = float("-inf")
+        x[-1, : vocab // 2] = float("-inf")
+    if zeros:
+        x[0, :4] = torch.tensor([-0.0, 0.0, -0.0, 0.0])
+    return x
+
+
+def noise_like(x, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return torch.empty(x.shape).exponential_(generator=gen).clamp_min_(torch.finfo(torch.float32).tiny)
+
+
+def sample(x, q, top_k, top_p, block):
+    to = (lambda t: None if t is None else t.to(DEVICE))
+    max_top_k = int(top_k.max()) if top_k is not None else 0
+    return rs.race_sample(x.to(DEVICE), q.to(DEVICE), to(top_k), to(top_p), max_top_k, block=block).cpu()
+
+
+CASES = [  # (seed, rows, vocab, scale, ties, -inf, zeros, block)
+    (0, 4, 300, 2.0, True, False, True, 64),
+    (1, 3, 777, 6.0, False, True, False, 128),
+    (2, 3, 129, 0.5, True, True, True, 32),
+    (3, 2, 5, 1.0, False, False, False, 16),
+    (4, 4, 2000, 0.3, False, False, False, 256),     # flat: the cuts reject most winners
+]
+if ON_GPU:
+    CASES += [(5, 256, 128256, 2.5, False, True, False, rs.BLOCK),
+              (6, 64, 128256, 1.0, True, False, True, rs.BLOCK)]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_equals_the_sort_for_every_draw(case):
+    seed, num_rows, vocab, *rest, block = case
+    x = logit_rows(seed, num_rows, vocab, *rest)
+    rng = random.Random(seed)
+    top_k = torch.tensor([rng.choice([0, 1, 3, 50, vocab, vocab + 4, rng.randrange(1, vocab + 1)])
+                          for _ in range(num_rows)])
+    top_p = torch.tensor([rng.choice([1.0, 0.5, 0.9, 0.95, 0.1, rng.random() or 1.0])
+                          for _ in range(num_rows)], dtype=torch.float32)
+    rejected = 0
+    for draw in range(3):
+        q = noise_like(x, seed * 10 + draw)
+        whole_race = rs.race_sample_ref(x, q, None, None)
+        for k, p in ((top_k, top_p), (top_k, None), (None, top_p), (None, None)):
+            want = rs.race_sample_ref(x, q, k, p)
+            got = sample(x, q, k, p, block)
+            assert torch.equal(got, want), (draw, k, p, (got != want).nonzero().flatten().tolist())
+            rejected += int((want != whole_race).sum())
+    assert rejected > 0, "no draw made the kernel reject the whole race's winner"
+
+
+def test_flat_rows_with_a_small_top_p_reject_many_times():
+    """Top-p 0.05 over 4,000 nearly equal logits keeps ~200: the whole race's winner is rejected in
+    ~95% of rows, and each next race over what is ahead of it is rejected often too."""
+    x = logit_rows(7, 8, 4000, 0.05, False, False, False)
+    top_p = torch.full((8,), 0.05)
+    for draw in range(2):
+        q = noise_like(x, 70 + draw)
+        want = rs.race_sample_ref(x, q, None, top_p)
+        assert (want != rs.race_sample_ref(x, q, None, None)).sum() >= 6
+        assert torch.equal(sample(x, q, None, top_p, 512), want)
+
+
+def test_ties_at_the_cut_keep_the_lowest_ids():
+    # Four equal logits. The noise favours id 4, then 3, then 2, then 1. Top-k 2 keeps ids 1 and
+    # 2 (so 2 wins), and so does top-p 0.4 (mass .25 before id 2, .5 before id 3); top-k 3 with
+    # top-p 0.6 keeps ids 1-3 and renormalises to thirds: 1/3 before id 2, 2/3 before id 3 (2 wins).
+    x = torch.tensor([[-9.0, 1.0, 1.0, 1.0, 1.0, -9.0]])
+    q = torch.tensor([[1.0, 4.0, 3.0, 2.0, 1.0, 1.0]])
+    assert sample(x, q, torch.tensor([2]), None, 16).tolist() == [2]
+    assert sample(x, q, None, torch.tensor([0.4]), 16).tolist() == [2]
+    assert sample(x, q, torch.tensor([3]), torch.tensor([0.6]), 16).tolist() == [2]
+    assert sample(x, q, torch.tensor([3]), None, 16).tolist() == [3]
+    assert sample(x, q, None, None, 16).tolist() == [4]
+
+
+def test_rejects_what_it_does_not_take():
+    x = torch.zeros(2, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="logits must be"):
+        rs.race_sample(x.half(), x, None, None)
+    with pytest.raises(ValueError, match="noise must be shaped"):
+        rs.race_sample(x, x[:, :4], None, None)
+    with pytest.raises(ValueError, match="top_k"):
+        rs.race_sample(x, x, torch.zeros(3, dtype=torch.int64, device=DEVICE), None, 1)
+    with pytest.raises(ValueError, match="top_p"):
+        rs.race_sample(x, x, None, torch.ones(2, dtype=torch.float64, device=DEVICE))
+    with pytest.raises(ValueError, match="max_top_k"):
+        rs.race_sample(x, x, torch.ones(2, dtype=torch.int64, device=DEVICE), None)
