@@ -37,10 +37,16 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "BLOCK", "NUM_WARPS"]
+__all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "BLOCK", "num_warps_for"]
 
-BLOCK = 4096
-NUM_WARPS = 8
+# The fastest of (2048, 4), (4096, 8), (8192, 8), (8192, 16) at 1-512 rows on an H200
+# (benchmarks/h200/race_sample_3c271b7.json): 16 warps while the rows leave SMs idle.
+BLOCK = 8192
+
+
+def num_warps_for(num_rows: int) -> int:
+    return 16 if num_rows < 128 else 8
+
 # Triton's own combine functions through tl.reduce, so the kernel also runs interpreted
 # (kernels/paged_attention.py says why).
 _MAX = tl.standard._elementwise_max
@@ -130,10 +136,10 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_
 
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,
                 top_p: torch.Tensor | None, max_top_k: int = 0, *, block: int = BLOCK,
-                num_warps: int = NUM_WARPS) -> torch.Tensor:
+                num_warps: int | None = None) -> torch.Tensor:
     """`race_sample_ref` without the sort (module docstring): [B] int64.
     max_top_k: the largest k of the rows with top-k on (a host value, so no step waits to read
-    it). block / num_warps: the values a program reads a step and its warps."""
+    it). block / num_warps: the values a program reads a step and its warps (None: by the rows)."""
     for name, t in (("logits", logits), ("noise", noise)):
         if t.dim() != 2 or t.dtype != torch.float32 or (t.shape[1] > 1 and t.stride(1) != 1):
             raise ValueError(f"{name} must be [B, V] fp32 with unit column stride, got {t.dtype} "
@@ -164,7 +170,8 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
     if top_p is None:
         top_p = torch.ones(num_rows, dtype=torch.float32, device=device)
     _race_sample_kernel[(num_rows,)](logits, noise, kth, k, top_p, out, vocab, logits.stride(0),
-                                     noise.stride(0), BLOCK=block, num_warps=num_warps)
+                                     noise.stride(0), BLOCK=block,
+                                     num_warps=num_warps or num_warps_for(num_rows))
     return out
 
 

@@ -2,7 +2,8 @@
 import pytest
 import torch
 
-from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, apply_penalties
+from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, _row_seed, apply_penalties
+from kernels.race_sample import race_sample_ref
 from engine.sampling_params import SamplingParams
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -377,3 +378,25 @@ def test_output_counts_stand_in_for_outputs_without_penalties():
                                              None, [], "cpu", num_output_tokens=[1])
     with pytest.raises(AssertionError, match="output_token_ids"):
         apply_penalties(logits[:1], penalized)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_rows,top_k,top_p", [(70, 0, 1.0), (70, 20, 0.9), (5, 0, 0.8), (5, 0, 1.0)])
+def test_a_draw_is_the_race_over_the_kept_tokens(device, num_rows, top_k, top_p):
+    """Whichever way the device goes (on CUDA kernels/race_sample.py with a cut or from 64 rows,
+    else the sort and softmax), a seeded row samples the kept token with the largest p / q, q its
+    own seeded Exp(1) noise: kernels/race_sample.py's reference, fed here by hand."""
+    vocab, temperature = 3000, 0.7
+    logits = (torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(9)) * 3).to(device)
+    params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=50 + i)
+              for i in range(num_rows)]
+    got = Sampler(seed=0)(logits, _meta(params, device)).sampled_token_ids
+    noise = torch.stack([
+        torch.empty(vocab, device=device).exponential_(
+            generator=torch.Generator(device=device).manual_seed(_row_seed(50 + i, 0)))
+        for i in range(num_rows)]).clamp_min_(torch.finfo(torch.float32).tiny)
+    scaled = logits / torch.full((num_rows,), temperature, device=device).unsqueeze(1)
+    rows = torch.full((num_rows,), 1, device=device)
+    want = race_sample_ref(scaled, noise, rows * top_k if top_k else None,
+                           (rows * top_p).float() if top_p < 1.0 else None)
+    assert torch.equal(got, want)
