@@ -38,6 +38,7 @@ from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from engine.step_timing import StepTimes
 from kernels.pdl import supported as pdl_supported
+from kernels.race_sample import warm_up as race_sample_warm_up
 
 logger = logging.getLogger(__name__)
 
@@ -263,7 +264,7 @@ class ModelRunner:
         """Runs, once, what the first traffic would otherwise compile or initialize in the
         middle of serving: an eager step holding prompt chunks and a decode row (the mixed
         steps of chunked prefill; decode-only steps replay the graphs captured above), and the
-        sampler's greedy and random paths (sort, top-k/p, penalties, seeded rows). It writes no
+        sampler's greedy and random paths (top-k/p, penalties, seeded rows). It writes no
         KV (slot -1) and reads block 0, as graph padding does."""
         # Ordered as _prepare_inputs orders a mixed step: the decode row first, run apart from
         # the prompt chunks (AttentionMetadata.num_decodes).
@@ -289,6 +290,7 @@ class ModelRunner:
         greedy = SamplingMetadata.from_params(params[:1], [[1, 2]], [[3]], self.eos_token_ids,
                                               self.device)
         self.sampler(logits[:1].to(self.dtype), greedy)
+        race_sample_warm_up(logits.shape[1], self.device)       # the race's other warp count
         for q_lens, seq_lens, step in self.cascade.warm_up_steps():   # eager cascade variants
             positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)])
             n = len(q_lens)

@@ -1,14 +1,15 @@
 """Batched next-token sampler: penalties, min_tokens, greedy / temperature / min-p / top-k / top-p,
 per-request seeds, raw logprobs.
 
-Plain device-agnostic torch; on CUDA the argmax is kernels/argmax.py's and the random rows' top-k /
-top-p and draw kernels/race_sample.py's (no sort). Per step the host only
-builds index tensors from Python lists and copies them to the device; nothing reads a device
-value back, so on CUDA a step never waits on the GPU. The one Python loop over rows in the hot
-path is over *seeded* rows (one generator re-seed and one noise kernel each).
+Plain device-agnostic torch; on CUDA the argmax is kernels/argmax.py's, the random rows' noise
+kernels/exp_noise.py's (one launch, seeded rows or not) and their top-k / top-p and draw
+kernels/race_sample.py's (no sort). Per step the host only builds index tensors from Python lists
+and copies them to the device; nothing reads a device value back, so on CUDA a step never waits
+on the GPU.
 """
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +18,7 @@ from torch import Tensor
 from engine.host_copy import list_to_device
 from engine.sampling_params import SamplingParams
 from kernels.argmax import argmax_rows
+from kernels.exp_noise import exponential_noise, exponential_noise_ref
 from kernels.race_sample import keep_top_k_top_p, race_sample
 
 # Temperatures below this are greedy: dividing fp32 logits by them can overflow, and the
@@ -124,15 +126,14 @@ class Sampler:
 
     Order: raw logprobs (before anything else) -> penalties -> min_tokens mask -> greedy argmax
     | temperature -> min-p -> top-k -> top-p (on the renormalized survivors) -> exponential race
-    `argmax(p / q)`, q ~ Exp(1) per vocabulary entry. A seeded row draws q from a generator seeded
-    by (seed, len(output)), so its tokens do not depend on the rest of the batch; unseeded rows
-    share one generator, seeded by `seed` (None: nondeterministic).
+    `argmax(p / q)`, q ~ Exp(1) per vocabulary entry. A seeded row's q is keyed by (seed,
+    len(output)), so its tokens do not depend on the rest of the batch; unseeded rows' by a key
+    drawn each call from a generator seeded by `seed` (None: nondeterministic) and their row.
     """
 
     def __init__(self, seed: int | None = None) -> None:
         self.seed = seed
-        self._shared_generators: dict[torch.device, torch.Generator] = {}
-        self._row_generators: dict[torch.device, torch.Generator] = {}
+        self._rng = random.Random(seed)
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Logits may come in the model's dtype (a decode graph's buffer). Greedy rows with no
@@ -186,32 +187,17 @@ class Sampler:
         return _argmax(logits.softmax(-1) / noise)
 
     def _exponential_noise(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        """q ~ Exp(1), shaped like `logits` [B, V]; seeded rows from their own (seed, position)."""
-        device = logits.device
-        noise = torch.empty_like(logits)
-        if any(seed is None for seed in meta.seeds):
-            noise.exponential_(generator=self._generator(self._shared_generators, device))
-        for row, seed in enumerate(meta.seeds):
-            if seed is not None:
-                gen = self._generator(self._row_generators, device)
-                # manual_seed is host-side state; the launch below captures it, so reusing one
-                # generator object for every seeded row is safe without waiting on the device.
-                gen.manual_seed(_row_seed(seed, meta.num_output_tokens[row]))
-                noise[row].exponential_(generator=gen)
-        # exponential_ may return exactly 0; p / 0 would give inf (or nan for p = 0).
-        return noise.clamp_min_(torch.finfo(noise.dtype).tiny)
-
-    def _generator(self, cache: dict[torch.device, torch.Generator],
-                   device: torch.device) -> torch.Generator:
-        gen = cache.get(device)
-        if gen is None:
-            gen = torch.Generator(device=device)
-            if self.seed is None:
-                gen.seed()
-            else:
-                gen.manual_seed(self.seed)
-            cache[device] = gen
-        return gen
+        """q ~ Exp(1), shaped like `logits` [B, V], in one launch (kernels/exp_noise.py; its
+        reference off CUDA): a seeded row's keyed by (seed, position), the others' by one key a
+        call from the sampler's generator and their row."""
+        step_key = self._rng.getrandbits(64)
+        keys = [step_key if seed is None else _row_seed(seed, n)
+                for seed, n in zip(meta.seeds, meta.num_output_tokens)]
+        streams = [row + 1 if seed is None else 0 for row, seed in enumerate(meta.seeds)]
+        keys = list_to_device([k - (1 << 64) if k >> 63 else k for k in keys], torch.int64, logits.device)
+        streams = list_to_device(streams, torch.int32, logits.device)
+        draw = exponential_noise if logits.is_cuda else exponential_noise_ref
+        return draw(keys, streams, logits.shape[1])
 
 
 def _argmax(x: Tensor) -> Tensor:
@@ -289,7 +275,7 @@ def _no_stop_token_ids(params: SamplingParams, num_output_tokens: int,
 
 
 def _row_seed(seed: int, position: int) -> int:
-    """64-bit generator seed for (request seed, output position): splitmix64's output number
+    """64-bit noise key for (request seed, output position): splitmix64's output number
     `position + 1` from state `seed`, so neighbouring seeds and positions give unrelated streams."""
     z = ((seed & _MASK64) + (position + 1) * 0x9E3779B97F4A7C15) & _MASK64
     z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64

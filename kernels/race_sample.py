@@ -37,15 +37,24 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "BLOCK", "num_warps_for"]
+__all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "BLOCK", "num_warps_for", "warm_up"]
 
 # The fastest of (2048, 4), (4096, 8), (8192, 8), (8192, 16) at 1-512 rows on an H200
 # (benchmarks/h200/race_sample_3c271b7.json): 16 warps while the rows leave SMs idle.
 BLOCK = 8192
+_MANY_ROWS = 128
 
 
 def num_warps_for(num_rows: int) -> int:
-    return 16 if num_rows < 128 else 8
+    return 8 if num_rows >= _MANY_ROWS else 16
+
+
+def warm_up(num_cols: int, device: torch.device | str) -> None:
+    """Compile each variant race_sample picks for rows of num_cols logits (one per warp count),
+    so that none compiles while serving."""
+    x = torch.zeros(1, num_cols, dtype=torch.float32, device=device)
+    for num_rows in (1, _MANY_ROWS):
+        race_sample(x, torch.ones_like(x), None, None, num_warps=num_warps_for(num_rows))
 
 # Triton's own combine functions through tl.reduce, so the kernel also runs interpreted
 # (kernels/paged_attention.py says why).

@@ -1,8 +1,10 @@
 """The sampler's tail on a GPU (issue 13): what the sampler ran before kernels/race_sample.py
 (the stable sort's top-k / top-p, softmax, p / q, argmax) against the kernel, at decode shapes of
 Llama 3's 128,256 logits, us a call (L2 flushed by triton's do_bench), each result checked
-against the reference (`mismatched_rows`, over a few noise draws). The noise itself, the
-temperature and min-p come before both and are not timed.
+against the reference (`mismatched_rows`, over a few noise draws). The noise, the temperature
+and min-p come before both and are not timed there; the noise is timed apart (`noise` rows):
+torch's exponential_ for all rows from one generator, the same for seeded rows (a re-seeded
+generator and a launch each, what the sampler ran before kernels/exp_noise.py) and the kernel.
 
     PYTHONPATH=. python3 scripts/gpu_race_sample.py --out $OUT/race_sample.json
 """
@@ -68,6 +70,30 @@ def main() -> None:
             print(f"{num_rows} rows, {name}: before {row['before_us']:.1f} us; " + ", ".join(
                 f"{c} {r['us']:.1f} us ({r['mismatched_rows']} differ)" for c, r in row["kernel"].items())
                 + f"; {row['rejected_rows']} of {DRAWS * num_rows} winners rejected", flush=True)
+    from engine.sampler import _row_seed
+    from kernels.exp_noise import exponential_noise
+    for num_rows in args.rows:
+        noise = torch.empty(num_rows, args.vocab, device="cuda")
+
+        def shared():
+            noise.exponential_(generator=gen)
+            return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+        def seeded():
+            for row in range(num_rows):
+                gen.manual_seed(_row_seed(row, 5))
+                noise[row].exponential_(generator=gen)
+            return noise.clamp_min_(torch.finfo(torch.float32).tiny)
+
+        keys = torch.arange(num_rows, device="cuda") * 7919
+        streams = torch.zeros(num_rows, dtype=torch.int32, device="cuda")
+        row = {"case": "noise", "rows": num_rows, "vocab": args.vocab,
+               "shared_generator_us": 1e3 * triton.testing.do_bench(shared),
+               "seeded_rows_us": 1e3 * triton.testing.do_bench(seeded),
+               "kernel_us": 1e3 * triton.testing.do_bench(lambda: exponential_noise(keys, streams, args.vocab))}
+        rows.append(row)
+        print(f"{num_rows} rows, noise: one generator {row['shared_generator_us']:.1f} us, a generator a seeded "
+              f"row {row['seeded_rows_us']:.1f} us, kernels/exp_noise.py {row['kernel_us']:.1f} us", flush=True)
     write_probe(args.out, rows, command=" ".join(sys.argv), draws=DRAWS)
 
 

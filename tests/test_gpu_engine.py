@@ -179,21 +179,29 @@ def test_no_kernel_compiles_after_start_up(kv_cache_dtype):
     compiled a kernel variant mid-serving (a 1.5 s TTFT). After start-up (graph capture and
     the runner's warm-up) a workload of every shape class (lone and batched requests, prompts
     of 1..1000 tokens, chunked prefill mixed with decode, sampling) compiles nothing."""
-    from kernels import activation, kv_cache, paged_attention, rmsnorm, rotary, rotary_write_kv, skinny_gemm
+    from kernels import (activation, argmax, exp_noise, kv_cache, paged_attention, race_sample, rmsnorm, rotary,
+                         rotary_write_kv, skinny_gemm)
     from scripts.bench_common import preset_dir
-    modules = [activation, kv_cache, paged_attention, rmsnorm, rotary, rotary_write_kv, skinny_gemm]
+    modules = [activation, argmax, exp_noise, kv_cache, paged_attention, race_sample, rmsnorm, rotary,
+               rotary_write_kv, skinny_gemm]
     llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16", device="cuda",
-              skip_tokenizer_init=True, max_num_seqs=32, max_num_batched_tokens=256,
+              skip_tokenizer_init=True, max_num_seqs=160, max_num_batched_tokens=256,
               num_kv_blocks=2048, max_model_len=2048, kv_cache_dtype=kv_cache_dtype)
     try:
         before = {m.__name__: _num_compiled(m) for m in modules}
         keys_before = _variant_keys(modules)
         assert before["kernels.paged_attention"]["_paged_attention_kernel"] > 0
-        for n in (1, 3, 32):
-            prompts = [[128000] + list(range(7, 7 + length)) for length in
-                       ([1, 5, 16, 17, 33, 300, 1000] * 5)[:n]]
-            params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 2 else 0.9,
-                                     top_p=0.95, seed=i, ignore_eos=True) for i in range(n)]
+        assert before["kernels.race_sample"]["_race_sample_kernel"] == 2          # 8 and 16 warps
+        assert before["kernels.exp_noise"]["_exponential_noise_kernel"] == 1
+        for n in (1, 3, 32, 130):
+            # 130 short prompts decode together: the race's warp count changes at 128 rows
+            # (kernels/race_sample.py).
+            lengths = [1, 5, 16, 17, 33] + ([300, 1000] if n < 130 else [])
+            prompts = [[128000] + list(range(7, 7 + length)) for length in (lengths * 30)[:n]]
+            # Sampling with and without cuts, seeded or not.
+            params = [SamplingParams(max_tokens=12, temperature=0.0 if i % 3 == 0 else 0.9,
+                                     top_p=0.95 if i % 3 == 1 else 1.0, seed=i if i % 2 else None,
+                                     ignore_eos=True) for i in range(n)]
             llm.generate(prompts, params)
         after = {m.__name__: _num_compiled(m) for m in modules}
         assert after == before, _new_variants(modules, keys_before)

@@ -2,7 +2,9 @@
 import pytest
 import torch
 
+import engine.sampler as sampler_module
 from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, _row_seed, apply_penalties
+from kernels.exp_noise import exponential_noise_ref
 from kernels.race_sample import race_sample_ref
 from engine.sampling_params import SamplingParams
 
@@ -85,6 +87,8 @@ def test_all_greedy_fast_path_does_not_sort_softmax_or_draw(monkeypatch):
     for name in ("sort", "softmax", "exponential_"):
         monkeypatch.setattr(torch.Tensor, name, boom)
     monkeypatch.setattr(torch, "sort", boom)
+    for name in ("exponential_noise", "exponential_noise_ref", "race_sample"):
+        monkeypatch.setattr(sampler_module, name, boom)
     logits = torch.randn(4, 33, generator=torch.Generator().manual_seed(3))
     params = [SamplingParams(temperature=0.0, top_k=3, top_p=0.5, seed=1)] * 4
     out = Sampler(seed=0)(logits, _meta(params))
@@ -384,17 +388,17 @@ def test_output_counts_stand_in_for_outputs_without_penalties():
 @pytest.mark.parametrize("num_rows,top_k,top_p", [(70, 0, 1.0), (70, 20, 0.9), (5, 0, 0.8), (5, 0, 1.0)])
 def test_a_draw_is_the_race_over_the_kept_tokens(device, num_rows, top_k, top_p):
     """Whichever way the device goes (on CUDA kernels/race_sample.py with a cut or from 64 rows,
-    else the sort and softmax), a seeded row samples the kept token with the largest p / q, q its
-    own seeded Exp(1) noise: kernels/race_sample.py's reference, fed here by hand."""
+    else the sort and softmax), a seeded row samples the kept token with the largest p / q, q the
+    Exp(1) noise keyed by its (seed, position) (kernels/exp_noise.py's reference): the race's
+    reference, fed here by hand."""
     vocab, temperature = 3000, 0.7
     logits = (torch.randn(num_rows, vocab, generator=torch.Generator().manual_seed(9)) * 3).to(device)
     params = [SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=50 + i)
               for i in range(num_rows)]
     got = Sampler(seed=0)(logits, _meta(params, device)).sampled_token_ids
-    noise = torch.stack([
-        torch.empty(vocab, device=device).exponential_(
-            generator=torch.Generator(device=device).manual_seed(_row_seed(50 + i, 0)))
-        for i in range(num_rows)]).clamp_min_(torch.finfo(torch.float32).tiny)
+    keys = [_row_seed(50 + i, 0) for i in range(num_rows)]
+    noise = exponential_noise_ref(torch.tensor([k - (1 << 64) if k >> 63 else k for k in keys], device=device),
+                                  torch.zeros(num_rows, dtype=torch.int32, device=device), vocab)
     scaled = logits / torch.full((num_rows,), temperature, device=device).unsqueeze(1)
     rows = torch.full((num_rows,), 1, device=device)
     want = race_sample_ref(scaled, noise, rows * top_k if top_k else None,
