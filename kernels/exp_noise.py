@@ -2,10 +2,11 @@
 counter-based random bits.
 
 Math (`exponential_noise_ref`): row b has a 64-bit key K_b and a stream number s_b. Column v's 32
-random bits r are word 0 of Philox4x32-10 (Salmon et al., SC'11; triton's tl.philox) with key K_b
-and counter (v, s_b, 0, 0). Their top 31 bits x give u = (x + 1/2) 2^-31, in (0, 1), never 0 or 1,
-and q = -log(1 - u), an Exp(1) draw, rounded to fp32. Both compute in fp64, where 1 - u is exact:
-in fp32 it would round the small draws (the ones that win a race) by up to 6e-5 of themselves.
+random bits r are word v mod 4 of Philox4x32-10 (Salmon et al., SC'11; triton's tl.philox) with key
+K_b and counter (v div 4, s_b, 0, 0): a counter gives four columns, as curand's uniform4 does.
+Their top 31 bits x give u = (x + 1/2) 2^-31, in (0, 1), never 0 or 1, and q = -log(1 - u), an
+Exp(1) draw, rounded to fp32. Both compute in fp64, where 1 - u is exact: in fp32 it would round
+the small draws (the ones that win a race) by up to 6e-5 of themselves.
 
 Why: the sampler drew each seeded row's noise with its own torch generator, re-seeded and
 launched once a row each step (~2.2 ms of host time a step at 256 seeded rows:
@@ -28,11 +29,14 @@ BLOCK = 2048
 @triton.jit
 def _exponential_noise_kernel(keys_ptr, streams_ptr, out_ptr, V, stride_o, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
+    counters = tl.program_id(1) * (BLOCK // 4) + tl.arange(0, BLOCK // 4)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     key = tl.load(keys_ptr + row).to(tl.uint64, bitcast=True)
     stream = tl.load(streams_ptr + row).to(tl.uint32, bitcast=True)
-    zero = cols.to(tl.uint32) * 0
-    r, _, _, _ = tl.philox(key, cols.to(tl.uint32), stream + zero, zero, zero)
+    zero = counters.to(tl.uint32) * 0
+    r0, r1, r2, r3 = tl.philox(key, counters.to(tl.uint32), stream + zero, zero, zero)
+    # [BLOCK / 4, 2, 2] holding (i, k, m) = word 2k + m of counter i: flat, column 4i + 2k + m.
+    r = tl.reshape(tl.join(tl.join(r0, r2), tl.join(r1, r3)), (BLOCK,))
     x = (r >> 1).to(tl.int32, bitcast=True)
     u = (x.to(tl.float64) + 0.5) * 4.656612873077393e-10          # 2^-31
     q = -tl.log(1.0 - u)
@@ -49,6 +53,8 @@ def exponential_noise(keys: torch.Tensor, streams: torch.Tensor, num_cols: int, 
                          f"{list(streams.shape)} on {streams.device}")
     if num_cols < 1:
         raise ValueError(f"num_cols must be >= 1, got {num_cols}")
+    if block < 4 or block & (block - 1):
+        raise ValueError(f"block must be a power of two >= 4, got {block}")
     out = torch.empty(keys.shape[0], num_cols, dtype=torch.float32, device=keys.device)
     if keys.shape[0]:
         _exponential_noise_kernel[(keys.shape[0], triton.cdiv(num_cols, block))](
@@ -87,8 +93,9 @@ def philox_ref(key: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.
 
 def exponential_noise_ref(keys: torch.Tensor, streams: torch.Tensor, num_cols: int) -> torch.Tensor:
     """[B, num_cols] fp32: the module docstring's q, from eager int64 arithmetic and log1p."""
-    cols = torch.arange(num_cols, dtype=torch.int64, device=keys.device).unsqueeze(0)
-    zero = torch.zeros_like(cols)
-    r, _, _, _ = philox_ref(keys.unsqueeze(1), cols, (streams.to(torch.int64) & _M32).unsqueeze(1), zero, zero)
+    counters = torch.arange(-(-num_cols // 4), dtype=torch.int64, device=keys.device).unsqueeze(0)
+    zero = torch.zeros_like(counters)
+    words = philox_ref(keys.unsqueeze(1), counters, (streams.to(torch.int64) & _M32).unsqueeze(1), zero, zero)
+    r = torch.stack(words, dim=-1).flatten(1)[:, :num_cols]               # column 4i + w: word w of i
     u = ((r >> 1).double() + 0.5) * 2.0 ** -31
     return (-torch.log1p(-u)).float()

@@ -87,3 +87,14 @@ def test_rejects_what_it_does_not_take():
         en.exponential_noise(keys, streams.long(), 8)
     with pytest.raises(ValueError, match="num_cols"):
         en.exponential_noise(keys, streams, 0)
+
+
+def test_a_counter_gives_four_columns():
+    """Key 0, stream 0: columns 0-3 are the four words of counter (0, 0, 0, 0), Random123's first
+    known answer, through u = (x + 1/2) 2^-31 and q = -log(1 - u)."""
+    words = (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)
+    want = [-math.log1p(-((w >> 1) + 0.5) * 2.0 ** -31) for w in words]
+    got = en.exponential_noise(torch.zeros(1, dtype=torch.int64, device=DEVICE),
+                               torch.zeros(1, dtype=torch.int32, device=DEVICE), 6, block=16)
+    torch.testing.assert_close(got[0, :4].cpu().double(), torch.tensor(want, dtype=torch.float64),
+                               rtol=1.3e-7, atol=0)
