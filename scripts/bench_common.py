@@ -1,6 +1,7 @@
 """Shared by the benchmarks: model presets (real configs, dummy weights), hardware, results."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -38,7 +39,6 @@ BF16_DENSE_FLOPS = 989.4e12
 def positive_ints(text: str, what: str, fields: str, example: str, sep: str = ",") -> tuple[int, ...]:
     """An argparse type's work: `text` as len(fields) positive ints, e.g. '128,64,8,3' -> (128,
     64, 8, 3); else an ArgumentTypeError naming the fields and an example."""
-    import argparse
     parts = text.split(sep)
     if len(parts) != len(fields.split(sep)) or not all(p.isdigit() and int(p) > 0 for p in parts):
         raise argparse.ArgumentTypeError(f"{what} is {fields}, e.g. {example}, got {text!r}")
@@ -399,3 +399,17 @@ class StepProfiler:
                        "cpu": averages.table(sort_by="self_cpu_time_total", row_limit=20,
                                              max_name_column_width=60)}
         self._prof = None
+
+
+def parse_setting(text: str) -> tuple[str, dict]:
+    """'name=JSON' -> (name, SamplingParams fields)."""
+    name, sep, fields = text.partition("=")
+    if not sep or not name:
+        raise argparse.ArgumentTypeError(f"a setting is NAME=JSON, got {text!r}")
+    try:
+        value = json.loads(fields)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"setting {name}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"setting {name}: SamplingParams fields as a JSON object, got {fields!r}")
+    return name, value

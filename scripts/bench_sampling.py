@@ -18,7 +18,7 @@ import sys
 import time
 
 from bench_common import (add_model_args, add_scheduling_arg, git_commit, hardware, model_and_config,
-                          step_table, write_results)
+                          parse_setting, step_table, write_results)
 
 SETTINGS = {
     "greedy": {"temperature": 0.0},
@@ -26,20 +26,6 @@ SETTINGS = {
     "top_p_seeded": {"temperature": 0.8, "top_p": 0.95, "seed": 1},
     "penalties": {"temperature": 0.0, "repetition_penalty": 1.1, "frequency_penalty": 0.2},
 }
-
-
-def parse_setting(text: str) -> tuple[str, dict]:
-    """'name=JSON' -> (name, SamplingParams fields)."""
-    name, sep, fields = text.partition("=")
-    if not sep or not name:
-        raise argparse.ArgumentTypeError(f"a setting is NAME=JSON, got {text!r}")
-    try:
-        value = json.loads(fields)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"setting {name}: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"setting {name}: SamplingParams fields as a JSON object, got {fields!r}")
-    return name, value
 
 
 def main(argv: list[str] | None = None) -> None:

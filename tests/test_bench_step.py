@@ -25,12 +25,17 @@ def test_latency_breaks_the_step_down(tmp_path):
     out = tmp_path / "latency"
     _run("bench_latency.py", "--model", str(model), "--dtype", "float32", "--input-len", "40",
          "--output-len", "6", "--iters", "2", "--decode-late-merge", "false", "--kv-cache-dtype", "fp8",
+         "--sampling", 'greedy={"temperature": 0}', 'top_p={"temperature": 0.8, "top_p": 0.9}',
          "--out", str(out))
-    row = json.loads(out.with_suffix(".json").read_text())["results"][0]
-    assert row["decode_late_merge"] is False        # the engine setting passed on (default true)
-    assert row["kv_cache_dtype"] == "fp8"           # likewise (default auto)
-    assert row["ttft_cached_tokens"] == [0, 0]
-    assert row["step_ms"]["wall"] > 0 and all(row["step_ms"][p] > 0 for p in PHASES)
+    rows = json.loads(out.with_suffix(".json").read_text())["results"]
+    assert [(r["setting"], r["sampling"]) for r in rows] == [
+        ("greedy", {"temperature": 0}), ("top_p", {"temperature": 0.8, "top_p": 0.9})]
+    for row in rows:
+        assert row["decode_late_merge"] is False        # the engine setting passed on (default true)
+        assert row["kv_cache_dtype"] == "fp8"           # likewise (default auto)
+        assert row["ttft_cached_tokens"] == [0, 0]      # each setting's runs have new prompts too
+        assert row["step_ms"]["wall"] > 0 and all(row["step_ms"][p] > 0 for p in PHASES)
+    assert "| top_p |" in out.with_suffix(".md").read_text()
     assert "Where a step's time goes" in out.with_suffix(".md").read_text()
 
 
