@@ -43,10 +43,6 @@ __all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "BLOCK", "num_w
 # (benchmarks/h200/race_sample_3c271b7.json): 16 warps while the rows leave SMs idle.
 BLOCK = 8192
 _MANY_ROWS = 128
-# Under this many rows a row's passes are cut into chunks of CHUNK values, a program each
-# (race_sample's `split`).
-SPLIT_BELOW_ROWS = 32
-CHUNK = 2048
 
 
 def num_warps_for(num_rows: int) -> int:
@@ -68,38 +64,36 @@ _SUM = tl.standard._sum_combine
 
 
 @triton.jit
-def _race(x_row, q_row, start, stop, m, kth, bound_x, bound_i, BLOCK: tl.constexpr):
-    """(score, id): the largest exp(x - m) / q in columns [start, stop) among the values >= kth
-    ahead of (bound_x, bound_i), i.e. x > bound_x or x == bound_x with a smaller id; the first
-    id on ties. (-1, stop) when there is none."""
+def _race(x_row, q_row, V, m, kth, bound_x, bound_i, BLOCK: tl.constexpr):
+    """The first id of the largest exp(x - m) / q among the values >= kth ahead of
+    (bound_x, bound_i): x > bound_x, or x == bound_x with a smaller id."""
     cols = tl.arange(0, BLOCK)
     best = tl.full((), -1.0, tl.float32)
-    best_i = tl.full((), 0, tl.int32) + stop
-    for c in range(start, stop, BLOCK):
+    best_i = tl.full((), 0, tl.int32) + V
+    for c in range(0, V, BLOCK):
         idx = c + cols
-        inside = idx < stop
+        inside = idx < V
         x = tl.load(x_row + idx, mask=inside, other=float("-inf"))
         q = tl.load(q_row + idx, mask=inside, other=1.0)
         cand = inside & (x >= kth) & ((x > bound_x) | ((x == bound_x) & (idx < bound_i)))
         score = tl.where(cand, tl.exp(x - m) / q, -1.0)
         top = tl.reduce(score, 0, _MAX)
-        first = tl.reduce(tl.where(cand & (score == top), idx, stop), 0, _MIN)
+        first = tl.reduce(tl.where(cand & (score == top), idx, V), 0, _MIN)
         take = top > best
         best = tl.where(take, top, best)
         best_i = tl.where(take, first, best_i)
-    return best, best_i
+    return best_i
 
 
 @triton.jit
-def _ahead(x_row, start, stop, m, wx, wi, BLOCK: tl.constexpr):
-    """How many values in columns [start, stop) are ahead of (wx, wi), and their mass
-    sum exp(x - m)."""
+def _ahead(x_row, V, m, wx, wi, BLOCK: tl.constexpr):
+    """How many values are ahead of (wx, wi) and their mass sum exp(x - m)."""
     cols = tl.arange(0, BLOCK)
     count = tl.full((), 0, tl.int32)
     mass = tl.full((), 0.0, tl.float32)
-    for c in range(start, stop, BLOCK):
+    for c in range(0, V, BLOCK):
         idx = c + cols
-        inside = idx < stop
+        inside = idx < V
         x = tl.load(x_row + idx, mask=inside, other=float("-inf"))
         ahead = inside & ((x > wx) | ((x == wx) & (idx < wi)))
         count += tl.reduce(ahead.to(tl.int32), 0, _SUM)
@@ -108,28 +102,8 @@ def _ahead(x_row, start, stop, m, wx, wi, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _settle(x_row, q_row, V, m, kth, k, top_p, kept_mass, w, count, mass, BLOCK: tl.constexpr):
-    """The sampled id, given the whole race's winner w and what is ahead of it (count, mass): w
-    if the cuts keep it, else the first kept winner of the races over what is ahead of each
-    rejected one (a pass for each race and each check)."""
-    rejected = (count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))
-    while rejected:
-        _, w = _race(x_row, q_row, 0, V, m, kth, tl.load(x_row + w), w, BLOCK)
-        count, mass = _ahead(x_row, 0, V, m, tl.load(x_row + w), w, BLOCK)
-        rejected = (count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))
-    return w
-
-
-@triton.jit
-def _kept_mass(above_mass, above, k, kth, m):
-    """Z: the mass of the values above kth plus that of the k - above ties at kth kept."""
-    return tl.where(kth == float("-inf"), above_mass, above_mass + (k - above).to(tl.float32) * tl.exp(kth - m))
-
-
-@triton.jit
 def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_x, stride_q,
                         BLOCK: tl.constexpr):
-    """A program a row: every pass reads the whole row."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -152,112 +126,29 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_
         above_mass = above_mass * scale + tl.reduce(tl.where(over, tl.exp(x - m_new), 0.0), 0, _SUM)
         above += tl.reduce(over.to(tl.int32), 0, _SUM)
         m = m_new
+    kept_mass = above_mass + (k - above).to(tl.float32) * tl.exp(kth - m)
+    kept_mass = tl.where(kth == float("-inf"), above_mass, kept_mass)
 
-    _, w = _race(x_row, q_row, 0, V, m, kth, float("-inf"), V + 1, BLOCK)
-    count = tl.full((), 0, tl.int32)
-    mass = tl.full((), 0.0, tl.float32)
+    w = _race(x_row, q_row, V, m, kth, float("-inf"), V + 1, BLOCK)
+    wx = tl.load(x_row + w)
+    rejected = w < 0                      # false, as a scalar tensor
     if (k < V) | (top_p < 1.0):
-        count, mass = _ahead(x_row, 0, V, m, tl.load(x_row + w), w, BLOCK)
-    w = _settle(x_row, q_row, V, m, kth, k, top_p, _kept_mass(above_mass, above, k, kth, m), w, count, mass, BLOCK)
-    tl.store(out_ptr + row, w.to(tl.int64))
-
-
-# Split: few rows, each cut into chunks of CHUNK values, a program a chunk, in four launches;
-# part [row, chunk] of the buffers holds a chunk's result, which the next launch reduces.
-@triton.jit
-def _chunk_max_kernel(x_ptr, part_max_ptr, V, stride_x, num_chunks, CHUNK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    idx = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(x_ptr + row * stride_x + idx, mask=idx < V, other=float("-inf"))
-    tl.store(part_max_ptr + row * num_chunks + chunk, tl.reduce(x, 0, _MAX))
-
-
-@triton.jit
-def _row_max(part_max_ptr, row, num_chunks, BLOCK_C: tl.constexpr):
-    c = tl.arange(0, BLOCK_C)
-    return tl.reduce(tl.load(part_max_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf")), 0, _MAX)
-
-
-@triton.jit
-def _row_winner(part_score_ptr, part_id_ptr, row, num_chunks, V, BLOCK_C: tl.constexpr):
-    """The whole race's winner from the chunks' ones: the best score, the first id on ties."""
-    c = tl.arange(0, BLOCK_C)
-    inside = c < num_chunks
-    score = tl.load(part_score_ptr + row * num_chunks + c, mask=inside, other=-1.0)
-    ids = tl.load(part_id_ptr + row * num_chunks + c, mask=inside, other=V)
-    top = tl.reduce(score, 0, _MAX)
-    return tl.reduce(tl.where(inside & (score == top), ids, V), 0, _MIN)
-
-
-@triton.jit
-def _chunk_race_kernel(x_ptr, q_ptr, kth_ptr, part_max_ptr, part_mass_ptr, part_above_ptr, part_score_ptr,
-                       part_id_ptr, V, stride_x, stride_q, num_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A chunk's mass and count above kth, and its race's winner."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    part = row * num_chunks + chunk
-    m = _row_max(part_max_ptr, row, num_chunks, BLOCK_C)
-    kth = tl.load(kth_ptr + row)
-    idx = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(x_ptr + row * stride_x + idx, mask=idx < V, other=float("-inf"))
-    over = (idx < V) & (x > kth)
-    tl.store(part_mass_ptr + part, tl.reduce(tl.where(over, tl.exp(x - m), 0.0), 0, _SUM))
-    tl.store(part_above_ptr + part, tl.reduce(over.to(tl.int32), 0, _SUM))
-    stop = tl.minimum(chunk * CHUNK + CHUNK, V)
-    score, w = _race(x_ptr + row * stride_x, q_ptr + row * stride_q, chunk * CHUNK, stop, m, kth,
-                     float("-inf"), V + 1, CHUNK)
-    tl.store(part_score_ptr + part, score)
-    tl.store(part_id_ptr + part, tl.where(score < 0, V, w))
-
-
-@triton.jit
-def _chunk_ahead_kernel(x_ptr, part_max_ptr, part_score_ptr, part_id_ptr, part_count_ptr, part_ahead_ptr,
-                        V, stride_x, num_chunks, CHUNK: tl.constexpr, BLOCK_C: tl.constexpr):
-    """How many of a chunk's values are ahead of the whole race's winner, and their mass."""
-    row = tl.program_id(0).to(tl.int64)
-    chunk = tl.program_id(1)
-    m = _row_max(part_max_ptr, row, num_chunks, BLOCK_C)
-    w = _row_winner(part_score_ptr, part_id_ptr, row, num_chunks, V, BLOCK_C)
-    x_row = x_ptr + row * stride_x
-    count, mass = _ahead(x_row, chunk * CHUNK, tl.minimum(chunk * CHUNK + CHUNK, V), m, tl.load(x_row + w), w, CHUNK)
-    tl.store(part_count_ptr + row * num_chunks + chunk, count)
-    tl.store(part_ahead_ptr + row * num_chunks + chunk, mass)
-
-
-@triton.jit
-def _settle_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, part_max_ptr, part_mass_ptr, part_above_ptr,
-                   part_score_ptr, part_id_ptr, part_count_ptr, part_ahead_ptr, V, stride_x, stride_q, num_chunks,
-                   CUTS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr):
-    """A row's chunks reduced, and the cuts' check (_settle)."""
-    row = tl.program_id(0).to(tl.int64)
-    c = tl.arange(0, BLOCK_C)
-    parts = row * num_chunks + c
-    inside = c < num_chunks
-    m = _row_max(part_max_ptr, row, num_chunks, BLOCK_C)
-    kth = tl.load(kth_ptr + row)
-    k = tl.load(k_ptr + row)
-    above_mass = tl.reduce(tl.load(part_mass_ptr + parts, mask=inside, other=0.0), 0, _SUM)
-    above = tl.reduce(tl.load(part_above_ptr + parts, mask=inside, other=0), 0, _SUM)
-    w = _row_winner(part_score_ptr, part_id_ptr, row, num_chunks, V, BLOCK_C)
-    count = tl.full((), 0, tl.int32)
-    mass = tl.full((), 0.0, tl.float32)
-    if CUTS:
-        count = tl.reduce(tl.load(part_count_ptr + parts, mask=inside, other=0), 0, _SUM)
-        mass = tl.reduce(tl.load(part_ahead_ptr + parts, mask=inside, other=0.0), 0, _SUM)
-    w = _settle(x_ptr + row * stride_x, q_ptr + row * stride_q, V, m, kth, k, tl.load(p_ptr + row),
-                _kept_mass(above_mass, above, k, kth, m), w, count, mass, BLOCK)
+        count, mass = _ahead(x_row, V, m, wx, w, BLOCK)
+        rejected = (count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))
+    while rejected:
+        w = _race(x_row, q_row, V, m, kth, wx, w, BLOCK)
+        wx = tl.load(x_row + w)
+        count, mass = _ahead(x_row, V, m, wx, w, BLOCK)
+        rejected = (count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))
     tl.store(out_ptr + row, w.to(tl.int64))
 
 
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,
                 top_p: torch.Tensor | None, max_top_k: int = 0, *, block: int = BLOCK,
-                num_warps: int | None = None, split: bool | None = None, chunk: int = CHUNK) -> torch.Tensor:
+                num_warps: int | None = None) -> torch.Tensor:
     """`race_sample_ref` without the sort (module docstring): [B] int64.
     max_top_k: the largest k of the rows with top-k on (a host value, so no step waits to read
-    it). block / num_warps: the values a program reads a step and its warps (None: by the rows).
-    split: a row's passes cut into chunks of `chunk` values, a program each (None: under
-    SPLIT_BELOW_ROWS rows, where programs a row would leave SMs idle)."""
+    it). block / num_warps: the values a program reads a step and its warps (None: by the rows)."""
     for name, t in (("logits", logits), ("noise", noise)):
         if t.dim() != 2 or t.dtype != torch.float32 or (t.shape[1] > 1 and t.stride(1) != 1):
             raise ValueError(f"{name} must be [B, V] fp32 with unit column stride, got {t.dtype} "
@@ -276,7 +167,6 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
         return out
     if vocab == 0:
         raise ValueError("logits must have at least one column")
-    cuts = top_k is not None or top_p is not None
     # What is off comes in as its neutral value (k = V with kth = -inf, top_p = 1): one variant.
     kth = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=device)
     if top_k is None:
@@ -288,25 +178,9 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
         kth = torch.where(k <= width, kth_values.gather(1, (k.clamp(max=width) - 1).unsqueeze(1)).squeeze(1), kth)
     if top_p is None:
         top_p = torch.ones(num_rows, dtype=torch.float32, device=device)
-    warps = num_warps or num_warps_for(num_rows)
-    if not (num_rows < SPLIT_BELOW_ROWS if split is None else split):
-        _race_sample_kernel[(num_rows,)](logits, noise, kth, k, top_p, out, vocab, logits.stride(0),
-                                         noise.stride(0), BLOCK=block, num_warps=warps)
-        return out
-    num_chunks = triton.cdiv(vocab, chunk)
-    block_c = max(16, triton.next_power_of_2(num_chunks))
-    f = torch.empty(4, num_rows, num_chunks, dtype=torch.float32, device=device)   # max, mass above, score, mass ahead
-    i = torch.empty(3, num_rows, num_chunks, dtype=torch.int32, device=device)     # count above, id, count ahead
-    grid = (num_rows, num_chunks)
-    _chunk_max_kernel[grid](logits, f[0], vocab, logits.stride(0), num_chunks, CHUNK=chunk, num_warps=4)
-    _chunk_race_kernel[grid](logits, noise, kth, f[0], f[1], i[0], f[2], i[1], vocab, logits.stride(0),
-                             noise.stride(0), num_chunks, CHUNK=chunk, BLOCK_C=block_c, num_warps=4)
-    if cuts:
-        _chunk_ahead_kernel[grid](logits, f[0], f[2], i[1], i[2], f[3], vocab, logits.stride(0), num_chunks,
-                                  CHUNK=chunk, BLOCK_C=block_c, num_warps=4)
-    _settle_kernel[(num_rows,)](logits, noise, kth, k, top_p, out, f[0], f[1], i[0], f[2], i[1], i[2], f[3],
-                                vocab, logits.stride(0), noise.stride(0), num_chunks, CUTS=cuts, BLOCK=block,
-                                BLOCK_C=block_c, num_warps=warps)
+    _race_sample_kernel[(num_rows,)](logits, noise, kth, k, top_p, out, vocab, logits.stride(0),
+                                     noise.stride(0), BLOCK=block,
+                                     num_warps=num_warps or num_warps_for(num_rows))
     return out
 
 

@@ -21,8 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = {"temperature only": (0, 1.0, 2.5), "top_p 0.95": (0, 0.95, 2.5),
          "top_k 50 + top_p 0.95": (50, 0.95, 2.5), "top_k 50": (50, 1.0, 2.5),
          "top_p 0.95, flat": (0, 0.95, 0.3), "top_p 0.5, flat": (0, 0.5, 0.3)}
-CONFIGS = [(2048, 4), (4096, 8), (8192, 8), (8192, 16)]          # (block, num_warps): a program a row
-SPLIT_CHUNKS = [1024, 2048, 4096]                                  # split: values a program
+CONFIGS = [(2048, 4), (4096, 8), (8192, 8), (8192, 16)]          # (block, num_warps)
 DRAWS = 4
 
 
@@ -61,12 +60,9 @@ def main() -> None:
                    "rejected_rows": sum(int((w != a).sum()) for w, a in zip(wants, whole)),
                    "before_us": 1e3 * triton.testing.do_bench(lambda: before(x, qs[0], top_k, top_p)),
                    "kernel": {}}
-            runs = {f"block{block}_w{warps}": (lambda q, block=block, warps=warps: rs.race_sample(
-                x, q, top_k, top_p, k, block=block, num_warps=warps, split=False)) for block, warps in CONFIGS}
-            runs |= {f"split{chunk}": (lambda q, chunk=chunk: rs.race_sample(
-                x, q, top_k, top_p, k, split=True, chunk=chunk)) for chunk in SPLIT_CHUNKS}
-            for config, run in runs.items():
-                row["kernel"][config] = {
+            for block, warps in CONFIGS:
+                run = (lambda q: rs.race_sample(x, q, top_k, top_p, k, block=block, num_warps=warps))
+                row["kernel"][f"block{block}_w{warps}"] = {
                     "us": 1e3 * triton.testing.do_bench(lambda: run(qs[0])),
                     "mismatched_rows": sum(int((run(q) != w).sum()) for q, w in zip(qs, wants))}
             row["best"] = min(row["kernel"], key=lambda c: row["kernel"][c]["us"])

@@ -8,4 +8,3 @@ def test_cases_cover_each_cut_and_configs_are_distinct():
         (False, False), (False, True), (True, True), (True, False)}
     assert len(set(probe.CONFIGS)) == len(probe.CONFIGS)
     assert all(block & (block - 1) == 0 and warps in (4, 8, 16) for block, warps in probe.CONFIGS)
-    assert all(chunk & (chunk - 1) == 0 for chunk in probe.SPLIT_CHUNKS)

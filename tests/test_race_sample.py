@@ -1,7 +1,7 @@
 """kernels/race_sample.py against its reference (the stable sort, softmax and race): the same
 token for every row and draw, with ties at both cuts (kept lowest id first), -0.0 beside +0.0,
 -inf values (min-p, min_tokens), k past V, top_p 1, and winners of the whole race that the cuts
-reject (the kernel's loop); a program a row and rows split in chunks alike.
+reject (the kernel's loop).
 
 Without CUDA the kernel runs under Triton's interpreter on CPU at small block sizes, with CUDA on
 the GPU at the real block and a 128k vocabulary too.
@@ -39,13 +39,10 @@ def noise_like(x, seed):
     return torch.empty(x.shape).exponential_(generator=gen).clamp_min_(torch.finfo(torch.float32).tiny)
 
 
-def sample(x, q, top_k, top_p, block, split=False):
-    """split: a row's passes in chunks of `block` values, a program each; else a program a row
-    reading it `block` values at a time."""
+def sample(x, q, top_k, top_p, block):
     to = (lambda t: None if t is None else t.to(DEVICE))
     max_top_k = int(top_k.max()) if top_k is not None else 0
-    return rs.race_sample(x.to(DEVICE), q.to(DEVICE), to(top_k), to(top_p), max_top_k, block=block,
-                          split=split, chunk=block).cpu()
+    return rs.race_sample(x.to(DEVICE), q.to(DEVICE), to(top_k), to(top_p), max_top_k, block=block).cpu()
 
 
 CASES = [  # (seed, rows, vocab, scale, ties, -inf, zeros, block)
@@ -60,9 +57,8 @@ if ON_GPU:
               (6, 64, 128256, 1.0, True, False, True, rs.BLOCK)]
 
 
-@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("case", CASES)
-def test_equals_the_sort_for_every_draw(case, split):
+def test_equals_the_sort_for_every_draw(case):
     seed, num_rows, vocab, *rest, block = case
     x = logit_rows(seed, num_rows, vocab, *rest)
     rng = random.Random(seed)
@@ -76,14 +72,13 @@ def test_equals_the_sort_for_every_draw(case, split):
         whole_race = rs.race_sample_ref(x, q, None, None)
         for k, p in ((top_k, top_p), (top_k, None), (None, top_p), (None, None)):
             want = rs.race_sample_ref(x, q, k, p)
-            got = sample(x, q, k, p, block, split)
+            got = sample(x, q, k, p, block)
             assert torch.equal(got, want), (draw, k, p, (got != want).nonzero().flatten().tolist())
             rejected += int((want != whole_race).sum())
     assert rejected > 0, "no draw made the kernel reject the whole race's winner"
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_flat_rows_with_a_small_top_p_reject_many_times(split):
+def test_flat_rows_with_a_small_top_p_reject_many_times():
     """Top-p 0.05 over 4,000 nearly equal logits keeps ~200: the whole race's winner is rejected in
     ~95% of rows, and each next race over what is ahead of it is rejected often too."""
     x = logit_rows(7, 8, 4000, 0.05, False, False, False)
@@ -92,37 +87,20 @@ def test_flat_rows_with_a_small_top_p_reject_many_times(split):
         q = noise_like(x, 70 + draw)
         want = rs.race_sample_ref(x, q, None, top_p)
         assert (want != rs.race_sample_ref(x, q, None, None)).sum() >= 6
-        assert torch.equal(sample(x, q, None, top_p, 512, split), want)
+        assert torch.equal(sample(x, q, None, top_p, 512), want)
 
 
-@pytest.mark.parametrize("split", [False, True])
-def test_ties_at_the_cut_keep_the_lowest_ids(split):
+def test_ties_at_the_cut_keep_the_lowest_ids():
     # Four equal logits. The noise favours id 4, then 3, then 2, then 1. Top-k 2 keeps ids 1 and
     # 2 (so 2 wins), and so does top-p 0.4 (mass .25 before id 2, .5 before id 3); top-k 3 with
     # top-p 0.6 keeps ids 1-3 and renormalises to thirds: 1/3 before id 2, 2/3 before id 3 (2 wins).
     x = torch.tensor([[-9.0, 1.0, 1.0, 1.0, 1.0, -9.0]])
     q = torch.tensor([[1.0, 4.0, 3.0, 2.0, 1.0, 1.0]])
-    assert sample(x, q, torch.tensor([2]), None, 16, split).tolist() == [2]
-    assert sample(x, q, None, torch.tensor([0.4]), 16, split).tolist() == [2]
-    assert sample(x, q, torch.tensor([3]), torch.tensor([0.6]), 16, split).tolist() == [2]
-    assert sample(x, q, torch.tensor([3]), None, 16, split).tolist() == [3]
-    assert sample(x, q, None, None, 16, split).tolist() == [4]
-
-
-@pytest.mark.parametrize("split", [False, True])
-def test_ties_at_the_cut_in_other_chunks(split):
-    """Ten equal top logits spread over 13 chunks of 16, the noise favouring the higher ids:
-    top-k 3 and top-p 0.03 (each holds ~0.0125 of the mass) both keep ids 5, 37 and 70, and 70
-    wins, which needs the ties ahead of each winner counted in every chunk."""
-    ids = [5, 37, 70, 101, 133, 150, 170, 185, 190, 199]
-    x = torch.zeros(1, 200)
-    x[0, ids] = 1.0
-    q = torch.ones(1, 200)
-    q[0, ids] = torch.linspace(1.0, 0.1, len(ids))
-    assert sample(x, q, torch.tensor([3]), None, 16, split).tolist() == [70]
-    assert sample(x, q, None, torch.tensor([0.03]), 16, split).tolist() == [70]
-    assert rs.race_sample_ref(x, q, torch.tensor([3]), None).tolist() == [70]
-    assert rs.race_sample_ref(x, q, None, torch.tensor([0.03])).tolist() == [70]
+    assert sample(x, q, torch.tensor([2]), None, 16).tolist() == [2]
+    assert sample(x, q, None, torch.tensor([0.4]), 16).tolist() == [2]
+    assert sample(x, q, torch.tensor([3]), torch.tensor([0.6]), 16).tolist() == [2]
+    assert sample(x, q, torch.tensor([3]), None, 16).tolist() == [3]
+    assert sample(x, q, None, None, 16).tolist() == [4]
 
 
 def test_rejects_what_it_does_not_take():
