@@ -103,6 +103,21 @@ def test_ties_at_the_cut_keep_the_lowest_ids():
     assert sample(x, q, None, None, 16).tolist() == [4]
 
 
+def test_ties_at_the_cut_in_other_blocks():
+    """Ten equal top logits spread over 13 blocks of 16, the noise favouring the higher ids:
+    top-k 3 and top-p 0.03 (each holds ~0.0125 of the mass) both keep ids 5, 37 and 70, and 70
+    wins, which needs the ties ahead of each winner counted in every block."""
+    ids = [5, 37, 70, 101, 133, 150, 170, 185, 190, 199]
+    x = torch.zeros(1, 200)
+    x[0, ids] = 1.0
+    q = torch.ones(1, 200)
+    q[0, ids] = torch.linspace(1.0, 0.1, len(ids))
+    assert sample(x, q, torch.tensor([3]), None, 16).tolist() == [70]
+    assert sample(x, q, None, torch.tensor([0.03]), 16).tolist() == [70]
+    assert rs.race_sample_ref(x, q, torch.tensor([3]), None).tolist() == [70]
+    assert rs.race_sample_ref(x, q, None, torch.tensor([0.03])).tolist() == [70]
+
+
 def test_rejects_what_it_does_not_take():
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="logits must be"):
