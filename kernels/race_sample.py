@@ -7,8 +7,8 @@ always kept (top_p = 1: all). The sampled token is the kept one with the largest
 first on ties, where q [B, V] is the caller's Exp(1) noise: a draw from the kept distribution.
 
 Why not the sort: at 256 rows of Llama 3's 128,256 logits the sort, its softmax, cumulative sum,
-scatter back, the second softmax and the division cost ~3.5 ms of a ~17 ms decode step on an
-H200 (benchmarks/h200/penalties.md, sampling_635bcc5).
+scatter back, the second softmax, the division and the argmax took 3.9 ms of a ~17 ms decode
+step on an H200; this kernel takes 0.32 ms (benchmarks/h200/race_sample.md).
 
 Here one program owns a row and never needs the whole kept set, only whether the race's winner
 is in it. With e_i = exp(x_i - max x), "ahead of j" meaning before j in the order above:
@@ -48,13 +48,6 @@ _MANY_ROWS = 128
 def num_warps_for(num_rows: int) -> int:
     return 8 if num_rows >= _MANY_ROWS else 16
 
-
-def warm_up(num_cols: int, device: torch.device | str) -> None:
-    """Compile each variant race_sample picks for rows of num_cols logits (one per warp count),
-    so that none compiles while serving."""
-    x = torch.zeros(1, num_cols, dtype=torch.float32, device=device)
-    for num_rows in (1, _MANY_ROWS):
-        race_sample(x, torch.ones_like(x), None, None, num_warps=num_warps_for(num_rows))
 
 # Triton's own combine functions through tl.reduce, so the kernel also runs interpreted
 # (kernels/paged_attention.py says why).
@@ -182,6 +175,14 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
                                      noise.stride(0), BLOCK=block,
                                      num_warps=num_warps or num_warps_for(num_rows))
     return out
+
+
+def warm_up(num_cols: int, device: torch.device | str) -> None:
+    """Compile each variant race_sample picks for rows of num_cols logits (one per warp count),
+    so that none compiles while serving."""
+    x = torch.zeros(1, num_cols, dtype=torch.float32, device=device)
+    for num_rows in (1, _MANY_ROWS):
+        race_sample(x, torch.ones_like(x), None, None, num_warps=num_warps_for(num_rows))
 
 
 def race_sample_ref(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,
