@@ -1,0 +1,76 @@
+"""The sampler's Triton kernels compile for an H100 / H200 (sm_90) on a machine without a GPU.
+
+The interpreter runs their logic here (tests/test_race_sample.py, test_exp_noise.py,
+test_argmax.py) but does not check what only the compiler checks: a constexpr assigned in each
+round of a static_range ran interpreted and failed to compile on the GPU
+(benchmarks/h200/race_sample.md, section 6). A child process without TRITON_INTERPRET, with a
+driver that names sm_90, compiles each variant the engine launches (triton's wheel carries
+ptxas).
+"""
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r'''
+import torch
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+
+
+class Sm90Driver:
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_device_interface(self):
+        return torch.cuda
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+class Ptr:
+    """A tensor argument as the launcher sees it: a dtype and an address aligned to 16."""
+
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+    def data_ptr(self):
+        return 1 << 20
+
+
+driver.set_active(Sm90Driver())
+import kernels.argmax as am
+import kernels.exp_noise as en
+import kernels.race_sample as rs
+
+f32, i32, i64 = (Ptr(t) for t in (torch.float32, torch.int32, torch.int64))
+V = 128256
+for num_rows in (1, 256):
+    rs._race_sample_kernel.warmup(f32, f32, f32, i64, f32, i64, V, V, V, BLOCK=rs.BLOCK,
+                                  num_warps=rs.num_warps_for(num_rows), grid=(1,))
+    print("race_sample", rs.num_warps_for(num_rows), "warps")
+en._exponential_noise_kernel.warmup(i64, i32, f32, V, V, BLOCK=en.BLOCK, num_warps=4, grid=(1,))
+print("exp_noise")
+chunks = -(-V // am.CHUNK)
+am._chunk_max_kernel.warmup(f32, V, f32, i32, V, chunks, BLOCK=am.CHUNK, num_warps=4, grid=(1,))
+am._pick_kernel.warmup(f32, i32, i64, V, chunks, BLOCK_C=32, num_warps=1, grid=(1,))
+print("argmax")
+print("ok")
+'''
+
+
+def test_sampler_kernels_compile_for_sm90():
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0 and r.stdout.splitlines()[-1:] == ["ok"], r.stdout[-2000:] + r.stderr[-4000:]
+    assert r.stdout.splitlines()[:4] == ["race_sample 16 warps", "race_sample 8 warps", "exp_noise", "argmax"]
