@@ -122,18 +122,20 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_
     kept_mass = above_mass + (k - above).to(tl.float32) * tl.exp(kth - m)
     kept_mass = tl.where(kth == float("-inf"), above_mass, kept_mass)
 
+    # A race finds no candidate (w = V) only in a row without numbers (NaN, +inf: no max to
+    # measure against); it ends there and gives id 0 rather than loop or read past the row.
     w = _race(x_row, q_row, V, m, kth, float("-inf"), V + 1, BLOCK)
-    wx = tl.load(x_row + w)
+    wx = tl.load(x_row + w, mask=w < V, other=0.0)
     rejected = w < 0                      # false, as a scalar tensor
     if (k < V) | (top_p < 1.0):
         count, mass = _ahead(x_row, V, m, wx, w, BLOCK)
-        rejected = (count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))
+        rejected = ((count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))) & (w < V)
     while rejected:
         w = _race(x_row, q_row, V, m, kth, wx, w, BLOCK)
-        wx = tl.load(x_row + w)
+        wx = tl.load(x_row + w, mask=w < V, other=0.0)
         count, mass = _ahead(x_row, V, m, wx, w, BLOCK)
-        rejected = (count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))
-    tl.store(out_ptr + row, w.to(tl.int64))
+        rejected = ((count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))) & (w < V)
+    tl.store(out_ptr + row, tl.where(w < V, w, 0).to(tl.int64))
 
 
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,

@@ -118,6 +118,22 @@ def test_ties_at_the_cut_in_other_blocks():
     assert rs.race_sample_ref(x, q, None, torch.tensor([0.03])).tolist() == [70]
 
 
+def test_rows_without_numbers_end_with_a_valid_id():
+    """NaN and +inf logits (a broken model's) leave the race without a candidate; the kernel must
+    still end and give an id inside the vocabulary (0 for a row with no finite value), never the
+    sentinel V, which would index past the embedding."""
+    x = torch.randn(4, 100, generator=torch.Generator().manual_seed(3))
+    x[0] = float("nan")
+    x[1, 7] = float("nan")
+    x[2] = float("inf")
+    x[3, [5, 9]] = float("inf")
+    q = noise_like(x, 5)
+    for k, p in ((torch.tensor([1, 1, 1, 1]), torch.tensor([0.5] * 4)), (None, torch.tensor([0.9] * 4)),
+                 (torch.tensor([3] * 4), None), (None, None)):
+        got = sample(x, q, k, p, 16)
+        assert ((got >= 0) & (got < 100)).all(), (k, p, got)
+
+
 def test_rejects_what_it_does_not_take():
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="logits must be"):
