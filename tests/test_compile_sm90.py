@@ -4,7 +4,7 @@ The interpreter runs their logic here (tests/test_race_sample.py, test_exp_noise
 test_argmax.py) but does not check what only the compiler checks: a constexpr assigned in each
 round of a static_range ran interpreted and failed to compile on the GPU
 (benchmarks/h200/race_sample.md, section 6). A child process without TRITON_INTERPRET, with a
-driver that names sm_90, compiles each variant the engine launches (triton's wheel carries
+driver that names sm_90 (scripts/sm90_target.py), compiles each variant the engine launches (triton's wheel carries
 ptxas).
 """
 import os
@@ -15,38 +15,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r'''
 import torch
-from triton.backends.compiler import GPUTarget
-from triton.runtime import driver
 
-
-class Sm90Driver:
-    def get_current_target(self):
-        return GPUTarget("cuda", 90, 32)
-
-    def get_current_device(self):
-        return 0
-
-    def get_current_stream(self, device=None):
-        return 0
-
-    def get_device_interface(self):
-        return torch.cuda
-
-    def get_active_torch_device(self):
-        return torch.device("cpu")
-
-
-class Ptr:
-    """A tensor argument as the launcher sees it: a dtype and an address aligned to 16."""
-
-    def __init__(self, dtype):
-        self.dtype = dtype
-
-    def data_ptr(self):
-        return 1 << 20
-
-
-driver.set_active(Sm90Driver())
+from scripts.sm90_target import Ptr   # the active driver now names sm_90
 import kernels.argmax as am
 import kernels.exp_noise as en
 import kernels.race_sample as rs

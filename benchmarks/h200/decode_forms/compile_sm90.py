@@ -18,7 +18,7 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 import triton  # noqa: E402
-from sm90_target import Ptr  # noqa: E402 - makes the sm_90 stand-in the active driver
+from scripts.sm90_target import Ptr  # noqa: E402 - makes the sm_90 stand-in the active driver
 
 
 def report(name, kernel):

@@ -10,7 +10,7 @@ last wave:
 - "dp": one program an SM, looping over whole tiles (the M tiles of one N tile next to each
   other, so W's tile comes from L2 the second time); TMA descriptors made on the host.
 - "dp_ws": the same loop with `warp_specialize=True`. Compiled for sm_90 (the CPU machine, with
-  sm90_target.py), triton 3.6 does not partition it: it runs as "dp". Not timed.
+  scripts/sm90_target.py), triton 3.6 does not partition it: it runs as "dp". Not timed.
 - "sk" (stream-K, hybrid): the tiles of every full wave but the last are whole tiles as in "dp";
   the rest, tiles x K steps, are cut into one equal run of K steps per program. A program that
   starts a tile (holds its first K step) adds the partials of the programs after it on that

@@ -17,13 +17,15 @@ import os
 import subprocess
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(HERE))))
+sys.path.insert(0, HERE)
 
 import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
-from sm90_target import Ptr, Sm90Driver  # noqa: E402 - makes the sm_90 stand-in the active driver
+from scripts.sm90_target import Ptr, Sm90Driver  # noqa: E402 - makes the sm_90 stand-in the active driver
 from ws_attention_probe import _attn_descriptors, _attn_pointers  # noqa: E402 - the loops it times
 
 

@@ -1,6 +1,7 @@
 """Triton compiling for an H100/H200 (sm_90) on a machine without a GPU: a driver that names
 sm_90, and pointer stand-ins aligned to 16. Importing this module makes it the active driver.
-Used by compile_sm90.py and warp_specialize_sm90.py."""
+Used by tests/test_compile_sm90.py and benchmarks/h200/decode_forms' compile_sm90.py and
+warp_specialize_sm90.py."""
 import torch
 from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
