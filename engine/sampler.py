@@ -19,13 +19,12 @@ from engine.host_copy import list_to_device
 from engine.sampling_params import SamplingParams
 from kernels.argmax import argmax_rows
 from kernels.exp_noise import exponential_noise, exponential_noise_ref
-from kernels.race_sample import keep_top_k_top_p, race_sample
+from kernels.race_sample import race_sample, race_sample_ref
 
 # Temperatures below this are greedy: dividing fp32 logits by them can overflow, and the
 # distribution is a point mass to within rounding anyway (vLLM uses the same cut-off).
 _MIN_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
-_RACE_MIN_ROWS = 64         # rows from which kernels/race_sample.py pays without top-k / top-p
 
 
 @dataclass
@@ -176,15 +175,11 @@ class Sampler:
         if meta.min_p is not None:
             logits = _apply_min_p(logits, meta.min_p)
         noise = self._exponential_noise(logits, meta)
-        # On CUDA the cuts and the race without sorting the logits (the sort took 3.9 ms at 256
-        # rows, the kernel 0.32); with no cut and few rows the softmax and the argmax's many
-        # programs are faster (54 against 80 us at one row: race_sample_3c271b7.json).
-        cut = meta.top_k is not None or meta.top_p is not None
-        if logits.is_cuda and (cut or logits.shape[0] >= _RACE_MIN_ROWS):
+        # On CUDA without sorting the logits (the sort took 3.9 ms at 256 rows, the kernel
+        # 0.32); elsewhere by the sort, the kernel's reference.
+        if logits.is_cuda:
             return race_sample(logits, noise, meta.top_k, meta.top_p, meta.max_top_k)
-        if cut:
-            logits = keep_top_k_top_p(logits, meta.top_k, meta.top_p)
-        return _argmax(logits.softmax(-1) / noise)
+        return race_sample_ref(logits, noise, meta.top_k, meta.top_p)
 
     def _exponential_noise(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
         """q ~ Exp(1), shaped like `logits` [B, V], in one launch (kernels/exp_noise.py; its

@@ -37,12 +37,17 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.argmax import argmax_rows
+
 __all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "BLOCK", "num_warps_for", "warm_up"]
 
 # The fastest of (2048, 4), (4096, 8), (8192, 8), (8192, 16) at 1-512 rows on an H200
 # (benchmarks/h200/race_sample_3c271b7.json): 16 warps while the rows leave SMs idle.
 BLOCK = 8192
 _MANY_ROWS = 128
+# With neither cut, under this many rows the softmax, p / q and kernels/argmax.py's many programs
+# a row are faster than a program a row (54 against 80 us at one row, 97 / 94 at 64).
+_RACE_MIN_ROWS = 64
 
 
 def num_warps_for(num_rows: int) -> int:
@@ -141,7 +146,8 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,
                 top_p: torch.Tensor | None, max_top_k: int = 0, *, block: int = BLOCK,
                 num_warps: int | None = None) -> torch.Tensor:
-    """`race_sample_ref` without the sort (module docstring): [B] int64.
+    """`race_sample_ref` without the sort (module docstring): [B] int64. With neither cut and
+    under _RACE_MIN_ROWS rows, the reference's own softmax, p / q and argmax, which are faster there.
     max_top_k: the largest k of the rows with top-k on (a host value, so no step waits to read
     it). block / num_warps: the values a program reads a step and its warps (None: by the rows)."""
     for name, t in (("logits", logits), ("noise", noise)):
@@ -162,6 +168,8 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
         return out
     if vocab == 0:
         raise ValueError("logits must have at least one column")
+    if top_k is None and top_p is None and num_rows < _RACE_MIN_ROWS:
+        return argmax_rows(logits.softmax(-1) / noise)
     # What is off comes in as its neutral value (k = V with kth = -inf, top_p = 1): one variant.
     kth = torch.full((num_rows,), float("-inf"), dtype=torch.float32, device=device)
     if top_k is None:
@@ -183,8 +191,9 @@ def warm_up(num_cols: int, device: torch.device | str) -> None:
     """Compile each variant race_sample picks for rows of num_cols logits (one per warp count),
     so that none compiles while serving."""
     x = torch.zeros(1, num_cols, dtype=torch.float32, device=device)
+    top_p = torch.ones(1, dtype=torch.float32, device=device)        # a cut (off), so the kernel runs
     for num_rows in (1, _MANY_ROWS):
-        race_sample(x, torch.ones_like(x), None, None, num_warps=num_warps_for(num_rows))
+        race_sample(x, torch.ones_like(x), None, top_p, num_warps=num_warps_for(num_rows))
 
 
 def race_sample_ref(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,

@@ -134,6 +134,19 @@ def test_rows_without_numbers_end_with_a_valid_id():
         assert ((got >= 0) & (got < 100)).all(), (k, p, got)
 
 
+def test_few_rows_without_a_cut_take_the_softmax_and_warm_up_the_kernel(monkeypatch):
+    """Under 64 rows with neither cut race_sample runs the reference's softmax and argmax (faster
+    there); warm_up must still launch the kernel itself, at each warp count."""
+    x = logit_rows(8, 3, 300, 2.0, False, False, False)
+    q = noise_like(x, 80)
+    assert torch.equal(sample(x, q, None, None, 64), rs.race_sample_ref(x, q, None, None))
+    launched = []
+    monkeypatch.setattr(rs, "argmax_rows", lambda *a: pytest.fail("warm_up took the softmax path"))
+    monkeypatch.setattr(rs, "num_warps_for", lambda n: launched.append(n) or 4)
+    rs.warm_up(64, DEVICE)
+    assert launched == [1, 128]
+
+
 def test_rejects_what_it_does_not_take():
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="logits must be"):
