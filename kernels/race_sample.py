@@ -140,13 +140,17 @@ def _ahead(x_row, V, m, wx, wi, BLOCK: tl.constexpr):
     return count, mass
 
 
-@triton.jit
-def _race_sample_kernel(x_ptr, q_ptr, k_ptr, p_ptr, out_ptr, V, stride_x, stride_q, BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["has_k", "has_p"])
+def _race_sample_kernel(x_ptr, q_ptr, k_ptr, p_ptr, out_ptr, V, stride_x, stride_q, has_k, has_p,
+                        BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
-    k = tl.load(k_ptr + row)
-    top_p = tl.load(p_ptr + row)
+    # What is off takes its neutral value here (k = V, top_p = 1), so one variant serves every
+    # mix and the launcher fills nothing: k <= 0 (off) or past V keeps the whole row.
+    k = tl.load(k_ptr + row, mask=has_k != 0, other=0)
+    k = tl.where((k > 0) & (k < V), k, V)
+    top_p = tl.load(p_ptr + row, mask=has_p != 0, other=1.0)
     cols = tl.arange(0, BLOCK)
     kth = tl.full((), float("-inf"), tl.float32)
     if k < V:
@@ -208,14 +212,10 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
         raise ValueError("logits must have at least one column")
     if top_k is None and top_p is None and num_rows < _RACE_MIN_ROWS:
         return argmax_rows(logits.softmax(-1) / noise)
-    # What is off comes in as its neutral value (k = V, top_p = 1): one variant.
-    if top_k is None:
-        k = torch.full((num_rows,), vocab, dtype=torch.int64, device=device)
-    else:
-        k = torch.where(top_k > 0, top_k.clamp(max=vocab), vocab)
-    if top_p is None:
-        top_p = torch.ones(num_rows, dtype=torch.float32, device=device)
-    _race_sample_kernel[(num_rows,)](logits, noise, k, top_p, out, vocab, logits.stride(0), noise.stride(0),
+    # A cut that is off passes a stand-in of its pointer's type, never read (has_k / has_p 0).
+    _race_sample_kernel[(num_rows,)](logits, noise, out if top_k is None else top_k,
+                                     logits if top_p is None else top_p, out, vocab, logits.stride(0),
+                                     noise.stride(0), int(top_k is not None), int(top_p is not None),
                                      BLOCK=block, num_warps=num_warps or num_warps_for(num_rows))
     return out
 
