@@ -14,15 +14,13 @@ Here one program owns a row and never needs the whole kept set, only whether the
 is in it. With e_i = exp(x_i - max x), "ahead of j" meaning before j in the order above:
 - the race: w = argmax e_i / q_i over the candidates (the first on ties);
 - the check: w is kept iff #(ahead of w) < k and mass(ahead of w) / Z < top_p, Z the mass of the
-  k largest: mass(x > t) + (k - #(x > t)) exp(t - max x), t the k-th largest value (top-k off:
-  -inf and Z is the whole row's mass). t comes from a radix select over the values' 32-bit keys,
-  a byte a pass: four passes counting, by histogram, the values under the prefix found so far;
+  k largest: mass(x > t) + (k - #(x > t)) exp(t - max x), t the k-th largest value (`kth`, from
+  torch.topk; top-k off: -inf and Z is the whole row's mass);
 - if w is not kept, neither is anything behind it (both rules only grow along the order), so
   the next race is over what is ahead of w; the row's largest value is always kept, so it ends.
 The winner of the whole race is the kept set's winner as soon as it is kept, which is the common
-case: a step is a pass for the max and mass, one for the race, one for the check (four more for
-t with top-k), and another race and check for each rejection (with probability about the mass
-outside the kept set).
+case: a step is a pass for the max and mass, one for the race, one for the check, and another
+race and check for each rejection (with probability about the mass outside the kept set).
 Candidates start at the values >= t, so top-k alone never rejects past the ties at t.
 
 The kernel compares e_i / q_i where the reference compares (e_i / Z') / q_i (Z' the kept mass,
@@ -41,8 +39,7 @@ import triton.language as tl
 
 from kernels.argmax import argmax_rows
 
-__all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "kth_largest", "BLOCK", "num_warps_for",
-           "warm_up"]
+__all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "BLOCK", "num_warps_for", "warm_up"]
 
 # The fastest of (2048, 4), (4096, 8), (8192, 8), (8192, 16) at 1-512 rows on an H200
 # (benchmarks/h200/race_sample_3c271b7.json): 16 warps while the rows leave SMs idle.
@@ -62,44 +59,6 @@ def num_warps_for(num_rows: int) -> int:
 _MAX = tl.standard._elementwise_max
 _MIN = tl.standard._elementwise_min
 _SUM = tl.standard._sum_combine
-
-
-@triton.jit
-def _descending_key(x):
-    """uint32 keys that ascend as the fp32 values x descend (-0.0 taken as +0.0, so equal values
-    have equal keys)."""
-    bits = tl.where(x == 0.0, 0.0, x).to(tl.uint32, bitcast=True)
-    return tl.where((bits >> 31) != 0, bits, ~bits & 0x7FFFFFFF)
-
-
-@triton.jit
-def _value_of(key):
-    """The fp32 value of a _descending_key."""
-    return tl.where((key >> 31) != 0, key, ~key & 0x7FFFFFFF).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _kth_largest(x_row, V, k, BLOCK: tl.constexpr):
-    """The k-th largest value of the row (1 <= k <= V): the k-th smallest key, a byte at a time
-    from the top, each pass a histogram of the next byte over the keys that share the bytes
-    found so far."""
-    cols = tl.arange(0, BLOCK)
-    prefix = tl.full((), 0, tl.uint32)
-    rest = k.to(tl.int32)                      # the rank still to find among the matching keys
-    for byte in tl.static_range(4):
-        shift = 24 - 8 * byte
-        counts = tl.full([256], 0, tl.int32)
-        for c in range(0, V, BLOCK):
-            idx = c + cols
-            inside = idx < V
-            key = _descending_key(tl.load(x_row + idx, mask=inside, other=0.0))
-            if byte > 0:
-                inside = inside & ((key >> (shift + 8)) == (prefix >> (shift + 8)))
-            counts += tl.histogram(((key >> shift) & 0xFF).to(tl.int32), 256, mask=inside)
-        before = tl.associative_scan(counts, 0, _SUM) < rest     # bins wholly before the k-th
-        rest -= tl.reduce(tl.where(before, counts, 0), 0, _SUM)
-        prefix |= tl.reduce(before.to(tl.int32), 0, _SUM).to(tl.uint32) << shift
-    return _value_of(prefix)
 
 
 @triton.jit
@@ -141,20 +100,18 @@ def _ahead(x_row, V, m, wx, wi, BLOCK: tl.constexpr):
 
 
 @triton.jit(do_not_specialize=["has_k", "has_p"])
-def _race_sample_kernel(x_ptr, q_ptr, k_ptr, p_ptr, out_ptr, V, stride_x, stride_q, has_k, has_p,
+def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_x, stride_q, has_k, has_p,
                         BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
-    # What is off takes its neutral value here (k = V, top_p = 1), so one variant serves every
-    # mix and the launcher fills nothing: k <= 0 (off) or past V keeps the whole row.
+    # What is off takes its neutral value here (k = V with kth = -inf, top_p = 1), so one variant
+    # serves every mix and the launcher fills nothing: k <= 0 (off) or past V keeps the whole row.
     k = tl.load(k_ptr + row, mask=has_k != 0, other=0)
     k = tl.where((k > 0) & (k < V), k, V)
+    kth = tl.load(kth_ptr + row, mask=k < V, other=float("-inf"))
     top_p = tl.load(p_ptr + row, mask=has_p != 0, other=1.0)
     cols = tl.arange(0, BLOCK)
-    kth = tl.full((), float("-inf"), tl.float32)
-    if k < V:
-        kth = _kth_largest(x_row, V, k, BLOCK)
 
     # The max m, and the mass and count of the values above kth (online, rescaled as m grows).
     m = tl.full((), float("-inf"), tl.float32)
@@ -190,10 +147,12 @@ def _race_sample_kernel(x_ptr, q_ptr, k_ptr, p_ptr, out_ptr, V, stride_x, stride
 
 
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,
-                top_p: torch.Tensor | None, *, block: int = BLOCK, num_warps: int | None = None) -> torch.Tensor:
+                top_p: torch.Tensor | None, max_top_k: int = 0, *, block: int = BLOCK,
+                num_warps: int | None = None) -> torch.Tensor:
     """`race_sample_ref` without the sort (module docstring): [B] int64. With neither cut and
     under _RACE_MIN_ROWS rows, the reference's own softmax, p / q and argmax, which are faster there.
-    block / num_warps: the values a program reads a step and its warps (None: by the rows)."""
+    max_top_k: the largest k of the rows with top-k on (a host value, so no step waits to read
+    it). block / num_warps: the values a program reads a step and its warps (None: by the rows)."""
     for name, t in (("logits", logits), ("noise", noise)):
         if t.dim() != 2 or t.dtype != torch.float32 or (t.shape[1] > 1 and t.stride(1) != 1):
             raise ValueError(f"{name} must be [B, V] fp32 with unit column stride, got {t.dtype} "
@@ -205,6 +164,8 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
     for name, t, dtype in (("top_k", top_k, torch.int64), ("top_p", top_p, torch.float32)):
         if t is not None and (t.shape != (num_rows,) or t.dtype != dtype or t.device != device):
             raise ValueError(f"{name} must be a {dtype} [{num_rows}] tensor on {device}")
+    if top_k is not None and not 0 < max_top_k:
+        raise ValueError(f"max_top_k must be the largest k (> 0) when top_k is given, got {max_top_k}")
     out = torch.empty(num_rows, dtype=torch.int64, device=device)
     if num_rows == 0:
         return out
@@ -212,25 +173,16 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
         raise ValueError("logits must have at least one column")
     if top_k is None and top_p is None and num_rows < _RACE_MIN_ROWS:
         return argmax_rows(logits.softmax(-1) / noise)
+    # The k-th largest value of the rows with top-k on; k <= 0 gathers a value the kernel ignores.
     # A cut that is off passes a stand-in of its pointer's type, never read (has_k / has_p 0).
-    _race_sample_kernel[(num_rows,)](logits, noise, out if top_k is None else top_k,
+    kth = logits
+    if top_k is not None:
+        width = min(max_top_k, vocab)
+        kth = logits.topk(width, dim=-1).values.gather(1, top_k.clamp(1, width).unsqueeze(1) - 1).squeeze(1)
+    _race_sample_kernel[(num_rows,)](logits, noise, kth, out if top_k is None else top_k,
                                      logits if top_p is None else top_p, out, vocab, logits.stride(0),
                                      noise.stride(0), int(top_k is not None), int(top_p is not None),
                                      BLOCK=block, num_warps=num_warps or num_warps_for(num_rows))
-    return out
-
-
-@triton.jit
-def _kth_largest_kernel(x_ptr, k_ptr, out_ptr, V, stride_x, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    tl.store(out_ptr + row, _kth_largest(x_ptr + row * stride_x, V, tl.load(k_ptr + row), BLOCK))
-
-
-def kth_largest(x: torch.Tensor, k: torch.Tensor, *, block: int = BLOCK) -> torch.Tensor:
-    """[B] fp32: each row's k-th largest value of x [B, V] fp32 (1 <= k <= V), by the radix select
-    race_sample runs for top-k (zero as +0.0); its own entry so that tests can check it alone."""
-    out = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
-    _kth_largest_kernel[(x.shape[0],)](x, k, out, x.shape[1], x.stride(0), BLOCK=block, num_warps=4)
     return out
 
 

@@ -24,7 +24,7 @@ import kernels.race_sample as rs
 f32, i32, i64 = (Ptr(t) for t in (torch.float32, torch.int32, torch.int64))
 V = 128256
 for num_rows in (1, 256):
-    rs._race_sample_kernel.warmup(f32, f32, i64, f32, i64, V, V, V, 1, 1, BLOCK=rs.BLOCK,
+    rs._race_sample_kernel.warmup(f32, f32, f32, i64, f32, i64, V, V, V, 1, 1, BLOCK=rs.BLOCK,
                                   num_warps=rs.num_warps_for(num_rows), grid=(1,))
     print("race_sample", rs.num_warps_for(num_rows), "warps")
 en._exponential_noise_kernel.warmup(i64, i32, f32, V, V, BLOCK=en.BLOCK, num_warps=4, grid=(1,))
