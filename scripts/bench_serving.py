@@ -17,7 +17,8 @@ engine sees):
 Every run sends `waves * c` requests (at least MIN_REQUESTS) of `--prompt-tokens` prompt tokens
 (distinct prompts cut from the shipped corpus, new to the engine in every round: none is
 answered from the prefix cache; the direct and the served round at a concurrency send the
-same ones) and exactly `--output-tokens` output tokens (greedy, ignore_eos), `c` at a time. Output tok/s = requests * output tokens / (last answer -
+same ones) and exactly `--output-tokens` output tokens (ignore_eos; greedy unless `--sampling`
+says otherwise), `c` at a time. Output tok/s = requests * output tokens / (last answer -
 first send). Per request: TTFT = first response - send; ITL = (last response - first
 response) / (output tokens - 1), as genai-perf counts it (a response may carry several tokens);
 TTFT also without the first c sends (`ttft_after_first_wave_*`: the opening burst queues for
@@ -52,7 +53,8 @@ from scripts.bench_common import (PRESETS, git_commit, hardware, preset_dir,  # 
                                   write_results)
 from scripts.server_probe import (children_cpu, cpu_times, cpu_use, scrape,  # noqa: E402
                                   scrape_published, server_side, triton_queue_us)
-from scripts.serving_clients import run_perf_analyzer, run_py_client, summarize  # noqa: E402
+from scripts.serving_clients import (request_params, run_perf_analyzer, run_py_client,  # noqa: E402
+                                     summarize)
 
 MIN_REQUESTS = 8
 SERVER_START_S = 900.0
@@ -180,7 +182,7 @@ def direct_worker(spec: dict) -> None:
     from engine.config import EngineConfig
     config = EngineConfig.from_strings(spec["settings"])
     engine = AsyncEngine(config)
-    params = SamplingParams(max_tokens=spec["output_tokens"], temperature=0.0, ignore_eos=True)
+    params = SamplingParams(**request_params(spec["output_tokens"], spec["sampling"]))
     prompts = spec["prompts"]
     print("ready", flush=True)
     loop = asyncio.new_event_loop()
@@ -210,7 +212,8 @@ class DirectEngines:
     def __init__(self, args, settings: dict, prompts: list[str], gpus: int) -> None:
         self.procs = []
         self.groups, self.stagger_s = args.clients, args.direct_stagger_ms / 1e3
-        spec = {"settings": settings, "prompts": prompts, "output_tokens": args.output_tokens}
+        spec = {"settings": settings, "prompts": prompts, "output_tokens": args.output_tokens,
+                "sampling": args.sampling}
         spec_path = tempfile.mkstemp(prefix="bench-serving-", suffix=".json")[1]
         with open(spec_path, "w") as f:
             json.dump(spec, f)
@@ -325,10 +328,10 @@ def run_served(args, repo, prompts, rounds: PromptRounds, gpus, work, on_row) ->
                     cpu0, w0, ch0 = cpu_times(), time.monotonic(), children_cpu()
                     if driver == "python":
                         r = run_py_client(server, model, c, n, these, args.output_tokens,
-                                          args.py_clients)
+                                          args.py_clients, args.sampling)
                     else:
                         r = run_perf_analyzer(server, model, c, n, these, work,
-                                              args.output_tokens, args.clients)
+                                              args.output_tokens, args.clients, args.sampling)
                     wall = time.monotonic() - w0
                     r["cpu_cores"] = cpu_use(cpu0, cpu_times(), wall)
                     r["cpu_cores"]["load generator"] = round((children_cpu() - ch0) / wall, 2)
@@ -427,6 +430,10 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the direct engine's closed loop starts as --clients groups, each this "
                          "much after the last (as perf_analyzer's processes do; default: all at "
                          "once)")
+    ap.add_argument("--sampling", type=json.loads, default={}, metavar="JSON",
+                    help='SamplingParams fields for every request of both paths, over greedy '
+                         '(e.g. \'{"temperature": 0.8, "top_p": 0.95}\'); max_tokens and '
+                         'ignore_eos come from --output-tokens')
     ap.add_argument("--skip-direct", action="store_true")
     ap.add_argument("--skip-served", action="store_true")
     ap.add_argument("--out", default=None, help="results prefix (.json and .md)")
@@ -462,7 +469,8 @@ def main(argv: list[str] | None = None) -> dict:
             "hardware": hardware(), "commit": git_commit(),
             "command": " ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
             "settings": {k: v for k, v in settings.items() if k != "model"},
-            "gpus": gpus, "reuse_prompts": args.reuse_prompts, "targets": "c=256: llm >= 90% of direct, llm_bls >= 85%, served TTFT "
+            "gpus": gpus, "reuse_prompts": args.reuse_prompts,
+            "sampling": request_params(args.output_tokens, args.sampling), "targets": "c=256: llm >= 90% of direct, llm_bls >= 85%, served TTFT "
                                      "p50 <= 1.2x direct; c=1: ms/token within 3%"}
     rows: list[dict] = []
 

@@ -61,7 +61,7 @@ def main() -> None:
                    "before_us": 1e3 * triton.testing.do_bench(lambda: before(x, qs[0], top_k, top_p)),
                    "kernel": {}}
             for block, warps in CONFIGS:
-                run = (lambda q: rs.race_sample(x, q, top_k, top_p, block=block, num_warps=warps))
+                run = (lambda q: rs.race_sample(x, q, top_k, top_p, k, block=block, num_warps=warps))
                 row["kernel"][f"block{block}_w{warps}"] = {
                     "us": 1e3 * triton.testing.do_bench(lambda: run(qs[0])),
                     "mismatched_rows": sum(int((run(q) != w).sum()) for q, w in zip(qs, wants))}

@@ -138,8 +138,15 @@ def grpc_address(server) -> str:
     return f"127.0.0.1:{server.grpc_port}"
 
 
-def write_input_data(path: str, prompts: list[str], output_tokens: int, stream: bool) -> None:
-    params = json.dumps({"max_tokens": output_tokens, "temperature": 0, "ignore_eos": True})
+def request_params(output_tokens: int, sampling: dict | None = None) -> dict:
+    """A request's sampling_parameters: exactly output_tokens tokens (ignore_eos), greedy unless
+    `sampling` (SamplingParams fields) says otherwise."""
+    return {"max_tokens": output_tokens, "temperature": 0, "ignore_eos": True, **(sampling or {})}
+
+
+def write_input_data(path: str, prompts: list[str], output_tokens: int, stream: bool,
+                     sampling: dict | None = None) -> None:
+    params = json.dumps(request_params(output_tokens, sampling))
     entries = [{"text_input": [p], "sampling_parameters": [params]} for p in prompts]
     if stream:
         for e in entries:
@@ -155,7 +162,7 @@ def client_prompts(prompts: list[str], n: int, clients: int) -> list[list[str]]:
 
 
 def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], work: str,
-                      output_tokens: int, clients: int = 1) -> dict:
+                      output_tokens: int, clients: int = 1, sampling: dict | None = None) -> dict:
     """`clients` perf_analyzer processes at once, c and n shared among them: one process
     handles about 5,000 streamed responses/s (seen on the H200 host: beyond that it lets its
     requests in flight drop), so a fast server needs several to be kept busy. Client k sends
@@ -169,7 +176,7 @@ def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], wo
         ck, nk = c // clients + (k < c % clients), n // clients + (k < n % clients)
         data = os.path.join(work, f"input-{model}-{c}-{k}.json")
         write_input_data(data, client_prompts(prompts, n, clients)[k], output_tokens,
-                         stream=model == "llm")
+                         stream=model == "llm", sampling=sampling)
         exports.append(os.path.join(work, f"export-{model}-{c}-{k}.json"))
         cmd = [perf_analyzer_path(), "-m", model, "-i", "grpc", "-u", grpc_address(server),
                "--input-data", data, "--concurrency-range", str(ck),
@@ -208,8 +215,7 @@ def py_client_worker(spec: dict) -> None:
     import tritonclient.grpc.aio as grpcclient
     import tritonclient.grpc as grpcsync
     model, stream_mode = spec["model"], spec["model"] == "llm"
-    params = json.dumps({"max_tokens": spec["output_tokens"], "temperature": 0,
-                         "ignore_eos": True})
+    params = json.dumps(request_params(spec["output_tokens"], spec.get("sampling")))
 
     def make_inputs(prompt: str) -> list:
         arrays = {"text_input": np.array([prompt.encode()], dtype=np.object_),
@@ -270,7 +276,7 @@ def py_client_worker(spec: dict) -> None:
 
 
 def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output_tokens: int,
-                  procs: int) -> dict:
+                  procs: int, sampling: dict | None = None) -> dict:
     """`procs` processes of py_client_worker share c and n."""
     procs = max(1, min(procs, c))
     workers, first = [], 0
@@ -279,7 +285,7 @@ def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output
         spec_path = tempfile.mkstemp(prefix="bench-pyclient-", suffix=".json")[1]
         with open(spec_path, "w") as f:
             json.dump({"url": grpc_address(server), "model": model, "c": ck, "n": nk, "first": first,
-                       "prompts": prompts, "output_tokens": output_tokens}, f)
+                       "prompts": prompts, "output_tokens": output_tokens, "sampling": sampling}, f)
         first += nk
         workers.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--py-client-worker", spec_path],

@@ -20,8 +20,12 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     bench_serving.main(["--model", str(model), "--concurrency", "2", "--output-tokens", "6",
                         "--prompt-tokens", "20", "--waves", "1", "--clients", "2",
                         "--drivers", "perf_analyzer", "python", "--py-clients", "2",
-                        "--out", str(out)])
-    rows = json.loads((tmp_path / "serving.json").read_text())["results"]
+                        "--sampling", '{"temperature": 0.7, "top_p": 0.9, "seed": 5}', "--out", str(out)])
+    saved_run = json.loads((tmp_path / "serving.json").read_text())
+    rows = saved_run["results"]
+    # every path sent the sampled requests (the server rejects fields it does not take)
+    assert saved_run["meta"]["sampling"] == {"max_tokens": 6, "temperature": 0.7, "ignore_eos": True,
+                                             "top_p": 0.9, "seed": 5}
     seen = {(r["path"], r["round"]) for r in rows}
     assert seen == {("direct", "first"), ("direct", "steady"), ("llm", "first"),
                     ("llm", "steady"), ("llm_bls", "steady"),
@@ -47,6 +51,21 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     assert (tmp_path / "serving.server.log").exists()
     # Saved after every round (a run cut off keeps what it measured), then once at the end.
     assert saved == list(range(1, len(rows) + 1)) + [len(rows)]
+
+
+def test_requests_carry_the_sampling_over_greedy(tmp_path):
+    """--sampling's fields go into every request's sampling_parameters, over the greedy default;
+    max_tokens and ignore_eos stay the run's."""
+    path = tmp_path / "input.json"
+    serving_clients.write_input_data(str(path), ["a", "b"], 7, stream=True,
+                                     sampling={"temperature": 0.8, "top_k": 40})
+    entries = json.loads(path.read_text())["data"]
+    assert [json.loads(e["sampling_parameters"][0]) for e in entries] == [
+        {"max_tokens": 7, "temperature": 0.8, "ignore_eos": True, "top_k": 40}] * 2
+    assert all(e["stream"] == [True] for e in entries)
+    serving_clients.write_input_data(str(path), ["a"], 3, stream=False)
+    assert json.loads(json.loads(path.read_text())["data"][0]["sampling_parameters"][0]) == {
+        "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
 def test_perf_analyzer_clients_share_the_rounds_prompts():
