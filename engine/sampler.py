@@ -56,6 +56,7 @@ class SamplingMetadata:
     # in for output_token_ids and prompt_token_ids (the same penalties, no lists per step).
     output_counts: Tensor | None = None
     prompt_seen: Tensor | None = None
+    max_top_k: int = 0                       # the largest k of the random rows (0: top-k off)
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -84,10 +85,11 @@ class SamplingMetadata:
 
         repetition_penalty = per_row([p.repetition_penalty for p in params], 1.0, torch.float32)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
+        top_k = [0 if g else p.top_k for p, g in rows]
         return cls(
             temperature=None if all(greedy) else list_to_device(
                 [0.0 if g else p.temperature for p, g in rows], torch.float32, device),
-            top_k=per_row([0 if g else p.top_k for p, g in rows], 0, torch.int64),
+            top_k=per_row(top_k, 0, torch.int64),
             top_p=per_row([1.0 if g else p.top_p for p, g in rows], 1.0, torch.float32),
             min_p=per_row([0.0 if g else p.min_p for p, g in rows], 0.0, torch.float32),
             repetition_penalty=repetition_penalty,
@@ -104,6 +106,7 @@ class SamplingMetadata:
             all_random=not any(greedy),
             output_counts=output_counts,
             prompt_seen=prompt_seen if repetition_penalty is not None else None,
+            max_top_k=max(top_k, default=0),
         )
 
 
@@ -175,7 +178,7 @@ class Sampler:
         # On CUDA without sorting the logits (the sort took 3.9 ms at 256 rows, the kernel
         # 0.32); elsewhere by the sort, the kernel's reference.
         if logits.is_cuda:
-            return race_sample(logits, noise, meta.top_k, meta.top_p)
+            return race_sample(logits, noise, meta.top_k, meta.top_p, meta.max_top_k)
         return race_sample_ref(logits, noise, meta.top_k, meta.top_p)
 
     def _exponential_noise(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
