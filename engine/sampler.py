@@ -130,9 +130,12 @@ class Sampler:
     drawn each call from a generator seeded by `seed` (None: nondeterministic) and their row.
     """
 
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None, kernels: bool | None = None) -> None:
         self.seed = seed
         self._rng = random.Random(seed)
+        # The draw's Triton kernels (noise and race) or their references; None: the kernels on
+        # CUDA tensors. True on CPU runs the kernels under TRITON_INTERPRET (the tests).
+        self.kernels = kernels
 
     def __call__(self, logits: Tensor, meta: SamplingMetadata) -> SamplerOutput:
         # Logits may come in the model's dtype (a decode graph's buffer). Greedy rows with no
@@ -174,16 +177,17 @@ class Sampler:
         logits = logits / temperature.unsqueeze(1)
         if meta.min_p is not None:
             logits = _apply_min_p(logits, meta.min_p)
-        noise = self._exponential_noise(logits, meta)
-        # On CUDA without sorting the logits (the sort took 3.9 ms at 256 rows, the kernel
-        # 0.32); elsewhere by the sort, the kernel's reference.
-        if logits.is_cuda:
+        kernels = logits.is_cuda if self.kernels is None else self.kernels
+        noise = self._exponential_noise(logits, meta, kernels)
+        # The kernel does not sort the logits (the sort took 3.9 ms at 256 rows, the kernel
+        # 0.32); its reference does.
+        if kernels:
             return race_sample(logits, noise, meta.top_k, meta.top_p, meta.max_top_k)
         return race_sample_ref(logits, noise, meta.top_k, meta.top_p)
 
-    def _exponential_noise(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
-        """q ~ Exp(1), shaped like `logits` [B, V], in one launch (kernels/exp_noise.py; its
-        reference off CUDA): a seeded row's keyed by (seed, position), the others' by one key a
+    def _exponential_noise(self, logits: Tensor, meta: SamplingMetadata, kernels: bool) -> Tensor:
+        """q ~ Exp(1), shaped like `logits` [B, V], in one launch (kernels/exp_noise.py, or
+        its reference): a seeded row's keyed by (seed, position), the others' by one key a
         call from the sampler's generator and their row."""
         step_key = self._rng.getrandbits(64)
         keys = [step_key if seed is None else _row_seed(seed, n)
@@ -191,7 +195,7 @@ class Sampler:
         streams = [row + 1 if seed is None else 0 for row, seed in enumerate(meta.seeds)]
         keys = list_to_device([k - (1 << 64) if k >> 63 else k for k in keys], torch.int64, logits.device)
         streams = list_to_device(streams, torch.int32, logits.device)
-        draw = exponential_noise if logits.is_cuda else exponential_noise_ref
+        draw = exponential_noise if kernels else exponential_noise_ref
         return draw(keys, streams, logits.shape[1])
 
 
