@@ -408,8 +408,8 @@ def test_a_draw_is_the_race_over_the_kept_tokens(device, num_rows, top_k, top_p)
 
 @pytest.mark.parametrize("num_rows", [5, 70])
 def test_the_kernels_path_draws_what_the_references_draw(num_rows):
-    """The sampler's own calls into kernels/exp_noise.py and kernels/race_sample.py (what CUDA
-    runs; here under TRITON_INTERPRET) against its reference path, on a batch mixing greedy,
+    """The sampler's own calls into kernels/exp_noise.py and kernels/race_sample.py (on CUDA, or
+    on CPU under TRITON_INTERPRET) against its reference path, on a batch mixing greedy,
     seeded and unseeded rows, top-k on and off (0, past the vocabulary), top-p on and off, min-p:
     the same tokens, call after call (the unseeded rows' key advances alike)."""
     vocab = 500
@@ -418,10 +418,11 @@ def test_the_kernels_path_draws_what_the_references_draw(num_rows):
                              top_k=(0, 5, 40, vocab + 9)[i % 4], top_p=(1.0, 0.9, 0.5)[i % 3],
                              min_p=0.05 if i % 5 == 1 else 0.0, seed=100 + i if i % 2 else None)
               for i in range(num_rows)]
-    meta = _meta(params)
+    device = DEVICES[-1]
+    meta = _meta(params, device)
     assert meta.top_k is not None and meta.top_p is not None and not meta.all_greedy
     kernels, refs = Sampler(seed=4, kernels=True), Sampler(seed=4, kernels=False)
     for _ in range(2):
-        logits = torch.randn(num_rows, vocab, generator=gen) * 3
+        logits = (torch.randn(num_rows, vocab, generator=gen) * 3).to(device)
         got, want = kernels(logits, meta).sampled_token_ids, refs(logits, meta).sampled_token_ids
         assert torch.equal(got, want), (got, want)
