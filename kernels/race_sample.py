@@ -64,10 +64,12 @@ _SUM = tl.standard._sum_combine
 @triton.jit
 def _race(x_row, q_row, V, m, kth, bound_x, bound_i, BLOCK: tl.constexpr):
     """The first id of the largest exp(x - m) / q among the values >= kth ahead of
-    (bound_x, bound_i): x > bound_x, or x == bound_x with a smaller id."""
+    (bound_x, bound_i): x > bound_x, or x == bound_x with a smaller id. Each lane keeps its own
+    best across the blocks (the first of its ties: ids only grow along a lane), and the lanes
+    meet once at the end, so the loop has no reduction, no barrier, between its loads."""
     cols = tl.arange(0, BLOCK)
-    best = tl.full((), -1.0, tl.float32)
-    best_i = tl.full((), 0, tl.int32) + V
+    best = tl.full([BLOCK], -1.0, tl.float32)
+    best_i = tl.full([BLOCK], 0, tl.int32) + V
     for c in range(0, V, BLOCK):
         idx = c + cols
         inside = idx < V
@@ -75,28 +77,28 @@ def _race(x_row, q_row, V, m, kth, bound_x, bound_i, BLOCK: tl.constexpr):
         q = tl.load(q_row + idx, mask=inside, other=1.0)
         cand = inside & (x >= kth) & ((x > bound_x) | ((x == bound_x) & (idx < bound_i)))
         score = tl.where(cand, tl.exp(x - m) / q, -1.0)
-        top = tl.reduce(score, 0, _MAX)
-        first = tl.reduce(tl.where(cand & (score == top), idx, V), 0, _MIN)
-        take = top > best
-        best = tl.where(take, top, best)
-        best_i = tl.where(take, first, best_i)
-    return best_i
+        take = score > best
+        best = tl.where(take, score, best)
+        best_i = tl.where(take, idx, best_i)
+    top = tl.reduce(best, 0, _MAX)
+    return tl.reduce(tl.where(best == top, best_i, V), 0, _MIN)
 
 
 @triton.jit
 def _ahead(x_row, V, m, wx, wi, BLOCK: tl.constexpr):
-    """How many values are ahead of (wx, wi) and their mass sum exp(x - m)."""
+    """How many values are ahead of (wx, wi) and their mass sum exp(x - m) (summed per lane,
+    the lanes meeting once at the end)."""
     cols = tl.arange(0, BLOCK)
-    count = tl.full((), 0, tl.int32)
-    mass = tl.full((), 0.0, tl.float32)
+    count = tl.full([BLOCK], 0, tl.int32)
+    mass = tl.full([BLOCK], 0.0, tl.float32)
     for c in range(0, V, BLOCK):
         idx = c + cols
         inside = idx < V
         x = tl.load(x_row + idx, mask=inside, other=float("-inf"))
         ahead = inside & ((x > wx) | ((x == wx) & (idx < wi)))
-        count += tl.reduce(ahead.to(tl.int32), 0, _SUM)
-        mass += tl.reduce(tl.where(ahead, tl.exp(x - m), 0.0), 0, _SUM)
-    return count, mass
+        count += ahead.to(tl.int32)
+        mass += tl.where(ahead, tl.exp(x - m), 0.0)
+    return tl.reduce(count, 0, _SUM), tl.reduce(mass, 0, _SUM)
 
 
 @triton.jit(do_not_specialize=["has_k", "has_p"])
@@ -113,20 +115,24 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_
     top_p = tl.load(p_ptr + row, mask=has_p != 0, other=1.0)
     cols = tl.arange(0, BLOCK)
 
-    # The max m, and the mass and count of the values above kth (online, rescaled as m grows).
-    m = tl.full((), float("-inf"), tl.float32)
-    above_mass = tl.full((), 0.0, tl.float32)
-    above = tl.full((), 0, tl.int32)
+    # The max m, and the mass and count of the values above kth: per lane (the mass online,
+    # rescaled as the lane's max grows), the lanes meeting once after the loop.
+    m_lane = tl.full([BLOCK], float("-inf"), tl.float32)
+    mass_lane = tl.full([BLOCK], 0.0, tl.float32)
+    above_lane = tl.full([BLOCK], 0, tl.int32)
     for c in range(0, V, BLOCK):
         idx = c + cols
         inside = idx < V
         x = tl.load(x_row + idx, mask=inside, other=float("-inf"))
-        m_new = tl.maximum(m, tl.reduce(x, 0, _MAX))
-        scale = tl.where(m_new == m, 1.0, tl.exp(m - m_new))
+        m_new = tl.maximum(m_lane, x)
+        scale = tl.where(m_new == m_lane, 1.0, tl.exp(m_lane - m_new))
         over = inside & (x > kth)
-        above_mass = above_mass * scale + tl.reduce(tl.where(over, tl.exp(x - m_new), 0.0), 0, _SUM)
-        above += tl.reduce(over.to(tl.int32), 0, _SUM)
-        m = m_new
+        mass_lane = mass_lane * scale + tl.where(over, tl.exp(x - m_new), 0.0)
+        above_lane += over.to(tl.int32)
+        m_lane = m_new
+    m = tl.reduce(m_lane, 0, _MAX)
+    above_mass = tl.reduce(tl.where(mass_lane > 0.0, mass_lane * tl.exp(m_lane - m), 0.0), 0, _SUM)
+    above = tl.reduce(above_lane, 0, _SUM)
     kept_mass = above_mass + (k - above).to(tl.float32) * tl.exp(kth - m)
     kept_mass = tl.where(kth == float("-inf"), above_mass, kept_mass)
 

@@ -36,8 +36,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64, 256, 512])
     ap.add_argument("--vocab", type=int, default=128256)
+    ap.add_argument("--configs", nargs="+", default=[f"{b},{w}" for b, w in CONFIGS], metavar="BLOCK,WARPS",
+                    help="the kernel's (block, num_warps) pairs to time")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
+    configs = [tuple(int(v) for v in c.split(",")) for c in args.configs]
 
     def before(x, q, top_k, top_p):
         if top_k is not None or top_p is not None:
@@ -60,7 +63,7 @@ def main() -> None:
                    "rejected_rows": sum(int((w != a).sum()) for w, a in zip(wants, whole)),
                    "before_us": 1e3 * triton.testing.do_bench(lambda: before(x, qs[0], top_k, top_p)),
                    "kernel": {}}
-            for block, warps in CONFIGS:
+            for block, warps in configs:
                 run = (lambda q: rs.race_sample(x, q, top_k, top_p, k, block=block, num_warps=warps))
                 row["kernel"][f"block{block}_w{warps}"] = {
                     "us": 1e3 * triton.testing.do_bench(lambda: run(qs[0])),
