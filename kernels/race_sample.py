@@ -39,19 +39,20 @@ import triton.language as tl
 
 from kernels.argmax import argmax_rows
 
-__all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "BLOCK", "num_warps_for", "warm_up"]
+__all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "config_for", "warm_up"]
 
-# The fastest of (2048, 4), (4096, 8), (8192, 8), (8192, 16) at 1-512 rows on an H200
-# (benchmarks/h200/race_sample_3c271b7.json): 16 warps while the rows leave SMs idle.
-BLOCK = 8192
+# (BLOCK, num_warps) by the rows: the fastest of seven (2,048-16,384 values a step, 4-16 warps) at
+# 1-512 rows on an H200 (benchmarks/h200/race_sample_374efc8.json).
 _MANY_ROWS = 128
 # With neither cut, under this many rows the softmax, p / q and kernels/argmax.py's many programs
 # a row are faster than a program a row (54 against 80 us at one row, 97 / 94 at 64).
 _RACE_MIN_ROWS = 64
 
 
-def num_warps_for(num_rows: int) -> int:
-    return 8 if num_rows >= _MANY_ROWS else 16
+def config_for(num_rows: int) -> tuple[int, int]:
+    """The kernel's (BLOCK, num_warps) for num_rows rows: a step of 8,192 values while the rows
+    leave SMs idle, of 4,096 from 128 rows; 16 warps either way."""
+    return (4096, 16) if num_rows >= _MANY_ROWS else (8192, 16)
 
 
 # Triton's own combine functions through tl.reduce, so the kernel also runs interpreted
@@ -153,7 +154,7 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_
 
 
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,
-                top_p: torch.Tensor | None, max_top_k: int = 0, *, block: int = BLOCK,
+                top_p: torch.Tensor | None, max_top_k: int = 0, *, block: int | None = None,
                 num_warps: int | None = None) -> torch.Tensor:
     """`race_sample_ref` without the sort (module docstring): [B] int64. With neither cut and
     under _RACE_MIN_ROWS rows, the reference's own softmax, p / q and argmax, which are faster there.
@@ -188,17 +189,19 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
     _race_sample_kernel[(num_rows,)](logits, noise, kth, out if top_k is None else top_k,
                                      logits if top_p is None else top_p, out, vocab, logits.stride(0),
                                      noise.stride(0), int(top_k is not None), int(top_p is not None),
-                                     BLOCK=block, num_warps=num_warps or num_warps_for(num_rows))
+                                     BLOCK=block or config_for(num_rows)[0],
+                                     num_warps=num_warps or config_for(num_rows)[1])
     return out
 
 
 def warm_up(num_cols: int, device: torch.device | str) -> None:
-    """Compile each variant race_sample picks for rows of num_cols logits (one per warp count),
+    """Compile each variant race_sample picks for rows of num_cols logits (one per config_for),
     so that none compiles while serving."""
     x = torch.zeros(1, num_cols, dtype=torch.float32, device=device)
     top_p = torch.ones(1, dtype=torch.float32, device=device)        # a cut (off), so the kernel runs
     for num_rows in (1, _MANY_ROWS):
-        race_sample(x, torch.ones_like(x), None, top_p, num_warps=num_warps_for(num_rows))
+        block, num_warps = config_for(num_rows)
+        race_sample(x, torch.ones_like(x), None, top_p, block=block, num_warps=num_warps)
 
 
 def race_sample_ref(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,

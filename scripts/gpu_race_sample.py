@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CASES = {"temperature only": (0, 1.0, 2.5), "top_p 0.95": (0, 0.95, 2.5),
          "top_k 50 + top_p 0.95": (50, 0.95, 2.5), "top_k 50": (50, 1.0, 2.5),
          "top_p 0.95, flat": (0, 0.95, 0.3), "top_p 0.5, flat": (0, 0.5, 0.3)}
-CONFIGS = [(2048, 4), (4096, 8), (8192, 8), (8192, 16)]          # (block, num_warps)
+CONFIGS = [(4096, 8), (4096, 16), (8192, 8), (8192, 16)]          # (block, num_warps)
 DRAWS = 4
 
 

@@ -24,9 +24,10 @@ import kernels.race_sample as rs
 f32, i32, i64 = (Ptr(t) for t in (torch.float32, torch.int32, torch.int64))
 V = 128256
 for num_rows in (1, 256):
-    rs._race_sample_kernel.warmup(f32, f32, f32, i64, f32, i64, V, V, V, 1, 1, BLOCK=rs.BLOCK,
-                                  num_warps=rs.num_warps_for(num_rows), grid=(1,))
-    print("race_sample", rs.num_warps_for(num_rows), "warps")
+    block, num_warps = rs.config_for(num_rows)
+    rs._race_sample_kernel.warmup(f32, f32, f32, i64, f32, i64, V, V, V, 1, 1, BLOCK=block,
+                                  num_warps=num_warps, grid=(1,))
+    print("race_sample", block, num_warps)
 en._exponential_noise_kernel.warmup(i64, i32, f32, V, V, BLOCK=en.BLOCK, num_warps=4, grid=(1,))
 print("exp_noise")
 chunks = -(-V // am.CHUNK)
@@ -43,4 +44,4 @@ def test_sampler_kernels_compile_for_sm90():
     r = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=600)
     assert r.returncode == 0 and r.stdout.splitlines()[-1:] == ["ok"], r.stdout[-2000:] + r.stderr[-4000:]
-    assert r.stdout.splitlines()[:4] == ["race_sample 16 warps", "race_sample 8 warps", "exp_noise", "argmax"]
+    assert r.stdout.splitlines()[:4] == ["race_sample 8192 16", "race_sample 4096 16", "exp_noise", "argmax"]

@@ -191,10 +191,10 @@ def test_no_kernel_compiles_after_start_up(kv_cache_dtype):
         before = {m.__name__: _num_compiled(m) for m in modules}
         keys_before = _variant_keys(modules)
         assert before["kernels.paged_attention"]["_paged_attention_kernel"] > 0
-        assert before["kernels.race_sample"]["_race_sample_kernel"] == 2          # 8 and 16 warps
+        assert before["kernels.race_sample"]["_race_sample_kernel"] == 2          # config_for's two
         assert before["kernels.exp_noise"]["_exponential_noise_kernel"] == 1
         for n in (1, 3, 32, 130):
-            # 130 short prompts decode together: the race's warp count changes at 128 rows
+            # 130 short prompts decode together: the race's config changes at 128 rows
             # (kernels/race_sample.py).
             lengths = [1, 5, 16, 17, 33] + ([300, 1000] if n < 130 else [])
             prompts = [[128000] + list(range(7, 7 + length)) for length in (lengths * 30)[:n]]

@@ -53,8 +53,8 @@ CASES = [  # (seed, rows, vocab, scale, ties, -inf, zeros, block)
     (4, 4, 2000, 0.3, False, False, False, 256),     # flat: the cuts reject most winners
 ]
 if ON_GPU:
-    CASES += [(5, 256, 128256, 2.5, False, True, False, rs.BLOCK),
-              (6, 64, 128256, 1.0, True, False, True, rs.BLOCK)]
+    CASES += [(5, 256, 128256, 2.5, False, True, False, rs.config_for(256)[0]),
+              (6, 64, 128256, 1.0, True, False, True, rs.config_for(64)[0])]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -136,13 +136,13 @@ def test_rows_without_numbers_end_with_a_valid_id():
 
 def test_few_rows_without_a_cut_take_the_softmax_and_warm_up_the_kernel(monkeypatch):
     """Under 64 rows with neither cut race_sample runs the reference's softmax and argmax (faster
-    there); warm_up must still launch the kernel itself, at each warp count."""
+    there); warm_up must still launch the kernel itself, in each config."""
     x = logit_rows(8, 3, 300, 2.0, False, False, False)
     q = noise_like(x, 80)
     assert torch.equal(sample(x, q, None, None, 64), rs.race_sample_ref(x, q, None, None))
     launched = []
     monkeypatch.setattr(rs, "argmax_rows", lambda *a: pytest.fail("warm_up took the softmax path"))
-    monkeypatch.setattr(rs, "num_warps_for", lambda n: launched.append(n) or 4)
+    monkeypatch.setattr(rs, "config_for", lambda n: launched.append(n) or (64, 4))
     rs.warm_up(64, DEVICE)
     assert launched == [1, 128]
 
