@@ -8,7 +8,7 @@ first on ties, where q [B, V] is the caller's Exp(1) noise: a draw from the kept
 
 Why not the sort: at 256 rows of Llama 3's 128,256 logits the sort, its softmax, cumulative sum,
 scatter back, the second softmax, the division and the argmax took 3.9 ms of a ~17 ms decode
-step on an H200; this kernel takes 0.32 ms (benchmarks/h200/race_sample.md).
+step on an H200; this kernel takes 0.25 ms (benchmarks/h200/race_sample.md).
 
 Here one program owns a row and never needs the whole kept set, only whether the race's winner
 is in it. With e_i = exp(x_i - max x), "ahead of j" meaning before j in the order above:
