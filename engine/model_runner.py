@@ -290,7 +290,8 @@ class ModelRunner:
         greedy = SamplingMetadata.from_params(params[:1], [[1, 2]], [[3]], self.eos_token_ids,
                                               self.device)
         self.sampler(logits[:1].to(self.dtype), greedy)
-        race_sample_warm_up(logits.shape[1], self.device)       # the race's other warp count
+        # The race's other config, and the model's dtype (decode graphs' logits) beside fp32.
+        race_sample_warm_up(logits.shape[1], self.device, (torch.float32, self.dtype))
         for q_lens, seq_lens, step in self.cascade.warm_up_steps():   # eager cascade variants
             positions = np.concatenate([np.arange(s - q, s) for q, s in zip(q_lens, seq_lens)])
             n = len(q_lens)

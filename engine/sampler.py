@@ -141,9 +141,12 @@ class Sampler:
         # Logits may come in the model's dtype (a decode graph's buffer). Greedy rows with no
         # penalty and no logprobs need only the argmax (and the min_tokens masks, -inf in any
         # dtype), which float32 copies of the same values would not change: they are taken as
-        # they are. Everything else computes in float32 (no copy for fp32; nothing below writes
-        # into it).
-        if not (meta.all_greedy and meta.max_num_logprobs is None and meta.repetition_penalty is None
+        # they are. So are random rows the race kernel takes as they are (no min-p: it divides
+        # by the temperature itself). Everything else computes in float32 (no copy for fp32;
+        # nothing below writes into it).
+        kernels = logits.is_cuda if self.kernels is None else self.kernels
+        as_they_are = meta.all_greedy or (kernels and meta.min_p is None)
+        if not (as_they_are and meta.max_num_logprobs is None and meta.repetition_penalty is None
                 and meta.presence_penalty is None and meta.frequency_penalty is None):
             logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
@@ -153,7 +156,7 @@ class Sampler:
         if meta.all_greedy:
             sampled = _argmax(logits)
         else:
-            sampled = self._sample_random(logits, meta)
+            sampled = self._sample_random(logits, meta, kernels)
             if not meta.all_random:
                 greedy = meta.temperature < _MIN_TEMPERATURE
                 sampled = torch.where(greedy, _argmax(logits), sampled)
@@ -171,14 +174,15 @@ class Sampler:
             sampled_token_ranks=ranks,
         )
 
-    def _sample_random(self, logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    def _sample_random(self, logits: Tensor, meta: SamplingMetadata, kernels: bool) -> Tensor:
         # Greedy rows (their result is discarded) divide by 1 so nothing overflows.
         temperature = torch.where(meta.temperature < _MIN_TEMPERATURE, 1.0, meta.temperature)
-        logits = logits / temperature.unsqueeze(1)
+        noise = self._exponential_noise(logits, meta, kernels)
+        if kernels and meta.min_p is None:       # the kernel divides as it reads: no [B, V] copy
+            return race_sample(logits, noise, meta.top_k, meta.top_p, meta.max_top_k, temperature=temperature)
+        logits = logits.float() / temperature.unsqueeze(1)
         if meta.min_p is not None:
             logits = _apply_min_p(logits, meta.min_p)
-        kernels = logits.is_cuda if self.kernels is None else self.kernels
-        noise = self._exponential_noise(logits, meta, kernels)
         # The kernel does not sort the logits (the sort took 3.9 ms at 256 rows, the kernel
         # 0.25); its reference does.
         if kernels:

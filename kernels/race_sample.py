@@ -44,6 +44,7 @@ __all__ = ["race_sample", "race_sample_ref", "keep_top_k_top_p", "config_for", "
 # (BLOCK, num_warps) by the rows: the fastest of seven (2,048-16,384 values a step, 4-16 warps) at
 # 1-512 rows on an H200 (benchmarks/h200/race_sample_374efc8.json).
 _MANY_ROWS = 128
+_LOGIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # With neither cut, under this many rows the softmax, p / q and kernels/argmax.py's many programs
 # a row are faster than a program a row (54 against 80 us at one row, 97 / 94 at 64).
 _RACE_MIN_ROWS = 64
@@ -63,7 +64,14 @@ _SUM = tl.standard._sum_combine
 
 
 @triton.jit
-def _race(x_row, q_row, V, m, kth, bound_x, bound_i, BLOCK: tl.constexpr):
+def _load_scaled(x_row, idx, inside, t):
+    """The logits at idx in fp32 divided by the row's temperature t, rounded as torch's fp32
+    division rounds (so the kernel sees exactly the reference's logits / t); -inf outside."""
+    return tl.math.div_rn(tl.load(x_row + idx, mask=inside, other=float("-inf")).to(tl.float32), t)
+
+
+@triton.jit
+def _race(x_row, q_row, V, t, m, kth, bound_x, bound_i, BLOCK: tl.constexpr):
     """The first id of the largest exp(x - m) / q among the values >= kth ahead of
     (bound_x, bound_i): x > bound_x, or x == bound_x with a smaller id. Each lane keeps its own
     best across the blocks (the first of its ties: ids only grow along a lane), and the lanes
@@ -74,7 +82,7 @@ def _race(x_row, q_row, V, m, kth, bound_x, bound_i, BLOCK: tl.constexpr):
     for c in range(0, V, BLOCK):
         idx = c + cols
         inside = idx < V
-        x = tl.load(x_row + idx, mask=inside, other=float("-inf"))
+        x = _load_scaled(x_row, idx, inside, t)
         q = tl.load(q_row + idx, mask=inside, other=1.0)
         cand = inside & (x >= kth) & ((x > bound_x) | ((x == bound_x) & (idx < bound_i)))
         score = tl.where(cand, tl.exp(x - m) / q, -1.0)
@@ -86,7 +94,7 @@ def _race(x_row, q_row, V, m, kth, bound_x, bound_i, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _ahead(x_row, V, m, wx, wi, BLOCK: tl.constexpr):
+def _ahead(x_row, V, t, m, wx, wi, BLOCK: tl.constexpr):
     """How many values are ahead of (wx, wi) and their mass sum exp(x - m) (summed per lane,
     the lanes meeting once at the end)."""
     cols = tl.arange(0, BLOCK)
@@ -95,16 +103,16 @@ def _ahead(x_row, V, m, wx, wi, BLOCK: tl.constexpr):
     for c in range(0, V, BLOCK):
         idx = c + cols
         inside = idx < V
-        x = tl.load(x_row + idx, mask=inside, other=float("-inf"))
+        x = _load_scaled(x_row, idx, inside, t)
         ahead = inside & ((x > wx) | ((x == wx) & (idx < wi)))
         count += ahead.to(tl.int32)
         mass += tl.where(ahead, tl.exp(x - m), 0.0)
     return tl.reduce(count, 0, _SUM), tl.reduce(mass, 0, _SUM)
 
 
-@triton.jit(do_not_specialize=["has_k", "has_p"])
-def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_x, stride_q, has_k, has_p,
-                        BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["has_k", "has_p", "has_t"])
+def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, t_ptr, out_ptr, V, stride_x, stride_q, has_k, has_p,
+                        has_t, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_x
     q_row = q_ptr + row * stride_q
@@ -114,6 +122,7 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_
     k = tl.where((k > 0) & (k < V), k, V)
     kth = tl.load(kth_ptr + row, mask=k < V, other=float("-inf"))
     top_p = tl.load(p_ptr + row, mask=has_p != 0, other=1.0)
+    t = tl.load(t_ptr + row, mask=has_t != 0, other=1.0)          # x / 1 is x: no temperature
     cols = tl.arange(0, BLOCK)
 
     # The max m, and the mass and count of the values above kth: per lane (the mass online,
@@ -124,7 +133,7 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_
     for c in range(0, V, BLOCK):
         idx = c + cols
         inside = idx < V
-        x = tl.load(x_row + idx, mask=inside, other=float("-inf"))
+        x = _load_scaled(x_row, idx, inside, t)
         m_new = tl.maximum(m_lane, x)
         scale = tl.where(m_new == m_lane, 1.0, tl.exp(m_lane - m_new))
         over = inside & (x > kth)
@@ -139,36 +148,41 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, out_ptr, V, stride_
 
     # A race finds no candidate (w = V) only in a row without numbers (NaN, +inf: no max to
     # measure against); it ends there and gives id 0 rather than loop or read past the row.
-    w = _race(x_row, q_row, V, m, kth, float("-inf"), V + 1, BLOCK)
-    wx = tl.load(x_row + w, mask=w < V, other=0.0)
+    w = _race(x_row, q_row, V, t, m, kth, float("-inf"), V + 1, BLOCK)
+    wx = _load_scaled(x_row, w, w < V, t)
     rejected = w < 0                      # false, as a scalar tensor
     if (k < V) | (top_p < 1.0):
-        count, mass = _ahead(x_row, V, m, wx, w, BLOCK)
+        count, mass = _ahead(x_row, V, t, m, wx, w, BLOCK)
         rejected = ((count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))) & (w < V)
     while rejected:
-        w = _race(x_row, q_row, V, m, kth, wx, w, BLOCK)
-        wx = tl.load(x_row + w, mask=w < V, other=0.0)
-        count, mass = _ahead(x_row, V, m, wx, w, BLOCK)
+        w = _race(x_row, q_row, V, t, m, kth, wx, w, BLOCK)
+        wx = _load_scaled(x_row, w, w < V, t)
+        count, mass = _ahead(x_row, V, t, m, wx, w, BLOCK)
         rejected = ((count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))) & (w < V)
     tl.store(out_ptr + row, tl.where(w < V, w, 0).to(tl.int64))
 
 
 def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,
-                top_p: torch.Tensor | None, max_top_k: int = 0, *, block: int | None = None,
-                num_warps: int | None = None) -> torch.Tensor:
-    """`race_sample_ref` without the sort (module docstring): [B] int64. With neither cut and
-    under _RACE_MIN_ROWS rows, the reference's own softmax, p / q and argmax, which are faster there.
+                top_p: torch.Tensor | None, max_top_k: int = 0, *, temperature: torch.Tensor | None = None,
+                block: int | None = None, num_warps: int | None = None) -> torch.Tensor:
+    """`race_sample_ref(logits.float() / temperature[:, None], ...)` without the sort (module
+    docstring): [B] int64. logits may come in bf16 / fp16 (a decode graph's buffer): the kernel
+    reads them as they are and divides by the temperature as it goes, so no fp32 copy of the
+    logits is written. With neither cut and under _RACE_MIN_ROWS rows, the reference's own
+    softmax, p / q and argmax, which are faster there.
     max_top_k: the largest k of the rows with top-k on (a host value, so no step waits to read
-    it). block / num_warps: the values a program reads a step and its warps (None: by the rows)."""
-    for name, t in (("logits", logits), ("noise", noise)):
-        if t.dim() != 2 or t.dtype != torch.float32 or (t.shape[1] > 1 and t.stride(1) != 1):
-            raise ValueError(f"{name} must be [B, V] fp32 with unit column stride, got {t.dtype} "
-                             f"{list(t.shape)} stride {t.stride()}")
+    it). temperature: [B] fp32 > 0, or None (1). block / num_warps: the values a program reads a
+    step and its warps (None: by the rows)."""
+    for name, t, dtypes in (("logits", logits, _LOGIT_DTYPES), ("noise", noise, (torch.float32,))):
+        if t.dim() != 2 or t.dtype not in dtypes or (t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"{name} must be [B, V] of {', '.join(str(d) for d in dtypes)} with unit column "
+                             f"stride, got {t.dtype} {list(t.shape)} stride {t.stride()}")
     if noise.shape != logits.shape:
         raise ValueError(f"noise must be shaped like logits {list(logits.shape)}, got {list(noise.shape)}")
     num_rows, vocab = logits.shape
     device = logits.device
-    for name, t, dtype in (("top_k", top_k, torch.int64), ("top_p", top_p, torch.float32)):
+    for name, t, dtype in (("top_k", top_k, torch.int64), ("top_p", top_p, torch.float32),
+                           ("temperature", temperature, torch.float32)):
         if t is not None and (t.shape != (num_rows,) or t.dtype != dtype or t.device != device):
             raise ValueError(f"{name} must be a {dtype} [{num_rows}] tensor on {device}")
     if top_k is not None and not 0 < max_top_k:
@@ -178,30 +192,36 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
         return out
     if vocab == 0:
         raise ValueError("logits must have at least one column")
+    scale = (lambda v: v.float()) if temperature is None else (lambda v: v.float() / temperature.unsqueeze(1))
     if top_k is None and top_p is None and num_rows < _RACE_MIN_ROWS:
-        return argmax_rows(logits.softmax(-1) / noise)
-    # The k-th largest value of the rows with top-k on; k <= 0 gathers a value the kernel ignores.
-    # A cut that is off passes a stand-in of its pointer's type, never read (has_k / has_p 0).
-    kth = logits
+        return argmax_rows(scale(logits).softmax(-1) / noise)
+    # The k-th largest value of the rows with top-k on (x / t keeps the order, and rounds as the
+    # kernel's division does); k <= 0 gathers a value the kernel ignores. What is off passes a
+    # stand-in of its pointer's type (noise: fp32, out: int64), never read (has_* 0).
+    kth = noise
     if top_k is not None:
         width = min(max_top_k, vocab)
-        kth = logits.topk(width, dim=-1).values.gather(1, top_k.clamp(1, width).unsqueeze(1) - 1).squeeze(1)
+        kth = scale(logits.topk(width, dim=-1).values.gather(1, top_k.clamp(1, width).unsqueeze(1) - 1)).squeeze(1)
     _race_sample_kernel[(num_rows,)](logits, noise, kth, out if top_k is None else top_k,
-                                     logits if top_p is None else top_p, out, vocab, logits.stride(0),
-                                     noise.stride(0), int(top_k is not None), int(top_p is not None),
+                                     noise if top_p is None else top_p,
+                                     noise if temperature is None else temperature, out, vocab,
+                                     logits.stride(0), noise.stride(0), int(top_k is not None),
+                                     int(top_p is not None), int(temperature is not None),
                                      BLOCK=block or config_for(num_rows)[0],
                                      num_warps=num_warps or config_for(num_rows)[1])
     return out
 
 
-def warm_up(num_cols: int, device: torch.device | str) -> None:
-    """Compile each variant race_sample picks for rows of num_cols logits (one per config_for),
-    so that none compiles while serving."""
-    x = torch.zeros(1, num_cols, dtype=torch.float32, device=device)
+def warm_up(num_cols: int, device: torch.device | str, dtypes=(torch.float32,)) -> None:
+    """Compile each variant race_sample picks for rows of num_cols logits of each of `dtypes`
+    (one per config_for and dtype), so that none compiles while serving."""
     top_p = torch.ones(1, dtype=torch.float32, device=device)        # a cut (off), so the kernel runs
-    for num_rows in (1, _MANY_ROWS):
-        block, num_warps = config_for(num_rows)
-        race_sample(x, torch.ones_like(x), None, top_p, block=block, num_warps=num_warps)
+    noise = torch.ones(1, num_cols, dtype=torch.float32, device=device)
+    for dtype in dict.fromkeys(dtypes):
+        x = torch.zeros(1, num_cols, dtype=dtype, device=device)
+        for num_rows in (1, _MANY_ROWS):
+            block, num_warps = config_for(num_rows)
+            race_sample(x, noise, None, top_p, block=block, num_warps=num_warps)
 
 
 def race_sample_ref(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor | None,

@@ -21,12 +21,13 @@ import kernels.argmax as am
 import kernels.exp_noise as en
 import kernels.race_sample as rs
 
-f32, i32, i64 = (Ptr(t) for t in (torch.float32, torch.int32, torch.int64))
+f32, i32, i64, bf16 = (Ptr(t) for t in (torch.float32, torch.int32, torch.int64, torch.bfloat16))
 V = 128256
 for num_rows in (1, 256):
     block, num_warps = rs.config_for(num_rows)
-    rs._race_sample_kernel.warmup(f32, f32, f32, i64, f32, i64, V, V, V, 1, 1, BLOCK=block,
-                                  num_warps=num_warps, grid=(1,))
+    for x in (f32, bf16):
+        rs._race_sample_kernel.warmup(x, f32, f32, i64, f32, f32, i64, V, V, V, 1, 1, 1, BLOCK=block,
+                                      num_warps=num_warps, grid=(1,))
     print("race_sample", block, num_warps)
 en._exponential_noise_kernel.warmup(i64, i32, f32, V, V, BLOCK=en.BLOCK, num_warps=4, grid=(1,))
 print("exp_noise")

@@ -158,10 +158,37 @@ def test_top_k_cuts_at_the_kth_value_of_any_sign():
         assert sample(x, q, torch.tensor([k]), None, 16).tolist() == want.tolist(), k
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("case", [CASES[0], CASES[1], CASES[4]] + CASES[5:])
+def test_logits_as_they_come_divided_by_the_temperature(case, dtype):
+    """Logits in the model's dtype (a decode graph's buffer) and a temperature a row: the kernel
+    reads them as they are and divides as it goes; the result is the reference's on the fp32
+    logits divided by torch (the same rounding), ties at the cuts included (bf16 has many)."""
+    seed, num_rows, vocab, *rest, block = case
+    x = logit_rows(seed, num_rows, vocab, *rest).to(dtype)
+    rng = random.Random(seed + 7)
+    temperature = torch.tensor([rng.choice([1.0, 0.7, 0.3, 1.9, rng.uniform(0.05, 2.0)])
+                                for _ in range(num_rows)], dtype=torch.float32)
+    top_k = torch.tensor([rng.choice([0, 1, 7, 50, vocab + 1]) for _ in range(num_rows)])
+    top_p = torch.tensor([rng.choice([1.0, 0.5, 0.9, 0.99]) for _ in range(num_rows)], dtype=torch.float32)
+    to = (lambda t: None if t is None else t.to(DEVICE))
+    for draw in range(2):
+        q = noise_like(x, seed * 10 + draw + 100)
+        for k, p in ((top_k, top_p), (top_k, None), (None, top_p), (None, None)):
+            want = rs.race_sample_ref(x.float() / temperature.unsqueeze(1), q, k, p)
+            got = rs.race_sample(x.to(DEVICE), q.to(DEVICE), to(k), to(p), int(top_k.max()), block=block,
+                                 temperature=temperature.to(DEVICE)).cpu()
+            assert torch.equal(got, want), (draw, k, p, (got != want).nonzero().flatten().tolist())
+
+
 def test_rejects_what_it_does_not_take():
     x = torch.zeros(2, 8, device=DEVICE)
     with pytest.raises(ValueError, match="logits must be"):
-        rs.race_sample(x.half(), x, None, None)
+        rs.race_sample(x.double(), x, None, None)
+    with pytest.raises(ValueError, match="noise must be .*float32"):
+        rs.race_sample(x, x.half(), None, None)
+    with pytest.raises(ValueError, match="temperature"):
+        rs.race_sample(x, x, None, None, temperature=torch.ones(3, device=DEVICE))
     with pytest.raises(ValueError, match="noise must be shaped"):
         rs.race_sample(x, x[:, :4], None, None)
     with pytest.raises(ValueError, match="top_k"):
