@@ -406,23 +406,31 @@ def test_a_draw_is_the_race_over_the_kept_tokens(device, num_rows, top_k, top_p)
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("num_rows", [5, 70])
-def test_the_kernels_path_draws_what_the_references_draw(num_rows):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("num_rows,min_p", [(5, 0.05), (70, 0.05), (5, 0.0), (70, 0.0)])
+def test_the_kernels_path_draws_what_the_references_draw(num_rows, min_p, dtype, monkeypatch):
     """The sampler's own calls into kernels/exp_noise.py and kernels/race_sample.py (on CUDA, or
     on CPU under TRITON_INTERPRET) against its reference path, on a batch mixing greedy,
     seeded and unseeded rows, top-k on and off (0, past the vocabulary), top-p on and off, min-p:
-    the same tokens, call after call (the unseeded rows' key advances alike)."""
+    the same tokens, call after call (the unseeded rows' key advances alike). Without min-p,
+    logits in bf16 (a decode graph's) reach the race as they are, with the temperatures: no fp32
+    copy; with min-p on some row, fp32 logits already divided."""
     vocab = 500
     gen = torch.Generator().manual_seed(11)
     params = [SamplingParams(temperature=0.0 if i % 7 == 3 else 0.6 + 0.1 * (i % 4),
                              top_k=(0, 5, 40, vocab + 9)[i % 4], top_p=(1.0, 0.9, 0.5)[i % 3],
-                             min_p=0.05 if i % 5 == 1 else 0.0, seed=100 + i if i % 2 else None)
+                             min_p=min_p if i % 5 == 1 else 0.0, seed=100 + i if i % 2 else None)
               for i in range(num_rows)]
     device = DEVICES[-1]
     meta = _meta(params, device)
     assert meta.top_k is not None and meta.top_p is not None and not meta.all_greedy
     kernels, refs = Sampler(seed=4, kernels=True), Sampler(seed=4, kernels=False)
+    raced = []
+    race = sampler_module.race_sample
+    monkeypatch.setattr(sampler_module, "race_sample", lambda logits, *a, temperature=None, **k: (
+        raced.append((logits.dtype, temperature is not None)), race(logits, *a, temperature=temperature, **k))[1])
     for _ in range(2):
-        logits = (torch.randn(num_rows, vocab, generator=gen) * 3).to(device)
+        logits = (torch.randn(num_rows, vocab, generator=gen) * 3).to(device, dtype)
         got, want = kernels(logits, meta).sampled_token_ids, refs(logits, meta).sampled_token_ids
         assert torch.equal(got, want), (got, want)
+    assert raced == ([(torch.float32, False)] if min_p else [(dtype, True)]) * 2
