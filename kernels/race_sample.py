@@ -28,8 +28,9 @@ torch's softmax), and sums the masses in its own order where the reference takes
 cumulative sum: a row whose two best ratios lie within rounding, or whose winner's mass before it
 lies within rounding of top_p, may sample another token. Everything else is exact.
 
-Layouts: logits and noise [B, V] fp32 with unit column stride (noise > 0); top_k [B] int64 (0 or
->= V: off) or None; top_p [B] fp32 in (0, 1] (1: off) or None. Returns [B] int64.
+Layouts: logits [B, V] fp32, bf16 or fp16 and noise [B, V] fp32, unit column stride (noise > 0);
+top_k [B] int64 (0 or >= V: off) or None; top_p [B] fp32 in (0, 1] (1: off) or None; temperature
+[B] fp32 > 0 or None (the race runs on logits.float() / temperature). Returns [B] int64.
 """
 from __future__ import annotations
 
