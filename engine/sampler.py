@@ -145,7 +145,7 @@ class Sampler:
         # by the temperature itself). Everything else computes in float32 (no copy for fp32;
         # nothing below writes into it).
         kernels = logits.is_cuda if self.kernels is None else self.kernels
-        as_they_are = meta.all_greedy or (kernels and meta.min_p is None)
+        as_they_are = meta.all_greedy or _race_takes_raw(meta, kernels)
         if not (as_they_are and meta.max_num_logprobs is None and meta.repetition_penalty is None
                 and meta.presence_penalty is None and meta.frequency_penalty is None):
             logits = logits.float()
@@ -178,15 +178,14 @@ class Sampler:
         # Greedy rows (their result is discarded) divide by 1 so nothing overflows.
         temperature = torch.where(meta.temperature < _MIN_TEMPERATURE, 1.0, meta.temperature)
         noise = self._exponential_noise(logits, meta, kernels)
-        if kernels and meta.min_p is None:       # the kernel divides as it reads: no [B, V] copy
-            return race_sample(logits, noise, meta.top_k, meta.top_p, meta.max_top_k, temperature=temperature)
-        logits = logits.float() / temperature.unsqueeze(1)
-        if meta.min_p is not None:
-            logits = _apply_min_p(logits, meta.min_p)
+        if not _race_takes_raw(meta, kernels):   # min-p and the reference need the divided logits
+            logits, temperature = logits.float() / temperature.unsqueeze(1), None
+            if meta.min_p is not None:
+                logits = _apply_min_p(logits, meta.min_p)
         # The kernel does not sort the logits (the sort took 3.9 ms at 256 rows, the kernel
         # 0.25); its reference does.
         if kernels:
-            return race_sample(logits, noise, meta.top_k, meta.top_p, meta.max_top_k)
+            return race_sample(logits, noise, meta.top_k, meta.top_p, meta.max_top_k, temperature=temperature)
         return race_sample_ref(logits, noise, meta.top_k, meta.top_p)
 
     def _exponential_noise(self, logits: Tensor, meta: SamplingMetadata, kernels: bool) -> Tensor:
@@ -207,6 +206,12 @@ def _argmax(x: Tensor) -> Tensor:
     """x.argmax(-1) for [B, V]: on CUDA by kernels/argmax.py (torch's takes 37 us for one row of a
     128k vocabulary on an H200, ~1% of a single stream's step), the same indices."""
     return argmax_rows(x) if x.is_cuda else x.argmax(-1)
+
+
+def _race_takes_raw(meta: SamplingMetadata, kernels: bool) -> bool:
+    """Whether the race kernel takes the logits as they come (any float dtype, undivided: it
+    divides by the temperature as it reads), sparing the [B, V] fp32 copies; min-p needs them."""
+    return kernels and meta.min_p is None
 
 
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:
