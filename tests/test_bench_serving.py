@@ -17,15 +17,21 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     monkeypatch.setattr(bench_serving, "write_results",
                         lambda prefix, meta, rows, *a, **k: (saved.append(len(rows)),
                                                              write(prefix, meta, rows, *a, **k)))
+    inputs = []                      # the sampling each perf_analyzer input file was written with
+    write_input = serving_clients.write_input_data
+    monkeypatch.setattr(serving_clients, "write_input_data",
+                        lambda *a, sampling=None, **k: (inputs.append(sampling),
+                                                        write_input(*a, sampling=sampling, **k)))
     bench_serving.main(["--model", str(model), "--concurrency", "2", "--output-tokens", "6",
                         "--prompt-tokens", "20", "--waves", "1", "--clients", "2",
                         "--drivers", "perf_analyzer", "python", "--py-clients", "2",
                         "--sampling", '{"temperature": 0.7, "top_p": 0.9, "seed": 5}', "--out", str(out)])
     saved_run = json.loads((tmp_path / "serving.json").read_text())
     rows = saved_run["results"]
-    # every path sent the sampled requests (the server rejects fields it does not take)
     assert saved_run["meta"]["sampling"] == {"max_tokens": 6, "temperature": 0.7, "ignore_eos": True,
                                              "top_p": 0.9, "seed": 5}
+    # perf_analyzer's requests carried the sampling (its input files: test_requests_carry_...)
+    assert inputs and all(s == {"temperature": 0.7, "top_p": 0.9, "seed": 5} for s in inputs), inputs
     seen = {(r["path"], r["round"]) for r in rows}
     assert seen == {("direct", "first"), ("direct", "steady"), ("llm", "first"),
                     ("llm", "steady"), ("llm_bls", "steady"),
