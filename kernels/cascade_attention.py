@@ -77,6 +77,7 @@ from kernels.attention_ref import cascade_attention_ref
 from kernels.cascade_cost import CascadeCostRule, PrefixGroup
 # The paged kernel's loop over keys: the same loads and math, so the same bits.
 from kernels.paged_attention import _attend_keys, _int32_offsets, _prompt_loop, _q_for_keys, check_q_and_caches
+from kernels.side_stream import side_stream
 
 __all__ = ["cascade_attention", "cascade_attention_ref", "choose_num_prefix_splits",
            "prefix_rows_per_tile", "CascadeCostRule", "PrefixGroup"]
@@ -533,7 +534,7 @@ def cascade_attention(
     args = (q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
             prefix_lens.contiguous(), cu_group_seqs.contiguous(), out, part_m, part_l, part_acc, scale)
     if side_by_side:
-        with _side_stream(q.device) as side:
+        with side_stream(q.device) as side:
             with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
                 _launch_prefix(*args, max_group_rows, num_prefix_splits, prefix_cfg)
             _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg, own_partial=True)
@@ -585,26 +586,6 @@ def _launch_prefix(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, pre
         **_loop_form(cfg, k_cache, v_cache, prompt=False, i32=False),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-
-
-_SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
-
-
-@contextlib.contextmanager
-def _side_stream(device: torch.device):
-    """Yields a side stream of `device` that has waited for the current stream's work (None on
-    the CPU); on leaving, the current stream waits for the side stream's. One stream a device,
-    made on first use (a warm-up call: making it under CUDA-graph capture is not asked of CUDA)."""
-    if device.type != "cuda":
-        yield None
-        return
-    side = _SIDE_STREAMS.get(device)
-    if side is None:
-        side = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
-    main = torch.cuda.current_stream(device)
-    side.wait_stream(main)
-    yield side
-    main.wait_stream(side)
 
 
 def _launch_merge(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, prefix_lens,

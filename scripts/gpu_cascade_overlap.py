@@ -37,6 +37,7 @@ def main() -> None:
     import torch
 
     import kernels.cascade_attention as ca
+    from kernels.side_stream import SIDE_STREAMS
     from scripts.bench_common import graph_us_a_call, write_probe
     from scripts.gpu_check_cascade import Batch, decode_groups
 
@@ -52,7 +53,7 @@ def main() -> None:
             real_prefix(*a, **k)
 
     def on_side(*a, **k):       # the own pass on the side stream (which waited for main on entry)
-        with torch.cuda.stream(ca._SIDE_STREAMS[streams["main"].device]):
+        with torch.cuda.stream(SIDE_STREAMS[streams["main"].device]):
             real_own(*a, **k)
 
     def two_stages(*a):

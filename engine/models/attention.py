@@ -6,6 +6,7 @@ kernels plug in beside the PyTorch reference without the layers changing.
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -15,6 +16,7 @@ from torch import nn
 from kernels.attention_ref import paged_attention_ref, write_kv_ref
 from kernels.attention_torch import decode_attention_torch, paged_attention_torch
 from kernels.cascade_torch import cascade_attention_torch
+from kernels.side_stream import side_stream
 
 
 @dataclass
@@ -111,6 +113,12 @@ TORCH_BACKEND = AttentionBackend("torch", write_kv_ref, _torch_attention)
 CASCADE_SIDE_BY_SIDE = True
 
 
+# A mixed step's prompt chunks on a side stream beside its decode rows (_mixed_paged_attention;
+# benchmarks/h200/wide_rows_and_prompt_backends.md section 2: 10-28 us a layer less at 64-256
+# decode rows).
+MIXED_SIDE_BY_SIDE = True
+
+
 def triton_backend() -> AttentionBackend:
     """The GPU kernels (imported on demand; CUDA-graph safe)."""
     from kernels.cascade_attention import cascade_attention
@@ -147,21 +155,27 @@ def _mixed_paged_attention(paged_attention, q, k_cache, v_cache, attn: Attention
     """A step of decode rows (the first num_decodes sequences, rows 0..num_decodes-1) and prompt
     chunks: two calls, each tiled for its kind, into one output. The second call's cu_seqlens_q
     keeps absolute row indices, so it reads its rows of q in place and zeroes the padding rows
-    after the last chunk. The decode rows take one KV split (as the whole mixed step did): a
+    after the last chunk. On a GPU the chunks' call runs on a side stream beside the decode rows'
+    (MIXED_SIDE_BY_SIDE). The decode rows take one KV split (as the whole mixed step did): a
     split count is a kernel variant, and one the start-up did not compile would compile in the
     middle of serving."""
     nd = attn.num_decodes
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    paged_attention(q[:nd], k_cache, v_cache, attn.block_table[:nd], attn.cu_seqlens_q[:nd + 1],
-                    attn.seq_lens[:nd], scale, sliding_window, max_seqlen_q=1,
-                    max_seqlen_k=attn.max_seqlen_k, num_kv_splits=1, out=out[:nd])
     if attn.chunk_block_table is not None:
         table, cu, seq_lens = attn.chunk_block_table, attn.chunk_cu_seqlens_q, attn.chunk_seq_lens
     else:
         table, cu, seq_lens = attn.block_table[nd:], attn.cu_seqlens_q[nd:], attn.seq_lens[nd:]
-    paged_attention(q, k_cache, v_cache, table, cu, seq_lens, scale, sliding_window,
-                    max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k, out=out)
+    # The chunks first, on the side stream where there is one, then the decode rows beside them
+    # (they write disjoint rows of out): the chunks' few long programs no longer run after the
+    # decode rows' many short ones.
+    with side_stream(q.device) if MIXED_SIDE_BY_SIDE else contextlib.nullcontext() as side:
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            paged_attention(q, k_cache, v_cache, table, cu, seq_lens, scale, sliding_window,
+                            max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k, out=out)
+        paged_attention(q[:nd], k_cache, v_cache, attn.block_table[:nd], attn.cu_seqlens_q[:nd + 1],
+                        attn.seq_lens[:nd], scale, sliding_window, max_seqlen_q=1,
+                        max_seqlen_k=attn.max_seqlen_k, num_kv_splits=1, out=out[:nd])
     return out
 
 
