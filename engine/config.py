@@ -26,10 +26,6 @@ class EngineConfig:
     # pool runs out (vLLM); guaranteed_no_evict: admit only with room for every running request
     # to reach its max_tokens, never preempt (TensorRT-LLM's names; engine/scheduler.py).
     capacity_scheduler_policy: str = "max_utilization"
-    # > 0: with every seat (max_num_seqs) taken, up to max_num_seqs more requests have up to this
-    # many prompt tokens a step computed beside the decodes, and take seats as they free, prompt
-    # done (engine/scheduler.py). Offline jobs; 0: off (vLLM's behaviour).
-    prefill_ahead_tokens: int = 0
     block_size: int = 16
     # auto: the KV cache holds the model's dtype; fp8 (= fp8_e4m3): one byte a value, so twice the
     # tokens fit and decode attention reads half the bytes. Keys and values are stored clamped to
@@ -165,7 +161,6 @@ class EngineConfig:
             _int_at_least("max_model_len", self.max_model_len, 1)
         _int_at_least("max_num_seqs", self.max_num_seqs, 1)
         _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
-        _int_at_least("prefill_ahead_tokens", self.prefill_ahead_tokens, 0)
         _int_at_least("block_size", self.block_size, 1)
         if self.num_kv_blocks is not None:
             _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)

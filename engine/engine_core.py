@@ -75,8 +75,7 @@ class EngineCore:
         self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.capacity_scheduler_policy,
-                                   config.prefill_ahead_tokens)
+                                   self.max_model_len, config.capacity_scheduler_policy)
         self._in_flight = None       # (SchedulerOutput, launched step): async scheduling
         # Start-up objects live forever; keeping them out of the collector's scans keeps
         # collections short while the step loop allocates.
@@ -161,5 +160,4 @@ class EngineCore:
             num_computed_prompt_tokens=s.num_computed_prompt_tokens,
             num_cached_prompt_tokens=s.num_cached_prompt_tokens,
             num_generated_tokens=s.num_generated_tokens, num_preemptions=s.num_preemptions,
-            num_cascade_rows=s.num_cascade_rows, num_graph_steps=self.runner.times.graph_steps,
-            num_prompt_tokens_ahead=s.num_prompt_tokens_ahead)
+            num_cascade_rows=s.num_cascade_rows, num_graph_steps=self.runner.times.graph_steps)

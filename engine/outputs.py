@@ -59,6 +59,3 @@ class EngineStats:
     # chunks cut at attention); the others were launched eagerly (cascade steps with prompt
     # chunks, more tokens than the captured sizes, or CPU).
     num_graph_steps: int = 0
-    # Prompt tokens computed for requests waiting for a seat, beside the decodes
-    # (EngineConfig.prefill_ahead_tokens), since start.
-    num_prompt_tokens_ahead: int = 0

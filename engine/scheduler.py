@@ -14,19 +14,6 @@ at the price of fewer requests running while outputs are still short. Where outp
 their max_tokens (benchmarks with ignore_eos, long generations) and max_num_seqs is larger
 than the pool holds at full length, max_utilization preempts and recomputes over and over.
 
-Prefill ahead (`prefill_ahead_tokens` > 0): when every seat (`max_num_seqs`) is taken, up to
-max_num_seqs more requests are admitted behind them, and up to prefill_ahead_tokens of their
-prompts a step are computed beside the seated requests' decodes. A request whose prompt is done
-there has its first token sampled and then waits, holding its KV blocks, for a seat: it takes
-one the step after a seated request ends, in admission order (the first max_num_seqs of
-`running` hold the seats), and decodes at once. A long offline job's later prompts are then
-computed in the decode steps of the earlier ones, whose GEMMs run at twice the rows (on the
-H200, 256 decode rows plus 256 prompt tokens take ~1.3x the GEMM time of 256 rows alone:
-benchmarks/h200/prefill_ahead.md), instead of in prompt steps of their own while no one
-decodes. Requests ahead of a seat are the newest, so they are the first preempted; under
-max_utilization one is admitted only while the free blocks, less what the seated requests need
-to finish, hold its prompt; under guaranteed_no_evict by the policy's own rule.
-
 Prefix groups (`add_group`, from LLM.generate): requests known to share a prefix of whole blocks.
 The first member is admitted like any request and computes the prefix; the others are held back
 until it has been scheduled through the prefix. Then the group pins the prefix's blocks (its own
@@ -119,7 +106,6 @@ class SchedulerStats:
     num_generated_tokens: int = 0
     num_preemptions: int = 0
     num_cascade_rows: int = 0                  # query rows that read a shared prefix once per group
-    num_prompt_tokens_ahead: int = 0           # prompt tokens computed ahead of a seat (prefill ahead)
 
 
 class _Group:
@@ -136,15 +122,10 @@ class _Group:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, capacity_policy: str = "max_utilization",
-                 prefill_ahead_tokens: int = 0) -> None:
+                 max_model_len: int, capacity_policy: str = "max_utilization") -> None:
         if capacity_policy not in CAPACITY_POLICIES:
             raise ValueError(f"capacity_policy must be one of {CAPACITY_POLICIES}, "
                              f"got {capacity_policy!r}")
-        if prefill_ahead_tokens < 0:
-            raise ValueError(f"prefill_ahead_tokens must be >= 0, got {prefill_ahead_tokens}")
-        self.prefill_ahead_tokens = prefill_ahead_tokens
-        self.max_ahead_seqs = max_num_seqs if prefill_ahead_tokens else 0
         self.no_evict = capacity_policy == "guaranteed_no_evict"
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -285,7 +266,6 @@ class Scheduler:
     # ------------------------------------------------------------------ the step
     def schedule(self) -> SchedulerOutput:
         budget = self.max_num_batched_tokens
-        ahead_budget = self.prefill_ahead_tokens
         num_scheduled: dict[str, int] = {}
         new_reqs: list[NewRequestData] = []
         cached_reqs = CachedRequestData()
@@ -295,9 +275,6 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             num_new = min(req.num_tokens_with_placeholders - req.num_computed_tokens, budget)
-            ahead = i >= self.max_num_seqs
-            if ahead:       # no seat yet: only its prompt, from the ahead budget
-                num_new = min(num_new, req.num_prompt_tokens - req.num_computed_tokens, ahead_budget)
             if num_new <= 0 or req.reaches_limit(self.max_model_len):
                 i += 1                    # its token in flight ends it: nothing to compute
                 continue
@@ -316,9 +293,6 @@ class Scheduler:
             cached_reqs.new_block_ids.append(new_block_ids)
             num_scheduled[req.request_id] = num_new
             budget -= num_new
-            if ahead:
-                ahead_budget -= num_new
-                self.stats.num_prompt_tokens_ahead += num_new
             self._advance(req, num_new)
             if self._leaders:
                 self._pin_if_computed(req)
@@ -326,24 +300,21 @@ class Scheduler:
 
         # Admitting new work while evicting running work would just thrash.
         if not preempted:
-            budget, ahead_budget = self._admit(budget, ahead_budget, num_scheduled, new_reqs)
+            budget = self._admit(budget, num_scheduled, new_reqs)
             if not num_scheduled and not self.running and self._release_pins():
-                budget, ahead_budget = self._admit(budget, ahead_budget, num_scheduled, new_reqs)
+                budget = self._admit(budget, num_scheduled, new_reqs)
 
         self.stats.num_steps += 1
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.max_num_batched_tokens - budget, finished)
 
-    def _admit(self, budget: int, ahead_budget: int, num_scheduled: dict[str, int],
-               new_reqs: list[NewRequestData]) -> tuple[int, int]:
-        """Admits ready group members, then waiting requests, FCFS while budget, seats (and
-        places ahead of a seat) and blocks last; returns the budget and ahead budget left."""
+    def _admit(self, budget: int, num_scheduled: dict[str, int],
+               new_reqs: list[NewRequestData]) -> int:
+        """Admits ready group members, then waiting requests, FCFS while budget, seats and
+        blocks last; returns the budget left."""
         reserved = None     # guaranteed_no_evict: blocks the running requests may still take
-        while budget > 0 and len(self.running) < self.max_num_seqs + self.max_ahead_seqs:
-            ahead = len(self.running) >= self.max_num_seqs
-            if ahead and ahead_budget <= 0:
-                break
+        while budget > 0 and len(self.running) < self.max_num_seqs:
             queue = self._ready or self.waiting
             if not queue:
                 break
@@ -361,10 +332,6 @@ class Scheduler:
                 if need > self.kv.num_free_blocks - reserved:
                     break
             num_new = min(req.num_tokens - num_cached, budget)
-            if ahead:
-                num_new = min(num_new, req.num_prompt_tokens - num_cached, ahead_budget)
-                if num_new <= 0 or (not self.no_evict and not self._room_ahead(req, num_new, num_cached)):
-                    break
             block_ids = self.kv.allocate_slots(req, num_new, computed_blocks)
             if block_ids is None:
                 break
@@ -383,22 +350,10 @@ class Scheduler:
                                            block_ids, num_cached))
             num_scheduled[req.request_id] = num_new
             budget -= num_new
-            if ahead:
-                ahead_budget -= num_new
-                self.stats.num_prompt_tokens_ahead += num_new
             self._advance(req, num_new)
             if self._leaders:
                 self._pin_if_computed(req)
-        return budget, ahead_budget
-
-    def _room_ahead(self, req: Request, num_new: int, num_cached: int) -> bool:
-        """max_utilization, a request ahead of a seat: whether the free blocks, less those the
-        seated requests still need to finish, hold its whole prompt (so that computing it never
-        preempts a seated request)."""
-        seated = sum(map(self._blocks_to_finish, self.running[:self.max_num_seqs]))
-        bs = self.kv.block_size
-        prompt_blocks = -(-req.num_prompt_tokens // bs) - num_cached // bs
-        return prompt_blocks <= self.kv.num_free_blocks - seated
+        return budget
 
     def _final_blocks(self, req: Request) -> int:
         """The blocks `req` holds once it has run to max_tokens (or max_model_len)."""

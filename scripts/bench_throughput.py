@@ -81,8 +81,7 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=max(i + o for i, o in workloads), enable_prefix_caching=False,
               async_scheduling=not args.sync_scheduling,
-              capacity_scheduler_policy=args.capacity_policy, kv_cache_dtype=args.kv_cache_dtype,
-              prefill_ahead_tokens=args.prefill_ahead_tokens)
+              capacity_scheduler_policy=args.capacity_policy, kv_cache_dtype=args.kv_cache_dtype)
     llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
     for inp, out in workloads:
         prompts = prompts_of[(inp, out)]
@@ -100,7 +99,6 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
                "step_ms": llm.core.times.since(before).per_step_ms(),
                # More sequences than the KV cache holds at full length: preempted, recomputed.
                "preemptions": stats1.num_preemptions - stats0.num_preemptions,
-               "prompt_tokens_ahead": stats1.num_prompt_tokens_ahead - stats0.num_prompt_tokens_ahead,
                "kv_blocks": stats1.num_kv_blocks}
         if trace is not None:
             trace.close()
@@ -229,9 +227,6 @@ def main(argv: list[str] | None = None) -> None:
                     help="one engine per value, each in its own process (e.g. 128 256 512 1024: "
                          "does a bigger batch pay?)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--prefill-ahead-tokens", type=int, default=0,
-                    help="the engine's prefill_ahead_tokens: prompt tokens a step computed for "
-                         "requests waiting for a seat, beside the decodes (0: off)")
     ap.add_argument("--capacity-policy", default="max_utilization", choices=CAPACITY_POLICIES,
                     help="the engine's capacity_scheduler_policy: guaranteed_no_evict admits a "
                          "request only with room for all to reach max_tokens (no preemption "
@@ -267,7 +262,6 @@ def main(argv: list[str] | None = None) -> None:
             "command": " ".join(["python"] + sys.argv),
             "capacity_scheduler_policy": args.capacity_policy, "kv_cache_dtype": args.kv_cache_dtype,
             "sampling": args.sampling,
-            "prefill_ahead_tokens": args.prefill_ahead_tokens,
             "targets": "1000x1000: >= 75% of roofline and >= 10x HF generate"}
     rows: list[dict] = []
 

@@ -116,24 +116,6 @@ def test_greedy_matches_hf_with_guaranteed_no_evict_in_a_small_pool(tiny_models,
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
-def test_greedy_matches_hf_with_prefill_ahead(tiny_models, hf_outputs, policy):
-    """4 seats and prefill ahead: the later prompts are computed 24 tokens a step beside the
-    seated requests' decodes, their first tokens sampled there, and they decode when a seat
-    frees: the same tokens as HF, in a pool small enough to preempt under max_utilization."""
-    prompts, expected = hf_outputs("llama")
-    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", block_size=16,
-              max_num_seqs=4, max_num_batched_tokens=64, num_kv_blocks=40, max_model_len=400,
-              capacity_scheduler_policy=policy, prefill_ahead_tokens=24)
-    outs = llm.generate(prompts, GREEDY)
-    for i, (o, e) in enumerate(zip(outs, expected)):
-        assert o.outputs[0].token_ids == e, f"prompt {i} (len {len(prompts[i])}) differs"
-    stats = llm.get_stats()
-    assert stats.num_free_kv_blocks == stats.num_kv_blocks
-    assert len(llm.core.scheduler.running) == 0
-    assert stats.num_prompt_tokens_ahead > 0, "no prompt was computed ahead of a seat"
-
-
 def test_prefix_caching_skips_shared_prefix_with_identical_output(tiny_models):
     model = tiny_models["llama"]
     rng = random.Random(5)

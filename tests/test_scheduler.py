@@ -26,13 +26,10 @@ class FakeRunner:
         self.slot_token: dict[tuple[int, int], int] = {}
         self.max_tokens_in_step = 0
         self.max_seqs_in_step = 0
-        self.max_ahead_in_step = 0
-        self.steps = 0
 
     def step(self):
         s = self.sched
         out = s.schedule()
-        self.steps += 1
         for rid in out.finished_request_ids:
             self.block_ids.pop(rid, None)
         for new in out.new_requests:
@@ -60,17 +57,7 @@ class FakeRunner:
                 assert self.slot_token.get(slot) == req.all_token_ids[pos], (rid, pos)
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
         assert out.total_num_scheduled_tokens <= s.max_num_batched_tokens
-        assert len(s.running) <= s.max_num_seqs + s.max_ahead_seqs
-        # Seats: no more than max_num_seqs requests decode in a step (prefill ahead computes
-        # prompts only), and prompts ahead of a seat take at most their budget.
-        decodes = [rid for rid, n in out.num_scheduled_tokens.items()
-                   if s.requests[rid].num_computed_tokens - n >= s.requests[rid].num_prompt_tokens]
-        assert len(decodes) <= s.max_num_seqs
-        seated = {r.request_id for r in s.running[:s.max_num_seqs]}
-        ahead = sum(n for rid, n in out.num_scheduled_tokens.items()
-                    if rid not in seated and rid in s.requests and s.requests[rid] in s.running)
-        assert ahead <= s.prefill_ahead_tokens
-        self.max_ahead_in_step = max(self.max_ahead_in_step, ahead)
+        assert len(s.running) <= s.max_num_seqs
         self.max_tokens_in_step = max(self.max_tokens_in_step, out.total_num_scheduled_tokens)
         self.max_seqs_in_step = max(self.max_seqs_in_step, len(out.num_scheduled_tokens))
         rids, toks = [], []
@@ -83,9 +70,9 @@ class FakeRunner:
 
 
 def make(num_blocks=1000, block_size=4, max_num_seqs=64, max_tokens_step=512,
-         max_model_len=4096, caching=True, policy="max_utilization", ahead=0):
+         max_model_len=4096, caching=True, policy="max_utilization"):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, max_num_seqs, max_tokens_step, max_model_len, policy, ahead)
+    return Scheduler(kv, max_num_seqs, max_tokens_step, max_model_len, policy)
 
 
 def run_all(sched, prompts, max_tokens=8, min_tokens=0):
@@ -309,81 +296,3 @@ def test_duplicate_request_id_rejected():
     sched.add_request(Request("a", [1], SamplingParams(), []))
     with pytest.raises(ValueError, match="request_id"):
         sched.add_request(Request("a", [1], SamplingParams(), []))
-
-
-def test_prefill_ahead_computes_the_next_prompts_beside_the_decodes():
-    """4 seats, 12 requests of 20-token prompts and 30 outputs: without prefill ahead the
-    second and third waves wait for seats, then compute their prompts in steps of their own;
-    with it their prompts are computed 8 tokens a step beside the first waves' decodes, and
-    each takes a seat, prompt done and first token sampled, as one frees. Same outputs; the
-    decode rows never exceed the seats (FakeRunner checks each step)."""
-    ps = prompts(12, seed=4, lo=20, hi=20)
-    ref = [expected(p, 30) for p in ps]
-    base = make(max_num_seqs=4, max_tokens_step=64)
-    outs, plain = run_all(base, ps, max_tokens=30)
-    assert outs == ref and plain.max_ahead_in_step == 0
-    sched = make(max_num_seqs=4, max_tokens_step=64, ahead=8)
-    outs, runner = run_all(sched, ps, max_tokens=30)
-    assert outs == ref
-    assert runner.max_ahead_in_step == 8
-    # 12 x 30 decode tokens at 4 a step is 90 steps however scheduled; the later waves'
-    # prompts add steps only without prefill ahead.
-    assert runner.steps < plain.steps
-    assert sched.stats.num_preemptions == 0
-
-
-def test_prefill_ahead_parks_a_finished_prompt_until_a_seat_frees():
-    sched = make(max_num_seqs=1, max_tokens_step=64, ahead=16)
-    sched.add_request(Request("a", [1] * 5, SamplingParams(max_tokens=6), []))
-    sched.add_request(Request("b", [2] * 10, SamplingParams(max_tokens=3), []))
-    runner = FakeRunner(sched)
-    out, _ = runner.step()
-    assert out.num_scheduled_tokens == {"a": 5, "b": 10}        # b's prompt, ahead
-    for _ in range(4):                                          # a decodes; b waits, prompt done
-        out, outs = runner.step()
-        assert out.num_scheduled_tokens == {"a": 1}
-        assert [o.request_id for o in outs] == ["a"]
-    out, _ = runner.step()                                      # a's last token ends it
-    assert out.num_scheduled_tokens == {"a": 1}
-    out, _ = runner.step()
-    assert out.num_scheduled_tokens == {"b": 1}                 # b's seat: a decode at once
-    while sched.has_unfinished_requests():
-        runner.step()
-    assert sched.requests == {} and sched.kv.num_free_blocks == sched.kv.num_blocks
-
-
-@pytest.mark.parametrize("policy", ["max_utilization", "guaranteed_no_evict"])
-def test_prefill_ahead_in_a_small_pool_gives_identical_output(policy):
-    """A pool too small for everyone: under max_utilization requests are preempted (those ahead
-    of a seat first, the newest) and recomputed; under guaranteed_no_evict none is. Both give
-    the sequential outputs and leave the pool whole (run_all checks)."""
-    ps = prompts(12, seed=1, lo=20, hi=40)
-    ref = [expected(p, 24) for p in ps]
-    sched = make(num_blocks=60, block_size=4, max_num_seqs=3, max_tokens_step=32, caching=False,
-                 policy=policy, ahead=8)
-    outs, runner = run_all(sched, ps, max_tokens=24)
-    assert outs == ref
-    assert runner.max_ahead_in_step > 0
-    if policy == "guaranteed_no_evict":
-        assert sched.stats.num_preemptions == 0
-
-
-def test_prefill_ahead_never_takes_the_blocks_seated_requests_need():
-    """max_utilization: 20 blocks of 4; a seated request of 8 prompt tokens and 40 outputs ends
-    at 12 blocks. A 40-token prompt (10 blocks) ahead of a seat fits now (18 free) but not beside
-    what the seated one still needs (10 more): it waits, and nothing is preempted."""
-    sched = make(num_blocks=20, block_size=4, max_num_seqs=1, max_tokens_step=64, ahead=64)
-    sched.add_request(Request("a", list(range(1, 9)), SamplingParams(max_tokens=40), []))
-    sched.add_request(Request("b", list(range(100, 140)), SamplingParams(max_tokens=2), []))
-    runner = FakeRunner(sched)
-    out, _ = runner.step()
-    assert set(out.num_scheduled_tokens) == {"a"}
-    while sched.has_unfinished_requests():
-        runner.step()
-    assert sched.stats.num_preemptions == 0
-    assert sched.kv.num_free_blocks == sched.kv.num_blocks
-
-
-def test_prefill_ahead_tokens_must_not_be_negative():
-    with pytest.raises(ValueError, match="prefill_ahead_tokens must be >= 0"):
-        make(ahead=-1)
