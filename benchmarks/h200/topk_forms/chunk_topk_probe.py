@@ -92,7 +92,6 @@ def main() -> None:
                 results.append({"rows": rows, "k": k, "form": f"chunks {chunk}, K {big_k}, {warps} warps",
                                 "us": 1e3 * t, "exact": exact})
                 print(results[-1], flush=True)
-            print(results[-3], results[-2] if False else "", flush=True)
     with open(args.out, "w") as f:
         json.dump({"commit": os.environ.get("BENCH_COMMIT", "?"), "gpu": torch.cuda.get_device_name(),
                    "results": results}, f, indent=1)
