@@ -66,7 +66,6 @@ worth it.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -534,8 +533,8 @@ def cascade_attention(
     args = (q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
             prefix_lens.contiguous(), cu_group_seqs.contiguous(), out, part_m, part_l, part_acc, scale)
     if side_by_side:
-        with side_stream(q.device) as side:
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        with side_stream(q.device) as on_side:
+            with on_side:
                 _launch_prefix(*args, max_group_rows, num_prefix_splits, prefix_cfg)
             _launch_own(*args, max_seqlen_q, num_prefix_splits, own_cfg, own_partial=True)
         _launch_merge(*args, max_seqlen_q, num_prefix_splits, own_cfg)

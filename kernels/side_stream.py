@@ -13,19 +13,28 @@ SIDE_STREAMS: dict[torch.device, torch.cuda.Stream] = {}
 
 
 @contextlib.contextmanager
-def side_stream(device: torch.device):
-    """Yields a side stream of `device` that has waited for the current stream's work (None on
-    the CPU); on leaving, the current stream waits for the side stream's. One stream a device,
-    made on first use (a warm-up call: making it under CUDA-graph capture is not asked of CUDA).
-    What the side stream reads or writes must stay alive until the current stream has waited,
-    which leaving does."""
-    if device.type != "cuda":
-        yield None
+def side_stream(device: torch.device, enabled: bool = True):
+    """Two launches side by side: yields a context that runs what it holds on a side stream of
+    `device`, which has waited for the current stream's work; on leaving, the current stream
+    waits for the side stream's. What follows the held launches inside this context runs on the
+    current stream beside them:
+
+        with side_stream(device) as on_side:
+            with on_side:
+                first()       # the side stream
+            second()          # the current stream, beside first()
+
+    On the CPU, or with enabled False, the held launches run on the current stream, in turn.
+    One stream a device, made on first use (a warm-up call: making it under CUDA-graph capture
+    is not asked of CUDA). What the side stream reads or writes must stay alive until the
+    current stream has waited, which leaving does."""
+    if device.type != "cuda" or not enabled:
+        yield contextlib.nullcontext()
         return
     side = SIDE_STREAMS.get(device)
     if side is None:
         side = SIDE_STREAMS[device] = torch.cuda.Stream(device)
     main = torch.cuda.current_stream(device)
     side.wait_stream(main)
-    yield side
+    yield torch.cuda.stream(side)
     main.wait_stream(side)

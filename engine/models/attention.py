@@ -6,7 +6,6 @@ kernels plug in beside the PyTorch reference without the layers changing.
 """
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -169,8 +168,8 @@ def _mixed_paged_attention(paged_attention, q, k_cache, v_cache, attn: Attention
     # The chunks first, on the side stream where there is one, then the decode rows beside them
     # (they write disjoint rows of out): the chunks' few long programs no longer run after the
     # decode rows' many short ones.
-    with side_stream(q.device) if MIXED_SIDE_BY_SIDE else contextlib.nullcontext() as side:
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+    with side_stream(q.device, enabled=MIXED_SIDE_BY_SIDE) as on_side:
+        with on_side:
             paged_attention(q, k_cache, v_cache, table, cu, seq_lens, scale, sliding_window,
                             max_seqlen_q=attn.max_seqlen_q, max_seqlen_k=attn.max_seqlen_k, out=out)
         paged_attention(q[:nd], k_cache, v_cache, attn.block_table[:nd], attn.cu_seqlens_q[:nd + 1],
