@@ -11,6 +11,8 @@ cuBLAS dot product over the whole of K):
   full          F.linear(x, W)
   n<P>          P column blocks: torch.mm(x, W[j].T, out=y[:, j]) into the one [M, N] output
   m<C>          row blocks of C rows: torch.mm(x[r], W.T, out=y[r])
+  grouped       torch._grouped_mm (CUTLASS's sm90 grouped GEMM, another kernel family than
+                cuBLAS's) with one group; its result, not written into y (the check copies it)
 
 Each form runs in a CUDA graph over 32 layers' own weights (HBM, as gpu_gemm_rate.py), median
 of a few replays, us a layer; `layer` rows chain the four projections layer by layer, each in
@@ -35,8 +37,10 @@ from scripts.bench_common import PRESETS, git_commit, hardware  # noqa: E402
 from scripts.gpu_gemm_rate import layer_shapes  # noqa: E402
 
 
-def run_form(form: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> None:
-    """y = x w^T in the given form (module docstring)."""
+def run_form(form: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """y = x w^T in the given form (module docstring); returns the result (y, save for grouped)."""
+    if form == "grouped":
+        return torch._grouped_mm(x.unsqueeze(0), w.t().unsqueeze(0))[0]
     if form == "full":
         torch.mm(x, w.t(), out=y)
     elif form.startswith("n"):
@@ -52,6 +56,7 @@ def run_form(form: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> No
             torch.mm(x[r:r + chunk], w.t(), out=y[r:r + chunk])
     else:
         raise ValueError(form)
+    return y
 
 
 def main() -> None:
@@ -86,12 +91,14 @@ def main() -> None:
             times = {}
             for form in forms:
                 y.zero_()
-                run_form(form, x, weights[name][0], y)
-                same = bool(torch.equal(y, ref))
+                got = run_form(form, x, weights[name][0], y)
+                same = bool(torch.equal(got, ref))
+                max_diff = (got.float() - ref.float()).abs().max().item()
                 us = replay_ms(lambda: [run_form(form, x, w, y) for w in weights[name]], dev) * 1e3 / args.layers
                 times[form] = us
                 record({"rows": rows, "proj": name, "n": n, "k": k, "form": form, "us": us,
-                        "tflops": 2 * rows * n * k / us / 1e6, "bitwise_equal_full": same})
+                        "tflops": 2 * rows * n * k / us / 1e6, "bitwise_equal_full": same,
+                        "max_diff": max_diff})
             best[name] = min(times, key=times.get)
 
         def chain(choice):
