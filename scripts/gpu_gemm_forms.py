@@ -6,13 +6,13 @@ projection runs at 524-647 TFLOP/s, at 512 rows 695-754 (gemm_rate_3724bbd.json)
 cuBLAS is given may be what costs: its tiles fill the SMs badly at M = 256, and a long
 N = 28,672 output may be walked in an order that reads its operands from HBM more than needed.
 
-Forms of one projection y = x W^T, W [N, K] (each the same bits: every output element is one
-cuBLAS dot product over the whole of K):
-  full          F.linear(x, W)
+Forms of one projection y = x W^T, W [N, K], each the same product (its bits equal one call's
+unless the kernel picked for a piece splits K differently: `bitwise_equal_full`, `max_diff`):
+  full          torch.mm(x, W.T, out=y), what F.linear runs
   n<P>          P column blocks: torch.mm(x, W[j].T, out=y[:, j]) into the one [M, N] output
   m<C>          row blocks of C rows: torch.mm(x[r], W.T, out=y[r])
   grouped       torch._grouped_mm (CUTLASS's sm90 grouped GEMM, another kernel family than
-                cuBLAS's) with one group; its result, not written into y (the check copies it)
+                cuBLAS's) with one group; it returns its own tensor, which the check compares
 
 Each form runs in a CUDA graph over 32 layers' own weights (HBM, as gpu_gemm_rate.py), median
 of a few replays, us a layer; `layer` rows chain the four projections layer by layer, each in
