@@ -13,6 +13,13 @@ unless the kernel picked for a piece splits K differently: `bitwise_equal_full`,
   m<C>          row blocks of C rows: torch.mm(x[r], W.T, out=y[r])
   grouped       torch._grouped_mm (CUTLASS's sm90 grouped GEMM, another kernel family than
                 cuBLAS's) with one group; it returns its own tensor, which the check compares
+  k<S>          K split in S as one batched GEMM over views of x and W (no copies): S float32
+                partials [S, M, N] (torch.bmm's out_dtype), summed and rounded into y. S times
+                the tiles of `full` for the shapes whose tiles fill the SMs badly (split-K by hand)
+  k<S>h         the same with bf16 partials, summed into y (rounds twice)
+  k<S>raw       the batched GEMM alone, returning the float32 partials: what k<S> would cost
+                with the sum folded into the kernel that reads y next (residual add, SiLU-and-mul,
+                rotary); the check sums them
 
 Each form runs in a CUDA graph over 32 layers' own weights (HBM, as gpu_gemm_rate.py), median
 of a few replays, us a layer; `layer` rows chain the four projections layer by layer, each in
@@ -25,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 
 import torch
@@ -37,8 +45,33 @@ from scripts.bench_common import PRESETS, git_commit, hardware  # noqa: E402
 from scripts.gpu_gemm_rate import layer_shapes  # noqa: E402
 
 
+def split_k_views(x: torch.Tensor, w: torch.Tensor, parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] and W [N, K] as [S, M, K/S] and [S, K/S, N] views, batch s holding K's s-th
+    slice: strided-batched operands cuBLAS takes as they are."""
+    (m, k), n = x.shape, w.shape[0]
+    if k % parts:
+        raise ValueError(f"K = {k} does not split in {parts}")
+    return (x.view(m, parts, k // parts).transpose(0, 1),
+            w.view(n, parts, k // parts).permute(1, 0, 2).transpose(1, 2))
+
+
 def run_form(form: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """y = x w^T in the given form (module docstring); returns the result (y, save for grouped)."""
+    """y = x w^T in the given form (module docstring); returns the result (y, save for grouped
+    and k<S>raw)."""
+    split = re.fullmatch(r"k(\d+)(h|raw)?", form)
+    if split:
+        xs, ws = split_k_views(x, w, int(split.group(1)))
+        if split.group(2) == "h":
+            torch.sum(torch.bmm(xs, ws), 0, out=y)
+            return y
+        if x.is_cuda:
+            partials = torch.bmm(xs, ws, out_dtype=torch.float32)
+        else:                   # bmm's out_dtype is CUDA's only; the CPU check runs in float32
+            partials = torch.bmm(xs.float(), ws.float())
+        if split.group(2) == "raw":
+            return partials
+        y.copy_(partials.sum(0))
+        return y
     if form == "grouped":
         return torch._grouped_mm(x.unsqueeze(0), w.t().unsqueeze(0))[0]
     if form == "full":
@@ -57,6 +90,16 @@ def run_form(form: str, x: torch.Tensor, w: torch.Tensor, y: torch.Tensor) -> to
     else:
         raise ValueError(form)
     return y
+
+
+def kernel_names(body) -> list[str]:
+    """The GPU kernels one call of body() launches (cuBLAS's names give its tile and split-K)."""
+    body()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        body()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def main() -> None:
@@ -84,7 +127,7 @@ def main() -> None:
         xs = {name: torch.randn(rows, k, device=dev, dtype=torch.bfloat16, generator=gen)
               for name, (n, k) in shapes.items()}
         ys = {name: torch.empty(rows, n, device=dev, dtype=torch.bfloat16) for name, (n, k) in shapes.items()}
-        best = {}
+        best, best_fused = {}, {}
         for name, (n, k) in shapes.items():
             x, y = xs[name], ys[name]
             ref = F.linear(x, weights[name][0])
@@ -92,14 +135,18 @@ def main() -> None:
             for form in forms:
                 y.zero_()
                 got = run_form(form, x, weights[name][0], y)
+                if got.dim() == 3:                  # k<S>raw's partials
+                    got = got.sum(0).to(ref.dtype)
                 same = bool(torch.equal(got, ref))
                 max_diff = (got.float() - ref.float()).abs().max().item()
                 us = replay_ms(lambda: [run_form(form, x, w, y) for w in weights[name]], dev) * 1e3 / args.layers
                 times[form] = us
                 record({"rows": rows, "proj": name, "n": n, "k": k, "form": form, "us": us,
                         "tflops": 2 * rows * n * k / us / 1e6, "bitwise_equal_full": same,
-                        "max_diff": max_diff})
-            best[name] = min(times, key=times.get)
+                        "max_diff": max_diff,
+                        "kernels": kernel_names(lambda: run_form(form, x, weights[name][0], y))})
+            best[name] = min((f for f in times if not f.endswith("raw")), key=times.get)
+            best_fused[name] = min(times, key=times.get)
 
         def chain(choice):
             for layer in range(args.layers):
@@ -107,7 +154,8 @@ def main() -> None:
                     run_form(choice[name], xs[name], weights[name][layer], ys[name])
 
         flops = 2 * rows * sum(n * k for n, k in shapes.values())
-        for label, choice in (("full", {name: "full" for name in shapes}), ("best", best)):
+        for label, choice in (("full", {name: "full" for name in shapes}), ("best", best),
+                              ("best_sum_folded", best_fused)):
             us = replay_ms(lambda: chain(choice), dev) * 1e3 / args.layers
             record({"rows": rows, "proj": "layer", "form": label, "choice": choice, "us": us,
                     "tflops": flops / us / 1e6})
