@@ -5,6 +5,7 @@ import array
 import contextlib
 import gc
 import itertools
+import time
 from collections.abc import Iterator, Sequence
 
 import numpy as np
@@ -110,6 +111,10 @@ class LLM:
         self.tokenizer = load_tokenizer(self.config)
         self.core = EngineCore(self.config, eos_token_ids(self.tokenizer))
         self._ids = itertools.count()
+        # The last generate's host time before its first step, by phase (seconds): the prompts'
+        # checks and requests, finding the groups, handing them to the scheduler. Benchmarks
+        # read it (scripts/bench_shared_prefix.py, scripts/bench_prompt_intake.py).
+        self.intake_s: dict[str, float] = {}
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -130,6 +135,7 @@ class LLM:
         finished: dict[str, RequestOutput] = {}
         with contextlib.ExitStack() as collector:
             with gc_paused():
+                t_start = time.perf_counter()
                 for prompt, params in zip(prompts, sampling_params):
                     text, ids = encode_prompt(self.tokenizer, prompt)
                     arr = token_array(ids)
@@ -137,15 +143,21 @@ class LLM:
                     processor.add_request(req.request_id, req.request_id, text, ids, params)
                     requests.append(req)
                     prompt_ids.append(ids if arr is None else arr)
+                t_prompts = t_grouped = time.perf_counter()
                 if self.config.enable_prefix_groups and len(requests) > 1:
                     # Prompts sharing a prefix run as groups: the prefix computed once, kept
                     # resident.
-                    for group in group_prompts(prompt_ids, self.config.block_size):
+                    groups = group_prompts(prompt_ids, self.config.block_size)
+                    t_grouped = time.perf_counter()
+                    for group in groups:
                         self.core.add_group([requests[i] for i in group.members],
                                             group.prefix_len)
                 else:
                     for req in requests:
                         self.core.add_request(req)
+                t_end = time.perf_counter()
+                self.intake_s = {"prompts": t_prompts - t_start, "grouping": t_grouped - t_prompts,
+                                 "scheduling": t_end - t_grouped}
                 # Frozen while the collector is still off: its first pass after would walk
                 # everything the intake made (0.2 s for issue 12's job on a 2-core CPU).
                 collector.enter_context(gc_young_only())

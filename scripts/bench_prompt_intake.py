@@ -4,8 +4,8 @@ every prompt's token ids (engine.llm.encode_prompt) and finds the shared prefixe
 The prompts are scripts/bench_shared_prefix.py's for a workload (default issue 12's RFC job),
 in shuffled order. --generate also times the whole intake of `LLM.generate` (every check, the
 output processor, the grouping, the scheduler's groups) up to its first step, on a tiny model
-made for it on CPU (its own vocabulary), first call and median of the rest; the engine itself
-runs no step.
+made for it on CPU (its own vocabulary), first call and median of the rest, with its phases
+(`LLM.intake_s`), once with prefix groups and once without; the engine itself runs no step.
 
     python3 scripts/bench_prompt_intake.py [--generate] --out benchmarks/prompt_intake
 """
@@ -38,9 +38,11 @@ class _FirstStep(Exception):
     pass
 
 
-def generate_intake_s(w: dict, repeats: int) -> list[float]:
+def generate_intake_s(w: dict, repeats: int, groups: bool = True) -> tuple[list[float], list[dict]]:
     """Seconds from LLM.generate's call to its first step, `repeats` calls on fresh prompt lists
-    (the first is the one an offline job pays once), each call's requests aborted after."""
+    (the first is the one an offline job pays once), each call's requests aborted after; and
+    each call's phases (LLM.intake_s). groups: prefix groups on (issue 12's groups mode) or off
+    (prefix caching alone)."""
     import tempfile
 
     from engine import LLM, SamplingParams
@@ -49,14 +51,14 @@ def generate_intake_s(w: dict, repeats: int) -> list[float]:
     with tempfile.TemporaryDirectory() as tmp:
         model = make_tiny_model(tmp, max_position_embeddings=max(max_len, 1024))
         llm = LLM(str(model), dtype="float32", device="cpu", max_model_len=max_len,
-                  num_kv_blocks=max_len // 16 + 8)
+                  num_kv_blocks=max_len // 16 + 8, enable_prefix_groups=groups)
     vocab = llm.core.vocab_size
 
     def stop():
         raise _FirstStep
     llm.core.step = stop
     params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    times = []
+    times, phases = [], []
     for i in range(repeats):
         prompts = make_prompts(w, "shuffled", vocab, seed=i)
         t0 = time.perf_counter()
@@ -64,9 +66,10 @@ def generate_intake_s(w: dict, repeats: int) -> list[float]:
             llm.generate(prompts, params)
         except _FirstStep:
             times.append(time.perf_counter() - t0)
+            phases.append(dict(llm.intake_s))
         llm.core.abort_requests(list(llm.core.scheduler.requests))
         del prompts
-    return times
+    return times, phases
 
 
 def main() -> None:
@@ -90,10 +93,17 @@ def main() -> None:
         f"| {len(prompts)} | {row['token_ids']:,} | {encode_s:.3f} | {group_s:.3f} |"
     if args.generate:
         del prompts
-        times = generate_intake_s(w, max(args.repeats, 2))
-        row.update(generate_intake_first_s=times[0], generate_intake_s=statistics.median(times[1:]))
-        head, rule = head + " generate intake s (first / median) |", rule + " ---: |"
-        cells += f" {times[0]:.3f} / {row['generate_intake_s']:.3f} |"
+        for groups, label in ((True, ""), (False, "_no_groups")):
+            times, phases = generate_intake_s(w, max(args.repeats, 2), groups)
+            median_phases = {k: statistics.median(p[k] for p in phases[1:]) for k in phases[0]}
+            row.update({f"generate_intake{label}_first_s": times[0],
+                        f"generate_intake{label}_s": statistics.median(times[1:]),
+                        f"generate_intake{label}_phases_first_s": phases[0],
+                        f"generate_intake{label}_phases_s": median_phases})
+            name = "generate intake s (first / median)" if groups else "without groups"
+            head, rule = head + f" {name} |", rule + " ---: |"
+            cells += (f" {times[0]:.3f} / {row[f'generate_intake{label}_s']:.3f} ("
+                      + ", ".join(f"{k} {v:.3f}" for k, v in median_phases.items()) + ") |")
     meta = {"title": "Host time on an offline job's prompts before its first step",
             "hardware": hardware(), "commit": git_commit(), "command": " ".join(["python3"] + sys.argv)}
     write_results(args.out, meta, [row], [head, rule, cells])

@@ -156,7 +156,7 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
                        floor_requests_per_s=n / floor, fraction_of_floor=floor / elapsed,
                        engine_start_s=start_s,
                        # Host time before the first step (prompt intake), and outside steps in all
-                       intake_s=first_step.t - t0,
+                       intake_s=first_step.t - t0, intake_phases_s=dict(llm.intake_s),
                        outside_steps_s=elapsed - step_times.wall_s(),
                        step_ms=step_times.per_step_ms())
             if trace is not None:

@@ -23,4 +23,12 @@ def test_generate_intake_is_timed_up_to_the_first_step(tmp_path):
                    check=True, capture_output=True)
     row = json.loads(out.with_suffix(".json").read_text())["results"][0]
     assert row["generate_intake_first_s"] > 0 and row["generate_intake_s"] > 0
-    assert "generate intake s (first / median)" in out.with_suffix(".md").read_text()
+    assert row["generate_intake_no_groups_first_s"] > 0 and row["generate_intake_no_groups_s"] > 0
+    for key in ("generate_intake_phases_s", "generate_intake_no_groups_phases_first_s"):
+        assert set(row[key]) == {"prompts", "grouping", "scheduling"}
+    # The phases lie inside the whole; without groups nothing is grouped.
+    assert sum(row["generate_intake_phases_first_s"].values()) <= row["generate_intake_first_s"]
+    assert row["generate_intake_phases_first_s"]["grouping"] > 0
+    assert row["generate_intake_no_groups_phases_first_s"]["grouping"] == 0
+    md = out.with_suffix(".md").read_text()
+    assert "generate intake s (first / median)" in md and "without groups" in md
