@@ -15,6 +15,11 @@ def test_quick_run_writes_every_mode_and_order(tmp_path):
         assert r["requests_per_s"] > 0 and r["num_requests"] == 12
         # Host time before the first step and outside steps: parts of the run's wall time.
         assert 0 < r["intake_s"] <= r["outside_steps_s"] < r["elapsed_s"]
+        # Its phases (LLM.intake_s) lie inside it; only groups mode finds groups.
+        phases = r["intake_phases_s"]
+        assert set(phases) == {"prompts", "grouping", "scheduling"}
+        assert sum(phases.values()) <= r["intake_s"] and phases["prompts"] > 0
+        assert (phases["grouping"] > 0) == (mode == "groups")
         # 3 groups of 4 over a 64-token prefix, 16 own tokens each.
         full = 12 * 80
         if mode == "off":
