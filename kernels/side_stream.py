@@ -27,7 +27,7 @@ def side_stream(device: torch.device, enabled: bool = True):
     On the CPU, or with enabled False, the held launches run on the current stream, in turn.
     One stream a device, made on first use (a warm-up call: making it under CUDA-graph capture
     is not asked of CUDA). What the side stream reads or writes must stay alive until the
-    current stream has waited, which leaving does."""
+    current stream has waited, which leaving does, by an exception too."""
     if device.type != "cuda" or not enabled:
         yield contextlib.nullcontext()
         return
@@ -36,5 +36,7 @@ def side_stream(device: torch.device, enabled: bool = True):
         side = SIDE_STREAMS[device] = torch.cuda.Stream(device)
     main = torch.cuda.current_stream(device)
     side.wait_stream(main)
-    yield torch.cuda.stream(side)
-    main.wait_stream(side)
+    try:
+        yield torch.cuda.stream(side)
+    finally:    # also when a launch raised: nothing after may reuse what the side stream holds
+        main.wait_stream(side)
