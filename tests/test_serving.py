@@ -534,7 +534,9 @@ BLS_POOL = 16      # server threads per instance in the test below: 15 requests 
 
 @pytest.fixture(scope="module")
 def small_pool_server(model_dir, tmp_path_factory):
-    with _one_bls_instance_server(model_dir, tmp_path_factory, BLS_POOL) as s:
+    # KV for the test's 15 requests in llm at once, each near max_model_len (no preemption).
+    with _one_bls_instance_server(model_dir, tmp_path_factory, BLS_POOL,
+                                  num_kv_blocks=BLS_POOL * MAX_MODEL_LEN // 16) as s:
         yield s
 
 
@@ -559,9 +561,12 @@ def test_bls_threads_are_bounded_and_a_cancel_is_passed_on_beyond_the_server_thr
     wait_for(lambda: metric(server, "llm_engine_steps_total") >= steps + 2,
              "the target's llm request to run")
     flood = _Answers()
-    # Long enough that the first 15 are still running when the abort has gone through (it
-    # takes a watcher round, ~0.1 s; 256 steps take seconds), short enough for three waves.
-    flood_tokens = MAX_MODEL_LEN // 4
+    # Long enough that the first 15 are still running when the abort is seen, short enough for
+    # three waves. Seeing it takes the watcher's round (~0.1 s) and up to two of the engine's
+    # 0.5 s metric publications (the wait for 15 running, then the abort's count): ~1.2 s at
+    # most. 256 tokens took 0.9 s on a 2-core CPU, and the abort was seen after them; near
+    # max_model_len a wave takes ~6 s there.
+    flood_tokens = MAX_MODEL_LEN - 32
     _send_bls(clients, [f"Flood {i}" for i in range(40)], greedy(flood_tokens), flood)
     most_running = _wait_running(server, cap, f"{cap} requests in llm")
     client_of_target.close()          # cancels its request in flight (the target)
