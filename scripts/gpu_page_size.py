@@ -40,6 +40,25 @@ PAGED_CASES = [
 CASCADE_CASES = [(512, 16, 2048, 250), (256, 16, 2048, 250)]
 
 
+def page_layout(k_log, v_log, padded: list[int], page: int, gen):
+    """The logical pool's sequences (one after another, sequence b `padded[b]` tokens, whole pages)
+    as a cache of `page`-token blocks at random physical blocks: (k_cache, v_cache, block_table)."""
+    import torch
+
+    total, (_, hkv, d) = sum(padded), k_log.shape
+    num_blocks = total // page
+    perm = torch.randperm(num_blocks, device=k_log.device, generator=gen)
+    k = torch.empty(num_blocks, page, hkv, d, device=k_log.device, dtype=k_log.dtype)
+    v = torch.empty_like(k)
+    k[perm], v[perm] = k_log.view(num_blocks, page, hkv, d), v_log.view(num_blocks, page, hkv, d)
+    table = torch.zeros(len(padded), max(padded) // page, dtype=torch.int32, device=k_log.device)
+    start = 0
+    for b, p in enumerate(padded):
+        table[b, :p // page] = perm[start // page:(start + p) // page]
+        start += p
+    return k, v, table
+
+
 def paged_case(name, q_lens, ctx, args, rows) -> None:
     import torch
     import triton
@@ -50,7 +69,6 @@ def paged_case(name, q_lens, ctx, args, rows) -> None:
 
     gen = torch.Generator(device=DEVICE).manual_seed(len(ctx) * 7 + max(ctx))
     padded = [triton.cdiv(n, LARGEST) * LARGEST for n in ctx]       # each sequence whole pages at every size
-    starts = [sum(padded[:b]) for b in range(len(ctx))]
     total = sum(padded)
     k_log = torch.randn(total, HKV, D, device=DEVICE, dtype=DTYPE, generator=gen)
     v_log = torch.randn(total, HKV, D, device=DEVICE, dtype=DTYPE, generator=gen)
@@ -63,14 +81,7 @@ def paged_case(name, q_lens, ctx, args, rows) -> None:
     splits = dict(num_kv_splits=choose_fused_kv_splits(len(ctx), HKV, max(ctx)), merge_in_kernel=True) if decode else {}
     first = None
     for page in args.page_sizes:
-        num_blocks = total // page
-        perm = torch.randperm(num_blocks, device=DEVICE, generator=gen)
-        k = torch.empty(num_blocks, page, HKV, D, device=DEVICE, dtype=DTYPE)
-        v = torch.empty_like(k)
-        k[perm], v[perm] = k_log.view(num_blocks, page, HKV, D), v_log.view(num_blocks, page, HKV, D)
-        table = torch.zeros(len(ctx), max(padded) // page, dtype=torch.int32, device=DEVICE)
-        for b, (s, p) in enumerate(zip(starts, padded)):
-            table[b, :p // page] = perm[s // page:(s + p) // page]
+        k, v, table = page_layout(k_log, v_log, padded, page, gen)
         out = torch.empty_like(q)
 
         def call():
