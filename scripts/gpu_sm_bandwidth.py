@@ -1,0 +1,140 @@
+"""How much of HBM's bandwidth can a few SMs pull? (issue 13's overlap question)
+
+intake_and_overlap.md section 5 found that decode attention beside another batch's GEMMs (the
+GEMMs told by cuBLASLt's carveout to leave SMs free) does not take up the slack: our attention
+launches more programs than fit and takes whatever SMs free up. For that overlap to pay, the
+attention would have to hold only the carved SMs (a persistent kernel) and still read near the
+device copy's rate from them. The second half had not been measured: this probe measures it.
+
+A streaming read: `programs` programs (at most the 132 SMs; the block scheduler spreads them
+over SMs first, and the SM ids they ran on are recorded), each summing its own contiguous part of
+a ~7 GB bf16 buffer, far beyond L2, checked against torch's sums. Forms:
+  ptr   pointer loads of [rows, 128] tiles, `tl.range(num_stages=...)`
+  tma   TMA tensor-descriptor loads of [rows, 128] tiles, pipelined `num_stages` deep
+Each (programs, form) is timed with triton's do_bench (median); the rate is the buffer's bytes
+over that time, beside a device copy of the same bytes (torch, all SMs).
+
+    PYTHONPATH=. python3 scripts/gpu_sm_bandwidth.py --out $OUT/sm_bandwidth.json
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+COLS = 128                                   # a tile row: 128 bf16 = 256 bytes (one head's key)
+PROGRAMS = (8, 16, 24, 32, 48, 66, 100, 132)
+# (name, form, tile rows, warps, stages)
+FORMS = [
+    ("ptr r64 w8 s1", "ptr", 64, 8, 1), ("ptr r64 w8 s3", "ptr", 64, 8, 3), ("ptr r64 w8 s4", "ptr", 64, 8, 4),
+    ("ptr r128 w16 s3", "ptr", 128, 16, 3),
+    ("tma r64 w4 s4", "tma", 64, 4, 4), ("tma r64 w4 s8", "tma", 64, 4, 8), ("tma r128 w8 s4", "tma", 128, 8, 4),
+    ("tma r128 w8 s6", "tma", 128, 8, 6), ("tma r256 w8 s3", "tma", 256, 8, 3),
+]
+
+
+@triton.jit
+def _smid(pid):
+    return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r,r", [pid], dtype=tl.int32, is_pure=True, pack=1)
+
+
+@triton.jit
+def _stream_kernel(x_ptr, sums_ptr, sm_ptr, total_rows, rows_a_program,
+                   TMA: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, STAGES: tl.constexpr,
+                   SMID: tl.constexpr):
+    """Program p sums rows [p * rows_a_program, (p + 1) * rows_a_program) of x [total_rows, COLS]."""
+    pid = tl.program_id(0)
+    first = pid * rows_a_program
+    acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    if TMA:
+        desc = tl.make_tensor_descriptor(x_ptr, shape=[total_rows, COLS], strides=[COLS, 1],
+                                         block_shape=[ROWS, COLS])
+        for r in tl.range(0, rows_a_program, ROWS, num_stages=STAGES):
+            acc += desc.load([first + r, 0]).to(tl.float32)
+    else:
+        offs = tl.arange(0, ROWS)[:, None] * COLS + tl.arange(0, COLS)[None, :]
+        base = x_ptr + first.to(tl.int64) * COLS
+        for r in tl.range(0, rows_a_program, ROWS, num_stages=STAGES):
+            acc += tl.load(base + r * COLS + offs).to(tl.float32)
+    tl.store(sums_ptr + pid, tl.sum(acc))
+    if SMID:
+        tl.store(sm_ptr + pid, _smid(pid))
+
+
+def stream_sums(x: torch.Tensor, programs: int, form: str, rows: int, warps: int, stages: int,
+                smid: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each program's sum of its part of x [R, COLS], the SM each ran on or -1). R must split into
+    `programs` parts of whole `rows`-row tiles."""
+    total_rows = x.shape[0]
+    if x.shape[1] != COLS or total_rows % (programs * rows):
+        raise ValueError(f"x must be [R, {COLS}] with R a multiple of programs * rows = {programs * rows}")
+    sums = torch.empty(programs, dtype=torch.float32, device=x.device)
+    sm = torch.full((programs,), -1, dtype=torch.int32, device=x.device)
+    _stream_kernel[(programs,)](x, sums, sm, total_rows, total_rows // programs, TMA=form == "tma", ROWS=rows,
+                                COLS=COLS, STAGES=stages, SMID=smid, num_warps=warps)
+    return sums, sm
+
+
+def main() -> None:
+    import triton.testing
+
+    from scripts.bench_common import write_probe
+
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU")
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    unit_rows = math.lcm(*PROGRAMS) * max(f[2] for f in FORMS)   # whole tiles for every program count
+    total_rows = int(args.gib * 2**30 / (COLS * 2)) // unit_rows * unit_rows
+    x = torch.randn(total_rows, COLS, device="cuda", dtype=torch.bfloat16)
+    nbytes = x.numel() * x.element_size()
+    copy_dst = torch.empty_like(x)
+    copy_ms = triton.testing.do_bench(lambda: copy_dst.copy_(x), warmup=5, rep=50, return_mode="median")
+    copy_tb_s = 2 * nbytes / copy_ms / 1e9          # read + write
+    print(f"buffer {nbytes / 2**30:.2f} GiB; device copy {copy_tb_s:.2f} TB/s (read + write)", flush=True)
+    del copy_dst
+    # each of the finest parts' sums, from which every program count's expected sums are added up
+    finest = torch.sum(x.view(math.lcm(*PROGRAMS), -1), dim=1, dtype=torch.float32)
+    rows_out = []
+    for programs in PROGRAMS:
+        for name, form, rows, warps, stages in FORMS:
+            try:
+                try:
+                    sums, sm = stream_sums(x, programs, form, rows, warps, stages, smid=True)
+                except Exception:           # the SM-id read, should it not compile: time without it
+                    sums, sm = stream_sums(x, programs, form, rows, warps, stages)
+            except Exception as e:          # a config that does not compile (shared memory): say so, go on
+                rows_out.append(dict(programs=programs, form=name, error=f"{type(e).__name__}: {e}"[:300]))
+                print(f"{programs:4d} programs {name:18s} error {rows_out[-1]['error']}", flush=True)
+                continue
+            expect = finest.view(programs, -1).sum(1)
+            ok = bool(torch.allclose(sums, expect, rtol=1e-5, atol=8.0))   # a lost tile is off by ~90
+            ms = triton.testing.do_bench(lambda: stream_sums(x, programs, form, rows, warps, stages),
+                                         warmup=3, rep=40, return_mode="median")
+            r = dict(programs=programs, form=name, ms=ms, TB_s=nbytes / ms / 1e9,
+                     distinct_sms=int(sm.unique().numel()) if int(sm.min()) >= 0 else None, sums_match=ok)
+            rows_out.append(r)
+            print(f"{programs:4d} programs {name:18s} {ms:8.3f} ms {r['TB_s']:5.2f} TB/s  on {r['distinct_sms']} SMs"
+                  f"  sums {'ok' if ok else 'WRONG'}", flush=True)
+    best = {}
+    for r in rows_out:
+        if r.get("sums_match") and r["TB_s"] > best.get(r["programs"], {}).get("TB_s", 0):
+            best[r["programs"]] = r
+    for p, r in sorted(best.items()):
+        print(f"best at {p:4d} programs: {r['TB_s']:.2f} TB/s ({r['form']}), {r['TB_s'] / p * 1e3:.1f} GB/s an SM")
+    write_probe(args.out, rows_out, buffer_bytes=nbytes, device_copy_TB_s=copy_tb_s,
+                best={str(p): r for p, r in best.items()})
+
+
+if __name__ == "__main__":
+    main()
