@@ -14,6 +14,15 @@ a ~7 GB bf16 buffer, far beyond L2, checked against torch's sums. Forms:
 Each (programs, form) is timed with triton's do_bench (median); the rate is the buffer's bytes
 over that time, beside a device copy of the same bytes (torch, all SMs).
 
+--patterns: the same read over a ~3.5 GB buffer laid out as a KV cache, [tokens, 8 heads, 128],
+each program reading one head's 256-byte rows over its own run of tokens (int32 offsets, as the
+decode kernel uses):
+  contig  the buffer as plain rows (no heads), the same kernel: the ceiling
+  heads   tokens in order, every 8th row (the plain decode kernel's pattern without pages)
+  paged   tokens in 16-token pages at random places, found through a block table loaded in the
+          loop (the decode kernel's pattern exactly)
+at 128 (one an SM), 256 and 2,048 (one a (sequence, head), as a 256-row decode call) programs.
+
     PYTHONPATH=. python3 scripts/gpu_sm_bandwidth.py --out $OUT/sm_bandwidth.json
 """
 from __future__ import annotations
@@ -68,6 +77,57 @@ def _stream_kernel(x_ptr, sums_ptr, sm_ptr, total_rows, rows_a_program,
         tl.store(sm_ptr + pid, _smid(pid))
 
 
+@triton.jit
+def _pattern_kernel(x_ptr, table_ptr, sums_ptr, tokens_a_program, PAGED: tl.constexpr, HEADS: tl.constexpr,
+                    ROWS: tl.constexpr, COLS: tl.constexpr, PAGE: tl.constexpr, STAGES: tl.constexpr):
+    """Program p sums head p % HEADS of tokens [(p // HEADS) * tokens_a_program, + tokens_a_program)
+    of x [tokens, HEADS, COLS]; PAGED: logical token t is at table[t // PAGE] * PAGE + t % PAGE."""
+    pid = tl.program_id(0)
+    head = pid % HEADS
+    first = (pid // HEADS) * tokens_a_program
+    cols = tl.arange(0, COLS)[None, :]
+    acc = tl.zeros([ROWS, COLS], dtype=tl.float32)
+    for r in tl.range(0, tokens_a_program, ROWS, num_stages=STAGES):
+        tok = first + r + tl.arange(0, ROWS)
+        if PAGED:
+            tok = tl.load(table_ptr + tok // PAGE) * PAGE + tok % PAGE
+        acc += tl.load(x_ptr + ((tok * HEADS + head) * COLS)[:, None] + cols).to(tl.float32)
+    tl.store(sums_ptr + pid, tl.sum(acc))
+
+
+PATTERN_PROGRAMS = (128, 256, 2048)
+PAGE = 16
+# (name, tile rows, warps, stages)
+PATTERN_FORMS = [("ptr r32 w4 s4", 32, 4, 4), ("ptr r64 w4 s3", 64, 4, 3), ("ptr r64 w8 s4", 64, 8, 4),
+                 ("ptr r128 w8 s3", 128, 8, 3), ("ptr r128 w16 s3", 128, 16, 3)]
+
+
+def pattern_sums(x: torch.Tensor, table: torch.Tensor | None, programs: int, rows: int, warps: int,
+                 stages: int) -> torch.Tensor:
+    """Each program's sum (program p: head p % H of its run of tokens) of x [tokens, H, COLS], through
+    the page table when one is given."""
+    tokens, heads, cols = x.shape
+    parts = programs // heads
+    if cols != COLS or programs % heads or tokens % (parts * rows) or (table is not None and rows % PAGE):
+        raise ValueError(f"x must be [T, H, {COLS}], programs a multiple of H, T a multiple of parts * rows")
+    if x.numel() >= 2**31:
+        raise ValueError("the pattern kernel takes int32 offsets: x must hold fewer than 2**31 values")
+    sums = torch.empty(programs, dtype=torch.float32, device=x.device)
+    _pattern_kernel[(programs,)](x, table if table is not None else sums, sums, tokens // parts,
+                                 PAGED=table is not None, HEADS=heads, ROWS=rows, COLS=COLS, PAGE=PAGE,
+                                 STAGES=stages, num_warps=warps)
+    return sums
+
+
+def expected_pattern_sums(x: torch.Tensor, table: torch.Tensor | None, programs: int) -> torch.Tensor:
+    """pattern_sums by torch."""
+    tokens, heads, _ = x.shape
+    if table is not None:
+        tok = torch.arange(tokens, device=x.device)
+        x = x[table.long()[tok // PAGE] * PAGE + tok % PAGE]
+    return torch.sum(x.view(programs // heads, -1, heads, COLS), dim=(1, 3), dtype=torch.float32).flatten()
+
+
 def stream_sums(x: torch.Tensor, programs: int, form: str, rows: int, warps: int, stages: int,
                 smid: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(each program's sum of its part of x [R, COLS], the SM each ran on or -1). R must split into
@@ -82,6 +142,36 @@ def stream_sums(x: torch.Tensor, programs: int, form: str, rows: int, warps: int
     return sums, sm
 
 
+def pattern_sweep() -> list[dict]:
+    import triton.testing
+
+    tokens = (2**31 - 1) // (8 * COLS) // (256 * 128) * (256 * 128)      # int32 offsets; whole tiles
+    x = torch.randn(tokens, 8, COLS, device="cuda", dtype=torch.bfloat16)
+    nbytes = x.numel() * x.element_size()
+    table = torch.randperm(tokens // PAGE, device="cuda").to(torch.int32)
+    print(f"patterns: {nbytes / 2**30:.2f} GiB as [{tokens}, 8, {COLS}]", flush=True)
+    out = []
+    for pattern in ("contig", "heads", "paged"):
+        data = x.view(-1, 1, COLS) if pattern == "contig" else x
+        tab = table if pattern == "paged" else None
+        for programs in PATTERN_PROGRAMS:
+            expect = expected_pattern_sums(data, tab, programs)
+            for name, rows, warps, stages in PATTERN_FORMS:
+                sums = pattern_sums(data, tab, programs, rows, warps, stages)
+                ok = bool(torch.allclose(sums, expect, rtol=1e-5, atol=8.0))
+                ms = triton.testing.do_bench(lambda: pattern_sums(data, tab, programs, rows, warps, stages),
+                                             warmup=5, rep=50, return_mode="median")
+                r = dict(pattern=pattern, programs=programs, form=name, ms=ms, TB_s=nbytes / ms / 1e9,
+                         sums_match=ok)
+                out.append(r)
+                print(f"{pattern:6s} {programs:5d} programs {name:16s} {ms:7.3f} ms {r['TB_s']:5.2f} TB/s"
+                      f"  sums {'ok' if ok else 'WRONG'}", flush=True)
+            del expect
+    del x
+    torch.cuda.empty_cache()
+    return out
+
+
 def main() -> None:
     import triton.testing
 
@@ -89,11 +179,17 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--patterns", action="store_true", help="the KV-cache access patterns' sweep (below)")
+    ap.add_argument("--skip-programs", action="store_true", help="not the sweep over program counts")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+    pattern_rows = pattern_sweep() if args.patterns else []
+    if args.skip_programs:
+        write_probe(args.out, pattern_rows)
+        return
     unit_rows = math.lcm(*PROGRAMS) * max(f[2] for f in FORMS)   # whole tiles for every program count
     total_rows = int(args.gib * 2**30 / (COLS * 2)) // unit_rows * unit_rows
     x = torch.randn(total_rows, COLS, device="cuda", dtype=torch.bfloat16)
@@ -132,7 +228,7 @@ def main() -> None:
             best[r["programs"]] = r
     for p, r in sorted(best.items()):
         print(f"best at {p:4d} programs: {r['TB_s']:.2f} TB/s ({r['form']}), {r['TB_s'] / p * 1e3:.1f} GB/s an SM")
-    write_probe(args.out, rows_out, buffer_bytes=nbytes, device_copy_TB_s=copy_tb_s,
+    write_probe(args.out, pattern_rows + rows_out, buffer_bytes=nbytes, device_copy_TB_s=copy_tb_s,
                 best={str(p): r for p, r in best.items()})
 
 
