@@ -99,7 +99,8 @@ PATTERN_PROGRAMS = (128, 256, 2048)
 PAGE = 16
 # (name, tile rows, warps, stages)
 PATTERN_FORMS = [("ptr r32 w4 s4", 32, 4, 4), ("ptr r64 w4 s3", 64, 4, 3), ("ptr r64 w8 s4", 64, 8, 4),
-                 ("ptr r128 w8 s3", 128, 8, 3), ("ptr r128 w16 s3", 128, 16, 3)]
+                 ("ptr r128 w8 s3", 128, 8, 3), ("ptr r128 w16 s3", 128, 16, 3),
+                 ("ptr r64 w8 s8", 64, 8, 8), ("ptr r128 w8 s6", 128, 8, 6)]
 
 
 def pattern_sums(x: torch.Tensor, table: torch.Tensor | None, programs: int, rows: int, warps: int,
@@ -142,7 +143,7 @@ def stream_sums(x: torch.Tensor, programs: int, form: str, rows: int, warps: int
     return sums, sm
 
 
-def pattern_sweep() -> list[dict]:
+def pattern_sweep(programs_list, form_names) -> list[dict]:
     import triton.testing
 
     tokens = (2**31 - 1) // (8 * COLS) // (256 * 128) * (256 * 128)      # int32 offsets; whole tiles
@@ -154,9 +155,9 @@ def pattern_sweep() -> list[dict]:
     for pattern in ("contig", "heads", "paged"):
         data = x.view(-1, 1, COLS) if pattern == "contig" else x
         tab = table if pattern == "paged" else None
-        for programs in PATTERN_PROGRAMS:
+        for programs in programs_list:
             expect = expected_pattern_sums(data, tab, programs)
-            for name, rows, warps, stages in PATTERN_FORMS:
+            for name, rows, warps, stages in [f for f in PATTERN_FORMS if f[0] in form_names]:
                 sums = pattern_sums(data, tab, programs, rows, warps, stages)
                 ok = bool(torch.allclose(sums, expect, rtol=1e-5, atol=8.0))
                 ms = triton.testing.do_bench(lambda: pattern_sums(data, tab, programs, rows, warps, stages),
@@ -180,13 +181,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--patterns", action="store_true", help="the KV-cache access patterns' sweep (below)")
+    ap.add_argument("--pattern-programs", type=int, nargs="+", default=list(PATTERN_PROGRAMS))
+    ap.add_argument("--pattern-forms", nargs="+", default=[f[0] for f in PATTERN_FORMS],
+                    choices=[f[0] for f in PATTERN_FORMS])
     ap.add_argument("--skip-programs", action="store_true", help="not the sweep over program counts")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("needs a CUDA GPU")
     triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-    pattern_rows = pattern_sweep() if args.patterns else []
+    pattern_rows = pattern_sweep(args.pattern_programs, args.pattern_forms) if args.patterns else []
     if args.skip_programs:
         write_probe(args.out, pattern_rows)
         return
