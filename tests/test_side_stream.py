@@ -23,3 +23,25 @@ def test_an_error_in_a_held_launch_reaches_the_caller():
         with side_stream(torch.device("cpu")) as on_side:
             with on_side:
                 raise ValueError("bad launch")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="two CUDA streams need a GPU")
+@pytest.mark.parametrize("raise_inside", [False, True])
+def test_on_a_gpu_the_current_stream_waits_for_the_side_stream_also_after_an_error(raise_inside):
+    dev = torch.device("cuda")
+    x = torch.zeros(1 << 20, device=dev)
+    with side_stream(dev):      # a warm-up: the side stream is made outside the timed part
+        pass
+    torch.cuda.synchronize()
+    try:
+        with side_stream(dev) as on_side:
+            with on_side:
+                torch.cuda._sleep(200_000_000)       # ~0.1 s of GPU cycles, then the write
+                x.fill_(1.0)
+                if raise_inside:
+                    raise ValueError("bad launch")
+    except ValueError:
+        assert raise_inside
+    seen = x.clone()              # on the current stream: after the write only if it waited
+    torch.cuda.synchronize()
+    assert bool((seen == 1.0).all())
