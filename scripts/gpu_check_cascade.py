@@ -292,13 +292,23 @@ OWN_CONFIGS = [ca._TileConfig(16, n, w, st, prompt=pr) for n in (32, 64, 128) fo
                for st in (1, 2, 3) for pr in (False, True)]
 
 
-def sweep(warmup_ms, rep_ms, cases=("groups", "lone"), shapes=GROUP_SHAPES) -> list[dict]:
+def parse_tiles(values: list[str]) -> tuple[tuple[int, int, int], ...]:
+    """'KxWxS' strings (keys a step, warps, stages) as tuples."""
+    tiles = tuple(tuple(int(x) for x in v.split("x")) for v in values)
+    if any(len(t) != 3 or min(t) < 1 for t in tiles):
+        raise ValueError(f"tiles are KEYSxWARPSxSTAGES with each >= 1, got {values}")
+    return tiles
+
+
+def sweep(warmup_ms, rep_ms, cases=("groups", "lone"), shapes=GROUP_SHAPES, num_rows=NUM_ROWS,
+          prefix_tiles=PREFIX_TILES, own_configs=None, loop_forms=LOOP_FORMS, splits_list=(1, 2, 3, 4, 6)) -> list[dict]:
     """Each pass alone: the prefix pass over tile configs (at the tile height the rule picks for
     the group) x key-loop forms x split counts, then the decode own pass over tile configs x
-    key-loop forms (with the prefix pass's default config and splits ahead of it)."""
+    key-loop forms (with the prefix pass's default config and splits ahead of it). num_rows:
+    the decode rows of the groups' batch (members of groups of each shape)."""
     rows = []
     g_pad = triton.next_power_of_2(HQ // HKV)
-    prefix_tiles, own_configs = PREFIX_TILES, OWN_CONFIGS
+    own_configs = OWN_CONFIGS if own_configs is None else own_configs
 
     def timed(row, fn, nbytes):
         try:
@@ -320,14 +330,14 @@ def sweep(warmup_ms, rep_ms, cases=("groups", "lone"), shapes=GROUP_SHAPES) -> l
                   f"{f['cfg']['num_warps']} warps, {f['cfg']['num_stages']} stages, S={f['splits']}", flush=True)
 
     for size, prefix_len in shapes if "groups" in cases else ():
-        batch = Batch(decode_groups(size, prefix_len), seed=size)
+        batch = Batch(decode_groups(size, prefix_len, num_rows=num_rows), seed=size)
+        base = {"group_size": size, "prefix_len": prefix_len, "num_rows": num_rows}
         per_token = kv_bytes_per_token()
         own_bytes = sum(n - p for _, n, p, _ in batch.seqs) * per_token
         default = ca._prefix_config(batch.max_group_rows, g_pad, D, DTYPE)
         default_splits = ca.choose_num_prefix_splits(
             len(batch.groups), triton.cdiv(batch.max_group_rows, max(default.block_q // g_pad, 1)), HKV,
             prefix_len, ca._num_sms(batch.q.device))
-        base = {"group_size": size, "prefix_len": prefix_len}
         parts = pass_args(batch, default_splits)
         default_ms = {
             "prefix": bench_graph(lambda: ca._launch_prefix(*parts, batch.max_group_rows, default_splits, default),
@@ -335,11 +345,11 @@ def sweep(warmup_ms, rep_ms, cases=("groups", "lone"), shapes=GROUP_SHAPES) -> l
             "own": bench_graph(lambda: ca._launch_own(*parts, 1, default_splits, ca._own_config(1, D, DTYPE)),
                                warmup_ms, rep_ms)}
         prefix_configs = [ca._TileConfig(default.block_q, n, w, st, prompt=pr, i32=i32)
-                          for n, w, st in prefix_tiles for pr, i32 in LOOP_FORMS]
+                          for n, w, st in prefix_tiles for pr, i32 in loop_forms]
         for cfg in prefix_configs:
             block_m = cfg.block_q // g_pad
             prefix_bytes = batch.kv_bytes(block_m)[1] - own_bytes
-            for splits in (1, 2, 3, 4, 6):
+            for splits in splits_list:
                 p = pass_args(batch, splits)
                 timed(dict(base, cfg=cfg.__dict__, splits=splits, default_us=default_ms["prefix"] * 1e3,
                            **{"pass": "prefix"}),
@@ -379,6 +389,16 @@ def main() -> None:
     ap.add_argument("--sweep-shapes", nargs="+", default=None, metavar="MxP",
                     help="the decode groups the sweep times: members x prefix tokens (default: "
                          + " ".join(f"{m}x{p}" for m, p in GROUP_SHAPES) + ")")
+    ap.add_argument("--sweep-rows", type=int, default=NUM_ROWS,
+                    help=f"decode rows of the sweep's groups (default {NUM_ROWS})")
+    ap.add_argument("--prefix-tiles", nargs="+", default=None, metavar="KxWxS",
+                    help="prefix pass tiles: keys a step x warps x stages (default "
+                         + " ".join("x".join(map(str, t)) for t in PREFIX_TILES) + ")")
+    ap.add_argument("--own-tiles", nargs="+", default=None, metavar="KxWxS",
+                    help="own pass decode tiles, each in the plain and the PROMPT loop (default: 36 configs)")
+    ap.add_argument("--loop-forms", nargs="+", default=None, metavar="PROMPT,I32",
+                    help="the prefix pass's key-loop forms as 0/1 pairs, e.g. 1,1 (default: all four)")
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4, 6], help="prefix split counts")
     ap.add_argument("--skip-timing", action="store_true")
     opts = ap.parse_args()
     if not torch.cuda.is_available():
@@ -403,7 +423,15 @@ def main() -> None:
     if opts.sweep is not None:
         shapes = (GROUP_SHAPES if opts.sweep_shapes is None
                   else tuple(tuple(int(x) for x in v.split("x")) for v in opts.sweep_shapes))
-        results["sweep"] = sweep(opts.warmup_ms, opts.rep_ms, opts.sweep or ("groups", "lone"), shapes)
+        own = (None if opts.own_tiles is None else
+               [ca._TileConfig(16, n, w, st, prompt=pr) for n, w, st in parse_tiles(opts.own_tiles)
+                for pr in (False, True)])
+        forms = (LOOP_FORMS if opts.loop_forms is None else
+                 tuple(tuple(bool(int(x)) for x in v.split(",")) for v in opts.loop_forms))
+        results["sweep"] = sweep(opts.warmup_ms, opts.rep_ms, opts.sweep or ("groups", "lone"), shapes,
+                                 opts.sweep_rows,
+                                 PREFIX_TILES if opts.prefix_tiles is None else parse_tiles(opts.prefix_tiles),
+                                 own, forms, tuple(opts.splits))
     json_path = os.path.join(opts.out, "gpu_check_cascade.json")
     with open(json_path, "w") as f:
         json.dump(results, f, indent=1)
