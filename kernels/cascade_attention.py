@@ -345,20 +345,22 @@ class _TileConfig:
 
 
 def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileConfig:
-    """Decode: 16-row tiles of 64-key steps on 4 warps, 2 stages (head dim 128). The own pass
-    reads members' own keys (few, in the shared-prefix jobs cascade is for) and lone rows' whole
-    contexts (up to 2048 cached tokens, longer ones where the prefix pass has no room:
-    engine/cascade_plan.py), and no one tile is best for both. H200 (`gpu_check_cascade.py
-    --sweep`, benchmarks/h200/cascade_decode_passes.md): 32-key steps on 2 warps took 75.0-90.6
-    us for 256 members of 200 own keys against 84.3-92.7 here, but 206 against 187 us for 64 lone
-    rows of 2200 keys and 480 against 302 for 8 of 8000 (an H100 found the same): not taken, a
-    long own part (a long chat after a shared system prompt) reads like a lone row.
+    """Decode: 16-row tiles of 32-key steps on 2 warps, 3 stages, in the key loop's PROMPT form
+    (block ids a step ahead; head dim 128). The own pass reads members' own keys (few, in the
+    shared-prefix jobs cascade is for) and lone rows' whole contexts (up to 2048 cached tokens,
+    longer ones where the prefix pass has no room: engine/cascade_plan.py). H200, 256 and 512
+    rows (`gpu_check_cascade.py --sweep ... --own-tiles`, benchmarks/h200/cascade_decode_passes.md,
+    thirty-fourth session), against the 64-key steps on 4 warps, 2 stages, plain loop, used
+    before: members of 200 own keys in groups of 4 / 16 / 64, 4.3-6.2% faster (512 rows, groups
+    of 16: 131.6 against 139.3 us); 64 lone rows of 2200 keys 3.1% faster; 8 lone rows of 8000
+    keys 1.1% slower. (32-key steps on 2 warps in the plain loop, 2 stages, were as fast for
+    short members but 3-4% slower for the 2200-key lone rows and 1.46x for the 8000-key ones.)
     Prefill tiles as paged attention's (128 x 64 on 8 warps, the key loop's PROMPT form); small
     exact-fp32 tiles (a test path)."""
     if dtype == torch.float32:
         return _TileConfig(16, 16 if head_dim >= 128 else 32, 4, 2)
     if max_seqlen_q == 1:
-        return _TileConfig(16, 32, 4, 3) if head_dim == 256 else _TileConfig(16, 64, 4, 2)
+        return _TileConfig(16, 32, 4, 3) if head_dim == 256 else _TileConfig(16, 32, 2, 3, prompt=True)
     if head_dim == 256:
         return _TileConfig(64, 32, 8, 2)
     return _TileConfig(128, 64, 8, 3)
