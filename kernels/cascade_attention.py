@@ -353,8 +353,9 @@ def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileCo
     thirty-fourth session), against the 64-key steps on 4 warps, 2 stages, plain loop, used
     before: members of 200 own keys in groups of 4 / 16 / 64, 4.3-6.2% faster (512 rows, groups
     of 16: 131.6 against 139.3 us); 64 lone rows of 2200 keys 3.1% faster; 8 lone rows of 8000
-    keys 1.1% slower. (32-key steps on 2 warps in the plain loop, 2 stages, were as fast for
-    short members but 3-4% slower for the 2200-key lone rows and 1.46x for the 8000-key ones.)
+    keys 1.1% slower. (32-key steps on 2 warps in the plain loop, 2 stages, were within 5% of it
+    either way for member batches, but 5.7% slower for groups of 64 x 8000 at 512 rows, 7% for the
+    2200-key lone rows and 1.45-1.46x for the 8000-key ones.)
     Prefill tiles as paged attention's (128 x 64 on 8 warps, the key loop's PROMPT form); small
     exact-fp32 tiles (a test path)."""
     if dtype == torch.float32:
