@@ -63,13 +63,11 @@ class BatchTokenizer:
         self._lock = threading.Lock()
         self._pending: list[tuple[str, asyncio.Future]] = []
         self._running = False
-        self.num_batch_calls = 0
 
     def encode_now(self, texts: list[str], inline: bool = False) -> list[Encoded | ValueError]:
         """Tokenizes with special tokens (e.g. BOS), like `encode`. `inline`: on the event loop,
         for short prompts: one plain call each, never the batch call, which hands the work to
         the tokenizers library's thread pool and would wait there behind a long prompt."""
-        self.num_batch_calls += 1
         if self._backend is None:
             lists = [self.tokenizer.encode(t) for t in texts]
         elif inline:
