@@ -355,7 +355,9 @@ def _own_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype) -> _TileCo
     of 16: 131.6 against 139.3 us); 64 lone rows of 2200 keys 3.1% faster; 8 lone rows of 8000
     keys 1.1% slower. (32-key steps on 2 warps in the plain loop, 2 stages, were within 5% of it
     either way for member batches, but 5.7% slower for groups of 64 x 8000 at 512 rows, 7% for the
-    2200-key lone rows and 1.45-1.46x for the 8000-key ones.)
+    2200-key lone rows and 1.45-1.46x for the 8000-key ones.) Timed over bf16 caches; FP8 caches
+    take the same tile (their decode loop was the PROMPT form already), correct on the GPU
+    (tests/test_cascade_attention.py) but not timed in it.
     Prefill tiles as paged attention's (128 x 64 on 8 warps, the key loop's PROMPT form); small
     exact-fp32 tiles (a test path)."""
     if dtype == torch.float32:
