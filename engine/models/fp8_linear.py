@@ -1,0 +1,75 @@
+"""FP8 weights (EngineConfig.quantization = "fp8"): W8A8 projections made at load time from a
+bf16 / fp16 / fp32 checkpoint, as vLLM's dynamic `--quantization fp8` does.
+
+- Weights: float8_e4m3fn, one float32 scale per output channel (row of [N, K]):
+  scale[n] = max_k |W[n, k]| / 448, W8[n, k] = fp8(W[n, k] / scale[n]). Per channel, so our fused
+  qkv_proj / gate_up_proj rows quantize exactly as HF's separate projections would.
+- Inputs: quantized per row (per token) at run time, kernels/fp8_quant.py (Triton on CUDA, its
+  reference elsewhere).
+- Product: on CUDA torch._scaled_mm with row-wise scales, fp32 accumulation, out in the
+  input's dtype; elsewhere kernels.fp8_quant.fp8_matmul_ref, the same math in fp32.
+
+The decoder layers' four projections take it; the embeddings and lm_head stay in the model's
+dtype (as vLLM's). Such a projection never runs the skinny GEMM (engine/gemm_tuning.py skips it)
+and never returns SplitSums.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from kernels.activation import silu_and_mul
+from kernels.fp8_quant import FP8_MAX, fp8_matmul_ref, quantize_rows, quantize_rows_ref
+
+QUANTIZATIONS = ("fp8",)
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(W8 [N, K] float8_e4m3fn, scale [N, 1] float32) for a weight [N, K] (module docstring)."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
+
+
+class Fp8Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.register_buffer("weight", weight)                  # [N, K] float8_e4m3fn
+        self.register_buffer("weight_scale", weight_scale)      # [N, 1] float32
+        self.bias = bias                                        # [N] model dtype, or None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> "Fp8Linear":
+        weight, scale = quantize_weight(linear.weight)
+        bias = None if linear.bias is None else nn.Parameter(linear.bias.detach(), requires_grad=False)
+        return cls(weight, scale, bias)
+
+    def forward(self, x: torch.Tensor, pdl: bool = False, unmerged: bool = False,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """The Linear interface (engine/models/linear.py); unmerged and out are not used here."""
+        if x.is_cuda:
+            q, scale = quantize_rows(x, pdl=pdl)
+            # _scaled_mm takes no bias in the row-wise form with these dtypes: added after
+            y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
+                                 out_dtype=x.dtype)
+        else:
+            q, scale = quantize_rows_ref(x)
+            y = fp8_matmul_ref(q, scale, self.weight, self.weight_scale).to(x.dtype)
+        return y if self.bias is None else y + self.bias
+
+    def forward_silu_mul(self, gate_up: torch.Tensor, pdl: bool = False,
+                         unmerged: bool = False) -> torch.Tensor:
+        return self(silu_and_mul(gate_up, pdl=pdl), pdl=pdl)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 per channel"
+
+
+def quantize_model(model: nn.Module) -> None:
+    """Every decoder layer's four projections become Fp8Linear, in place, one at a time (the
+    model's dtype copy of each is freed as its FP8 copy is made)."""
+    for layer in model.layers:
+        for parent, name in ((layer.self_attn, "qkv_proj"), (layer.self_attn, "o_proj"),
+                             (layer.mlp, "gate_up_proj"), (layer.mlp, "down_proj")):
+            setattr(parent, name, Fp8Linear.from_linear(getattr(parent, name)))
