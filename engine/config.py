@@ -11,6 +11,7 @@ TOKENIZER_PRIORITIES = ("idle", "low", "normal")
 SKINNY_GEMM = ("auto", "off")
 CAPACITY_POLICIES = ("max_utilization", "guaranteed_no_evict")
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
+QUANTIZATIONS = ("fp8",)
 
 
 @dataclass
@@ -33,6 +34,13 @@ class EngineConfig:
     # model's dtype as the attention reads them (kernels/attention_ref.py). Greedy output can
     # differ from the model's own. GPUs of compute capability 8.9 and up, and CPU.
     kv_cache_dtype: str = "auto"
+    # None: the projections run in the model's dtype. fp8: each decoder layer's four projections
+    # hold FP8 e4m3 weights with a scale per output channel, made at load time from the
+    # checkpoint, and quantize their inputs per token as they run (vLLM's dynamic FP8; W8A8,
+    # engine/models/fp8_linear.py): half the weight bytes, FP8 tensor cores. The embeddings and
+    # lm_head keep the model's dtype. Greedy output can differ from the model's own. GPUs of
+    # compute capability 9.0 and up (torch._scaled_mm's row-wise scales), and CPU.
+    quantization: str | None = None
     num_kv_blocks: int | None = None      # None: sized from memory
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0          # KV budget on CPU when num_kv_blocks is None
@@ -153,6 +161,9 @@ class EngineConfig:
             raise ValueError(f"tokenizer: folder {self.tokenizer!r} does not exist")
         _one_of("dtype", self.dtype, DTYPES)
         _one_of("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization must be None (the model's dtype) or one of "
+                             f"{list(QUANTIZATIONS)}, got {self.quantization!r}")
         if not isinstance(self.device, str) or not (
                 self.device in ("auto", "cpu", "cuda") or _is_cuda_index(self.device)):
             raise ValueError(f"device must be one of 'auto', 'cpu', 'cuda', 'cuda:N', "

@@ -102,12 +102,13 @@ def _time_us(fn: Callable[[Linear], torch.Tensor], linears: list[Linear], device
 
 
 def _projections(model) -> dict[str, list[Linear]]:
+    """The projections that may run the skinny GEMM: not FP8 ones (engine/models/fp8_linear.py)."""
     layers = model.layers
     out = {"qkv_proj": [l.self_attn.qkv_proj for l in layers], "o_proj": [l.self_attn.o_proj for l in layers],
            "gate_up_proj": [l.mlp.gate_up_proj for l in layers], "down_proj": [l.mlp.down_proj for l in layers]}
     if isinstance(model.lm_head, Linear):       # tied embeddings: F.linear over embed_tokens
         out["lm_head"] = [model.lm_head]
-    return out
+    return {name: linears for name, linears in out.items() if isinstance(linears[0], Linear)}
 
 
 @torch.inference_mode()

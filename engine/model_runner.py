@@ -150,6 +150,16 @@ def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.device)
     return torch.float8_e4m3fn
 
 
+def check_quantization(setting: str | None, device: torch.device) -> str | None:
+    """EngineConfig.quantization where it can run: FP8 weights on a GPU only from compute
+    capability 9.0 (torch._scaled_mm's row-wise scales)."""
+    if setting is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        raise ValueError(f"quantization {setting!r} needs a GPU of compute capability 9.0 or higher, "
+                         f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
+                         f"use None")
+    return setting
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: list[int]) -> None:
@@ -165,7 +175,8 @@ class ModelRunner:
         self.model, self.model_config = load_model(
             config.model, dtype, device, config.load_format,
             attention_backend=triton_backend() if on_gpu else TORCH_BACKEND,
-            fused_kernels=on_gpu, fuse_rope_kv_write=config.fuse_rope_kv_write)
+            fused_kernels=on_gpu, fuse_rope_kv_write=config.fuse_rope_kv_write,
+            quantization=check_quantization(config.quantization, device))
         # Decode-sized projections run cuBLAS or the Triton skinny GEMM, whichever a start-up
         # timing found faster for their shape and row count (before any graph is captured).
         self.model.late_merge = config.decode_late_merge    # (the timing times the chain's form)

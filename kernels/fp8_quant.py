@@ -3,11 +3,13 @@ path (EngineConfig.quantization = "fp8", engine/models/fp8_linear.py).
 
 Math, for x [M, K] in any float dtype, per row m (computed in fp32):
 
-    scale[m] = max(max_k |x[m, k]|, 1e-12) / 448
+    scale[m] = max(max_k |x[m, k]|, 1e-12) * fp32(1 / 448)
     q[m, k]  = fp8_e4m3(clamp(x[m, k] / scale[m], -448, 448))     (round to nearest even)
 
-so x[m, k] ~= q[m, k] * scale[m]; 448 is float8_e4m3fn's largest finite value. The division is
-correctly rounded (div_rn), as torch's, so the kernel and `quantize_rows_ref` give the same bits.
+so x[m, k] ~= q[m, k] * scale[m]; 448 is float8_e4m3fn's largest finite value. The scale is a
+product with the reciprocal (torch divides a CUDA tensor by a number that way, and by a tensor
+correctly rounded) and the division by it correctly rounded (div_rn), so the kernel and
+`quantize_rows_ref` give the same bits on either device.
 
 Layouts: x [M, K] with unit column stride and any row stride; q [M, K] contiguous
 float8_e4m3fn; scale [M, 1] float32 contiguous (torch._scaled_mm's row-wise scale_a).
@@ -43,7 +45,7 @@ def _quantize_rows_kernel(
     mask = cols < num_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
-    scale = tl.math.div_rn(amax, 448.0)
+    scale = amax * (1.0 / 448.0)
     # to_cache clamps to +-448 and rounds to nearest even, as the GPU's cvt.rn.satfinite does, also
     # under the interpreter (whose own fp32 -> fp8 cast loses mantissa carries)
     q = to_cache(tl.math.div_rn(x, scale), q_ptr)
@@ -91,7 +93,7 @@ def quantize_rows_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     _check(x)
     xf = x.float()
     amax = xf.abs().amax(dim=-1, keepdim=True).clamp(min=_MIN_AMAX)
-    scale = amax / FP8_MAX
+    scale = amax * (1.0 / FP8_MAX)
     q = (xf / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     return q, scale
 

@@ -9,12 +9,13 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import NamedTuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from engine.config import KV_CACHE_DTYPES  # noqa: E402 - the root is on the path now
+from engine.config import KV_CACHE_DTYPES, QUANTIZATIONS  # noqa: E402 - the root is on the path now
 
 # Llama-3.1-8B's config.json (the architecture; weights are random, `load_format="dummy"`).
 PRESETS = {
@@ -34,6 +35,7 @@ PRESETS = {
 # H200 SXM datasheet peaks; what a benchmark is compared against.
 HBM_BYTES_PER_S = 4.8e12
 BF16_DENSE_FLOPS = 989.4e12
+FP8_DENSE_FLOPS = 1978.9e12     # H200 datasheet, dense FP8 tensor cores
 
 
 def positive_ints(text: str, what: str, fields: str, example: str, sep: str = ",") -> tuple[int, ...]:
@@ -90,11 +92,29 @@ def add_model_args(ap) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
                     help="the engine's kv_cache_dtype: auto (the model's dtype) or fp8 (e4m3, one "
                          "byte a value; the rooflines count its bytes)")
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                    help="the engine's quantization: fp8 weights (W8A8) in the decoder layers' "
+                         "projections; the rooflines count their bytes at one a parameter and "
+                         "their FLOPs at the FP8 peak")
 
 
 def kv_note(args) -> str:
-    """", fp8 KV cache" for a title when --kv-cache-dtype is not auto."""
-    return "" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV cache"
+    """", fp8 KV cache" / ", fp8 weights" for a title where --kv-cache-dtype / --quantization say so."""
+    return ("" if args.kv_cache_dtype == "auto" else f", {args.kv_cache_dtype} KV cache") + (
+        "" if getattr(args, "quantization", None) is None else f", {args.quantization} weights")
+
+
+class WeightCost(NamedTuple):
+    """A model's weights as a roofline counts them: bytes read once a step, and the seconds of
+    FLOPs per token at peak (2 x parameters; the quantized projections at the FP8 peak)."""
+    bytes: int
+    s_per_token: float
+
+
+def weight_cost(cfg: dict, elem: int, quantization: str | None = None) -> WeightCost:
+    p = param_count(cfg)
+    q = projection_param_count(cfg) if quantization == "fp8" else 0
+    return WeightCost(bytes=(p - q) * elem + q, s_per_token=2 * ((p - q) / BF16_DENSE_FLOPS + q / FP8_DENSE_FLOPS))
 
 
 def kv_elem_bytes(args) -> int:
@@ -156,6 +176,14 @@ def param_count(cfg: dict) -> int:
     per_layer = h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i + 2 * h
     embed = v * h * (1 if cfg.get("tie_word_embeddings") else 2)
     return cfg["num_hidden_layers"] * per_layer + embed + h
+
+
+def projection_param_count(cfg: dict) -> int:
+    """The decoder layers' four projections (what EngineConfig.quantization = "fp8" quantizes)."""
+    h, i = cfg["hidden_size"], cfg["intermediate_size"]
+    d = cfg.get("head_dim") or h // cfg["num_attention_heads"]
+    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    return cfg["num_hidden_layers"] * (h * (hq + 2 * hkv) * d + hq * d * h + 3 * h * i)
 
 
 def kv_bytes_per_token(cfg: dict, elem_bytes: int = 2) -> int:

@@ -12,7 +12,7 @@ import time
 
 from bench_common import (HBM_BYTES_PER_S, add_model_args, add_pdl_arg, add_scheduling_arg,
                           git_commit, hardware, kv_bytes_per_token, kv_elem_bytes, kv_note, model_and_config,
-                          param_count, parse_setting, pdl_setting, step_table, write_results)
+                          parse_setting, pdl_setting, step_table, weight_cost, write_results)
 
 from engine import LLM, SamplingParams
 
@@ -39,7 +39,7 @@ def main() -> None:
               skip_tokenizer_init=True, max_num_seqs=8,
               max_model_len=min(args.max_model_len, cfg.get("max_position_embeddings", args.max_model_len)),
               enforce_eager=args.enforce_eager, async_scheduling=not args.sync_scheduling,
-              kv_cache_dtype=args.kv_cache_dtype, **pdl_setting(args))
+              kv_cache_dtype=args.kv_cache_dtype, quantization=args.quantization, **pdl_setting(args))
     core = llm.core
     core.times.gpu_events = True        # where each step's time goes, the GPU's part included
 
@@ -72,7 +72,7 @@ def main() -> None:
         return step_ms, ttft_ms, cached, before
 
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
-    weight_bytes = param_count(cfg) * elem
+    weight_bytes = weight_cost(cfg, elem, args.quantization).bytes
     # Per token the step also reads the sequence's KV (small at this length): count it.
     kv_bytes = kv_bytes_per_token(cfg, kv_elem_bytes(args)) * (args.input_len + args.output_len // 2)
     roofline_ms = 1e3 * (weight_bytes + kv_bytes) / HBM_BYTES_PER_S
@@ -84,6 +84,7 @@ def main() -> None:
         rows.append({
             "setting": name, "sampling": fields,
             "preset": args.preset, "dtype": args.dtype, "kv_cache_dtype": llm.config.kv_cache_dtype,
+            "quantization": llm.config.quantization,
             "input_len": args.input_len,
             "output_len": args.output_len, "enforce_eager": args.enforce_eager,
             "async_scheduling": not args.sync_scheduling, "decode_pdl": llm.config.decode_pdl,

@@ -35,8 +35,9 @@ if ROOT not in sys.path:
 
 from scripts.bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, PRESETS,  # noqa: E402
                                   FirstStepClock, StepProfiler, StepTrace, git_commit, hardware,
-                                  kv_bytes_per_token, param_count, preset_dir, step_table,
+                                  kv_bytes_per_token, preset_dir, step_table, weight_cost,
                                   write_results)
+from engine.config import QUANTIZATIONS  # noqa: E402
 
 MODES = {"off": dict(enable_prefix_caching=False, enable_prefix_groups=False,
                      enable_cascade_attention=False),
@@ -77,21 +78,21 @@ def make_prompts(w: dict, order: str, vocab: int, seed: int = 0) -> list[list[in
     return prompts
 
 
-def floor_s(cfg: dict, w: dict, batch: int, elem: int) -> float:
-    """The job's compute-and-bytes floor (module docstring)."""
-    p = param_count(cfg)
+def floor_s(cfg: dict, w: dict, batch: int, elem: int, quantization: str | None = None) -> float:
+    """The job's compute-and-bytes floor (module docstring); FP8 projections' bytes at one a
+    parameter and FLOPs at the FP8 peak (bench_common.weight_cost)."""
+    wc = weight_cost(cfg, elem, quantization)
     d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
     attn = 4 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * d   # FLOPs per (query, key)
     n, prefix, own, out = w["num_requests"], w["prefix"], w["own"], w["out"]
     groups = n / w["degree"]
-    prefill_flops = (2 * p * (groups * prefix + n * own)
-                     + attn * (groups * prefix ** 2 / 2 + n * own * (prefix + own / 2)))
-    decode_flops = n * out * (2 * p + attn * (prefix + own + out / 2))
+    prefill_s = (wc.s_per_token * (groups * prefix + n * own)
+                 + attn * (groups * prefix ** 2 / 2 + n * own * (prefix + own / 2)) / BF16_DENSE_FLOPS)
+    decode_flops_s = n * out * (wc.s_per_token + attn * (prefix + own + out / 2) / BF16_DENSE_FLOPS)
     steps = -(-n // batch) * out
-    decode_bytes = (steps * p * elem
+    decode_bytes = (steps * wc.bytes
                     + kv_bytes_per_token(cfg, elem) * out * (groups * prefix + n * (own + out / 2)))
-    return prefill_flops / BF16_DENSE_FLOPS + max(decode_bytes / HBM_BYTES_PER_S,
-                                                  decode_flops / BF16_DENSE_FLOPS)
+    return prefill_s + max(decode_bytes / HBM_BYTES_PER_S, decode_flops_s)
 
 
 def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: str, cfg: dict,
@@ -105,7 +106,8 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
     if args.num_kv_blocks is not None:
         settings["num_kv_blocks"] = args.num_kv_blocks
     t0 = time.perf_counter()
-    llm = LLM(model, dtype=args.dtype, skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
+    llm = LLM(model, dtype=args.dtype, quantization=args.quantization, skip_tokenizer_init=True,
+              max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=-(-max_len // 16) * 16, **MODES[mode], **settings)
     start_s = time.perf_counter() - t0
@@ -143,7 +145,7 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
             after = llm.get_stats()
             assert all(len(o.outputs[0].token_ids) == w["out"] for o in outs)
             n = w["num_requests"]
-            floor = floor_s(cfg, w, args.max_num_seqs, elem)
+            floor = floor_s(cfg, w, args.max_num_seqs, elem, args.quantization)
             row = dict(workload=w["name"], degree=w["degree"], prefix_len=w["prefix"],
                        own_len=w["own"], output_len=w["out"], num_requests=n, order=order,
                        mode=mode, elapsed_s=elapsed, requests_per_s=n / elapsed,
@@ -221,6 +223,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="llama-3.1-8b", choices=sorted(PRESETS))
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--quantization", default=None, choices=QUANTIZATIONS,
+                    help="the engine's quantization, every mode alike: fp8 weights (W8A8) in the "
+                         "decoder layers' projections; the floor counts their bytes and FP8 FLOPs")
     ap.add_argument("--workloads", nargs="+", default=["rfc"],
                     help="rfc, sweep, or g<degree>-p<prefix> (e.g. g16-p2000)")
     ap.add_argument("--sweep-degrees", type=int, nargs="+", default=list(SWEEP_DEGREES))
@@ -293,7 +298,8 @@ def main(argv: list[str] | None = None) -> None:
     elem = torch.empty((), dtype=getattr(torch, args.dtype)).element_size()
     meta = {"hardware": hardware(), "commit": git_commit(), "command": command,
             "settings": {"preset": "tiny-llama" if args.quick else args.preset,
-                         "dtype": args.dtype, "max_num_seqs": args.max_num_seqs,
+                         "dtype": args.dtype, "quantization": args.quantization,
+                         "max_num_seqs": args.max_num_seqs,
                          "max_num_batched_tokens": args.max_num_batched_tokens}}
     rows: list[dict] = []
 

@@ -24,7 +24,7 @@ import time
 
 from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, StepTrace, add_model_args, add_scheduling_arg,
                           kv_elem_bytes, kv_note, git_commit, hardware, kv_bytes_per_token, model_and_config,
-                          param_count, step_table, write_results)
+                          step_table, weight_cost, write_results)
 
 from engine.config import CAPACITY_POLICIES  # noqa: E402 - bench_common puts the root on the path
 
@@ -33,21 +33,22 @@ MESSAGE_PREFIX = "bench_throughput "
 STDERR_TAIL_LINES = 20
 
 
-def roofline_s(cfg: dict, n: int, inp: int, out: int, batch: int, elem: int, kv_elem: int | None = None) -> float:
+def roofline_s(cfg: dict, n: int, inp: int, out: int, batch: int, elem: int, kv_elem: int | None = None,
+               quantization: str | None = None) -> float:
     """The job's floor: prefill FLOPs at peak, then decode at the larger of its bytes (weights
-    once a step, of `elem` bytes a parameter; each token's KV, `kv_elem` bytes a value,
-    default elem) over HBM and its FLOPs at peak."""
-    p = param_count(cfg)
+    once a step, of `elem` bytes a parameter, or one for FP8 projections; each token's KV,
+    `kv_elem` bytes a value, default elem) over HBM and its FLOPs at peak (FP8 projections at
+    the FP8 peak: bench_common.weight_cost)."""
+    w = weight_cost(cfg, elem, quantization)
     layers, hq = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // hq
     attn_flops_per_token_ctx = 4 * layers * hq * d          # QK^T and PV, per key
-    prefill_flops = n * (2 * p * inp + attn_flops_per_token_ctx * inp * inp / 2)
-    decode_flops = n * (2 * p * out + attn_flops_per_token_ctx * out * (inp + out / 2))
+    prefill_s = n * (w.s_per_token * inp + attn_flops_per_token_ctx * inp * inp / 2 / BF16_DENSE_FLOPS)
+    decode_flops_s = n * (w.s_per_token * out + attn_flops_per_token_ctx * out * (inp + out / 2) / BF16_DENSE_FLOPS)
     steps = -(-n // batch) * out
     kv = kv_bytes_per_token(cfg, elem if kv_elem is None else kv_elem)
-    decode_bytes = steps * p * elem + n * out * kv * (inp + out / 2)
-    decode_s = max(decode_bytes / HBM_BYTES_PER_S, decode_flops / BF16_DENSE_FLOPS)
-    return prefill_flops / BF16_DENSE_FLOPS + decode_s
+    decode_bytes = steps * w.bytes + n * out * kv * (inp + out / 2)
+    return prefill_s + max(decode_bytes / HBM_BYTES_PER_S, decode_flops_s)
 
 
 def workload_prompts(cfg: dict, workloads: list[tuple[int, int]], num_prompts: int) -> dict:
@@ -81,7 +82,8 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
               max_num_batched_tokens=args.max_num_batched_tokens,
               max_model_len=max(i + o for i, o in workloads), enable_prefix_caching=False,
               async_scheduling=not args.sync_scheduling,
-              capacity_scheduler_policy=args.capacity_policy, kv_cache_dtype=args.kv_cache_dtype)
+              capacity_scheduler_policy=args.capacity_policy, kv_cache_dtype=args.kv_cache_dtype,
+              quantization=args.quantization)
     llm.core.times.gpu_events = True     # where each step's time goes, the GPU's included
     for inp, out in workloads:
         prompts = prompts_of[(inp, out)]
@@ -90,7 +92,7 @@ def one_engine(args, model_dir: str, cfg: dict, workloads, max_num_seqs: int) ->
         trace = StepTrace(llm.core) if args.step_trace else None
         t = run_engine(llm, prompts, out, args.sampling)
         stats1 = llm.get_stats()
-        roof = roofline_s(cfg, args.num_prompts, inp, out, max_num_seqs, elem, kv_elem_bytes(args))
+        roof = roofline_s(cfg, args.num_prompts, inp, out, max_num_seqs, elem, kv_elem_bytes(args), args.quantization)
         row = {"input_len": inp, "output_len": out, "num_prompts": args.num_prompts,
                "max_num_seqs": max_num_seqs, "failed": False, "sampling": args.sampling,
                "engine_s": t, "engine_output_tok_s": args.num_prompts * out / t,
@@ -261,6 +263,7 @@ def main(argv: list[str] | None = None) -> None:
             "hardware": None, "commit": git_commit(),       # hardware: the children say
             "command": " ".join(["python"] + sys.argv),
             "capacity_scheduler_policy": args.capacity_policy, "kv_cache_dtype": args.kv_cache_dtype,
+            "quantization": args.quantization,
             "sampling": args.sampling,
             "targets": "1000x1000: >= 75% of roofline and >= 10x HF generate"}
     rows: list[dict] = []

@@ -54,7 +54,7 @@ def fp8_rows(x: torch.Tensor, weights: list[torch.Tensor], rows: int, name: str,
     w8, ws = qw[0]
     got = torch._scaled_mm(q, w8.t(), scale_a=s, scale_b=ws.t(), out_dtype=torch.bfloat16).float()
     want = fp8_matmul_ref(q, s, w8, ws)
-    max_err = ((got - want).abs() / want.abs().clamp(min=want.abs().max() * 1e-2)).max().item()
+    max_err = ((got - want).abs().max() / want.abs().max()).item()     # as tests/test_fp8_quant.py
     if not quant_equal or not max_err < 1e-2:
         raise SystemExit(f"{name} M={rows}: FP8 path wrong (quantize equal {quant_equal}, rel err {max_err})")
 

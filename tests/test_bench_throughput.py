@@ -102,6 +102,25 @@ def test_the_roofline_counts_an_fp8_caches_bytes():
     assert roofline_s(cfg, 1000, 1000, 0, 256, 2, kv_elem=1) == roofline_s(cfg, 1000, 1000, 0, 256, 2)
 
 
+def test_the_roofline_counts_fp8_weights():
+    """FP8 projections: a byte a parameter in decode, the FP8 peak (twice bf16's) in prefill; the
+    embeddings and lm_head (1.05B of the 8B model's 8.03B) stay at two bytes and bf16's peak."""
+    sys.path.insert(0, os.path.join(ROOT, "scripts"))
+    from bench_common import (BF16_DENSE_FLOPS, FP8_DENSE_FLOPS, PRESETS, param_count, projection_param_count,
+                              weight_cost)
+    from bench_throughput import roofline_s
+    cfg = PRESETS["llama-3.1-8b"]
+    p, q = param_count(cfg), projection_param_count(cfg)
+    assert 6.9e9 < q < 7.0e9 and 8.0e9 < p < 8.1e9
+    assert weight_cost(cfg, 2) == (2 * p, 2 * p / BF16_DENSE_FLOPS)
+    fp8 = weight_cost(cfg, 2, "fp8")
+    assert fp8.bytes == 2 * p - q
+    assert fp8.s_per_token == pytest.approx(2 * (p - q) / BF16_DENSE_FLOPS + 2 * q / FP8_DENSE_FLOPS)
+    prefill_only = roofline_s(cfg, 1000, 2048, 0, 256, 2)
+    assert roofline_s(cfg, 1000, 2048, 0, 256, 2, quantization="fp8") < 0.6 * prefill_only
+    assert roofline_s(cfg, 1000, 1000, 1000, 256, 2, quantization="fp8") < roofline_s(cfg, 1000, 1000, 1000, 256, 2)
+
+
 def test_sampling_settings_reach_the_engines_requests(tmp_path):
     """--sampling: the requests run with those SamplingParams fields (penalties here), and the
     rows say so."""

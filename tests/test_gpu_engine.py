@@ -89,6 +89,26 @@ def test_fp8_kv_cache_gpu_engine_equals_cpu_engine(tiny_models, decode_pdl):
     assert a == b
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_fp8_weights_gpu_engine_equals_cpu_engine(tiny_models, arch):
+    """quantization="fp8", fp32 model: the GPU engine (the Triton input quantization, which gives
+    the reference's bits, and torch._scaled_mm with fp32 out; CUDA graphs, PDL decode chains)
+    gives the CPU engine's greedy tokens (its reference product). Short runs: FP8 rounding turns
+    last-bit differences into whole steps once one crosses a boundary (tests/test_fp8_linear.py)."""
+    prompts = mixed_prompts(1024, n=8, seed=3)
+    prompts = [p[:16] for p in prompts]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    settings = dict(dtype="float32", quantization="fp8", num_kv_blocks=64, max_num_seqs=16)
+    cpu = LLM(tiny_models[arch], device="cpu", **settings)
+    gpu = LLM(tiny_models[arch], device="cuda", **settings)
+    assert gpu.core.runner.decode_graphs.graphs, "CUDA graphs were not captured"
+    a = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
+    stats = gpu.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert a == b
+
+
 def test_async_engine_core_process_on_the_gpu_it_is_given(tiny_models):
     """AsyncEngine starts its core process pinned to cuda:N (CUDA_VISIBLE_DEVICES=N); its
     streamed output equals the in-process engine's."""
@@ -173,24 +193,25 @@ def _num_compiled(module) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
-def test_no_kernel_compiles_after_start_up(kv_cache_dtype):
+@pytest.mark.parametrize("kv_cache_dtype,quantization", [("auto", None), ("fp8", None), ("auto", "fp8")])
+def test_no_kernel_compiles_after_start_up(kv_cache_dtype, quantization):
     """Issue 11: the first round after start ran 30-60% slower, and any new mix of batch sizes
     compiled a kernel variant mid-serving (a 1.5 s TTFT). After start-up (graph capture and
     the runner's warm-up) a workload of every shape class (lone and batched requests, prompts
     of 1..1000 tokens, chunked prefill mixed with decode, sampling) compiles nothing."""
-    from kernels import (activation, argmax, exp_noise, kv_cache, paged_attention, race_sample, rmsnorm, rotary,
-                         rotary_write_kv, skinny_gemm)
+    from kernels import (activation, argmax, exp_noise, fp8_quant, kv_cache, paged_attention, race_sample, rmsnorm,
+                         rotary, rotary_write_kv, skinny_gemm)
     from scripts.bench_common import preset_dir
-    modules = [activation, argmax, exp_noise, kv_cache, paged_attention, race_sample, rmsnorm, rotary,
+    modules = [activation, argmax, exp_noise, fp8_quant, kv_cache, paged_attention, race_sample, rmsnorm, rotary,
                rotary_write_kv, skinny_gemm]
     llm = LLM(preset_dir("llama-3.1-8b"), load_format="dummy", dtype="bfloat16", device="cuda",
               skip_tokenizer_init=True, max_num_seqs=160, max_num_batched_tokens=256,
-              num_kv_blocks=2048, max_model_len=2048, kv_cache_dtype=kv_cache_dtype)
+              num_kv_blocks=2048, max_model_len=2048, kv_cache_dtype=kv_cache_dtype, quantization=quantization)
     try:
         before = {m.__name__: _num_compiled(m) for m in modules}
         keys_before = _variant_keys(modules)
         assert before["kernels.paged_attention"]["_paged_attention_kernel"] > 0
+        assert (before["kernels.fp8_quant"]["_quantize_rows_kernel"] > 0) == (quantization == "fp8")
         # config_for's two, for fp32 (prompt steps' logits) and bf16 (decode graphs')
         assert before["kernels.race_sample"]["_race_sample_kernel"] == 4
         assert before["kernels.exp_noise"]["_exponential_noise_kernel"] == 1

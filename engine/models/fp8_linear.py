@@ -27,7 +27,7 @@ QUANTIZATIONS = ("fp8",)
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(W8 [N, K] float8_e4m3fn, scale [N, 1] float32) for a weight [N, K] (module docstring)."""
     w = weight.float()
-    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) * (1.0 / FP8_MAX)     # as kernels/fp8_quant.py
     return (w / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn), scale
 
 

@@ -16,6 +16,7 @@ from safetensors import safe_open
 
 from engine.models.attention import TORCH_REF_BACKEND, AttentionBackend
 from engine.models.config import ModelConfig
+from engine.models.fp8_linear import quantize_model
 from engine.models.llama import LlamaForCausalLM, RMSNorm
 
 logger = logging.getLogger(__name__)
@@ -34,12 +35,15 @@ def load_model(
     attention_backend: AttentionBackend = TORCH_REF_BACKEND,
     fused_kernels: bool = False,
     fuse_rope_kv_write: bool = True,
+    quantization: str | None = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """Load a Llama / Mistral / Qwen2 checkpoint folder as an inference-only model.
 
     load_format: "auto" / "safetensors" read `model.safetensors` or the shards listed in
     `model.safetensors.index.json`; "dummy" needs only config.json and fills small random
     weights from torch's current seed (for benchmarks at real sizes).
+    quantization: None, or "fp8" (EngineConfig.quantization): the decoder layers' projections are
+    quantized once loaded (engine/models/fp8_linear.py).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
@@ -55,7 +59,12 @@ def load_model(
             _init_dummy(model)
         else:
             _load_safetensors(model, os.fspath(model_path))
-    logger.info("loaded %s from %s (%s, %s, load_format=%s)", config.architecture, model_path, dtype, device, load_format)
+        if quantization == "fp8":
+            quantize_model(model)
+            if device.type == "cuda":
+                torch.cuda.empty_cache()    # the model-dtype weights' memory, before the KV cache is sized
+    logger.info("loaded %s from %s (%s, %s, load_format=%s, quantization=%s)", config.architecture, model_path,
+                dtype, device, load_format, quantization)
     return model, config
 
 
