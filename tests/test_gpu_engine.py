@@ -89,24 +89,40 @@ def test_fp8_kv_cache_gpu_engine_equals_cpu_engine(tiny_models, decode_pdl):
     assert a == b
 
 
+FP8_LOGPROB_ATOL = 0.05
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_fp8_weights_gpu_engine_equals_cpu_engine(tiny_models, arch):
+def test_fp8_weights_gpu_engine_near_cpu_engine(tiny_models, arch):
     """quantization="fp8", fp32 model: the GPU engine (the Triton input quantization, which gives
-    the reference's bits, and torch._scaled_mm with fp32 out; CUDA graphs, PDL decode chains)
-    gives the CPU engine's greedy tokens (its reference product). Short runs: FP8 rounding turns
-    last-bit differences into whole steps once one crosses a boundary (tests/test_fp8_linear.py)."""
-    prompts = mixed_prompts(1024, n=8, seed=3)
-    prompts = [p[:16] for p in prompts]
-    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    the reference's bits, and torch._scaled_mm on FP8 tensor cores; CUDA graphs, PDL decode
+    chains) against the CPU engine (the reference product in fp32), 8 greedy tokens with their
+    top-5 log-probabilities. Not token for token to the end: the tensor cores' sums differ in
+    the last bits, and FP8 rounding turns that into whole steps once a value crosses a
+    boundary (tests/test_fp8_linear.py), so the two may part at a near-tie. Where both have
+    given the same tokens so far, each step's log-probabilities agree within FP8_LOGPROB_ATOL;
+    where they part, the CPU's top two were within it of each other."""
+    prompts = [p[:16] for p in mixed_prompts(1024, n=8, seed=3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=5)
     settings = dict(dtype="float32", quantization="fp8", num_kv_blocks=64, max_num_seqs=16)
     cpu = LLM(tiny_models[arch], device="cpu", **settings)
     gpu = LLM(tiny_models[arch], device="cuda", **settings)
     assert gpu.core.runner.decode_graphs.graphs, "CUDA graphs were not captured"
-    a = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
-    b = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
+    worst, steps_compared = 0.0, 0
+    for c, g in zip(cpu.generate(prompts, params), gpu.generate(prompts, params)):
+        c, g = c.outputs[0], g.outputs[0]
+        for step, (tc, tg) in enumerate(zip(c.token_ids, g.token_ids)):
+            lc, lg = c.logprobs[step], g.logprobs[step]
+            if tc != tg:
+                margin = lc[tc].logprob - lc[tg].logprob if tg in lc else float("inf")
+                assert margin < FP8_LOGPROB_ATOL, f"parted at step {step} with CPU margin {margin}"
+                break
+            worst = max([worst] + [abs(lc[t].logprob - lg[t].logprob) for t in lc if t in lg])
+            steps_compared += 1
+    assert steps_compared >= 40, steps_compared
+    assert worst < FP8_LOGPROB_ATOL, worst
     stats = gpu.get_stats()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
-    assert a == b
 
 
 def test_async_engine_core_process_on_the_gpu_it_is_given(tiny_models):
