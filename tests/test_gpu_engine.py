@@ -1,6 +1,8 @@
 """The full engine on a GPU (Triton kernels, CUDA graphs, chunked prefill, preemption) against
 HF transformers on the same GPU, in float32. Needs CUDA: CI has none, so this runs on the GPU
 machine (`python -m pytest tests/test_gpu_engine.py`) and its output is kept in benchmarks/."""
+import logging
+
 import pytest
 import torch
 
@@ -89,7 +91,13 @@ def test_fp8_kv_cache_gpu_engine_equals_cpu_engine(tiny_models, decode_pdl):
     assert a == b
 
 
-FP8_LOGPROB_ATOL = 0.05
+# FP8 tensor cores sum with fewer bits than fp32 (Hopper's FP8 MMA keeps ~14 in its
+# accumulators between promotions), so on the GPU more activations cross an FP8 rounding
+# boundary than fp32's last bits would move. Measured (gpu_fp8_engine_tests_855a77c.log): the
+# two engines parted at near-ties whose CPU margins were 0.069 and 0.098. The quantization
+# itself moves these logits by ~2.5 (tests/test_fp8_linear.py), and a wiring fault (a stale
+# graph buffer, a wrong scale) by far more.
+FP8_LOGPROB_ATOL = 0.3
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -119,6 +127,8 @@ def test_fp8_weights_gpu_engine_near_cpu_engine(tiny_models, arch):
                 break
             worst = max([worst] + [abs(lc[t].logprob - lg[t].logprob) for t in lc if t in lg])
             steps_compared += 1
+    logging.getLogger(__name__).info("FP8 GPU vs CPU: %d steps compared, worst log-probability difference %.4f",
+                                     steps_compared, worst)
     assert steps_compared >= 40, steps_compared
     assert worst < FP8_LOGPROB_ATOL, worst
     stats = gpu.get_stats()
