@@ -217,11 +217,15 @@ def test_stream_equals_direct_engine(server, direct):
     assert all("finish_reason" not in o for o, _ in responses[:-1])
 
 
-def test_fp8_kv_cache_served_equals_the_direct_fp8_engine(model_dir, tmp_path_factory):
-    """kv_cache_dtype as a Triton parameter: the served engine keeps its KV cache in FP8 (its
-    log says so) and its streams and BLS answers are the direct FP8 engine's, token for token;
-    the pool is whole afterwards."""
-    settings = {**SETTINGS, "kv_cache_dtype": "fp8"}
+@pytest.mark.parametrize("setting,value,log_says", [
+    ("kv_cache_dtype", "fp8", "(torch.float8_e4m3fn)"),
+    ("quantization", "fp8", "quantization=fp8)"),
+])
+def test_fp8_served_equals_the_direct_fp8_engine(model_dir, tmp_path_factory, setting, value, log_says):
+    """kv_cache_dtype / quantization as a Triton parameter: the served engine keeps its KV cache
+    in FP8, or its projections' weights (its log says so), and its streams and BLS answers are
+    the direct FP8 engine's, token for token; the pool is whole afterwards."""
+    settings = {**SETTINGS, setting: value}
     direct_fp8 = LLM(model_dir, dtype="float32", device="cpu", **settings)
     prompts = PROMPTS[:4]
     expected = [o.outputs[0].text for o in direct_fp8.generate(prompts, SamplingParams(**greedy(16)))]
@@ -229,7 +233,7 @@ def test_fp8_kv_cache_served_equals_the_direct_fp8_engine(model_dir, tmp_path_fa
     repo = tmp_path_factory.mktemp("repo")
     copy_repository(repo, model_dir, {"dtype": "float32", **settings}, keep_params=False)
     with start_server(repo, log_dir=tmp_path_factory.mktemp("log")) as fp8_server:
-        assert "(torch.float8_e4m3fn)" in open(fp8_server.log_path).read()
+        assert log_says in open(fp8_server.log_path).read()
         with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
             texts = list(pool.map(lambda p: text_of(stream_request(fp8_server, p, greedy(16))), prompts))
         assert texts == expected
