@@ -2,12 +2,14 @@
 bf16 / fp16 / fp32 checkpoint, as vLLM's dynamic `--quantization fp8` does.
 
 - Weights: float8_e4m3fn, one float32 scale per output channel (row of [N, K]):
-  scale[n] = max_k |W[n, k]| / 448, W8[n, k] = fp8(W[n, k] / scale[n]). Per channel, so our fused
+  scale[n] = max_k |W[n, k]| * fp32(1 / 448), W8[n, k] = fp8(W[n, k] / scale[n]), as
+  kernels/fp8_quant.py scales a row. Per channel, so our fused
   qkv_proj / gate_up_proj rows quantize exactly as HF's separate projections would.
 - Inputs: quantized per row (per token) at run time, kernels/fp8_quant.py (Triton on CUDA, its
   reference elsewhere).
-- Product: on CUDA torch._scaled_mm with row-wise scales, fp32 accumulation, out in the
-  input's dtype; elsewhere kernels.fp8_quant.fp8_matmul_ref, the same math in fp32.
+- Product: on CUDA torch._scaled_mm with row-wise scales, out in the input's dtype (FP8 tensor
+  cores, whose sums keep fewer bits than fp32: 1-3e-4 of the largest, measured in
+  benchmarks/h200/fp8_weights.md); elsewhere kernels.fp8_quant.fp8_matmul_ref, the same math in fp32.
 
 The decoder layers' four projections take it; the embeddings and lm_head stay in the model's
 dtype (as vLLM's). Such a projection never runs the skinny GEMM (engine/gemm_tuning.py skips it)
@@ -20,8 +22,6 @@ from torch import nn
 
 from kernels.activation import silu_and_mul
 from kernels.fp8_quant import FP8_MAX, fp8_matmul_ref, quantize_rows, quantize_rows_ref
-
-QUANTIZATIONS = ("fp8",)
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -50,7 +50,7 @@ class Fp8Linear(nn.Module):
         """The Linear interface (engine/models/linear.py); unmerged and out are not used here."""
         if x.is_cuda:
             q, scale = quantize_rows(x, pdl=pdl)
-            # _scaled_mm takes no bias in the row-wise form with these dtypes: added after
+            # a bias (Qwen2's qkv_proj) is added after the product, as on the CPU
             y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
                                  out_dtype=x.dtype)
         else:
