@@ -138,25 +138,29 @@ class _BlockTables:
         return self.table[rows, :width]
 
 
+def _require_capability(setting: str, value, minimum: tuple[int, int], device: torch.device,
+                        instead: str) -> None:
+    """A setting that runs on a GPU only from compute capability `minimum` (and on CPU)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < minimum:
+        raise ValueError(f"{setting} {value!r} needs a GPU of compute capability {minimum[0]}.{minimum[1]} or "
+                         f"higher, {torch.cuda.get_device_name(device)} has "
+                         f"{torch.cuda.get_device_capability(device)}; use {instead}")
+
+
 def kv_cache_dtype(setting: str, model_dtype: torch.dtype, device: torch.device) -> torch.dtype:
     """The KV cache's element type for EngineConfig.kv_cache_dtype: the model's, or FP8 e4m3
     (on a GPU only from compute capability 8.9, where Triton has the type)."""
     if setting == "auto":
         return model_dtype
-    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
-        raise ValueError(f"kv_cache_dtype {setting!r} needs a GPU of compute capability 8.9 or "
-                         f"higher, {torch.cuda.get_device_name(device)} has "
-                         f"{torch.cuda.get_device_capability(device)}; use 'auto'")
+    _require_capability("kv_cache_dtype", setting, (8, 9), device, "'auto'")
     return torch.float8_e4m3fn
 
 
 def check_quantization(setting: str | None, device: torch.device) -> str | None:
     """EngineConfig.quantization where it can run: FP8 weights on a GPU only from compute
     capability 9.0 (torch._scaled_mm's row-wise scales)."""
-    if setting is not None and device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
-        raise ValueError(f"quantization {setting!r} needs a GPU of compute capability 9.0 or higher, "
-                         f"{torch.cuda.get_device_name(device)} has {torch.cuda.get_device_capability(device)}; "
-                         f"use None")
+    if setting is not None:
+        _require_capability("quantization", setting, (9, 0), device, "None")
     return setting
 
 
