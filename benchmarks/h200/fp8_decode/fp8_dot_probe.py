@@ -1,20 +1,28 @@
-"""Is the decode attention over an FP8 KV cache bound by widening the cache's values?
+"""What bounds the decode attention over an FP8 KV cache?
 
 fp8_kv_cache.md: unsplit FP8 decode reads at ~3.0 TB/s of FP8 bytes where the bf16 cache's reads
-run at ~4.0; every key and value is widened to fp16 (one cvt a pair) and goes through shared
-memory at twice its cached size before the dots. This probe times one simplified unsplit decode
-kernel (the engine's loop: block ids a step ahead, K key by key, the mask on every step; 16-row
-tiles holding a kv head's 4 query heads, 128 keys a step, 4 warps, 3 stages) in four forms:
+run at ~4.0. This probe times one simplified unsplit decode kernel (the engine's loop: block ids
+a step ahead, K key by key, the mask on every step; 16-row tiles holding a kv head's 4 query
+heads, 128 keys a step, 4 warps, 3 stages) in these forms:
 
 - `f16`: K and V widened to fp16, q in fp16, both dots in fp16 (the engine's form);
-- `qk8`: q quantized to e4m3 in the kernel (one scale a row), q.K on FP8 tensor cores from the
-  cache's bytes as they are; p.V as `f16`;
-- `pv8`: q.K as `f16`; p (in [0, 1]) times 256 to e4m3, p.V on FP8 tensor cores;
-- `both8`: both dots in FP8, nothing widened;
+- `qk8`, `pv8`, `both8`: q (quantized in the kernel, a scale a row) or p (times 256) to e4m3 and
+  that dot on the cache's bytes as they are. First call (dde5c3d): no faster than the engine's,
+  and compiled for sm_90 they hold the same fp16 mma.sync as `f16`: a 16-row dot is mma.sync,
+  which has no FP8 form on sm_90 (only wgmma has), so triton widens both operands anyway;
+- `k_t`, `trans_first`, `int8`, `asm`: other ways to write K's load and widening (compiled for
+  sm_90 on the CPU machine, the same code as `f16`);
+- `v_regs`: V loaded a step ahead into registers (volatile: outside the compiler's pipelining),
+  widened there, then into shared memory as fp16 for the dot. Compiled for sm_90 (`f16` against
+  `v_regs`): `f16` reads V from shared memory a byte at a time (128 ld.shared.b8 a thread a
+  step: the dot wants 4 keys' values of one column together, and V's rows are its columns'
+  bytes apart; cp.async copies it in 8-byte pieces), `v_regs` none (ldmatrix on fp16);
+- `k_regs`: the same for K (spills);
+- `_s2` / `_s4` suffixes: 2 or 4 pipeline stages;
 
-and, for scale, the same kernel over a bf16 cache (`bf16`) and the engine's own kernel over both
-caches (`engine_fp8`, `engine_bf16`). Each FP8 form's error against the fp32 reference on the
-same FP8 cache is reported beside `f16`'s: the FP8 dots round q or p to 3 mantissa bits.
+and, for scale, the same kernel over a bf16 cache (`bf16`, `bf16_v_regs`) and the engine's own
+kernel over both caches (`engine_fp8`, `engine_bf16`). Each FP8 form's error against the fp32
+reference on the same FP8 cache is reported.
 
     PYTHONPATH=. python3 benchmarks/h200/fp8_decode/fp8_dot_probe.py --out $OUT/fp8_dot.json
     TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/h200/fp8_decode/fp8_dot_probe.py --cpu-check
@@ -28,13 +36,25 @@ import triton
 import triton.language as tl
 
 HQ, HKV, D, PAGE, GROUP = 32, 8, 128, 16, 4
-FORMS = {"f16": 0, "qk8": 1, "pv8": 2, "both8": 3}
+# form: (K's form, q.K on FP8 tensor cores, p.V on FP8 tensor cores)
+FORMS = {"f16": (0, False, False), "qk8": (0, True, False), "pv8": (0, False, True), "both8": (0, True, True),
+         "k_t": (1, False, False), "trans_first": (2, False, False), "swap": (3, False, False),
+         "int8": (4, False, False), "asm": (5, False, False), "k_regs": (6, False, False),
+         "v_regs": (7, False, False)}
+
+
+@triton.jit
+def _e4m3_bytes_to_f16(x):
+    """int8 tensor of e4m3 bytes -> fp16, four at a time (two cvt.rn.f16x2.e4m3x2 a 32-bit word)."""
+    return tl.inline_asm_elementwise(
+        "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+        "=r,=r,r", [x], dtype=tl.float16, is_pure=True, pack=4)
 
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, stride_bt,
-                   FORM: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
-                   PAGE_SIZE: tl.constexpr, NUM_KV: tl.constexpr, G: tl.constexpr):
+                   K_FORM: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr, BLOCK_N: tl.constexpr,
+                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV: tl.constexpr, G: tl.constexpr):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     rows = tl.arange(0, 16)
@@ -43,15 +63,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
     offs_d = tl.arange(0, HEAD_DIM)
     q = tl.load(q_ptr + (seq * NUM_KV * G + head)[:, None] * HEAD_DIM + offs_d[None, :],
                 mask=row_ok[:, None], other=0.0).to(tl.float32)
-    fp8_cache = k_ptr.dtype.element_ty == tl.float8e4nv
-    q_scale = tl.full([16], 1.0, dtype=tl.float32)
-    if FORM == 1 or FORM == 3:
-        q_scale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-12) / 448.0
+    # the dtype the widened values take: fp16 over an FP8 cache (the engine's), else the cache's
+    wide: tl.constexpr = tl.float16 if k_ptr.dtype.element_ty == tl.float8e4nv else k_ptr.dtype.element_ty
+    q_scale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-12) / 448.0
+    if QK8:
         q_dot = (q / q_scale[:, None]).to(tl.float8e4nv)
-    elif fp8_cache:
-        q_dot = q.to(tl.float16)
     else:
-        q_dot = q.to(k_ptr.dtype.element_ty)
+        q_dot = q.to(wide)
     seq_len = tl.load(lens_ptr + seq)
     table_row = table_ptr + seq * stride_bt
     kv_off = kv_head * HEAD_DIM
@@ -60,6 +78,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
     acc = tl.zeros([16, HEAD_DIM], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     ids = tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < seq_len, other=0)
+    if K_FORM == 6:     # K a step ahead in registers, outside the compiler's pipelining (volatile)
+        k_next = tl.load(k_ptr + (ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (offs_n % PAGE_SIZE) * (NUM_KV * HEAD_DIM)
+                                  + kv_off)[:, None] + offs_d[None, :],
+                         mask=(offs_n < seq_len)[:, None], other=0.0, volatile=True)
+    if K_FORM == 7:     # V a step ahead in registers, outside the compiler's pipelining (volatile)
+        v_next = tl.load(v_ptr + (ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (offs_n % PAGE_SIZE) * (NUM_KV * HEAD_DIM)
+                                  + kv_off)[:, None] + offs_d[None, :],
+                         mask=(offs_n < seq_len)[:, None], other=0.0, volatile=True)
     for start in range(0, seq_len, BLOCK_N):
         k_pos = start + offs_n
         k_in = k_pos < seq_len
@@ -67,23 +93,50 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
         next_ids = tl.load(table_row + nxt // PAGE_SIZE, mask=nxt < seq_len, other=0)
         base = (ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (k_pos % PAGE_SIZE) * (NUM_KV * HEAD_DIM) + kv_off)
         ptrs = base[:, None] + offs_d[None, :]
-        k = tl.load(k_ptr + ptrs, mask=k_in[:, None], other=0.0)
-        v = tl.load(v_ptr + ptrs, mask=k_in[:, None], other=0.0)
-        ids = next_ids
-        if FORM == 1 or FORM == 3:
-            s = tl.dot(q_dot, tl.trans(k)) * (q_scale * qk_scale)[:, None]
+        if K_FORM == 1:     # K loaded as [D, BLOCK_N]: the dot's B operand as it stands
+            k = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=k_in[None, :], other=0.0)
+        elif K_FORM == 6:
+            k = k_next
+            nxt_base = (next_ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (nxt % PAGE_SIZE) * (NUM_KV * HEAD_DIM) + kv_off)
+            k_next = tl.load(k_ptr + nxt_base[:, None] + offs_d[None, :], mask=(nxt < seq_len)[:, None], other=0.0,
+                             volatile=True)
+        elif K_FORM == 4:   # K's bytes as int8
+            k = tl.load(k_ptr.to(tl.pointer_type(tl.int8)) + ptrs, mask=k_in[:, None], other=0)
+        elif K_FORM == 5:
+            k = tl.load(k_ptr.to(tl.pointer_type(tl.int8)) + ptrs, mask=k_in[:, None], other=0)
         else:
-            s = tl.dot(q_dot, tl.trans(k.to(q_dot.dtype))) * qk_scale
+            k = tl.load(k_ptr + ptrs, mask=k_in[:, None], other=0.0)
+        if K_FORM == 7:
+            v = v_next
+            nxt_base = (next_ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (nxt % PAGE_SIZE) * (NUM_KV * HEAD_DIM) + kv_off)
+            v_next = tl.load(v_ptr + nxt_base[:, None] + offs_d[None, :], mask=(nxt < seq_len)[:, None], other=0.0,
+                             volatile=True)
+        else:
+            v = tl.load(v_ptr + ptrs, mask=k_in[:, None], other=0.0)
+        ids = next_ids
+        if QK8:
+            s = tl.dot(q_dot, tl.trans(k)) * (q_scale * qk_scale)[:, None]
+        elif K_FORM == 1:
+            s = tl.dot(q_dot, k.to(wide)) * qk_scale
+        elif K_FORM == 2:   # transposed, then widened
+            s = tl.dot(q_dot, tl.trans(k).to(wide)) * qk_scale
+        elif K_FORM == 4:
+            s = tl.dot(q_dot, tl.trans(k.to(tl.float8e4nv, bitcast=True).to(wide))) * qk_scale
+        elif K_FORM == 5:
+            s = tl.dot(q_dot, tl.trans(_e4m3_bytes_to_f16(k))) * qk_scale
+        elif K_FORM == 3:   # K as the dot's A operand: s^T = K q^T, [BLOCK_N, 16]
+            s = tl.trans(tl.dot(k.to(wide), tl.trans(q_dot))) * qk_scale
+        else:               # widened, then transposed (the engine's)
+            s = tl.dot(q_dot, tl.trans(k.to(wide))) * qk_scale
         s = tl.where(k_in[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if FORM == 2 or FORM == 3:
+        if PV8:
             acc = acc * alpha[:, None] + tl.dot((p * 256.0).to(tl.float8e4nv), v) * (1.0 / 256.0)
         else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(q_dot.dtype if FORM != 1 else tl.float16),
-                                                v.to(q_dot.dtype if FORM != 1 else tl.float16))
+            acc = acc * alpha[:, None] + tl.dot(p.to(wide), v.to(wide))
         m_i = m_new
     out = acc / l_i[:, None]
     tl.store(out_ptr + (seq * NUM_KV * G + head)[:, None] * HEAD_DIM + offs_d[None, :],
@@ -93,9 +146,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
 def decode(q, k_cache, v_cache, table, lens, form, scale):
     batch = lens.numel()
     out = torch.empty_like(q)
+    stages = 3
+    if form.endswith("_s2") or form.endswith("_s4"):
+        form, stages = form[:-3], int(form[-1])
     _decode_kernel[(batch, HKV)](q, k_cache, v_cache, out, table, lens, scale * 1.4426950408889634,
-                                 table.stride(0), FORM=FORMS[form], BLOCK_N=128, HEAD_DIM=D,
-                                 PAGE_SIZE=PAGE, NUM_KV=HKV, G=GROUP, num_warps=4, num_stages=3)
+                                 table.stride(0), K_FORM=FORMS[form][0], QK8=FORMS[form][1], PV8=FORMS[form][2], BLOCK_N=128, HEAD_DIM=D,
+                                 PAGE_SIZE=PAGE, NUM_KV=HKV, G=GROUP, num_warps=4, num_stages=stages)
     return out
 
 
@@ -124,15 +180,17 @@ def cpu_check() -> None:
     GPU's)."""
     q, _, (k8, v8), table, lens = make_case(3, 200, torch.device("cpu"), torch.float32)
     ref = reference(q, k8, v8, table, lens, D ** -0.5)
-    got = decode(q, k8, v8, table, lens, "f16", D ** -0.5)
-    err = float((got - ref).abs().max())
-    print("f16 form vs reference, max abs err", err)
-    assert err < 2e-2, err
+    for form in ("f16", "k_t", "trans_first", "v_regs", "k_regs"):
+        got = decode(q, k8, v8, table, lens, form, D ** -0.5)
+        err = float((got - ref).abs().max())
+        print(form, "form vs reference, max abs err", err)
+        assert err < 2e-2, err
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=["256x1620", "512x1500", "64x1000"])
+    ap.add_argument("--forms", nargs="+", default=["f16", "v_regs", "v_regs_s2", "v_regs_s4", "k_regs", "qk8"])
     ap.add_argument("--cpu-check", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -150,8 +208,9 @@ def main() -> None:
         cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
         ref = reference(q, k8, v8, table, lens, scale).float() if batch * ctx <= 300_000 else None
         row = {"case": case, "us": {}, "max_abs_err": {}, "mean_abs_err": {}}
-        runs = {f: (lambda f=f: decode(q, k8, v8, table, lens, f, scale)) for f in FORMS}
+        runs = {f: (lambda f=f: decode(q, k8, v8, table, lens, f, scale)) for f in args.forms}
         runs["bf16"] = lambda: decode(q, kb, vb, table, lens, "f16", scale)
+        runs["bf16_v_regs"] = lambda: decode(q, kb, vb, table, lens, "v_regs", scale)
         for name, kc, vc in (("engine_fp8", k8, v8), ("engine_bf16", kb, vb)):
             runs[name] = (lambda kc=kc, vc=vc: pa.paged_attention(
                 q, kc, vc, table, cu, lens, scale, max_seqlen_q=1, max_seqlen_k=ctx, num_kv_splits=1,
@@ -164,7 +223,7 @@ def main() -> None:
                 print(case, name, "failed", e, flush=True)
                 continue
             row["us"][name] = round(us, 2)
-            if ref is not None and name not in ("bf16", "engine_bf16"):
+            if ref is not None and "bf16" not in name:
                 diff = (fn().float() - ref).abs()
                 row["max_abs_err"][name] = float(diff.max())
                 row["mean_abs_err"][name] = float(diff.mean())
