@@ -346,13 +346,6 @@ def _paged_attention_kernel(
         k_full_lo = tl.minimum(tl.maximum(window_lo, k_lo), k_hi)
         k_full_hi = tl.maximum(k_full_hi, k_full_lo)
 
-    if I32:     # key positions in 32 bits
-        k_lo = k_lo.to(tl.int32)
-        k_full_lo = k_full_lo.to(tl.int32)
-        k_full_hi = k_full_hi.to(tl.int32)
-        k_hi = k_hi.to(tl.int32)
-        q_pos = q_pos.to(tl.int32)
-
     t = q_start + row_in_seq
     q_ptrs = q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :] * stride_qd
     q = _q_for_keys(tl.load(q_ptrs, mask=row_valid[:, None], other=0.0), k_cache_ptr)
