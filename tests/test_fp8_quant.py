@@ -1,6 +1,7 @@
 """kernels/fp8_quant.py: the Triton per-row FP8 quantization against quantize_rows_ref (the same
-bits), the reference against the math (every value within half an FP8 step of its input), and
-on a GPU torch._scaled_mm against fp8_matmul_ref.
+bits), the reference against the math (every value within half an FP8 step of its input), the
+fused SiLU-and-mul + quantization against the two kernels one after the other (the same bits)
+and its reference, and on a GPU torch._scaled_mm against fp8_matmul_ref.
 
 Without CUDA the kernel runs under Triton's interpreter on CPU (fp32 and fp16), with CUDA on the
 GPU in bf16 too.
@@ -12,6 +13,7 @@ import triton.language as tl
 from tests.kernel_support import DEVICE, ON_GPU, load_kernels, require_runnable
 
 fq = load_kernels("kernels.fp8_quant")
+act = load_kernels("kernels.activation")
 
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_GPU else [])
 # (M, K): odd widths, one past a power of two, and the 8B model's inputs on the GPU
@@ -76,6 +78,39 @@ def test_quantize_rows_rejects_bad_input():
 def test_quantize_rows_no_rows():
     q, scale = fq.quantize_rows(torch.zeros(0, 64, device=DEVICE))
     assert q.shape == (0, 64) and scale.shape == (0, 1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,inter", SHAPES)
+@pytest.mark.parametrize("strided", [False, True])
+def test_silu_mul_quantize_rows_is_the_two_kernels(m, inter, dtype, strided):
+    """The same bits as silu_and_mul's kernel then quantize_rows' (down_proj's input on the FP8
+    path), and within one FP8 step of the reference (the references' exp is torch's, the
+    kernels' the device's or numpy's: the product may round apart by an ulp of x's dtype)."""
+    x = make_input(m, 2 * inter, dtype, strided, torch.Generator().manual_seed(m * 1000 + inter + 1))
+    q, scale = fq.silu_mul_quantize_rows(x)
+    q_two, scale_two = fq.quantize_rows(act.silu_and_mul(x))
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (m, inter) and q.is_contiguous()
+    assert scale.dtype == torch.float32 and scale.shape == (m, 1)
+    torch.testing.assert_close(scale, scale_two, atol=0, rtol=0)
+    assert torch.equal(q.view(torch.uint8), q_two.view(torch.uint8))
+    q_ref, scale_ref = fq.silu_mul_quantize_rows_ref(x.cpu())
+    torch.testing.assert_close(scale.cpu(), scale_ref, atol=0, rtol=1e-2)
+    err = (q.cpu().float() * scale.cpu() - q_ref.float() * scale_ref).abs()
+    assert (err <= 32 * scale_ref * 1.02).all(), (err / scale_ref).max()     # e4m3's largest step
+
+
+def test_silu_mul_quantize_rows_rejects_bad_input():
+    with pytest.raises(ValueError, match=r"x must be \[M, 2I\]"):
+        fq.silu_mul_quantize_rows(torch.zeros(2, 5, device=DEVICE))
+    with pytest.raises(ValueError, match=r"x must be \[M, 2I\]"):
+        fq.silu_mul_quantize_rows(torch.zeros(2, 3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="x must be one of"):
+        fq.silu_mul_quantize_rows(torch.zeros(2, 4, dtype=torch.int32, device=DEVICE))
+    with pytest.raises(ValueError, match="unit column stride"):
+        fq.silu_mul_quantize_rows(torch.zeros(4, 8, device=DEVICE)[:, ::2])
+    q, scale = fq.silu_mul_quantize_rows(torch.zeros(0, 64, device=DEVICE))
+    assert q.shape == (0, 32) and scale.shape == (0, 1)
 
 
 @pytest.mark.skipif(not ON_GPU, reason="torch._scaled_mm's row-wise FP8 GEMM needs a GPU")

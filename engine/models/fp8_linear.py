@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kernels.activation import silu_and_mul
-from kernels.fp8_quant import fp8_matmul_ref, quantize_rows, quantize_rows_ref
+from kernels.fp8_quant import fp8_matmul_ref, quantize_rows, quantize_rows_ref, silu_mul_quantize_rows
 
 
 def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -48,18 +48,23 @@ class Fp8Linear(nn.Module):
                 out: torch.Tensor | None = None) -> torch.Tensor:
         """The Linear interface (engine/models/linear.py); unmerged and out are not used here."""
         if x.is_cuda:
-            q, scale = quantize_rows(x, pdl=pdl)
-            # a bias (Qwen2's qkv_proj) is added after the product, as on the CPU
-            y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(),
-                                 out_dtype=x.dtype)
-        else:
-            q, scale = quantize_rows_ref(x)
-            y = fp8_matmul_ref(q, scale, self.weight, self.weight_scale).to(x.dtype)
+            return self._scaled_product(*quantize_rows(x, pdl=pdl), x.dtype)
+        q, scale = quantize_rows_ref(x)
+        y = fp8_matmul_ref(q, scale, self.weight, self.weight_scale).to(x.dtype)
         return y if self.bias is None else y + self.bias
 
     def forward_silu_mul(self, gate_up: torch.Tensor, pdl: bool = False,
                          unmerged: bool = False) -> torch.Tensor:
+        """self(silu_and_mul(gate_up)): on CUDA the activation and the quantization are one
+        kernel (kernels/fp8_quant.silu_mul_quantize_rows, the same bits)."""
+        if gate_up.is_cuda:
+            return self._scaled_product(*silu_mul_quantize_rows(gate_up, pdl=pdl), gate_up.dtype)
         return self(silu_and_mul(gate_up, pdl=pdl), pdl=pdl)
+
+    def _scaled_product(self, q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # a bias (Qwen2's qkv_proj) is added after the product, as on the CPU
+        y = torch._scaled_mm(q, self.weight.t(), scale_a=scale, scale_b=self.weight_scale.t(), out_dtype=dtype)
+        return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, fp8_e4m3 per channel"
