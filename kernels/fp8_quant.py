@@ -48,12 +48,18 @@ def _quantize_rows_kernel(
     cols = tl.arange(0, BLOCK)
     mask = cols < num_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    _store_quantized_row(x, q_ptr, scale_ptr, row, cols, mask, num_cols)
+
+
+@triton.jit
+def _store_quantized_row(x, q_ptr, scale_ptr, row, cols, mask, num_cols):
+    """Row `row` of x (fp32, its columns `cols`, those past num_cols masked and 0): its scale and
+    its e4m3 values (module docstring), stored."""
     amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
     scale = amax * (1.0 / 448.0)
     # to_cache clamps to +-448 and rounds to nearest even, as the GPU's cvt.rn.satfinite does, also
     # under the interpreter (whose own fp32 -> fp8 cast loses mantissa carries)
-    q = to_cache(tl.math.div_rn(x, scale), q_ptr)
-    tl.store(q_ptr + row * num_cols + cols, q, mask=mask)
+    tl.store(q_ptr + row * num_cols + cols, to_cache(tl.math.div_rn(x, scale), q_ptr), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
@@ -76,10 +82,7 @@ def _silu_mul_quantize_kernel(
     up = tl.load(x_ptr + row * stride_x + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
     # kernels/activation.py's product, rounded to x's dtype as silu_and_mul stores it
     y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
-    scale = amax * (1.0 / 448.0)
-    tl.store(q_ptr + row * inter_size + cols, to_cache(tl.math.div_rn(y, scale), q_ptr), mask=mask)
-    tl.store(scale_ptr + row, scale)
+    _store_quantized_row(y, q_ptr, scale_ptr, row, cols, mask, inter_size)
 
 
 # triton.jit picked the interpreter (TRITON_INTERPRET=1 at import) or the compiler: an
