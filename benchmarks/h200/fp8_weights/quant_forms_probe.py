@@ -5,7 +5,9 @@ down_proj's input of 14,336 columns costs 71.5 us a layer at 2,048 rows and 200 
 Forms, each over 32 layers' worth of separate buffers in a CUDA graph (HBM, not L2):
 - `two_kernels`: kernels.activation.silu_and_mul, then kernels.fp8_quant.quantize_rows (today);
 - `fused`: SiLU-and-mul and the quantization in one kernel, one program a row (the product
-  rounded to the input's dtype first, so the bits are today's);
+  rounded to the input's dtype first, so the bits are today's). Timed at dde5c3d as this
+  probe's own copy (16 warps); since c071a41 the engine's kernels.fp8_quant.silu_mul_quantize_rows,
+  the same code (16 warps at 14,336 columns);
 - `quant_only_w{4,8,16}`: quantize_rows's kernel alone at 4, 8 and 16 warps (today: 16 at
   14,336 columns);
 - `quant_only_loop`: the quantization in two passes over blocks of 2,048 columns (the second
@@ -24,23 +26,8 @@ import triton
 import triton.language as tl
 
 from kernels.activation import silu_and_mul
-from kernels.fp8_quant import _quantize_rows_kernel, quantize_rows
+from kernels.fp8_quant import _quantize_rows_kernel, quantize_rows, silu_mul_quantize_rows
 from kernels.kv_cache import to_cache
-
-
-@triton.jit
-def _silu_mul_quant_kernel(x_ptr, stride_x, q_ptr, scale_ptr, inter_size, BLOCK: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < inter_size
-    gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * stride_x + inter_size + cols, mask=mask, other=0.0).to(tl.float32)
-    # rounded to the input's dtype, as silu_and_mul stores it and quantize_rows reads it
-    y = (gate / (1.0 + tl.exp(-gate)) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(y), axis=0), 1e-12)
-    scale = amax * (1.0 / 448.0)
-    tl.store(q_ptr + row * inter_size + cols, to_cache(tl.math.div_rn(y, scale), q_ptr), mask=mask)
-    tl.store(scale_ptr + row, scale)
 
 
 @triton.jit
@@ -66,11 +53,7 @@ def outputs(m: int, k: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def fused(gate_up: torch.Tensor):
-    m, k = gate_up.shape[0], gate_up.shape[1] // 2
-    q, s = outputs(m, k, gate_up.device)
-    _silu_mul_quant_kernel[(m,)](gate_up, gate_up.stride(0), q, s, k, BLOCK=triton.next_power_of_2(k),
-                                 num_warps=16)
-    return q, s
+    return silu_mul_quantize_rows(gate_up)
 
 
 def quant_warps(x: torch.Tensor, warps: int):
