@@ -58,9 +58,16 @@ def _e4m3_bytes_to_f16(x):
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, stride_bt,
                    K_FORM: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr, BLOCK_N: tl.constexpr,
-                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV: tl.constexpr, G: tl.constexpr):
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
+                   HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV: tl.constexpr, G: tl.constexpr,
+                   HEAD_MAJOR: tl.constexpr = False, HEADS_FAST: tl.constexpr = False):
+    if HEADS_FAST:      # a sequence's kv heads run side by side (their K/V rows share DRAM pages)
+        seq = tl.program_id(1)
+        kv_head = tl.program_id(0)
+    else:
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+    # head-major caches, [blocks, kv heads, page, D]: a page's keys of one head are contiguous
+    KEY_STRIDE: tl.constexpr = HEAD_DIM if HEAD_MAJOR else NUM_KV * HEAD_DIM
     rows = tl.arange(0, 16)
     head = kv_head * G + rows
     row_ok = rows < G
@@ -77,18 +84,18 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
     seq_len = tl.load(lens_ptr + seq)
     seq_pad = tl.multiple_of((seq_len + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE, PAGE_SIZE)
     table_row = table_ptr + seq * stride_bt
-    kv_off = kv_head * HEAD_DIM
+    kv_off = kv_head * (PAGE_SIZE * HEAD_DIM if HEAD_MAJOR else HEAD_DIM)
     m_i = tl.full([16], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([16], dtype=tl.float32)
     acc = tl.zeros([16, HEAD_DIM], dtype=tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     ids = tl.load(table_row + offs_n // PAGE_SIZE, mask=offs_n < seq_len, other=0)
     if K_FORM == 6:     # K a step ahead in registers, outside the compiler's pipelining (volatile)
-        k_next = tl.load(k_ptr + (ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (offs_n % PAGE_SIZE) * (NUM_KV * HEAD_DIM)
+        k_next = tl.load(k_ptr + (ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (offs_n % PAGE_SIZE) * KEY_STRIDE
                                   + kv_off)[:, None] + offs_d[None, :],
                          mask=(offs_n < seq_len)[:, None], other=0.0, volatile=True)
     if K_FORM == 7:     # V a step ahead in registers, outside the compiler's pipelining (volatile)
-        v_next = tl.load(v_ptr + (ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (offs_n % PAGE_SIZE) * (NUM_KV * HEAD_DIM)
+        v_next = tl.load(v_ptr + (ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (offs_n % PAGE_SIZE) * KEY_STRIDE
                                   + kv_off)[:, None] + offs_d[None, :],
                          mask=(offs_n < seq_len)[:, None], other=0.0, volatile=True)
     for start in range(0, seq_len, BLOCK_N):
@@ -96,13 +103,13 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
         k_in = k_pos < seq_len
         nxt = k_pos + BLOCK_N
         next_ids = tl.load(table_row + nxt // PAGE_SIZE, mask=nxt < seq_len, other=0)
-        base = (ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (k_pos % PAGE_SIZE) * (NUM_KV * HEAD_DIM) + kv_off)
+        base = (ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (k_pos % PAGE_SIZE) * KEY_STRIDE + kv_off)
         ptrs = base[:, None] + offs_d[None, :]
         if K_FORM == 1:     # K loaded as [D, BLOCK_N]: the dot's B operand as it stands
             k = tl.load(k_ptr + base[None, :] + offs_d[:, None], mask=k_in[None, :], other=0.0)
         elif K_FORM == 6:
             k = k_next
-            nxt_base = (next_ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (nxt % PAGE_SIZE) * (NUM_KV * HEAD_DIM) + kv_off)
+            nxt_base = (next_ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (nxt % PAGE_SIZE) * KEY_STRIDE + kv_off)
             k_next = tl.load(k_ptr + nxt_base[:, None] + offs_d[None, :], mask=(nxt < seq_len)[:, None], other=0.0,
                              volatile=True)
         elif K_FORM == 4:   # K's bytes as int8
@@ -113,7 +120,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
             k = tl.load(k_ptr + ptrs, mask=k_in[:, None], other=0.0)
         if K_FORM == 7:
             v = v_next
-            nxt_base = (next_ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (nxt % PAGE_SIZE) * (NUM_KV * HEAD_DIM) + kv_off)
+            nxt_base = (next_ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (nxt % PAGE_SIZE) * KEY_STRIDE + kv_off)
             v_next = tl.load(v_ptr + nxt_base[:, None] + offs_d[None, :], mask=(nxt < seq_len)[:, None], other=0.0,
                              volatile=True)
         elif K_FORM == 8:   # V's cache transposed in each page, [blocks, kv heads, D, page]: V^T [D, BLOCK_N]
@@ -158,6 +165,11 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+def head_major(cache):
+    """[blocks, page, kv heads, D] -> [blocks, kv heads, page, D] (the `_hm` forms' caches)."""
+    return cache.permute(0, 2, 1, 3).contiguous()
+
+
 def v_transposed(v_cache):
     """[blocks, page, kv heads, D] -> [blocks, kv heads, D, page]: the `v_t` form's V cache."""
     return v_cache.permute(0, 2, 3, 1).contiguous()
@@ -167,14 +179,20 @@ def decode(q, k_cache, v_cache, table, lens, form, scale, v_t=None):
     """v_t: the V cache as v_transposed gives it (made once, outside the timing) for `v_t`."""
     batch = lens.numel()
     out = torch.empty_like(q)
-    stages = 3
+    stages, head_major, heads_fast = 3, False, False
+    if form.endswith("_hf"):
+        form, heads_fast = form[:-3], True
+    if form.endswith("_hm"):        # the caches as head_major gives them (made outside the timing)
+        form, head_major = form[:-3], True
     if form.endswith("_s2") or form.endswith("_s4"):
         form, stages = form[:-3], int(form[-1])
     if FORMS[form][0] == 8:
         v_cache = v_t if v_t is not None else v_transposed(v_cache)
-    _decode_kernel[(batch, HKV)](q, k_cache, v_cache, out, table, lens, scale * 1.4426950408889634,
+    grid = (HKV, batch) if heads_fast else (batch, HKV)
+    _decode_kernel[grid](q, k_cache, v_cache, out, table, lens, scale * 1.4426950408889634,
                                  table.stride(0), K_FORM=FORMS[form][0], QK8=FORMS[form][1], PV8=FORMS[form][2], BLOCK_N=128, HEAD_DIM=D,
-                                 PAGE_SIZE=PAGE, NUM_KV=HKV, G=GROUP, num_warps=4, num_stages=stages)
+                                 PAGE_SIZE=PAGE, NUM_KV=HKV, G=GROUP, HEAD_MAJOR=head_major, HEADS_FAST=heads_fast,
+                         num_warps=4, num_stages=stages)
     return out
 
 
@@ -203,8 +221,9 @@ def cpu_check() -> None:
     GPU's)."""
     q, _, (k8, v8), table, lens = make_case(3, 200, torch.device("cpu"), torch.float32)
     ref = reference(q, k8, v8, table, lens, D ** -0.5)
-    for form in ("f16", "k_t", "trans_first", "v_regs", "k_regs", "v_t"):
-        got = decode(q, k8, v8, table, lens, form, D ** -0.5)
+    k8h, v8h = head_major(k8), head_major(v8)
+    for form in ("f16", "k_t", "trans_first", "v_regs", "k_regs", "v_t", "f16_hf", "f16_hm", "f16_hm_hf"):
+        got = decode(q, *((k8h, v8h) if "_hm" in form else (k8, v8)), table, lens, form, D ** -0.5)
         err = float((got - ref).abs().max())
         print(form, "form vs reference, max abs err", err)
         assert err < 2e-2, err
@@ -231,13 +250,19 @@ def main() -> None:
         cu = torch.arange(batch + 1, device=dev, dtype=torch.int32)
         ref = reference(q, k8, v8, table, lens, scale).float() if batch * ctx <= 300_000 else None
         row = {"case": case, "us": {}, "max_abs_err": {}, "mean_abs_err": {}}
-        vt8 = v_transposed(v8)
-        runs = {f: (lambda f=f: decode(q, k8, v8, table, lens, f, scale, vt8)) for f in args.forms}
+        vt8, k8h, v8h = v_transposed(v8), head_major(k8), head_major(v8)
+        runs = {f: (lambda f=f: decode(q, *((k8h, v8h) if "_hm" in f else (k8, v8)), table, lens, f, scale, vt8))
+                for f in args.forms}
         runs["bf16"] = lambda: decode(q, kb, vb, table, lens, "f16", scale)
         runs["bf16_v_regs"] = lambda: decode(q, kb, vb, table, lens, "v_regs", scale)
-        vtb = v_transposed(vb)
+        vtb, kbh, vbh = v_transposed(vb), head_major(kb), head_major(vb)
         runs["bf16_v_t"] = lambda: decode(q, kb, vb, table, lens, "v_t", scale, vtb)
-        for name, kc, vc in (("engine_fp8", k8, v8), ("engine_bf16", kb, vb)):
+        runs["bf16_hf"] = lambda: decode(q, kb, vb, table, lens, "f16_hf", scale)
+        runs["bf16_hm"] = lambda: decode(q, kbh, vbh, table, lens, "f16_hm", scale)
+        # the engine's kernel over head-major caches: views in its [blocks, page, kv heads, D] order
+        for name, kc, vc in (("engine_fp8", k8, v8), ("engine_bf16", kb, vb),
+                             ("engine_fp8_hm", k8h.permute(0, 2, 1, 3), v8h.permute(0, 2, 1, 3)),
+                             ("engine_bf16_hm", kbh.permute(0, 2, 1, 3), vbh.permute(0, 2, 1, 3))):
             runs[name] = (lambda kc=kc, vc=vc: pa.paged_attention(
                 q, kc, vc, table, cu, lens, scale, max_seqlen_q=1, max_seqlen_k=ctx, num_kv_splits=1,
                 merge_in_kernel=True))
