@@ -165,6 +165,61 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
              out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+@triton.jit
+def _warp_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, stride_bt,
+                       BLOCK_N: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
+                       NUM_KV: tl.constexpr, G: tl.constexpr):
+    """The `wsplit` forms: a step's keys cut into W parts, each its own online softmax through
+    batched (3-D) dots, which triton's mma layout gives a warp each ([W, 1, 1] warps); no
+    reduction or exchange between warps inside the key loop, the W partials merged once at the
+    end. Block ids a step ahead, K key by key, widened to fp16 (the engine's FP8 form)."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    rows = tl.arange(0, 16)
+    head = kv_head * G + rows
+    row_ok = rows < G
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (seq * NUM_KV * G + head)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    wide: tl.constexpr = tl.float16 if k_ptr.dtype.element_ty == tl.float8e4nv else k_ptr.dtype.element_ty
+    if wide == tl.float16:
+        q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
+    q3 = tl.broadcast_to(q.to(wide)[None, :, :], (W, 16, HEAD_DIM))
+    NW: tl.constexpr = BLOCK_N // W
+    key = tl.arange(0, W)[:, None] * NW + tl.arange(0, NW)[None, :]          # [W, NW] a step's keys
+    seq_len = tl.load(lens_ptr + seq)
+    table_row = table_ptr + seq * stride_bt
+    m_i = tl.full([W, 16], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([W, 16], dtype=tl.float32)
+    acc = tl.zeros([W, 16, HEAD_DIM], dtype=tl.float32)
+    ids = tl.load(table_row + key // PAGE_SIZE, mask=key < seq_len, other=0)
+    for start in range(0, seq_len, BLOCK_N):
+        k_pos = start + key
+        k_in = k_pos < seq_len
+        nxt = k_pos + BLOCK_N
+        next_ids = tl.load(table_row + nxt // PAGE_SIZE, mask=nxt < seq_len, other=0)
+        base = ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (k_pos % PAGE_SIZE) * (NUM_KV * HEAD_DIM) + kv_head * HEAD_DIM
+        ptrs = base[:, :, None] + offs_d[None, None, :]
+        k = tl.load(k_ptr + ptrs, mask=k_in[:, :, None], other=0.0)            # [W, NW, D]
+        v = tl.load(v_ptr + ptrs, mask=k_in[:, :, None], other=0.0)
+        ids = next_ids
+        s = tl.dot(q3, tl.trans(k.to(wide), (0, 2, 1))) * qk_scale               # [W, 16, NW]
+        s = tl.where(k_in[:, None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=2))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)       # a part may have seen no key yet
+        alpha = tl.exp2(m_i - m_sub)
+        p = tl.exp2(s - m_sub[:, :, None])
+        l_i = l_i * alpha + tl.sum(p, axis=2)
+        acc = acc * alpha[:, :, None] + tl.dot(p.to(wide), v.to(wide))
+        m_i = m_new
+    m = tl.max(m_i, axis=0)                                                     # [16]
+    w = tl.exp2(m_i - m[None, :])
+    l = tl.sum(l_i * w, axis=0)
+    out = tl.sum(acc * w[:, :, None], axis=0) / l[:, None]
+    tl.store(out_ptr + (seq * NUM_KV * G + head)[:, None] * HEAD_DIM + offs_d[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
 def head_major(cache):
     """[blocks, page, kv heads, D] -> [blocks, kv heads, page, D] (the `_hm` forms' caches)."""
     return cache.permute(0, 2, 1, 3).contiguous()
@@ -179,6 +234,12 @@ def decode(q, k_cache, v_cache, table, lens, form, scale, v_t=None):
     """v_t: the V cache as v_transposed gives it (made once, outside the timing) for `v_t`."""
     batch = lens.numel()
     out = torch.empty_like(q)
+    if form.startswith("wsplit"):   # wsplit{W}_{keys a step}_s{stages}: W warps, a part each
+        w, bn, st = form[len("wsplit"):].split("_")
+        _warp_split_kernel[(batch, HKV)](q, k_cache, v_cache, out, table, lens, scale * 1.4426950408889634,
+                                         table.stride(0), BLOCK_N=int(bn), W=int(w), HEAD_DIM=D, PAGE_SIZE=PAGE,
+                                         NUM_KV=HKV, G=GROUP, num_warps=int(w), num_stages=int(st[1:]))
+        return out
     stages, head_major, heads_fast = 3, False, False
     if form.endswith("_hf"):
         form, heads_fast = form[:-3], True
@@ -222,7 +283,8 @@ def cpu_check() -> None:
     q, _, (k8, v8), table, lens = make_case(3, 200, torch.device("cpu"), torch.float32)
     ref = reference(q, k8, v8, table, lens, D ** -0.5)
     k8h, v8h = head_major(k8), head_major(v8)
-    for form in ("f16", "k_t", "trans_first", "v_regs", "k_regs", "v_t", "f16_hf", "f16_hm", "f16_hm_hf"):
+    for form in ("f16", "k_t", "trans_first", "v_regs", "k_regs", "v_t", "f16_hf", "f16_hm", "f16_hm_hf",
+                 "wsplit4_128_s3", "wsplit2_64_s3", "wsplit8_256_s2"):
         got = decode(q, *((k8h, v8h) if "_hm" in form else (k8, v8)), table, lens, form, D ** -0.5)
         err = float((got - ref).abs().max())
         print(form, "form vs reference, max abs err", err)
@@ -233,6 +295,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=["256x1620", "512x1500", "64x1000"])
     ap.add_argument("--forms", nargs="+", default=["f16", "v_regs", "v_regs_s2", "v_regs_s4", "k_regs", "qk8"])
+    ap.add_argument("--bf16-forms", nargs="*", default=[], help="forms also timed over the bf16 cache")
     ap.add_argument("--cpu-check", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -259,6 +322,8 @@ def main() -> None:
         runs["bf16_v_t"] = lambda: decode(q, kb, vb, table, lens, "v_t", scale, vtb)
         runs["bf16_hf"] = lambda: decode(q, kb, vb, table, lens, "f16_hf", scale)
         runs["bf16_hm"] = lambda: decode(q, kbh, vbh, table, lens, "f16_hm", scale)
+        for f in args.bf16_forms:
+            runs["bf16_" + f] = lambda f=f: decode(q, kb, vb, table, lens, f, scale)
         # the engine's kernel over head-major caches: views in its [blocks, page, kv heads, D] order
         for name, kc, vc in (("engine_fp8", k8, v8), ("engine_bf16", kb, vb),
                              ("engine_fp8_hm", k8h.permute(0, 2, 1, 3), v8h.permute(0, 2, 1, 3)),
