@@ -225,6 +225,72 @@ def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding
 
 
 @triton.jit
+def _attend_keys_parts(
+    acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_start, k_stop, qk_scale, sliding_window,
+    stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, I32: tl.constexpr, PARTS: tl.constexpr,
+):
+    """_attend_keys for an unsplit decode call's one loop (masked on k_stop and the window, not
+    causally: ONE_LOOP), with each step's BLOCK_N keys cut into PARTS runs of BLOCK_N // PARTS,
+    each its own online softmax through batched (3-D) dots. Triton's mma layout gives a batched
+    dot's parts a warp each, so inside the loop no warp waits for another's row maxima or sums
+    or exchanges p with it (the 2-D tile's dots split the keys and the head dim across warps,
+    and each step's softmax and p cross them); the parts merge with (acc, m_i, l_i) once, after
+    the loop (log-sum-exp, fp32). Block ids a step ahead and K key by key, as the PROMPT loop.
+    H200, FP8 cache, 2 parts of 32 keys on 2 warps: 15-16% faster than the 2-D tile
+    (benchmarks/h200/fp8_decode.md)."""
+    PART_N: tl.constexpr = BLOCK_N // PARTS
+    key = tl.arange(0, PARTS)[:, None] * PART_N + tl.arange(0, PART_N)[None, :]      # [P, PN] of a step
+    qp = tl.broadcast_to(q[None, :, :], (PARTS, q.shape[0], HEAD_DIM))
+    m_p = tl.full([PARTS, q.shape[0]], float("-inf"), dtype=tl.float32)
+    l_p = tl.full([PARTS, q.shape[0]], 0.0, dtype=tl.float32)
+    acc_p = tl.full([PARTS, q.shape[0], HEAD_DIM], 0.0, dtype=tl.float32)
+    offs_d = tl.arange(0, HEAD_DIM)
+    block_id = _part_block_ids(table_row, k_start + key, k_stop, PAGE_SIZE, I32)
+    for start in range(k_start, k_stop, BLOCK_N):
+        k_pos = start + key
+        next_block_id = _part_block_ids(table_row, k_pos + BLOCK_N, k_stop, PAGE_SIZE, I32)
+        slot = k_pos % PAGE_SIZE
+        if I32:
+            slot = slot.to(tl.int32)
+        k_in = (k_pos < k_stop)[:, :, None]
+        k_ptrs = k_base + (block_id * stride_kb + slot * stride_ks)[:, :, None] + offs_d[None, None, :] * stride_kd
+        v_ptrs = v_base + (block_id * stride_vb + slot * stride_vs)[:, :, None] + offs_d[None, None, :] * stride_vd
+        k = tl.load(k_ptrs, mask=k_in, other=0.0).to(q.dtype)       # [P, PN, D]; an FP8 cache widens
+        v = tl.load(v_ptrs, mask=k_in, other=0.0).to(q.dtype)
+        block_id = next_block_id
+        s = tl.dot(qp, tl.trans(k, (0, 2, 1)), input_precision=DOT_PRECISION) * qk_scale     # [P, rows, PN]
+        visible = (k_pos < k_stop)[:, None, :]
+        if HAS_WINDOW:
+            visible = visible & (k_pos[:, None, :] > q_pos[None, :, None] - sliding_window)
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_p, tl.reduce(s, 2, _MAX))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)     # a part that has seen no key yet
+        alpha = tl.exp2(m_p - m_sub)
+        p = tl.exp2(s - m_sub[:, :, None])
+        l_p = l_p * alpha + tl.reduce(p, 2, _SUM)
+        acc_p = acc_p * alpha[:, :, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_p = m_new
+    m_new = tl.maximum(m_i, tl.reduce(m_p, 0, _MAX))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    w = tl.exp2(m_p - m_sub[None, :])
+    alpha = tl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.reduce(l_p * w, 0, _SUM)
+    acc = acc * alpha[:, None] + tl.reduce(acc_p * w[:, :, None], 0, _SUM)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _part_block_ids(table_row, k_pos, k_stop, PAGE_SIZE: tl.constexpr, I32: tl.constexpr):
+    """Block ids of the keys at k_pos (any shape; 0 from k_stop on, nothing read there)."""
+    ids = tl.load(table_row + k_pos // PAGE_SIZE, mask=k_pos < k_stop, other=0)
+    if not I32:
+        ids = ids.to(tl.int64)
+    return ids
+
+
+@triton.jit
 def _q_for_keys(q, k_cache_ptr):
     """q as the key loop's dots take it. Over an FP8 (e4m3) cache a bf16 q goes to fp16 (clamped
     to +-65504; exact within that range but for values under 2^-14, fp16's subnormals), so the
@@ -285,7 +351,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     NUM_SPLITS: tl.constexpr, MERGE_IN_KERNEL: tl.constexpr, HAS_WINDOW: tl.constexpr,
     DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, KV_AHEAD: tl.constexpr, PROMPT: tl.constexpr,
-    I32: tl.constexpr, ONE_LOOP: tl.constexpr,
+    I32: tl.constexpr, ONE_LOOP: tl.constexpr, PARTS: tl.constexpr,
 ):
     if USE_PDL:     # kernels/pdl.py: the kernel ahead is done before anything is read
         tl.extra.cuda.gdc_wait()
@@ -375,11 +441,18 @@ def _paged_attention_kernel(
     # same set (rows past q_len are not stored). The mask's per-step work left the FP8 form at 255
     # registers with a spill; without it 212 and none, and the FP8 decode took 7-10% less time
     # (H200, 256 x 1,620 keys 314.8 -> 284.0 us; bf16 unchanged; benchmarks/h200/fp8_decode.md).
-    acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
-        acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
-        stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-        BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=HAS_WINDOW,
-        DOT_PRECISION=DOT_PRECISION, KV_AHEAD=KV_AHEAD, CAUSAL=not ONE_LOOP, PROMPT=PROMPT, I32=I32)
+    if PARTS > 0:   # ONE_LOOP's keys in parts, a warp each (_attend_keys_parts)
+        acc, m_i, l_i = _attend_keys_parts(
+            acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, HAS_WINDOW=HAS_WINDOW,
+            DOT_PRECISION=DOT_PRECISION, I32=I32, PARTS=PARTS)
+    else:
+        acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
+            acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
+            stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
+            BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, MASKED=True, HAS_WINDOW=HAS_WINDOW,
+            DOT_PRECISION=DOT_PRECISION, KV_AHEAD=KV_AHEAD, CAUSAL=not ONE_LOOP, PROMPT=PROMPT, I32=I32)
 
     out_ptrs = out_ptr + t[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :] * stride_od
     if NUM_SPLITS == 1:
@@ -436,10 +509,12 @@ class _TileConfig:
     block_n: int        # keys per step
     num_warps: int
     num_stages: int
+    parts: int = 0      # unsplit decode: a step's keys in this many parts (_attend_keys_parts); 0: 2-D tiles
 
 
 def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
-                 fused_splits: bool = False, fp8_cache: bool = False, num_seqs: int | None = None) -> _TileConfig:
+                 fused_splits: bool = False, fp8_cache: bool = False, num_seqs: int | None = None,
+                 num_kv_splits: int | None = None) -> _TileConfig:
     """Decode: 16-row tiles (the dot only has to reach tensor-core size; the kernel is bound by
     K/V reads), 128 keys a step. Prefill: 128-row tiles, 64 keys a step, 8 warps (wgmma; with
     the block ids read a step ahead the fastest of the H100 probe in benchmarks/h100/
@@ -459,7 +534,10 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
     fp8_cache (prefill over an FP8 cache): 128 keys a step, 148 against 162 us for a 2048-token
     prompt (H200, benchmarks/h200/fp8_kv_cache.md); decode keeps its sizes (fastest there too).
     num_seqs: the call's sequences, which a fused decode tile needs (no default that would pick
-    the 1-2-sequence warps for a caller that did not say)."""
+    the 1-2-sequence warps for a caller that did not say).
+    Unsplit decode (num_kv_splits 1: the one loop) over an FP8 cache at D 128: 64 keys a step in
+    2 parts of 32 on 2 warps, 3 stages (_attend_keys_parts); H200: 256 x 1,620 keys 238.6 against
+    280.6 us, 512 x 1,500 437.4 against 513.4, 64 x 1,000 43.1 against 51.4 (fp8_decode.md)."""
     if dtype == torch.float32:
         # An exact fp32 dot (input_precision="ieee") runs on the FMA units; only small tiles stay
         # out of local memory. fp32 on the GPU is a test path, not a fast one.
@@ -472,6 +550,8 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
         if num_seqs is None:
             raise ValueError("a fused decode tile depends on the call's num_seqs (1-2 sequences take 8 warps)")
         return _TileConfig(16, _FUSED_DECODE_BLOCK_N, 8 if num_seqs <= 2 else 4, 2)
+    if max_seqlen_q == 1 and num_kv_splits == 1 and fp8_cache and head_dim == 128:
+        return _TileConfig(16, 64, 2, 3, parts=2)
     if max_seqlen_q == 1:
         return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
     if head_dim == 256:
@@ -665,7 +745,7 @@ def paged_attention(
         return out
     merge_in_kernel = merge_in_kernel and num_kv_splits > 1
     cfg = _pick_config(max_seqlen_q, head_dim, q.dtype, fused_splits=merge_in_kernel,
-                       fp8_cache=k_cache.dtype in FP8_KV_DTYPES, num_seqs=num_seqs)
+                       fp8_cache=k_cache.dtype in FP8_KV_DTYPES, num_seqs=num_seqs, num_kv_splits=num_kv_splits)
     _launch(q, k_cache, v_cache, block_table, cu_seqlens_q.contiguous(), seq_lens.contiguous(),
             out, scale, sliding_window, max_seqlen_q, num_kv_splits, cfg, merge_in_kernel, pdl, kv_ahead,
             i32_offsets, prompt_loop, one_loop)
@@ -697,6 +777,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
     else:
         counters = block_table               # unused (an argument whose alignment is keyed anyway)
     grid = (num_m_tiles, num_seqs + 1, num_kv_heads * num_kv_splits)
+    one_loop = _one_loop(max_seqlen_q, num_kv_splits) if one_loop is None else one_loop and max_seqlen_q == 1
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, out, part_m, part_l, part_acc, counters,
         block_table, cu_seqlens_q, seq_lens,
@@ -710,8 +791,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         PROMPT=_prompt_loop(max_seqlen_q, k_cache) if prompt_loop is None else prompt_loop,
         I32=_int32_offsets(k_cache, v_cache) if i32_offsets is None else
         i32_offsets and _offsets_fit_int32(k_cache, v_cache),
-        ONE_LOOP=_one_loop(max_seqlen_q, num_kv_splits) if one_loop is None else one_loop and max_seqlen_q == 1,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
+        ONE_LOOP=one_loop, PARTS=cfg.parts if one_loop else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:
         rows = max(16 // g_pad, 1)

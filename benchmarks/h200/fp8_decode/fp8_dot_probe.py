@@ -291,11 +291,24 @@ def cpu_check() -> None:
         assert err < 2e-2, err
 
 
+def _with_tile(pa, tile, fn):
+    """fn() with the engine's kernel given `tile` for its decode call."""
+    picked = pa._pick_config
+    pa._pick_config = lambda *a, **k: tile
+    try:
+        return fn()
+    finally:
+        pa._pick_config = picked
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cases", nargs="+", default=["256x1620", "512x1500", "64x1000"])
     ap.add_argument("--forms", nargs="+", default=["f16", "v_regs", "v_regs_s2", "v_regs_s4", "k_regs", "qk8"])
     ap.add_argument("--bf16-forms", nargs="*", default=[], help="forms also timed over the bf16 cache")
+    ap.add_argument("--engine-configs", nargs="*", default=[],
+                    help="the engine's kernel with these decode tiles as well: keys,warps,stages,parts each, "
+                         "over both caches (engine_{fp8,bf16}_<config>)")
     ap.add_argument("--cpu-check", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -331,6 +344,13 @@ def main() -> None:
             runs[name] = (lambda kc=kc, vc=vc: pa.paged_attention(
                 q, kc, vc, table, cu, lens, scale, max_seqlen_q=1, max_seqlen_k=ctx, num_kv_splits=1,
                 merge_in_kernel=True))
+        for cfg_text in args.engine_configs:
+            bn, nw, st, parts = (int(x) for x in cfg_text.split(","))
+            tile = pa._TileConfig(16, bn, nw, st, parts)
+            for name, kc, vc in (("engine_fp8_" + cfg_text, k8, v8), ("engine_bf16_" + cfg_text, kb, vb)):
+                runs[name] = (lambda kc=kc, vc=vc, tile=tile: _with_tile(pa, tile, lambda: pa.paged_attention(
+                    q, kc, vc, table, cu, lens, scale, max_seqlen_q=1, max_seqlen_k=ctx, num_kv_splits=1,
+                    merge_in_kernel=True)))
         for name, fn in runs.items():
             try:
                 us = replay_ms(lambda: [fn() for _ in range(32)], dev) * 1e3 / 32
