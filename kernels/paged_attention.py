@@ -226,20 +226,22 @@ def _online_step(acc, m_i, l_i, q, k, v, q_pos, k_pos, k_stop, qk_scale, sliding
 
 @triton.jit
 def _attend_keys_parts(
-    acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_start, k_stop, qk_scale, sliding_window,
+    acc, m_i, l_i, q, table_row, k_base, v_base, k_start, k_stop, qk_scale,
     stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_WINDOW: tl.constexpr,
+    BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
     DOT_PRECISION: tl.constexpr, I32: tl.constexpr, PARTS: tl.constexpr,
 ):
-    """_attend_keys for an unsplit decode call's one loop (masked on k_stop and the window, not
-    causally: ONE_LOOP), with each step's BLOCK_N keys cut into PARTS runs of BLOCK_N // PARTS,
-    each its own online softmax through batched (3-D) dots. Triton's mma layout gives a batched
-    dot's parts a warp each, so inside the loop no warp waits for another's row maxima or sums
-    or exchanges p with it (the 2-D tile's dots split the keys and the head dim across warps,
-    and each step's softmax and p cross them); the parts merge with (acc, m_i, l_i) once, after
-    the loop (log-sum-exp, fp32). Block ids a step ahead and K key by key, as the PROMPT loop.
-    H200, FP8 cache, 2 parts of 32 keys on 2 warps: 15-16% faster than the 2-D tile
-    (benchmarks/h200/fp8_decode.md)."""
+    """_attend_keys for an unsplit decode call's one loop, masked on k_stop alone: its one query
+    sits at k_stop - 1, so no key before k_stop is causally hidden (ONE_LOOP), and with a window
+    none from k_start on is outside it (the kernel reads the window's ragged start before, up to
+    the first step whose keys are all inside). Each step's BLOCK_N keys are cut into PARTS runs
+    of BLOCK_N // PARTS, each its own online softmax through batched (3-D) dots, which triton's
+    mma layout gives a warp each: inside the loop no warp waits for another's row maxima or sums
+    or exchanges p with it (a 2-D tile's dots split the keys and the head dim across warps, and
+    each step's softmax and p cross them). The parts merge with (acc, m_i, l_i) once, after the
+    loop (log-sum-exp, fp32). Block ids a step ahead and K key by key, as the PROMPT loop.
+    One part on one warp is the FP8 cache's unsplit decode (_pick_config: 17-23% faster than the
+    2-D tile on 4 warps, and at 512 rows than the 2-D loop on one warp)."""
     PART_N: tl.constexpr = BLOCK_N // PARTS
     key = tl.arange(0, PARTS)[:, None] * PART_N + tl.arange(0, PART_N)[None, :]      # [P, PN] of a step
     qp = tl.broadcast_to(q[None, :, :], (PARTS, q.shape[0], HEAD_DIM))
@@ -261,10 +263,7 @@ def _attend_keys_parts(
         v = tl.load(v_ptrs, mask=k_in, other=0.0).to(q.dtype)
         block_id = next_block_id
         s = tl.dot(qp, tl.trans(k, (0, 2, 1)), input_precision=DOT_PRECISION) * qk_scale     # [P, rows, PN]
-        visible = (k_pos < k_stop)[:, None, :]
-        if HAS_WINDOW:
-            visible = visible & (k_pos[:, None, :] > q_pos[None, :, None] - sliding_window)
-        s = tl.where(visible, s, float("-inf"))
+        s = tl.where((k_pos < k_stop)[:, None, :], s, float("-inf"))
         m_new = tl.maximum(m_p, tl.reduce(s, 2, _MAX))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)     # a part that has seen no key yet
         alpha = tl.exp2(m_p - m_sub)
@@ -443,10 +442,10 @@ def _paged_attention_kernel(
     # (H200, 256 x 1,620 keys 314.8 -> 284.0 us; bf16 unchanged; benchmarks/h200/fp8_decode.md).
     if PARTS > 0:   # ONE_LOOP's keys in parts, a warp each (_attend_keys_parts)
         acc, m_i, l_i = _attend_keys_parts(
-            acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
+            acc, m_i, l_i, q, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale,
             stride_kb, stride_ks, stride_kd, stride_vb, stride_vs, stride_vd,
-            BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, HAS_WINDOW=HAS_WINDOW,
-            DOT_PRECISION=DOT_PRECISION, I32=I32, PARTS=PARTS)
+            BLOCK_N=BLOCK_N, HEAD_DIM=HEAD_DIM, PAGE_SIZE=PAGE_SIZE, DOT_PRECISION=DOT_PRECISION, I32=I32,
+            PARTS=PARTS)
     else:
         acc, m_i, l_i = _attend_keys(     # the causal diagonal and the sequence's last partial block
             acc, m_i, l_i, q, q_pos, table_row, k_base, v_base, k_full_hi, k_hi, qk_scale, sliding_window,
@@ -509,7 +508,7 @@ class _TileConfig:
     block_n: int        # keys per step
     num_warps: int
     num_stages: int
-    parts: int = 0      # unsplit decode: a step's keys in this many parts (_attend_keys_parts); 0: 2-D tiles
+    parts: int = 0      # unsplit decode: a step's keys in this many parts (_attend_keys_parts); 0: the 2-D loops
 
 
 def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
@@ -535,9 +534,12 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
     prompt (H200, benchmarks/h200/fp8_kv_cache.md); decode keeps its sizes (fastest there too).
     num_seqs: the call's sequences, which a fused decode tile needs (no default that would pick
     the 1-2-sequence warps for a caller that did not say).
-    Unsplit decode (num_kv_splits 1: the one loop) over an FP8 cache at D 128: 64 keys a step in
-    2 parts of 32 on 2 warps, 3 stages (_attend_keys_parts); H200: 256 x 1,620 keys 238.6 against
-    280.6 us, 512 x 1,500 437.4 against 513.4, 64 x 1,000 43.1 against 51.4 (fp8_decode.md)."""
+    Unsplit decode (num_kv_splits 1: the one loop) over an FP8 cache at D 128: one warp a
+    program, 32 keys a step, 3 stages, the parts loop with one part (_attend_keys_parts). H200,
+    against 128 keys on 4 warps: 256 x 1,620 keys 218.7 against 284.0 us, 512 x 1,500 436.6
+    against 534.3, 64 x 1,000 42.5 against 51.3; the 2-D loop on one warp 220.2 / 475.9 / 46.1,
+    2 parts on 2 warps 298.0 / 559.0 / 52.2; over a bf16 cache one warp gains nothing
+    (benchmarks/h200/fp8_decode.md)."""
     if dtype == torch.float32:
         # An exact fp32 dot (input_precision="ieee") runs on the FMA units; only small tiles stay
         # out of local memory. fp32 on the GPU is a test path, not a fast one.
@@ -551,7 +553,7 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
             raise ValueError("a fused decode tile depends on the call's num_seqs (1-2 sequences take 8 warps)")
         return _TileConfig(16, _FUSED_DECODE_BLOCK_N, 8 if num_seqs <= 2 else 4, 2)
     if max_seqlen_q == 1 and num_kv_splits == 1 and fp8_cache and head_dim == 128:
-        return _TileConfig(16, 64, 2, 3, parts=2)
+        return _TileConfig(16, 32, 1, 3, parts=1)
     if max_seqlen_q == 1:
         return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
     if head_dim == 256:

@@ -478,6 +478,54 @@ def test_decode_keys_in_one_masked_loop_match_the_two_loops(dtype, num_kv_splits
     torch.testing.assert_close(got[True], got[False], atol=atol, rtol=rtol)
 
 
+def _with_parts(monkeypatch, parts, block_n=64, num_warps=None):
+    """Unsplit decode calls in `parts` key parts (the rule takes them only at D 128 over FP8)."""
+    picked = pa._pick_config
+
+    def pick(max_seqlen_q, *a, num_kv_splits=None, **k):
+        if max_seqlen_q == 1 and num_kv_splits == 1:
+            return pa._TileConfig(16, block_n, num_warps or parts, 3, parts=parts)
+        return picked(max_seqlen_q, *a, num_kv_splits=num_kv_splits, **k)
+    monkeypatch.setattr(pa, "_pick_config", pick)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("parts,window", [(1, None), (2, None), (2, 7), (4, 50)])
+def test_decode_keys_in_parts_match_reference(monkeypatch, dtype, fp8, parts, window):
+    """Unsplit decode's key loop in parts (`_attend_keys_parts`: each part of a step its own
+    online softmax, merged once after the loop), over contexts of whole steps, partial ones, a
+    single key and fewer keys than parts, with and without a window (its ragged start in the
+    2-D loop before), FP8 caches or not: the reference's values."""
+    _with_parts(monkeypatch, parts)
+    q_lens, ctx = [1, 1, 1, 1, 1, 1, 1], [300, 1, 47, 129, 64, 16, 20]
+    args = make_batch(q_lens, ctx, 8, 2, 32, 16, dtype, seed=41)
+    check(fp8_caches(args) if fp8 else args, q_lens, ctx, sliding_window=window, num_kv_splits=1)
+
+
+def test_key_parts_only_in_the_one_loop(monkeypatch):
+    """A decode call forced out of the one loop (or split) runs the 2-D loops, parts or not."""
+    _with_parts(monkeypatch, 2)
+    q_lens, ctx = [1, 1, 1], [300, 33, 95]
+    args = make_batch(q_lens, ctx, 8, 2, 32, 16, torch.float32, seed=43)
+    check(args, q_lens, ctx, num_kv_splits=1, one_loop=False)
+    check(args, q_lens, ctx, num_kv_splits=3)
+
+
+def test_fp8_unsplit_decode_at_d128_reads_its_keys_on_one_warp():
+    """The rule (_pick_config): an FP8 cache's unsplit decode at D 128 in one part on one warp,
+    32 keys a step; split calls, bf16 caches, other head sizes and prompts keep the 2-D tiles."""
+    bf16 = torch.bfloat16
+    cfg = pa._pick_config(1, 128, bf16, fp8_cache=True, num_kv_splits=1)
+    assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.parts) == (32, 1, 3, 1)
+    assert pa._pick_config(1, 128, bf16, fp8_cache=True, num_kv_splits=4).parts == 0
+    assert pa._pick_config(1, 128, bf16, fused_splits=True, fp8_cache=True, num_seqs=2, num_kv_splits=4).parts == 0
+    assert pa._pick_config(1, 128, bf16, num_kv_splits=1).parts == 0
+    assert pa._pick_config(1, 64, bf16, fp8_cache=True, num_kv_splits=1).parts == 0
+    assert pa._pick_config(16, 128, bf16, fp8_cache=True, num_kv_splits=1).parts == 0
+    assert pa._pick_config(1, 128, torch.float32, fp8_cache=True, num_kv_splits=1).parts == 0
+
+
 def test_only_unsplit_decode_calls_read_their_keys_in_one_loop():
     assert pa._one_loop(1, 1)
     assert not pa._one_loop(1, 4)           # split decode: long contexts at a few rows ran slower
