@@ -21,12 +21,19 @@ heads, 128 keys a step, 4 warps, 3 stages) in these forms:
 - `v_t`: the V cache transposed in each page ([blocks, kv heads, D, page], keys contiguous), read
   as V^T [D, BLOCK_N] in 16-byte pieces (a page's 16 keys; offsets hinted contiguous, the mask
   whole pages); the dot takes its transpose, K-contiguous as an 8-bit operand wants. Compiled for
-  sm_90: no byte loads, 146 registers against `f16`'s 244, 1,288 SASS instructions against 1,944;
-- `_s2` / `_s4` suffixes: 2 or 4 pipeline stages;
+  sm_90: no byte loads, 146 registers against `f16`'s 244, 1,288 SASS instructions against
+  1,944; timed, at most 2% faster (thirty-seventh session);
+- `wsplit{W}_{keys}_s{stages}` (its own kernel, `_warp_split_kernel`): a step's keys cut into W
+  parts, each its own online softmax through batched dots, a warp each; `wsplit2_64_s3` ran
+  15-16% faster than the engine's 2-D tile, the form the engine took (`_attend_keys_parts`);
+- `_s2` / `_s4` suffixes: 2 or 4 pipeline stages; `_hm`: head-major caches ([blocks, kv heads,
+  page, D]); `_hf`: a sequence's kv heads side by side in the grid;
 
-and, for scale, the same kernel over a bf16 cache (`bf16`, `bf16_v_regs`) and the engine's own
-kernel over both caches (`engine_fp8`, `engine_bf16`). Each FP8 form's error against the fp32
-reference on the same FP8 cache is reported.
+and, for scale, the same kernel over a bf16 cache (`bf16`, `bf16_v_regs`, `bf16_v_t`, `bf16_hf`,
+`bf16_hm`, and `bf16_<form>` for each of --bf16-forms) and the engine's own kernel over both
+caches (`engine_fp8`, `engine_bf16`, over head-major views `engine_*_hm`, and with other decode
+tiles `engine_*_<keys,warps,stages,parts>` for each of --engine-configs). Each FP8 form's error
+against the fp32 reference on the same FP8 cache is reported.
 
     PYTHONPATH=. python3 benchmarks/h200/fp8_decode/fp8_dot_probe.py --out $OUT/fp8_dot.json
     TRITON_INTERPRET=1 PYTHONPATH=. python3 benchmarks/h200/fp8_decode/fp8_dot_probe.py --cpu-check
