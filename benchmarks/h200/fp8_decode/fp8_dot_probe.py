@@ -63,6 +63,19 @@ def _e4m3_bytes_to_f16(x):
 
 
 @triton.jit
+def _load_q(q_ptr, seq, kv_head, HEAD_DIM: tl.constexpr, NUM_KV: tl.constexpr, G: tl.constexpr):
+    """A kv head's G query heads of one decode row as a 16-row fp32 tile (rows past G zero), their
+    head numbers, which rows are real, and the head dim's offsets."""
+    rows = tl.arange(0, 16)
+    head = kv_head * G + rows
+    row_ok = rows < G
+    offs_d = tl.arange(0, HEAD_DIM)
+    q = tl.load(q_ptr + (seq * NUM_KV * G + head)[:, None] * HEAD_DIM + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return q, head, row_ok, offs_d
+
+
+@triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, stride_bt,
                    K_FORM: tl.constexpr, QK8: tl.constexpr, PV8: tl.constexpr, BLOCK_N: tl.constexpr,
                    HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_KV: tl.constexpr, G: tl.constexpr,
@@ -75,12 +88,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
         kv_head = tl.program_id(1)
     # head-major caches, [blocks, kv heads, page, D]: a page's keys of one head are contiguous
     KEY_STRIDE: tl.constexpr = HEAD_DIM if HEAD_MAJOR else NUM_KV * HEAD_DIM
-    rows = tl.arange(0, 16)
-    head = kv_head * G + rows
-    row_ok = rows < G
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (seq * NUM_KV * G + head)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q, head, row_ok, offs_d = _load_q(q_ptr, seq, kv_head, HEAD_DIM, NUM_KV, G)
     # the dtype the widened values take: fp16 over an FP8 cache (the engine's), else the cache's
     wide: tl.constexpr = tl.float16 if k_ptr.dtype.element_ty == tl.float8e4nv else k_ptr.dtype.element_ty
     q_scale = tl.maximum(tl.max(tl.abs(q), axis=1), 1e-12) / 448.0
@@ -182,12 +190,7 @@ def _warp_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_sca
     end. Block ids a step ahead, K key by key, widened to fp16 (the engine's FP8 form)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
-    rows = tl.arange(0, 16)
-    head = kv_head * G + rows
-    row_ok = rows < G
-    offs_d = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (seq * NUM_KV * G + head)[:, None] * HEAD_DIM + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0).to(tl.float32)
+    q, head, row_ok, offs_d = _load_q(q_ptr, seq, kv_head, HEAD_DIM, NUM_KV, G)
     wide: tl.constexpr = tl.float16 if k_ptr.dtype.element_ty == tl.float8e4nv else k_ptr.dtype.element_ty
     if wide == tl.float16:
         q = tl.minimum(tl.maximum(q, -65504.0), 65504.0)
