@@ -23,9 +23,10 @@ heads, 128 keys a step, 4 warps, 3 stages) in these forms:
   whole pages); the dot takes its transpose, K-contiguous as an 8-bit operand wants. Compiled for
   sm_90: no byte loads, 146 registers against `f16`'s 244, 1,288 SASS instructions against
   1,944; timed, at most 2% faster (thirty-seventh session);
-- `wsplit{W}_{keys}_s{stages}` (its own kernel, `_warp_split_kernel`): a step's keys cut into W
-  parts, each its own online softmax through batched dots, a warp each; `wsplit2_64_s3` ran
-  15-16% faster than the engine's 2-D tile, the form the engine took (`_attend_keys_parts`);
+- `wsplit{W}_{keys}_s{stages}[_r{maxnreg}]` (its own kernel, `_warp_split_kernel`): a step's
+  keys cut into W parts, each its own online softmax through batched dots, a warp each;
+  `wsplit2_64_s3` ran 15-16% faster than the engine's 2-D tile, the form the engine took
+  (`_attend_keys_parts`); `_r`: a cap on a thread's registers; `_vt`: V's cache as `v_t` has it;
 - `_s2` / `_s4` suffixes: 2 or 4 pipeline stages; `_hm`: head-major caches ([blocks, kv heads,
   page, D]); `_hf`: a sequence's kv heads side by side in the grid;
 
@@ -183,11 +184,12 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, 
 @triton.jit
 def _warp_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_scale, stride_bt,
                        BLOCK_N: tl.constexpr, W: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr,
-                       NUM_KV: tl.constexpr, G: tl.constexpr):
+                       NUM_KV: tl.constexpr, G: tl.constexpr, V_T: tl.constexpr = False):
     """The `wsplit` forms: a step's keys cut into W parts, each its own online softmax through
     batched (3-D) dots, which triton's mma layout gives a warp each ([W, 1, 1] warps); no
     reduction or exchange between warps inside the key loop, the W partials merged once at the
-    end. Block ids a step ahead, K key by key, widened to fp16 (the engine's FP8 form)."""
+    end. Block ids a step ahead, K key by key, widened to fp16 (the engine's FP8 form). V_T: V's
+    cache transposed in each page, read as `v_t` reads it."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     q, head, row_ok, offs_d = _load_q(q_ptr, seq, kv_head, HEAD_DIM, NUM_KV, G)
@@ -198,6 +200,7 @@ def _warp_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_sca
     NW: tl.constexpr = BLOCK_N // W
     key = tl.arange(0, W)[:, None] * NW + tl.arange(0, NW)[None, :]          # [W, NW] a step's keys
     seq_len = tl.load(lens_ptr + seq)
+    seq_pad = tl.multiple_of((seq_len + PAGE_SIZE - 1) // PAGE_SIZE * PAGE_SIZE, PAGE_SIZE)
     table_row = table_ptr + seq * stride_bt
     m_i = tl.full([W, 16], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([W, 16], dtype=tl.float32)
@@ -211,7 +214,15 @@ def _warp_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_sca
         base = ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + (k_pos % PAGE_SIZE) * (NUM_KV * HEAD_DIM) + kv_head * HEAD_DIM
         ptrs = base[:, :, None] + offs_d[None, None, :]
         k = tl.load(k_ptr + ptrs, mask=k_in[:, :, None], other=0.0)            # [W, NW, D]
-        v = tl.load(v_ptr + ptrs, mask=k_in[:, :, None], other=0.0)
+        if V_T:     # [W, D, NW]: a page's keys contiguous, whole pages (see `v_t`)
+            key_off = tl.max_contiguous(tl.multiple_of(
+                ids * (PAGE_SIZE * NUM_KV * HEAD_DIM) + kv_head * (HEAD_DIM * PAGE_SIZE) + k_pos % PAGE_SIZE,
+                [1, PAGE_SIZE]), [1, PAGE_SIZE])
+            page_in = tl.multiple_of(start, BLOCK_N) + key < seq_pad
+            v = tl.load(v_ptr + offs_d[None, :, None] * PAGE_SIZE + key_off[:, None, :], mask=page_in[:, None, :],
+                        other=0.0)
+        else:
+            v = tl.load(v_ptr + ptrs, mask=k_in[:, :, None], other=0.0)
         ids = next_ids
         s = tl.dot(q3, tl.trans(k.to(wide), (0, 2, 1))) * qk_scale               # [W, 16, NW]
         s = tl.where(k_in[:, None, :], s, float("-inf"))
@@ -220,7 +231,10 @@ def _warp_split_kernel(q_ptr, k_ptr, v_ptr, out_ptr, table_ptr, lens_ptr, qk_sca
         alpha = tl.exp2(m_i - m_sub)
         p = tl.exp2(s - m_sub[:, :, None])
         l_i = l_i * alpha + tl.sum(p, axis=2)
-        acc = acc * alpha[:, :, None] + tl.dot(p.to(wide), v.to(wide))
+        if V_T:
+            acc = acc * alpha[:, :, None] + tl.dot(p.to(wide), tl.trans(v.to(wide), (0, 2, 1)))
+        else:
+            acc = acc * alpha[:, :, None] + tl.dot(p.to(wide), v.to(wide))
         m_i = m_new
     m = tl.max(m_i, axis=0)                                                     # [16]
     w = tl.exp2(m_i - m[None, :])
@@ -244,11 +258,14 @@ def decode(q, k_cache, v_cache, table, lens, form, scale, v_t=None):
     """v_t: the V cache as v_transposed gives it (made once, outside the timing) for `v_t`."""
     batch = lens.numel()
     out = torch.empty_like(q)
-    if form.startswith("wsplit"):   # wsplit{W}_{keys a step}_s{stages}: W warps, a part each
-        w, bn, st = form[len("wsplit"):].split("_")
+    if form.startswith("wsplit"):   # wsplit{W}_{keys a step}_s{stages}[_r{maxnreg}][_vt]: W warps, a part each
+        w, bn, st, *more = form[len("wsplit"):].split("_")
+        reg = [int(m[1:]) for m in more if m.startswith("r")]
+        v_cache = (v_t if v_t is not None else v_transposed(v_cache)) if "vt" in more else v_cache
         _warp_split_kernel[(batch, HKV)](q, k_cache, v_cache, out, table, lens, scale * 1.4426950408889634,
                                          table.stride(0), BLOCK_N=int(bn), W=int(w), HEAD_DIM=D, PAGE_SIZE=PAGE,
-                                         NUM_KV=HKV, G=GROUP, num_warps=int(w), num_stages=int(st[1:]))
+                                         NUM_KV=HKV, G=GROUP, V_T="vt" in more, num_warps=int(w),
+                                         num_stages=int(st[1:]), **({"maxnreg": reg[0]} if reg else {}))
         return out
     stages, head_major, heads_fast = 3, False, False
     if form.endswith("_hf"):
@@ -294,7 +311,8 @@ def cpu_check() -> None:
     ref = reference(q, k8, v8, table, lens, D ** -0.5)
     k8h, v8h = head_major(k8), head_major(v8)
     for form in ("f16", "k_t", "trans_first", "v_regs", "k_regs", "v_t", "f16_hf", "f16_hm", "f16_hm_hf",
-                 "wsplit4_128_s3", "wsplit2_64_s3", "wsplit8_256_s2"):
+                 "wsplit4_128_s3", "wsplit2_64_s3", "wsplit8_256_s2", "wsplit1_32_s3_r168",
+                 "wsplit1_32_s3_vt", "wsplit2_64_s3_vt"):
         got = decode(q, *((k8h, v8h) if "_hm" in form else (k8, v8)), table, lens, form, D ** -0.5)
         err = float((got - ref).abs().max())
         print(form, "form vs reference, max abs err", err)
@@ -317,8 +335,8 @@ def main() -> None:
     ap.add_argument("--forms", nargs="+", default=["f16", "v_regs", "v_regs_s2", "v_regs_s4", "k_regs", "qk8"])
     ap.add_argument("--bf16-forms", nargs="*", default=[], help="forms also timed over the bf16 cache")
     ap.add_argument("--engine-configs", nargs="*", default=[],
-                    help="the engine's kernel with these decode tiles as well: keys,warps,stages,parts each, "
-                         "over both caches (engine_{fp8,bf16}_<config>)")
+                    help="the engine's kernel with these decode tiles as well: keys,warps,stages,parts[,maxnreg] "
+                         "each, over both caches (engine_{fp8,bf16}_<config>)")
     ap.add_argument("--cpu-check", action="store_true")
     ap.add_argument("--out")
     args = ap.parse_args()
@@ -355,8 +373,8 @@ def main() -> None:
                 q, kc, vc, table, cu, lens, scale, max_seqlen_q=1, max_seqlen_k=ctx, num_kv_splits=1,
                 merge_in_kernel=True))
         for cfg_text in args.engine_configs:
-            bn, nw, st, parts = (int(x) for x in cfg_text.split(","))
-            tile = pa._TileConfig(16, bn, nw, st, parts)
+            bn, nw, st, parts, *reg = (int(x) for x in cfg_text.split(","))
+            tile = pa._TileConfig(16, bn, nw, st, parts, maxnreg=reg[0] if reg else None)
             for name, kc, vc in (("engine_fp8_" + cfg_text, k8, v8), ("engine_bf16_" + cfg_text, kb, vb)):
                 runs[name] = (lambda kc=kc, vc=vc, tile=tile: _with_tile(pa, tile, lambda: pa.paged_attention(
                     q, kc, vc, table, cu, lens, scale, max_seqlen_q=1, max_seqlen_k=ctx, num_kv_splits=1,
