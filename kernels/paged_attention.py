@@ -28,7 +28,8 @@ table; key blocks that no row of the tile can see (after the last position, befo
 window) are never visited, and those every row sees skip the mask math (only the window's ragged
 start and the causal diagonal are masked). Grid: (query tiles of the longest q, B + 1, Hkv * num_kv_splits);
 the extra "sequence" B zeroes the padding rows past cu_seqlens_q[-1]. The tail programs of the
-longest prompts start first.
+longest prompts start first. An unsplit decode call over an FP8 cache walks its keys on one warp
+in `_attend_keys_parts`' loop (a step's keys may be cut into parts, a warp each, merged after).
 
 Split-KV. With num_kv_splits = S > 1 each tile's key range is cut into S pieces (whole BLOCK_N
 steps), each program writes its partial (m, l, acc) to an fp32 workspace, and the partials are
@@ -256,14 +257,14 @@ def _attend_keys_parts(
         slot = k_pos % PAGE_SIZE
         if I32:
             slot = slot.to(tl.int32)
-        k_in = (k_pos < k_stop)[:, :, None]
+        k_in = k_pos < k_stop
         k_ptrs = k_base + (block_id * stride_kb + slot * stride_ks)[:, :, None] + offs_d[None, None, :] * stride_kd
         v_ptrs = v_base + (block_id * stride_vb + slot * stride_vs)[:, :, None] + offs_d[None, None, :] * stride_vd
-        k = tl.load(k_ptrs, mask=k_in, other=0.0).to(q.dtype)       # [P, PN, D]; an FP8 cache widens
-        v = tl.load(v_ptrs, mask=k_in, other=0.0).to(q.dtype)
+        k = tl.load(k_ptrs, mask=k_in[:, :, None], other=0.0).to(q.dtype)      # [P, PN, D]; an FP8 cache widens
+        v = tl.load(v_ptrs, mask=k_in[:, :, None], other=0.0).to(q.dtype)
         block_id = next_block_id
         s = tl.dot(qp, tl.trans(k, (0, 2, 1)), input_precision=DOT_PRECISION) * qk_scale     # [P, rows, PN]
-        s = tl.where((k_pos < k_stop)[:, None, :], s, float("-inf"))
+        s = tl.where(k_in[:, None, :], s, float("-inf"))
         m_new = tl.maximum(m_p, tl.reduce(s, 2, _MAX))
         m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)     # a part that has seen no key yet
         alpha = tl.exp2(m_p - m_sub)

@@ -478,13 +478,14 @@ def test_decode_keys_in_one_masked_loop_match_the_two_loops(dtype, num_kv_splits
     torch.testing.assert_close(got[True], got[False], atol=atol, rtol=rtol)
 
 
-def _with_parts(monkeypatch, parts, block_n=64, num_warps=None):
-    """Unsplit decode calls in `parts` key parts (the rule takes them only at D 128 over FP8)."""
+def _with_parts(monkeypatch, parts):
+    """Unsplit decode calls in `parts` key parts of a 64-key step, a warp each (the rule takes
+    the parts loop only at D 128 over FP8)."""
     picked = pa._pick_config
 
     def pick(max_seqlen_q, *a, num_kv_splits=None, **k):
         if max_seqlen_q == 1 and num_kv_splits == 1:
-            return pa._TileConfig(16, block_n, num_warps or parts, 3, parts=parts)
+            return pa._TileConfig(16, 64, parts, 3, parts=parts)
         return picked(max_seqlen_q, *a, num_kv_splits=num_kv_splits, **k)
     monkeypatch.setattr(pa, "_pick_config", pick)
 
