@@ -244,8 +244,6 @@ def _attend_keys_parts(
     One part on one warp is the FP8 cache's unsplit decode (_pick_config: 17-23% faster than the
     2-D tile on 4 warps, and at 512 rows than the 2-D loop on one warp)."""
     PART_N: tl.constexpr = BLOCK_N // PARTS
-    k_start = k_start.to(tl.int32)      # positions fit int32; int64 ones cost the FP8 form 87 registers
-    k_stop = k_stop.to(tl.int32)
     key = tl.arange(0, PARTS)[:, None] * PART_N + tl.arange(0, PART_N)[None, :]      # [P, PN] of a step
     qp = tl.broadcast_to(q[None, :, :], (PARTS, q.shape[0], HEAD_DIM))
     m_p = tl.full([PARTS, q.shape[0]], float("-inf"), dtype=tl.float32)
