@@ -540,8 +540,10 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
     program, 32 keys a step, 3 stages, the parts loop with one part (_attend_keys_parts). H200,
     against 128 keys on 4 warps: 256 x 1,620 keys 218.7 against 284.0 us, 512 x 1,500 436.6
     against 534.3, 64 x 1,000 42.5 against 51.3; the 2-D loop on one warp 220.2 / 475.9 / 46.1,
-    2 parts on 2 warps 298.0 / 559.0 / 52.2; over a bf16 cache one warp gains nothing
-    (benchmarks/h200/fp8_decode.md)."""
+    2 parts on 2 warps 298.0 / 559.0 / 52.2. Over a bf16 cache one warp gains nothing; 64 keys on
+    2 warps (the 2-D loop) 392.8 / 724.1 / 65.6 against 402.2 / 735.7 / 68.7 on 4 warps at 128
+    keys (alike in three calls), and 1000 x 1000 at 256 rows 9,911 -> 10,068 out tok/s, a graph
+    step 19.41 -> 19.03 ms (one call; benchmarks/h200/fp8_decode.md)."""
     if dtype == torch.float32:
         # An exact fp32 dot (input_precision="ieee") runs on the FMA units; only small tiles stay
         # out of local memory. fp32 on the GPU is a test path, not a fast one.
@@ -554,8 +556,8 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
         if num_seqs is None:
             raise ValueError("a fused decode tile depends on the call's num_seqs (1-2 sequences take 8 warps)")
         return _TileConfig(16, _FUSED_DECODE_BLOCK_N, 8 if num_seqs <= 2 else 4, 2)
-    if max_seqlen_q == 1 and num_kv_splits == 1 and fp8_cache and head_dim == 128:
-        return _TileConfig(16, 32, 1, 3, parts=1)
+    if max_seqlen_q == 1 and num_kv_splits == 1 and head_dim == 128:
+        return _TileConfig(16, 32, 1, 3, parts=1) if fp8_cache else _TileConfig(16, 64, 2, 3)
     if max_seqlen_q == 1:
         return _TileConfig(16, 32 if head_dim == 256 else 128, 4, 3)
     if head_dim == 256:

@@ -513,18 +513,31 @@ def test_key_parts_only_in_the_one_loop(monkeypatch):
     check(args, q_lens, ctx, num_kv_splits=3)
 
 
-def test_fp8_unsplit_decode_at_d128_reads_its_keys_on_one_warp():
+def test_unsplit_decode_tiles_at_d128():
     """The rule (_pick_config): an FP8 cache's unsplit decode at D 128 in one part on one warp,
-    32 keys a step; split calls, bf16 caches, other head sizes and prompts keep the 2-D tiles."""
+    32 keys a step, a bf16 cache's on 2 warps at 64 keys; split calls, other head sizes and
+    prompts keep the 2-D tiles of before."""
     bf16 = torch.bfloat16
     cfg = pa._pick_config(1, 128, bf16, fp8_cache=True, num_kv_splits=1)
     assert (cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.parts) == (32, 1, 3, 1)
+    assert pa._pick_config(1, 128, bf16, num_kv_splits=1) == pa._TileConfig(16, 64, 2, 3)
+    assert pa._pick_config(1, 128, bf16, num_kv_splits=4) == pa._TileConfig(16, 128, 4, 3)
     assert pa._pick_config(1, 128, bf16, fp8_cache=True, num_kv_splits=4).parts == 0
     assert pa._pick_config(1, 128, bf16, fused_splits=True, fp8_cache=True, num_seqs=2, num_kv_splits=4).parts == 0
-    assert pa._pick_config(1, 128, bf16, num_kv_splits=1).parts == 0
     assert pa._pick_config(1, 64, bf16, fp8_cache=True, num_kv_splits=1).parts == 0
     assert pa._pick_config(16, 128, bf16, fp8_cache=True, num_kv_splits=1).parts == 0
     assert pa._pick_config(1, 128, torch.float32, fp8_cache=True, num_kv_splits=1).parts == 0
+
+
+@pytest.mark.parametrize("dtype", [d for d in DTYPES if d != torch.float32])
+@pytest.mark.parametrize("fp8,window", [(False, None), (False, 7), (True, None)])
+def test_unsplit_decode_at_d128_in_the_rules_tiles_matches_reference(dtype, fp8, window):
+    """The rule's own unsplit decode tiles at D 128 (above: 2 warps at 64 keys over a 16-bit
+    cache, one warp in one part over an FP8 one), over contexts of whole steps, partial ones
+    and a single key: the reference's values."""
+    q_lens, ctx = [1, 1, 1, 1, 1], [130, 1, 64, 33, 97]
+    args = make_batch(q_lens, ctx, 4, 1, 128, 16, dtype, seed=47)
+    check(fp8_caches(args) if fp8 else args, q_lens, ctx, sliding_window=window, num_kv_splits=1)
 
 
 def test_only_unsplit_decode_calls_read_their_keys_in_one_loop():
