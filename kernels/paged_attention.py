@@ -542,8 +542,9 @@ def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
     against 534.3, 64 x 1,000 42.5 against 51.3; the 2-D loop on one warp 220.2 / 475.9 / 46.1,
     2 parts on 2 warps 298.0 / 559.0 / 52.2. Over a bf16 cache one warp gains nothing; 64 keys on
     2 warps (the 2-D loop) 392.8 / 724.1 / 65.6 against 402.2 / 735.7 / 68.7 on 4 warps at 128
-    keys (alike in three calls), and 1000 x 1000 at 256 rows 9,911 -> 10,068 out tok/s, a graph
-    step 19.41 -> 19.03 ms (one call; benchmarks/h200/fp8_decode.md)."""
+    keys (alike in four calls); 1000 x 1000 at 256 rows 9,911 -> 10,068 out tok/s (a graph step
+    19.41 -> 19.03 ms), at 128 rows 8,693 -> 8,882 (11.51 -> 11.19 ms), one call each
+    (benchmarks/h200/fp8_decode.md sections 16, 18)."""
     if dtype == torch.float32:
         # An exact fp32 dot (input_precision="ieee") runs on the FMA units; only small tiles stay
         # out of local memory. fp32 on the GPU is a test path, not a fast one.
