@@ -103,21 +103,7 @@ def quantize_rows(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, tor
     _check(x)
     if x.stride(-1) != 1:
         raise ValueError(f"x must have unit column stride, got strides {x.stride()}")
-    if not (x.is_cuda or _INTERPRETED):
-        raise ValueError("the Triton kernel runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1); "
-                         "use quantize_rows_ref on CPU")
-    check_pdl(pdl, x.device, "quantize_rows")
-    num_rows, num_cols = x.shape
-    q = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
-    if num_rows == 0:
-        return q, scale
-    block = triton.next_power_of_2(num_cols)
-    _quantize_rows_kernel[(num_rows,)](
-        x, x.stride(0), q, scale, num_cols,
-        BLOCK=block, USE_PDL=pdl, num_warps=max(4, min(16, block // 1024)), **launch_options(pdl),
-    )
-    return q, scale
+    return _launch_by_rows(_quantize_rows_kernel, x, x.shape[1], pdl, "quantize_rows")
 
 
 def silu_mul_quantize_rows(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
@@ -132,18 +118,25 @@ def silu_mul_quantize_rows(x: torch.Tensor, pdl: bool = False) -> tuple[torch.Te
     _check(x)
     if x.shape[1] > 0 and x.stride(-1) != 1:
         raise ValueError(f"x must have unit column stride, got strides {x.stride()}")
+    return _launch_by_rows(_silu_mul_quantize_kernel, x, x.shape[1] // 2, pdl, "silu_mul_quantize_rows")
+
+
+def _launch_by_rows(kernel, x: torch.Tensor, num_cols: int, pdl: bool,
+                    name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(q [M, num_cols] float8_e4m3fn, scale [M, 1] float32) from `kernel`, one program a row of
+    x (checked by the caller), each row whole in one block."""
     if not (x.is_cuda or _INTERPRETED):
         raise ValueError("the Triton kernel runs on CUDA tensors (or on CPU under TRITON_INTERPRET=1); "
-                         "use silu_mul_quantize_rows_ref on CPU")
-    check_pdl(pdl, x.device, "silu_mul_quantize_rows")
-    num_rows, inter_size = x.shape[0], x.shape[1] // 2
-    q = torch.empty(num_rows, inter_size, dtype=torch.float8_e4m3fn, device=x.device)
+                         f"use {name}_ref on CPU")
+    check_pdl(pdl, x.device, name)
+    num_rows = x.shape[0]
+    q = torch.empty(num_rows, num_cols, dtype=torch.float8_e4m3fn, device=x.device)
     scale = torch.empty(num_rows, 1, dtype=torch.float32, device=x.device)
-    if num_rows == 0 or inter_size == 0:
+    if num_rows == 0 or num_cols == 0:     # no row, or rows of no value (no scale to compute)
         return q, scale
-    block = triton.next_power_of_2(inter_size)
-    _silu_mul_quantize_kernel[(num_rows,)](
-        x, x.stride(0), q, scale, inter_size,
+    block = triton.next_power_of_2(num_cols)
+    kernel[(num_rows,)](
+        x, x.stride(0), q, scale, num_cols,
         BLOCK=block, USE_PDL=pdl, num_warps=max(4, min(16, block // 1024)), **launch_options(pdl),
     )
     return q, scale
