@@ -510,7 +510,6 @@ class _TileConfig:
     num_warps: int
     num_stages: int
     parts: int = 0      # unsplit decode: a step's keys in this many parts (_attend_keys_parts); 0: the 2-D loops
-    maxnreg: int | None = None      # a cap on a thread's registers (ptxas); None: the compiler's choice
 
 
 def _pick_config(max_seqlen_q: int, head_dim: int, dtype: torch.dtype,
@@ -799,7 +798,7 @@ def _launch(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out, scale
         I32=_int32_offsets(k_cache, v_cache) if i32_offsets is None else
         i32_offsets and _offsets_fit_int32(k_cache, v_cache),
         ONE_LOOP=one_loop, PARTS=cfg.parts if one_loop else 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **launch_options(pdl), **({"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}),
+        **launch_options(pdl),
     )
     if num_kv_splits > 1 and not merge_in_kernel:
         rows = max(16 // g_pad, 1)

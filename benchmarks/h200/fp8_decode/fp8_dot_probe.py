@@ -319,14 +319,21 @@ def cpu_check() -> None:
         assert err < 2e-2, err
 
 
-def _with_tile(pa, tile, fn):
-    """fn() with the engine's kernel given `tile` for its decode call."""
-    picked = pa._pick_config
+def _with_tile(pa, tile, fn, maxnreg=None):
+    """fn() with the engine's kernel given `tile` for its decode call and, with maxnreg, a cap on
+    a thread's registers (ptxas) in its launch."""
+    picked, kernel = pa._pick_config, pa._paged_attention_kernel
+
+    class Capped:       # kernel[grid](...) with maxnreg added to the launch options
+        def __getitem__(self, grid):
+            return lambda *a, **kw: kernel[grid](*a, **kw, maxnreg=maxnreg)
     pa._pick_config = lambda *a, **k: tile
+    if maxnreg:
+        pa._paged_attention_kernel = Capped()
     try:
         return fn()
     finally:
-        pa._pick_config = picked
+        pa._pick_config, pa._paged_attention_kernel = picked, kernel
 
 
 def main() -> None:
@@ -374,11 +381,11 @@ def main() -> None:
                 merge_in_kernel=True))
         for cfg_text in args.engine_configs:
             bn, nw, st, parts, *reg = (int(x) for x in cfg_text.split(","))
-            tile = pa._TileConfig(16, bn, nw, st, parts, maxnreg=reg[0] if reg else None)
+            tile, cap = pa._TileConfig(16, bn, nw, st, parts), (reg[0] if reg else None)
             for name, kc, vc in (("engine_fp8_" + cfg_text, k8, v8), ("engine_bf16_" + cfg_text, kb, vb)):
-                runs[name] = (lambda kc=kc, vc=vc, tile=tile: _with_tile(pa, tile, lambda: pa.paged_attention(
+                runs[name] = (lambda kc=kc, vc=vc, tile=tile, cap=cap: _with_tile(pa, tile, lambda: pa.paged_attention(
                     q, kc, vc, table, cu, lens, scale, max_seqlen_q=1, max_seqlen_k=ctx, num_kv_splits=1,
-                    merge_in_kernel=True)))
+                    merge_in_kernel=True), cap))
         for name, fn in runs.items():
             try:
                 us = replay_ms(lambda: [fn() for _ in range(32)], dev) * 1e3 / 32
