@@ -17,8 +17,11 @@ engine sees):
 Every run sends `waves * c` requests (at least MIN_REQUESTS) of `--prompt-tokens` prompt tokens
 (distinct prompts cut from the shipped corpus, new to the engine in every round: none is
 answered from the prefix cache; the direct and the served round at a concurrency send the
-same ones) and exactly `--output-tokens` output tokens (ignore_eos; greedy unless `--sampling`
-says otherwise), `c` at a time. Output tok/s = requests * output tokens / (last answer -
+same ones; with `--shared-prefix-tokens P`, each `--group-size` consecutive prompts start with
+the same P-token text, new in every round, as requests that share a system prompt or a
+document: the server reports the query rows that read theirs once per group, cascade_rows)
+and exactly `--output-tokens` output tokens (ignore_eos; greedy unless `--sampling` says
+otherwise), `c` at a time. Output tok/s = requests * output tokens / (last answer -
 first send). Per request: TTFT = first response - send; ITL = (last response - first
 response) / (output tokens - 1), as genai-perf counts it (a response may carry several tokens);
 TTFT also without the first c sends (`ttft_after_first_wave_*`: the opening burst queues for
@@ -55,36 +58,19 @@ from scripts.server_probe import (children_cpu, cpu_times, cpu_use, scrape,  # n
                                   scrape_published, server_side, triton_queue_us)
 from scripts.serving_clients import (request_params, run_perf_analyzer, run_py_client,  # noqa: E402
                                      summarize)
+from scripts.serving_workload import (MIN_REQUESTS, PromptRounds, make_prompts,  # noqa: E402,F401
+                                      num_requests)
 
-MIN_REQUESTS = 8
 SERVER_START_S = 900.0
 TINY_MODEL = os.path.join(ROOT, "models", "tiny-llama")
 
 
 # ---------------------------------------------------------------------------- workload
-def make_prompts(model_dir: str, num: int, num_tokens: int) -> list[str]:
-    """`num` distinct prompts of about `num_tokens` tokens: a numbered line, then corpus text
-    from a different offset each (no two share a first KV block: none is served from
-    another's prefix cache)."""
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    with open(os.path.join(ROOT, "data", "tiny_corpus.txt")) as f:
-        corpus = " ".join(f.read().split())
-    corpus_ids = tok.encode(" " + corpus, add_special_tokens=False)
-    prompts = []
-    for i in range(num):
-        head = tok.encode(f"Request {i}:", add_special_tokens=False)
-        need = max(num_tokens - 1 - len(head), 0)
-        start = (i * 37) % len(corpus_ids)
-        body = (corpus_ids[start:] + corpus_ids)[:need]
-        prompts.append(tok.decode(head + body))
-    return prompts
-
-
 def engine_settings(args, on_gpu: bool) -> dict[str, str]:
     """Over the repository's llm parameters (the CPU defaults): these, then --set."""
     settings = {"max_num_seqs": str(max(max(args.concurrency), 16)),
-                "max_model_len": str(args.prompt_tokens + args.output_tokens + 64)}
+                "max_model_len": str(args.shared_prefix_tokens + args.prompt_tokens
+                                     + args.output_tokens + 64)}
     if on_gpu:      # "" keeps the engine's default: KV sized from memory
         settings.update(dtype="bfloat16", num_kv_blocks="", cpu_threads="",
                         max_num_batched_tokens="2048")
@@ -94,49 +80,6 @@ def engine_settings(args, on_gpu: bool) -> dict[str, str]:
         key, _, value = item.partition("=")
         settings[key] = value
     return settings
-
-
-def num_requests(args, c: int) -> int:
-    return max(args.waves * c, MIN_REQUESTS)
-
-
-class PromptRounds:
-    """Which prompts each round sends. Every round's prompts are new to the engine that runs
-    it (an earlier round's would be answered from the prefix cache, skipping their prefill:
-    a warm-up round on the same prompts made every later round look faster), and the direct
-    and the first served round at a concurrency send the same prompts; a server's later
-    rounds at that concurrency (other models, other drivers) get prompts of their own."""
-
-    def __init__(self, args) -> None:
-        # --reuse-prompts: every round sends the warm-up's prompts again, their prefill
-        # answered from the prefix cache: steps are nearly all decode, tokens come at the
-        # highest rate, the hardest case for the response path.
-        self.reuse = getattr(args, "reuse_prompts", False)
-        self.n = {c: num_requests(args, c) for c in args.concurrency}
-        self.offsets = {"warm": 0}
-        pos = max(self.n.values())
-        for c in args.concurrency:
-            self.offsets[c] = pos
-            pos += self.n[c]
-        self._next = pos
-        self._served: set = set()
-        # Enough for every round: a warm-up, then each concurrency per model and driver.
-        self.total = pos + sum(self.n.values()) * len(args.models) * len(args.drivers)
-
-    def warm(self) -> int:
-        return self.offsets["warm"]
-
-    def direct(self, c: int) -> int:
-        return self.offsets["warm" if self.reuse else c]
-
-    def served(self, c: int) -> int:
-        if self.reuse:
-            return self.offsets["warm"]
-        if c not in self._served:
-            self._served.add(c)
-            return self.offsets[c]
-        self._next += self.n[c]
-        return self._next - self.n[c]
 
 
 # ---------------------------------------------------------------------------- direct
@@ -407,6 +350,11 @@ def main(argv: list[str] | None = None) -> dict:
                     help="default: 1 64 256 on GPU, 32 on CPU")
     ap.add_argument("--prompt-tokens", type=int, default=215)
     ap.add_argument("--output-tokens", type=int, default=128)
+    ap.add_argument("--shared-prefix-tokens", type=int, default=0,
+                    help="each --group-size consecutive prompts start with the same text of "
+                         "about this many tokens (a different one per group), before their own "
+                         "--prompt-tokens")
+    ap.add_argument("--group-size", type=int, default=16)
     ap.add_argument("--waves", type=int, default=10, help="requests per run = waves x concurrency")
     ap.add_argument("--models", nargs="+", default=["llm", "llm_bls"],
                     choices=["llm", "llm_bls"])
@@ -438,6 +386,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--skip-served", action="store_true")
     ap.add_argument("--out", default=None, help="results prefix (.json and .md)")
     args = ap.parse_args(argv)
+    if args.group_size < 1 or args.shared_prefix_tokens < 0:
+        ap.error("--group-size must be >= 1 and --shared-prefix-tokens >= 0")
     if args.direct_worker:
         with open(args.direct_worker) as f:
             direct_worker(json.load(f))
@@ -462,14 +412,18 @@ def main(argv: list[str] | None = None) -> dict:
     repo = os.path.join(work, "repo")
     settings = make_repository(repo, model_dir, engine_settings(args, on_gpu), gpus)
     rounds = PromptRounds(args)
-    prompts = make_prompts(model_dir, rounds.total, args.prompt_tokens)
+    prompts = make_prompts(model_dir, rounds.total, args.prompt_tokens,
+                           args.shared_prefix_tokens, args.group_size)
     name = args.preset or os.path.basename(model_dir)
     meta = {"title": f"Served vs direct: {name}, {gpus or 'no'} GPU(s), "
-                     f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens",
+                     + (f"{args.shared_prefix_tokens} shared (groups of {args.group_size}) + "
+                        if args.shared_prefix_tokens else "")
+                     + f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens",
             "hardware": hardware(), "commit": git_commit(),
             "command": " ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
             "settings": {k: v for k, v in settings.items() if k != "model"},
             "gpus": gpus, "reuse_prompts": args.reuse_prompts,
+            "shared_prefix_tokens": args.shared_prefix_tokens, "group_size": args.group_size,
             "sampling": request_params(args.output_tokens, args.sampling), "targets": "c=256: llm >= 90% of direct, llm_bls >= 85%, served TTFT "
                                      "p50 <= 1.2x direct; c=1: ms/token within 3%"}
     rows: list[dict] = []

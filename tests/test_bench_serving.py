@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 
-from scripts import bench_serving, serving_clients
+from scripts import bench_serving, serving_clients, serving_workload
 from scripts.make_tiny_model import make_tiny_model
 
 
@@ -103,6 +103,45 @@ def test_every_round_sends_prompts_new_to_its_engine():
             assert max(a) < rounds.total
             assert not a & warm
             assert all(not a & b for b in served[i + 1:])
+
+
+def test_shared_prefix_prompts_start_alike_within_a_group_and_apart_across_groups(tmp_path):
+    """With --shared-prefix-tokens, each group of consecutive prompts starts with the same
+    tokens (about that many, as the server tokenizes them), then each its own; prompts of
+    different groups part within their first KV block."""
+    from transformers import AutoTokenizer
+    model = make_tiny_model(tmp_path / "m", arch="llama", seed=2)
+    tok = AutoTokenizer.from_pretrained(model)
+    prompts = serving_workload.make_prompts(str(model), 9, 20, shared_tokens=80, group_size=4)
+    ids = [tok.encode(p) for p in prompts]
+
+    def common(a, b):
+        return next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    for i in (1, 2, 3):      # (+ the BOS token, and "\nRequest" before the own part's number)
+        assert 76 <= common(ids[0], ids[i]) <= 80 + 8, (i, common(ids[0], ids[i]))
+    assert common(ids[4], ids[5]) >= 76 and common(ids[8], ids[4]) < 16
+    assert all(common(ids[0], ids[i]) < 16 for i in (4, 8))
+    assert all(len(x) >= 80 + 15 for x in ids) and len(set(prompts)) == 9
+    # Without shared tokens: the plain prompts, each apart from the others from its start.
+    plain = serving_workload.make_prompts(str(model), 3, 20)
+    assert all(p in s for p, s in zip(plain, prompts[:3]))
+
+
+def test_with_shared_prefixes_every_round_starts_on_a_groups_first_prompt():
+    """No round's prompts share a group (its prefix) with another round's: each starts at a
+    multiple of the group size, and they stay apart and fit."""
+    args = bench_serving.main.__globals__["argparse"].Namespace(
+        concurrency=[3, 5], waves=3, models=["llm", "llm_bls"], drivers=["perf_analyzer"],
+        shared_prefix_tokens=64, group_size=4)
+    rounds = bench_serving.PromptRounds(args)
+    n = {c: bench_serving.num_requests(args, c) for c in args.concurrency}
+    spans = [(rounds.warm(), max(n.values()))]
+    for c in args.concurrency:
+        spans += [(rounds.served(c), n[c]) for _ in range(2)]
+    assert rounds.direct(3) == spans[1][0]
+    groups = [{i // 4 for i in range(f, f + k)} for f, k in spans]
+    assert all(f % 4 == 0 and f + k <= rounds.total for f, k in spans)
+    assert all(not a & b for i, a in enumerate(groups) for b in groups[i + 1:])
 
 
 def test_reuse_prompts_sends_the_warm_up_prompts_in_every_round():

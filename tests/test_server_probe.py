@@ -1,7 +1,7 @@
 """scripts/server_probe.py: histogram deltas and CPU accounting, on hand-made inputs."""
 import pytest
 
-from scripts.server_probe import cpu_delta, cpu_use, gauge, hist_delta
+from scripts.server_probe import cpu_delta, cpu_use, gauge, hist_delta, server_side
 
 LAG = "llm_event_loop_lag_seconds"
 
@@ -55,6 +55,20 @@ def test_gauge_takes_the_largest_label_set():
               'llm_event_loop_lag_max_seconds{model="b"}': 0.7}
     assert gauge(values, "llm_event_loop_lag_max_seconds") == 0.7
     assert gauge({}, "llm_event_loop_lag_max_seconds") == 0.0
+
+
+def test_server_side_counts_a_runs_cascade_rows_and_the_prefix_hits_since_start():
+    """Cascade rows between the scrapes, summed over the instances; the prefix-cache hit ratio
+    (a gauge since start) as the instances' mean."""
+    a, b = 'model="llm",version="1",instance="llm_0_0"', 'model="llm",version="1",instance="llm_0_1"'
+    before = {f"llm_cascade_rows_total{{{a}}}": 100.0, f"llm_cascade_rows_total{{{b}}}": 5.0}
+    after = {f"llm_cascade_rows_total{{{a}}}": 400.0, f"llm_cascade_rows_total{{{b}}}": 25.0,
+             f"llm_prefix_cache_hit_ratio{{{a}}}": 0.8, f"llm_prefix_cache_hit_ratio{{{b}}}": 0.6}
+    out = server_side(before, after)
+    assert out["cascade_rows"] == 320
+    assert out["prefix_cache_hit_ratio_since_start"] == pytest.approx(0.7)
+    none = server_side(after, after)
+    assert none["cascade_rows"] == 0
 
 
 def test_cpu_delta_cores_other_load_and_busiest_threads():
