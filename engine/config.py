@@ -44,9 +44,10 @@ class EngineConfig:
     num_kv_blocks: int | None = None      # None: sized from memory
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0          # KV budget on CPU when num_kv_blocks is None
-    # torch intra-op threads on CPU. None: in the engine core process (AsyncEngine, the server)
-    # half the CPUs (engine/core_process.default_cpu_threads says why); LLM, in the caller's
-    # process, leaves torch's global setting alone.
+    # torch intra-op threads (on CPU the model's, on a GPU the host's staging copies). None: in
+    # the engine core process (AsyncEngine, the server) half the CPUs on CPU, one with a GPU
+    # (engine/core_process.default_cpu_threads says why); LLM, in the caller's process, leaves
+    # torch's global setting alone.
     cpu_threads: int | None = None
     enable_prefix_caching: bool = True
     # LLM.generate finds prompts sharing a prefix of whole KV blocks, computes each prefix once

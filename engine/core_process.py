@@ -144,13 +144,22 @@ def _send_error(sock: socket.socket, message: str) -> None:
         pass                    # nobody is listening any more
 
 
-def default_cpu_threads() -> int:
-    """torch's intra-op threads for a core on CPU when `cpu_threads` is not set: half the CPUs
-    this process may run on, at least one. torch's own default (one per core) collapses when
-    anything else wants a core: each parallel region waits for its slowest thread, and a
-    descheduled one costs a scheduler slice. Measured on 2 cores beside two busy processes, two
-    streams of the tiny model: 2 threads, one step per ~250 ms; 1 thread, ~0.8 ms, as when idle.
-    The rest is left to the front end, the tokenizer process and, when serving, the server."""
+def default_cpu_threads(device_type: str = "cpu") -> int:
+    """torch's intra-op threads for a core when `cpu_threads` is not set.
+
+    On CPU: half the CPUs this process may run on, at least one. torch's own default (one per
+    core) collapses when anything else wants a core: each parallel region waits for its slowest
+    thread, and a descheduled one costs a scheduler slice. Measured on 2 cores beside two busy
+    processes, two streams of the tiny model: 2 threads, one step per ~250 ms; 1 thread, ~0.8
+    ms, as when idle. The rest is left to the front end, the tokenizer process and, when
+    serving, the server.
+
+    On a GPU: one. The host's torch work is staging copies of the step's inputs, which torch
+    splits over every core from 32,768 elements (256 rows' block tables over 2,300-token
+    contexts are 37,888): the threads spun between steps and took ~3 cores of the H200 host
+    in served runs of long shared prompts (benchmarks/h200/served_shared_prefix.md)."""
+    if device_type == "cuda":
+        return 1
     cpus = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count() or 1)           # no affinity call outside Linux
     return max(1, cpus // 2)
@@ -167,11 +176,13 @@ def main(argv: list[str] | None = None) -> int:
                         format=f"core[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     sock = socket.socket(fileno=args.fd)
     try:
-        from engine.engine_core import EngineCore   # torch: only in this process's start-up
+        # torch: only in this process's start-up
+        from engine.engine_core import EngineCore, resolve_device
 
         config = EngineConfig.from_dict(json.loads(args.config))
         if config.cpu_threads is None:
-            config = dataclasses.replace(config, cpu_threads=default_cpu_threads())
+            device_type = resolve_device(config.device).type
+            config = dataclasses.replace(config, cpu_threads=default_cpu_threads(device_type))
         core = EngineCore(config, json.loads(args.eos_token_ids))
         sock.sendall(wire.encode_ready(wire.CoreInfo(
             core.max_model_len, core.vocab_size, core.kv.num_blocks, config.block_size,

@@ -52,9 +52,10 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, self.device, model_config.torch_dtype)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        elif config.cpu_threads is not None:
+        if config.cpu_threads is not None:
             # Small models gain nothing from intra-op threads and lose a lot when the cores
-            # are busy with other work (the server, the tokenizer thread, clients).
+            # are busy with other work (the server, the tokenizer thread, clients); on a GPU
+            # the host's torch work is staging copies (engine/core_process.default_cpu_threads).
             torch.set_num_threads(config.cpu_threads)
 
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -81,8 +82,7 @@ class EngineCore:
         # collections short while the step loop allocates.
         gc.collect()
         gc.freeze()
-        on = (str(self.device) if self.device.type == "cuda"
-              else f"cpu, {torch.get_num_threads()} threads")
+        on = f"{self.device}, {torch.get_num_threads()} threads"
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d (%s), max_model_len %d",
                     config.model, on, self.dtype, num_blocks, config.block_size,
                     self.runner.kv_dtype, self.max_model_len)

@@ -346,7 +346,8 @@ def test_core_process_on_cpu_leaves_cores_to_the_rest(model_dir, capfd):
     engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
     engine.shutdown()
     want = max(1, len(os.sched_getaffinity(0)) // 2)
-    assert default_cpu_threads() == want
+    assert default_cpu_threads() == default_cpu_threads("cpu") == want
+    assert default_cpu_threads("cuda") == 1     # a GPU core's host work: staging copies
     assert f"on cpu, {want} threads (torch.float32)" in capfd.readouterr().err
 
 

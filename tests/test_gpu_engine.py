@@ -2,6 +2,7 @@
 HF transformers on the same GPU, in float32. Needs CUDA: CI has none, so this runs on the GPU
 machine (`python -m pytest tests/test_gpu_engine.py`) and its output is kept in benchmarks/."""
 import logging
+import re
 
 import pytest
 import torch
@@ -140,9 +141,10 @@ def test_fp8_weights_gpu_engine_near_cpu_engine(tiny_models, arch):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-def test_async_engine_core_process_on_the_gpu_it_is_given(tiny_models):
-    """AsyncEngine starts its core process pinned to cuda:N (CUDA_VISIBLE_DEVICES=N); its
-    streamed output equals the in-process engine's."""
+def test_async_engine_core_process_on_the_gpu_it_is_given(tiny_models, capfd):
+    """AsyncEngine starts its core process pinned to cuda:N (CUDA_VISIBLE_DEVICES=N), with one
+    torch thread for its host work (engine/core_process.default_cpu_threads); its streamed
+    output equals the in-process engine's."""
     import asyncio
     from engine import AsyncEngine
     device = f"cuda:{torch.cuda.device_count() - 1}"
@@ -171,6 +173,7 @@ def test_async_engine_core_process_on_the_gpu_it_is_given(tiny_models):
     want = visible.split(",")[index].strip() if visible else str(index)
     assert env[b"CUDA_VISIBLE_DEVICES"] == want.encode()
     assert got == [o.outputs[0].token_ids for o in expected]
+    assert re.search(r"engine ready: .* on cuda:\d+, 1 threads \(", capfd.readouterr().err)
 
 
 def _poison_free_memory() -> None:
