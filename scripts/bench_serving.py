@@ -32,9 +32,10 @@ llm_bls has one response per request, so its TTFT and ITL are the server's own h
 within their buckets). Also recorded: the server's responses and tokens per response, the
 serving loop's lag, and Triton's queue time.
 
-Here: the workload, the direct engine, the served rounds and the report. The load generators
-and the client's figures of a run: scripts/serving_clients.py; what is read from the server
-and the machine: scripts/server_probe.py.
+Here: the engine settings, the direct engine, the served rounds and the report. The prompts
+and which round sends which: scripts/serving_workload.py; the load generators and the client's
+figures of a run: scripts/serving_clients.py; what is read from the server and the machine:
+scripts/server_probe.py.
 """
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ SERVER_START_S = 900.0
 TINY_MODEL = os.path.join(ROOT, "models", "tiny-llama")
 
 
-# ---------------------------------------------------------------------------- workload
+# ---------------------------------------------------------------------------- settings
 def engine_settings(args, on_gpu: bool) -> dict[str, str]:
     """Over the repository's llm parameters (the CPU defaults): these, then --set."""
     settings = {"max_num_seqs": str(max(max(args.concurrency), 16)),

@@ -35,13 +35,13 @@ def make_prompts(model_dir: str, num: int, num_tokens: int, shared_tokens: int =
     shared = {}
     prompts = []
     for i in range(num):
-        own = text(f"Request {i}:", num_tokens, i * 37)
+        prompt = text(f"Request {i}:", num_tokens, i * 37)
         if shared_tokens:
             g = i // group_size
             if g not in shared:
                 shared[g] = text(f"Document {g}:", shared_tokens, g * 7919 + 13) + "\n"
-            own = shared[g] + own
-        prompts.append(own)
+            prompt = shared[g] + prompt
+        prompts.append(prompt)
     return prompts
 
 
