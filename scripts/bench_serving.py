@@ -59,8 +59,7 @@ from scripts.server_probe import (children_cpu, cpu_times, cpu_use, scrape,  # n
                                   scrape_published, server_side, triton_queue_us)
 from scripts.serving_clients import (request_params, run_perf_analyzer, run_py_client,  # noqa: E402
                                      summarize)
-from scripts.serving_workload import (MIN_REQUESTS, PromptRounds, make_prompts,  # noqa: E402,F401
-                                      num_requests)
+from scripts.serving_workload import PromptRounds, make_prompts, num_requests  # noqa: E402
 
 SERVER_START_S = 900.0
 TINY_MODEL = os.path.join(ROOT, "models", "tiny-llama")

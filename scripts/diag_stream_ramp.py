@@ -23,8 +23,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from scripts.bench_common import preset_dir, process_cmdlines  # noqa: E402
-from scripts.bench_serving import (engine_settings, make_prompts,  # noqa: E402
-                                   make_repository)
+from scripts.bench_serving import engine_settings, make_repository  # noqa: E402
+from scripts.serving_workload import make_prompts  # noqa: E402
 from scripts.serving_clients import perf_analyzer_path, write_input_data  # noqa: E402
 
 
@@ -154,7 +154,8 @@ def main() -> None:
     for config in args.configs:
         cname, _, sets = config.partition(":")
         ns = SimpleNamespace(concurrency=[256], prompt_tokens=215, output_tokens=128,
-                             preset="llama-3.1-8b", set=[x for x in sets.split(",") if x])
+                             shared_prefix_tokens=0, preset="llama-3.1-8b",
+                             set=[x for x in sets.split(",") if x])
         work = tempfile.mkdtemp(prefix="diag-")
         repo = os.path.join(work, "repo")
         make_repository(repo, model_dir, engine_settings(ns, True), 1)

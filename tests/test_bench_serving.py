@@ -37,7 +37,7 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
                     ("llm", "steady"), ("llm_bls", "steady"),
                     ("llm (python client)", "steady"), ("llm_bls (python client)", "steady")}
     for r in rows:
-        assert r["requests"] == bench_serving.MIN_REQUESTS and r["output_tok_s"] > 0, r
+        assert r["requests"] == serving_workload.MIN_REQUESTS and r["output_tok_s"] > 0, r
         assert r["ttft_p50_ms"] is not None and r["itl_p50_ms"] is not None, r
         # one response per llm_bls request: no client-side first token to speak of
         assert ("ttft_after_first_wave_p50_ms" in r) == (not r["path"].startswith("llm_bls")), r
@@ -92,8 +92,8 @@ def test_every_round_sends_prompts_new_to_its_engine():
     same prompts; further served rounds there get prompts of their own; all fit."""
     args = bench_serving.main.__globals__["argparse"].Namespace(
         concurrency=[1, 4], waves=2, models=["llm", "llm_bls"], drivers=["perf_analyzer", "python"])
-    rounds = bench_serving.PromptRounds(args)
-    n = {c: bench_serving.num_requests(args, c) for c in args.concurrency}
+    rounds = serving_workload.PromptRounds(args)
+    n = {c: serving_workload.num_requests(args, c) for c in args.concurrency}
     warm = set(range(rounds.warm(), rounds.warm() + max(n.values())))
     for c in args.concurrency:
         direct = set(range(rounds.direct(c), rounds.direct(c) + n[c]))
@@ -133,8 +133,8 @@ def test_with_shared_prefixes_every_round_starts_on_a_groups_first_prompt():
     args = bench_serving.main.__globals__["argparse"].Namespace(
         concurrency=[3, 5], waves=3, models=["llm", "llm_bls"], drivers=["perf_analyzer"],
         shared_prefix_tokens=64, group_size=4)
-    rounds = bench_serving.PromptRounds(args)
-    n = {c: bench_serving.num_requests(args, c) for c in args.concurrency}
+    rounds = serving_workload.PromptRounds(args)
+    n = {c: serving_workload.num_requests(args, c) for c in args.concurrency}
     spans = [(rounds.warm(), max(n.values()))]
     for c in args.concurrency:
         spans += [(rounds.served(c), n[c]) for _ in range(2)]
@@ -148,7 +148,7 @@ def test_reuse_prompts_sends_the_warm_up_prompts_in_every_round():
     args = bench_serving.main.__globals__["argparse"].Namespace(
         concurrency=[2, 8], waves=2, models=["llm"], drivers=["perf_analyzer"],
         reuse_prompts=True)
-    rounds = bench_serving.PromptRounds(args)
+    rounds = serving_workload.PromptRounds(args)
     assert {rounds.direct(2), rounds.direct(8), rounds.served(8), rounds.served(8)} == {
         rounds.warm()}
 
