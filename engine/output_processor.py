@@ -56,6 +56,7 @@ class _RequestState:
         self.num_sent_logprobs = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
+        self.num_cached_tokens = 0          # told with the first token
 
 
 class PullOutput:
@@ -113,6 +114,8 @@ class OutputProcessor:
                 st.last_token_time = time.monotonic()
                 if st.first_token_time is None:
                     st.first_token_time = st.last_token_time
+            if co.num_cached_tokens is not None:
+                st.num_cached_tokens = co.num_cached_tokens
             if st.logprobs is not None and co.new_logprobs:
                 st.logprobs.extend(self._logprobs(lp) for lp in co.new_logprobs)
             handle = st.handle
@@ -214,5 +217,5 @@ class OutputProcessor:
             comp = CompletionOutput(0, text, token_ids, st.finish_reason if finished else None,
                                     st.stop_reason if finished else None, logprobs)
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [comp], finished,
-                             metrics={"first_token_time": st.first_token_time,
+                             num_cached_tokens=st.num_cached_tokens, metrics={"first_token_time": st.first_token_time,
                                       "last_token_time": st.last_token_time})

@@ -35,6 +35,8 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool
+    # Prompt tokens found in the prefix cache when the request was first scheduled (not
+    # computed for it): a shared prefix or an earlier request's blocks. 0 until its first token.
     num_cached_tokens: int = 0
     metrics: dict = field(default_factory=dict)
 

@@ -19,11 +19,11 @@ from engine.sampling_params import MAX_STOP_STRINGS, SamplingParams, load_json_o
 
 _FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
           "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
-          "return_output_ids")
+          "return_output_ids", "return_num_cached_tokens")
 
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters") + _FLAGS
 OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                "output_ids", "logprobs")
+                "output_ids", "logprobs", "num_cached_tokens")
 # llm_bls's input to llm: abort the request the caller started with this id. Only ids of the
 # requests llm_bls starts (BLS_REQUEST_ID_PREFIX...) are honoured: another client could guess.
 CONTROL_INPUT_NAMES = ("abort_request_id",)
@@ -54,6 +54,7 @@ class GenerateRequest:
     return_num_output_tokens: bool = False
     return_logprobs: bool = False
     return_output_ids: bool = False
+    return_num_cached_tokens: bool = False
 
 
 def _scalar(arr: np.ndarray, name: str) -> Any:
@@ -223,6 +224,9 @@ def make_response(req: GenerateRequest, out: RequestOutput, text: str,
         tensors["num_input_tokens"] = np.array([len(out.prompt_token_ids)], dtype=np.uint32)
     if req.return_num_output_tokens:
         tensors["num_output_tokens"] = np.array([num_output_tokens], dtype=np.uint32)
+    if req.return_num_cached_tokens:
+        # The prompt tokens the prefix cache held (not computed for this request).
+        tensors["num_cached_tokens"] = np.array([out.num_cached_tokens], dtype=np.uint32)
     if req.return_logprobs and logprobs is not None:
         tensors["logprobs"] = np.array([json.dumps(
             [{str(tid): lp.logprob for tid, lp in step.items()} for step in logprobs]

@@ -103,6 +103,11 @@ class Request:
                 or num_tokens >= max_model_len)
 
     @property
+    def num_cached_prompt_tokens(self) -> int:
+        """Prompt tokens the prefix cache held at the first admission (0 before it)."""
+        return max(0, min(self.num_cached_tokens, self.num_prompt_tokens))
+
+    @property
     def num_output_tokens(self) -> int:
         return len(self.all_token_ids) - self.num_prompt_tokens
 

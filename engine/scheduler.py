@@ -91,6 +91,9 @@ class EngineCoreOutput:
     finish_reason: str | None = None           # "stop" | "length" | "abort"
     stop_reason: int | str | None = None
     new_logprobs: list[tuple[list[int], list[float], int]] | None = None
+    # On a request's first output token only: its prompt tokens the prefix cache held when it
+    # was first admitted (a group member's shared prefix, a repeated prompt's blocks).
+    num_cached_tokens: int | None = None
 
     @property
     def finished(self) -> bool:
@@ -344,7 +347,7 @@ class Scheduler:
             if req.num_cached_tokens < 0:     # first admission, not a resume
                 req.num_cached_tokens = num_cached
                 self.stats.num_prompt_tokens += req.num_prompt_tokens
-                self.stats.num_cached_prompt_tokens += min(num_cached, req.num_prompt_tokens)
+                self.stats.num_cached_prompt_tokens += req.num_cached_prompt_tokens
             new_reqs.append(NewRequestData(req.request_id, list(req.all_token_ids),
                                            req.num_prompt_tokens, req.sampling_params,
                                            block_ids, num_cached))
@@ -408,7 +411,8 @@ class Scheduler:
                 rid, [token_id],
                 req.finish_reason if done else None,
                 req.stop_reason if done else None,
-                [lp] if lp is not None else None))
+                [lp] if lp is not None else None,
+                req.num_cached_prompt_tokens if req.num_output_tokens == 1 else None))
             if done:
                 if running:
                     self.running.remove(req)

@@ -18,7 +18,8 @@ Kinds and payloads (u32 unless said; arrays are packed, no padding):
     OUTPUTS    one step: n_rows, flags u8, [indices[n_rows] if ROWS], tokens i32[n_rows],
                [n, rows[n], codes u8[n] if FINISHED], [n, indices[n] if ABORTED],
                [n, rows[n], ranks i32[n], counts u8[n], ids i32[sum], logprobs f32[sum]
-                if LOGPROBS]
+                if LOGPROBS], [n, rows[n], cached prompt tokens[n] if CACHED: rows whose
+                first token this is]
                Without ROWS the rows are the previous frame's: steady-state decode costs
                4 bytes (the token) per running request.
     STATS      EngineStats fields as i64
@@ -64,7 +65,7 @@ KIND_NAMES = {ADD: "ADD", ABORT: "ABORT", STATS_REQ: "STATS_REQ", SHUTDOWN: "SHU
               TOKENIZER_READY: "TOKENIZER_READY", TOKENIZE: "TOKENIZE", TOKENS: "TOKENS"}
 
 # OUTPUTS flags
-ROWS, FINISHED, ABORTED, LOGPROBS = 1, 2, 4, 8
+ROWS, FINISHED, ABORTED, LOGPROBS, CACHED = 1, 2, 4, 8, 16
 # TOKENS statuses
 TOKENS_OK, TOKENS_TOO_LONG, TOKENS_FAILED = 0, 1, 2
 # finish codes
@@ -436,6 +437,13 @@ class OutputsEncoder:
             parts.append(_ids([t for _, lp in with_lp for t in lp[0]]))
             parts.append(np.asarray([v for _, lp in with_lp for v in lp[1]],
                                     dtype="<f4").tobytes())
+        first = [(i, o.num_cached_tokens) for i, o in enumerate(rows)
+                 if o.num_cached_tokens is not None]
+        if first:
+            flags |= CACHED
+            parts.append(_U32.pack(len(first)))
+            parts.append(np.asarray([i for i, _ in first], dtype="<u4").tobytes())
+            parts.append(_u32s([c for _, c in first], "cached prompt tokens"))
         data = frame(OUTPUTS, _OUT_HEAD.pack(len(rows), flags) + b"".join(parts))
         if rows_changed:                    # only once the frame exists: the peer gets them
             self._last_rows = indices
@@ -457,7 +465,7 @@ class OutputsDecoder:
     def decode(self, payload: memoryview) -> list[EngineCoreOutput]:
         cur = _Cursor(payload, "OUTPUTS")
         n, flags = cur.unpack(_OUT_HEAD)
-        if flags & ~(ROWS | FINISHED | ABORTED | LOGPROBS):
+        if flags & ~(ROWS | FINISHED | ABORTED | LOGPROBS | CACHED):
             raise FrameError(f"OUTPUTS: unknown flags 0x{flags:02x}")
         if n * 4 > len(cur.buf) - cur.pos:
             raise FrameError(f"OUTPUTS: {n} rows do not fit in the frame")
@@ -501,6 +509,12 @@ class OutputsDecoder:
             for r, rank, c in zip(lp_rows.tolist(), ranks, counts.tolist()):
                 logprobs[r] = (ids[start:start + c], values[start:start + c], rank)
                 start += c
+        cached: dict[int, int] = {}
+        if flags & CACHED:
+            m = cur.count(8)
+            cached_rows = cur.array("<u4", m)
+            _rows_in(cached_rows, n, "OUTPUTS cached")
+            cached = dict(zip(cached_rows.tolist(), cur.array("<u4", m).tolist()))
         cur.done()
         self._last_rows = rows
         outs = []
@@ -508,7 +522,7 @@ class OutputsDecoder:
             reason, stop_reason = reasons.get(r, (None, None))
             lp = logprobs.get(r)
             outs.append(EngineCoreOutput(index, [tok], reason, stop_reason,
-                                         [lp] if lp is not None else None))
+                                         [lp] if lp is not None else None, cached.get(r)))
         outs.extend(EngineCoreOutput(index, [], "abort") for index in aborted)
         return outs
 

@@ -120,3 +120,20 @@ def test_pull_keeps_logprobs_one_per_token(tok):
     comp = out.outputs[0]
     assert out.finished and len(comp.logprobs) == len(comp.token_ids) == len(ids) - 2
     assert [next(iter(d)) for d in comp.logprobs] == comp.token_ids
+
+
+@pytest.mark.parametrize("stream,pull", [(True, False), (True, True), (False, False)])
+def test_every_output_carries_the_cached_prompt_tokens_told_with_the_first_token(tok, stream,
+                                                                                  pull):
+    proc = OutputProcessor(tok, stream_deltas=True)
+    proc.add_request(7, "r", "Prompt", tok.encode("Prompt"), SamplingParams(max_tokens=1000),
+                     stream=stream, pull=pull)
+    steps, _ = _steps(tok)
+    steps[0].num_cached_tokens = 32
+    outs = []
+    for co in steps:
+        got, _ = proc.process([co])
+        outs += [proc.render(o) if isinstance(o, PullOutput) else o for o in got]
+    outs = [o for o in outs if o is not None]
+    assert len(outs) == (len(steps) if stream else 1) and outs[-1].finished
+    assert [o.num_cached_tokens for o in outs] == [32] * len(outs)

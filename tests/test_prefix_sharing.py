@@ -198,3 +198,29 @@ def test_served_path_counts_cascade_rows_across_the_process_boundary(tiny_models
         engine.shutdown()
     assert stats.num_cascade_rows > 0
     assert got == plain
+
+
+def test_each_output_says_how_much_of_its_prompt_the_cache_held(tiny_models):
+    """RequestOutput.num_cached_tokens, with groups: each group's first request computes the
+    prefix (none cached), the others find its whole blocks cached, preemptions along the way
+    change nothing; with prefix caching alone the counts are whatever the cache held. Either
+    way they add up to the engine's count."""
+    rng = random.Random(13)
+    prefixes = [[rng.randrange(3, 1000) for _ in range(96)] for _ in range(4)]
+    prompts = [p + [rng.randrange(3, 1000) for _ in range(rng.randint(4, 20))]
+               for p in prefixes for _ in range(6)]
+    rng.shuffle(prompts)
+    for groups in (True, False):
+        llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=24,
+                  max_num_seqs=8, max_model_len=160, max_num_batched_tokens=64,
+                  enable_prefix_groups=groups)
+        outs = llm.generate(prompts, GREEDY)
+        stats = llm.get_stats()
+        cached = [o.num_cached_tokens for o in outs]
+        assert sum(cached) == stats.num_cached_prompt_tokens > 0
+        if groups:
+            assert stats.num_preemptions > 0
+            by_prefix: dict[tuple, list[int]] = {}
+            for p, c in zip(prompts, cached):
+                by_prefix.setdefault(tuple(p[:96]), []).append(c)
+            assert sorted(map(sorted, by_prefix.values())) == [[0] + [96] * 5] * 4

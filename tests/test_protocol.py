@@ -158,6 +158,16 @@ def test_response_non_streaming_includes_prompt_unless_excluded():
     assert make_response(req, _out(), " world", [7, 8], None, 2)["text_output"][0] == b" world"
 
 
+def test_response_gives_the_cached_prompt_tokens_only_when_asked():
+    out = _out()
+    out.num_cached_tokens = 48
+    asked = parse_request({"text_input": s("Hello"), "return_num_cached_tokens": b(True)})
+    t = make_response(asked, out, " world", [7, 8], None, 2)
+    assert t["num_cached_tokens"].tolist() == [48] and t["num_cached_tokens"].dtype == np.uint32
+    plain = parse_request({"text_input": s("Hello")})
+    assert "num_cached_tokens" not in make_response(plain, out, " world", [7, 8], None, 2)
+
+
 def test_streaming_response_carries_only_new_text_and_reason_at_the_end():
     req = parse_request({"text_input": s("Hello"), "stream": b(True),
                          "return_finish_reason": b(True)})

@@ -347,6 +347,30 @@ def test_requests_sharing_a_prefix_are_grouped_and_answer_as_without(server, mod
              "the engine to count cascade rows")
 
 
+@pytest.mark.parametrize("model", ["llm", "llm_bls"])
+def test_num_cached_tokens_is_the_prompts_prefix_cache_hit(server, direct, model):
+    """return_num_cached_tokens: every response says how many prompt tokens the prefix cache
+    held for the request (none the first time a prompt is seen, its whole blocks the second),
+    as the direct engine's RequestOutput.num_cached_tokens says."""
+    prompt = (f"For {model}: the lighthouse keeper writes down the weather, the ships that pass "
+              f"and the lamp's oil every evening, in a book that nobody else reads.")
+    expected = [direct.generate(prompt, SamplingParams(**greedy(4)))[0].num_cached_tokens
+                for _ in range(2)]
+    assert expected[0] == 0 and expected[1] >= 16
+    got = []
+    for _ in range(2):
+        if model == "llm":
+            responses = stream_request(server, prompt, greedy(4), return_num_cached_tokens=True)
+            values = {int(o["num_cached_tokens"][0]) for o, _ in responses if o}
+            assert len(values) == 1, values          # the same in every response
+            got.append(values.pop())
+        else:
+            got.append(int(bls_grpc(server, prompt, greedy(4),
+                                    return_num_cached_tokens=True)["num_cached_tokens"][0]))
+    assert got == expected
+    assert "num_cached_tokens" not in bls_grpc(server, prompt, greedy(1))   # only when asked
+
+
 # ---------------------------------------------------------------------------- cancel
 def _wait_aborted_early(server, baseline):
     """Waits until an abort is published, then checks that the aborted request (the only one

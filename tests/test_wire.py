@@ -153,20 +153,23 @@ def with_int_ids(s: SchedulerOutput) -> SchedulerOutput:
         {int(r) for r in s.finished_request_ids})
 
 
-# Consecutive steps of core outputs: logprobs, each finish reason, rows that stay and rows that
-# change, aborts (no token), and the OUTPUTS flags each step's frame must carry.
+# Consecutive steps of core outputs: logprobs, first tokens with their cached prompt tokens,
+# each finish reason, rows that stay and rows that change, aborts (no token), and the OUTPUTS
+# flags each step's frame must carry.
 LP_SHORT = ([11], [-0.1], 1)                                              # logprobs=0
 LP_LONG = (list(range(21)), [-0.1 * k - 1e-3 for k in range(21)], 17)     # logprobs=20
 OUTPUT_STEPS = [
-    ([EngineCoreOutput(3, [10]), EngineCoreOutput(1, [11], new_logprobs=[LP_SHORT]),
-      EngineCoreOutput(4, [0], new_logprobs=[LP_LONG])], wire.ROWS | wire.LOGPROBS),
+    ([EngineCoreOutput(3, [10], num_cached_tokens=U32_MAX),
+      EngineCoreOutput(1, [11], new_logprobs=[LP_SHORT]),
+      EngineCoreOutput(4, [0], new_logprobs=[LP_LONG], num_cached_tokens=0)],
+     wire.ROWS | wire.LOGPROBS | wire.CACHED),
     ([EngineCoreOutput(3, [20]), EngineCoreOutput(1, [I32_MAX], "stop", None),
       EngineCoreOutput(4, [22])], wire.FINISHED),
     ([EngineCoreOutput(3, [30], "stop", 30), EngineCoreOutput(4, [31], "length"),
       EngineCoreOutput(9, [], "abort"), EngineCoreOutput(5, [], "abort")],
      wire.ROWS | wire.FINISHED | wire.ABORTED),
     ([EngineCoreOutput(7, [], "abort")], wire.ROWS | wire.ABORTED),
-    ([EngineCoreOutput(8, [40])], wire.ROWS),
+    ([EngineCoreOutput(8, [40], num_cached_tokens=48)], wire.ROWS | wire.CACHED),
     ([EngineCoreOutput(8, [41])], 0),
 ]
 
@@ -220,7 +223,8 @@ VALID = {
     "STATS": (wire.decode_stats, wire.encode_stats(EngineStats(*range(3, 14)))),
     "STATS_REQ": (lambda p: wire.decode_empty(wire.STATS_REQ, p), wire.frame(wire.STATS_REQ)),
     "ERROR": (wire.decode_error, wire.encode_error("boom: ünïcødé ✓")),
-    "OUTPUTS rows+logprobs": (lambda p: wire.OutputsDecoder().decode(p), OUTPUT_FRAMES[0]),
+    "OUTPUTS rows+logprobs+cached": (lambda p: wire.OutputsDecoder().decode(p),
+                                     OUTPUT_FRAMES[0]),
     "OUTPUTS steady": (lambda p: primed_outputs_decoder().decode(p), OUTPUT_FRAMES[1]),
     "OUTPUTS finished+aborted": (lambda p: primed_outputs_decoder().decode(p), OUTPUT_FRAMES[2]),
     "LOAD_TOKENIZER": (wire.decode_load_tokenizer,
@@ -596,7 +600,10 @@ def _count_offsets() -> dict[str, tuple[str, int]]:
         "ADD token_ids n": ("ADD", add_ids),
         "ADD stop_token_ids n": ("ADD", add_ids - 4 * len(ADD_PARAMS.stop_token_ids) - 4),
         "READY eos n": ("READY", 16),
-        "OUTPUTS n_rows": ("OUTPUTS rows+logprobs", 0),
+        "OUTPUTS n_rows": ("OUTPUTS rows+logprobs+cached", 0),
+        # the frame ends n, rows[2], cached prompt tokens[2]
+        "OUTPUTS cached n": ("OUTPUTS rows+logprobs+cached",
+                             len(body_of("OUTPUTS rows+logprobs+cached")) - 4 - 8 - 8),
         "SCHED n_rows": ("SCHED new", 0),
         "TOKENIZE n": ("TOKENIZE", 0),
         "TOKENS n": ("TOKENS", 0),
@@ -689,8 +696,8 @@ def test_split_frame_on_flipped_and_random_bytes():
 
 def _stream() -> tuple[bytes, list[tuple[int, bytes]], set[int]]:
     """Frames back to back: the bytes, the (kind, payload) pairs, and where each frame ends."""
-    frames = [VALID[name][1] for name in ("ADD", "STATS_REQ", "OUTPUTS rows+logprobs", "ABORT",
-                                          "ERROR", "SCHED blocks+finished")]
+    frames = [VALID[name][1] for name in ("ADD", "STATS_REQ", "OUTPUTS rows+logprobs+cached",
+                                          "ABORT", "ERROR", "SCHED blocks+finished")]
     split = [(kind, bytes(body)) for kind, body in map(wire.split_frame, frames)]
     return b"".join(frames), split, set(itertools.accumulate(map(len, frames)))
 
