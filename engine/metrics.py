@@ -172,6 +172,13 @@ class TritonMetrics:
         self._cascade_rows = counter("llm_cascade_rows_total",
                                      "Query rows whose shared prefix was read once per group "
                                      "(cascade attention)")
+        # vLLM's prefix_cache_queries / prefix_cache_hits: rate(hits) / rate(queries) is the
+        # hit ratio over any window, where the gauge below is since start.
+        self._prefix_queries = counter("llm_prefix_cache_queries_total",
+                                       "Prompt tokens of admitted requests, looked up in the "
+                                       "prefix cache")
+        self._prefix_hits = counter("llm_prefix_cache_hits_total",
+                                    "Prompt tokens found in the prefix cache (not computed)")
         self._gauges = {
             "running": gauge("llm_num_requests_running", "Requests in the running batch"),
             "waiting": gauge("llm_num_requests_waiting", "Requests waiting to be scheduled"),
@@ -206,6 +213,9 @@ class TritonMetrics:
             # After the gauges: a scrape that shows the step count moved shows gauges from
             # the same publication or a later one (tests/test_serving.py relies on it).
             self._increment("cascade_rows", self._cascade_rows, stats.num_cascade_rows)
+            # Queries before hits: a scrape between them never sees more hits than queries.
+            self._increment("prefix_queries", self._prefix_queries, stats.num_prompt_tokens)
+            self._increment("prefix_hits", self._prefix_hits, stats.num_cached_prompt_tokens)
             self._increment("graph_steps", self._graph_steps, stats.num_graph_steps)
             self._increment("steps", self._steps, stats.num_steps)
         for key, (buckets, sum_metric, count_metric) in self._hist.items():

@@ -245,9 +245,13 @@ def server_side(before: dict, after: dict) -> dict:
     responses, tokens = delta("llm_responses_total"), delta("llm_response_tokens_total")
     if responses:
         out["server_tokens_per_response"] = round(tokens / responses, 2)
-    # Shared prefixes: query rows that read theirs once per group (cascade attention), and
-    # the prefix cache's hits since the server started (a gauge).
+    # Shared prefixes: query rows that read theirs once per group (cascade attention), the
+    # prefix cache's hits over the run's prompt tokens (counters), and since the server
+    # started (a gauge).
     out["cascade_rows"] = int(delta("llm_cascade_rows_total"))
+    queries = delta("llm_prefix_cache_queries_total")
+    if queries:
+        out["prefix_cache_hit_ratio"] = round(delta("llm_prefix_cache_hits_total") / queries, 3)
     hits = [v for k, v in after.items() if k.startswith("llm_prefix_cache_hit_ratio{")]
     if hits:                    # one per llm instance: their mean
         out["prefix_cache_hit_ratio_since_start"] = round(sum(hits) / len(hits), 3)

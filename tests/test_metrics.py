@@ -84,3 +84,21 @@ def test_engine_steps_go_out_before_the_finished_requests_of_the_cut():
     published.publish(m)            # the next call takes its own cut: the later request now
     assert [e for e in pb.log if e[0] == "llm_requests_finished_total"] == [
         ("llm_requests_finished_total", "stop", 1)]
+
+
+def test_prefix_cache_counters_go_out_as_deltas_queries_before_hits():
+    pb = _FakePbUtils()
+    published = TritonMetrics(pb, {"model": "llm", "version": "1"})
+    m = ServingMetrics()
+    for prompt, cached in ((100, 0), (250, 96), (250, 96)):
+        m.on_stats(EngineStats(num_running=0, num_waiting=0, num_kv_blocks=64,
+                               num_free_kv_blocks=64, num_cached_kv_blocks=0, num_steps=3,
+                               num_prompt_tokens=prompt, num_computed_prompt_tokens=prompt - cached,
+                               num_cached_prompt_tokens=cached, num_generated_tokens=6,
+                               num_preemptions=0))
+        published.publish(m)
+    sent = [(name, value) for name, _, value in pb.log if name.startswith("llm_prefix_cache_")
+            and name.endswith("_total")]
+    assert sent == [("llm_prefix_cache_queries_total", 100),
+                    ("llm_prefix_cache_queries_total", 150), ("llm_prefix_cache_hits_total", 96)]
+

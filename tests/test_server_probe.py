@@ -57,18 +57,26 @@ def test_gauge_takes_the_largest_label_set():
     assert gauge({}, "llm_event_loop_lag_max_seconds") == 0.0
 
 
-def test_server_side_counts_a_runs_cascade_rows_and_the_prefix_hits_since_start():
-    """Cascade rows between the scrapes, summed over the instances; the prefix-cache hit ratio
-    (a gauge since start) as the instances' mean."""
+def test_server_side_counts_a_runs_cascade_rows_and_prefix_hits():
+    """Cascade rows between the scrapes, summed over the instances; the run's prefix-cache hit
+    ratio from the counters' deltas over all instances; the gauge since start as the
+    instances' mean."""
     a, b = 'model="llm",version="1",instance="llm_0_0"', 'model="llm",version="1",instance="llm_0_1"'
-    before = {f"llm_cascade_rows_total{{{a}}}": 100.0, f"llm_cascade_rows_total{{{b}}}": 5.0}
+    before = {f"llm_cascade_rows_total{{{a}}}": 100.0, f"llm_cascade_rows_total{{{b}}}": 5.0,
+              f"llm_prefix_cache_queries_total{{{a}}}": 1000.0,
+              f"llm_prefix_cache_hits_total{{{a}}}": 0.0}
     after = {f"llm_cascade_rows_total{{{a}}}": 400.0, f"llm_cascade_rows_total{{{b}}}": 25.0,
+             f"llm_prefix_cache_queries_total{{{a}}}": 3000.0,
+             f"llm_prefix_cache_queries_total{{{b}}}": 2000.0,
+             f"llm_prefix_cache_hits_total{{{a}}}": 1500.0,
+             f"llm_prefix_cache_hits_total{{{b}}}": 1500.0,
              f"llm_prefix_cache_hit_ratio{{{a}}}": 0.8, f"llm_prefix_cache_hit_ratio{{{b}}}": 0.6}
     out = server_side(before, after)
     assert out["cascade_rows"] == 320
+    assert out["prefix_cache_hit_ratio"] == pytest.approx(3000 / 4000)
     assert out["prefix_cache_hit_ratio_since_start"] == pytest.approx(0.7)
     none = server_side(after, after)
-    assert none["cascade_rows"] == 0
+    assert none["cascade_rows"] == 0 and "prefix_cache_hit_ratio" not in none
 
 
 def test_cpu_delta_cores_other_load_and_busiest_threads():

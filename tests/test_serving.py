@@ -351,12 +351,16 @@ def test_requests_sharing_a_prefix_are_grouped_and_answer_as_without(server, mod
 def test_num_cached_tokens_is_the_prompts_prefix_cache_hit(server, direct, model):
     """return_num_cached_tokens: every response says how many prompt tokens the prefix cache
     held for the request (none the first time a prompt is seen, its whole blocks the second),
-    as the direct engine's RequestOutput.num_cached_tokens says."""
+    as the direct engine's RequestOutput.num_cached_tokens says; the prefix-cache counters
+    move by as much."""
     prompt = (f"For {model}: the lighthouse keeper writes down the weather, the ships that pass "
               f"and the lamp's oil every evening, in a book that nobody else reads.")
-    expected = [direct.generate(prompt, SamplingParams(**greedy(4)))[0].num_cached_tokens
-                for _ in range(2)]
+    direct_outs = [direct.generate(prompt, SamplingParams(**greedy(4)))[0] for _ in range(2)]
+    expected = [o.num_cached_tokens for o in direct_outs]
     assert expected[0] == 0 and expected[1] >= 16
+    wait_pool_whole(server)         # every earlier request's stats are published
+    queries = metric(server, "llm_prefix_cache_queries_total")
+    hits = metric(server, "llm_prefix_cache_hits_total")
     got = []
     for _ in range(2):
         if model == "llm":
@@ -368,6 +372,15 @@ def test_num_cached_tokens_is_the_prompts_prefix_cache_hit(server, direct, model
             got.append(int(bls_grpc(server, prompt, greedy(4),
                                     return_num_cached_tokens=True)["num_cached_tokens"][0]))
     assert got == expected
+    num_prompt = len(direct_outs[0].prompt_token_ids)
+
+    def counted():
+        values = metrics(server)
+        return (metric(server, "llm_prefix_cache_queries_total", values) - queries,
+                metric(server, "llm_prefix_cache_hits_total", values) - hits)
+    # Published twice a second, hits after queries: wait for both.
+    wait_for(lambda: counted() == (2 * num_prompt, sum(got)),
+             f"the prefix-cache counters to move by (queries, hits) = {(2 * num_prompt, sum(got))}")
     assert "num_cached_tokens" not in bls_grpc(server, prompt, greedy(1))   # only when asked
 
 
