@@ -217,5 +217,6 @@ class OutputProcessor:
             comp = CompletionOutput(0, text, token_ids, st.finish_reason if finished else None,
                                     st.stop_reason if finished else None, logprobs)
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [comp], finished,
-                             num_cached_tokens=st.num_cached_tokens, metrics={"first_token_time": st.first_token_time,
+                             num_cached_tokens=st.num_cached_tokens,
+                             metrics={"first_token_time": st.first_token_time,
                                       "last_token_time": st.last_token_time})
