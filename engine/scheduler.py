@@ -412,7 +412,8 @@ class Scheduler:
                 req.finish_reason if done else None,
                 req.stop_reason if done else None,
                 [lp] if lp is not None else None,
-                req.num_cached_prompt_tokens if req.num_output_tokens == 1 else None))
+                num_cached_tokens=(req.num_cached_prompt_tokens
+                                   if req.num_output_tokens == 1 else None)))
             if done:
                 if running:
                     self.running.remove(req)

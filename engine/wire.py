@@ -522,7 +522,8 @@ class OutputsDecoder:
             reason, stop_reason = reasons.get(r, (None, None))
             lp = logprobs.get(r)
             outs.append(EngineCoreOutput(index, [tok], reason, stop_reason,
-                                         [lp] if lp is not None else None, cached.get(r)))
+                                         [lp] if lp is not None else None,
+                                         num_cached_tokens=cached.get(r)))
         outs.extend(EngineCoreOutput(index, [], "abort") for index in aborted)
         return outs
 

@@ -252,9 +252,9 @@ def server_side(before: dict, after: dict) -> dict:
     queries = delta("llm_prefix_cache_queries_total")
     if queries:
         out["prefix_cache_hit_ratio"] = round(delta("llm_prefix_cache_hits_total") / queries, 3)
-    hits = [v for k, v in after.items() if k.startswith("llm_prefix_cache_hit_ratio{")]
-    if hits:                    # one per llm instance: their mean
-        out["prefix_cache_hit_ratio_since_start"] = round(sum(hits) / len(hits), 3)
+    ratios = [v for k, v in after.items() if k.startswith("llm_prefix_cache_hit_ratio{")]
+    if ratios:                  # one per llm instance: their mean
+        out["prefix_cache_hit_ratio_since_start"] = round(sum(ratios) / len(ratios), 3)
     return out
 
 
