@@ -26,6 +26,9 @@ HISTOGRAMS = {
              LATENCY_BUCKETS),
     "itl": ("llm_inter_token_latency_seconds", "Time between generated tokens of a request, as sent",
             LATENCY_BUCKETS),
+    "e2e": ("llm_e2e_request_latency_seconds",
+            "Time from arrival until a request's final response (any finish reason)",
+            LATENCY_BUCKETS),
     "send": ("llm_response_send_seconds", "Time to hand one response to tritonserver",
              LATENCY_BUCKETS),
     "loop_lag": ("llm_event_loop_lag_seconds",
@@ -66,6 +69,7 @@ class ServingMetrics:
     """What the serving code records. Counters only grow; gauges hold the last value."""
     ttft: Histogram             # one attribute per HISTOGRAMS key
     itl: Histogram
+    e2e: Histogram
     send: Histogram
     loop_lag: Histogram
 
@@ -87,6 +91,9 @@ class ServingMetrics:
 
     def on_inter_token(self, seconds: float, count: int = 1) -> None:
         self.itl.observe(seconds, count)
+
+    def on_request_done(self, seconds: float) -> None:
+        self.e2e.observe(seconds)
 
     def on_response(self, num_tokens: int, send_seconds: float) -> None:
         with self._lock:
@@ -169,6 +176,9 @@ class TritonMetrics:
                                     "Engine steps run as captured CUDA graphs, whole or cut "
                                     "at attention (the rest of llm_engine_steps_total were "
                                     "launched eagerly)")
+        self._preemptions = counter("llm_num_preemptions_total",
+                                    "Running requests preempted for want of KV blocks (their "
+                                    "blocks freed, their tokens recomputed when resumed)")
         self._cascade_rows = counter("llm_cascade_rows_total",
                                      "Query rows whose shared prefix was read once per group "
                                      "(cascade attention)")
@@ -212,6 +222,7 @@ class TritonMetrics:
             g["prefix_hit"].set(stats.num_cached_prompt_tokens / max(stats.num_prompt_tokens, 1))
             # After the gauges: a scrape that shows the step count moved shows gauges from
             # the same publication or a later one (tests/test_serving.py relies on it).
+            self._increment("preemptions", self._preemptions, stats.num_preemptions)
             self._increment("cascade_rows", self._cascade_rows, stats.num_cascade_rows)
             # Queries before hits: a scrape between them never sees more hits than queries.
             self._increment("prefix_queries", self._prefix_queries, stats.num_prompt_tokens)

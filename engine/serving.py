@@ -461,6 +461,7 @@ class ServingEngine:
         logger.info("request %s: sending failed (%s); aborting it", r.rid, e)
         self.engine.abort_nowait(r.rid)
         if r.req is not None and r.rid in self._inflight:
+            self.metrics.on_request_done(time.monotonic() - r.start)
             self.metrics.on_finish("abort")
         self._forget(r)
         self._count_open(-1)
@@ -473,6 +474,7 @@ class ServingEngine:
                 self.metrics.on_first_token(first - r.start)
                 if num_out > 1:
                     self.metrics.on_inter_token((last - first) / (num_out - 1), num_out - 1)
+        self.metrics.on_request_done(time.monotonic() - r.start)
         # Last: a request counts as finished once its latencies are in (TritonMetrics.publish).
         self.metrics.on_tokens(len(out.prompt_token_ids), num_out)
         self.metrics.on_finish(reason or out.outputs[0].finish_reason)

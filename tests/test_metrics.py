@@ -38,6 +38,7 @@ def test_a_request_counted_finished_is_published_after_its_latencies():
     m = ServingMetrics()
     m.on_first_token(0.02)          # the serving code observes latencies first,
     m.on_inter_token(0.01, 5)
+    m.on_request_done(0.07)
     m.on_tokens(10, 6)
     m.on_finish("length")           # then counts the request finished
     published.publish(m)
@@ -45,9 +46,11 @@ def test_a_request_counted_finished_is_published_after_its_latencies():
     finished = names.index("llm_requests_finished_total")
     for family in ("llm_time_to_first_token_seconds_count",
                    "llm_inter_token_latency_seconds_count",
+                   "llm_e2e_request_latency_seconds_count",
                    "llm_time_to_first_token_seconds_bucket"):
         assert names.index(family) < finished, family
     assert ("llm_requests_finished_total", "length", 1) in pb.log
+    assert ("llm_e2e_request_latency_seconds_sum", None, 0.07) in pb.log
     pb.log.clear()
     published.publish(m)            # nothing changed: nothing sent again
     assert [e for e in pb.log if e[0] != "llm_event_loop_lag_max_seconds"] == []
@@ -102,3 +105,17 @@ def test_prefix_cache_counters_go_out_as_deltas_queries_before_hits():
     assert sent == [("llm_prefix_cache_queries_total", 100),
                     ("llm_prefix_cache_queries_total", 150), ("llm_prefix_cache_hits_total", 96)]
 
+
+
+def test_preemptions_go_out_as_deltas_of_the_engines_count():
+    pb = _FakePbUtils()
+    published = TritonMetrics(pb, {"model": "llm", "version": "1"})
+    m = ServingMetrics()
+    for preemptions in (0, 3, 3, 7):
+        m.on_stats(EngineStats(num_running=0, num_waiting=0, num_kv_blocks=64,
+                               num_free_kv_blocks=64, num_cached_kv_blocks=0, num_steps=3,
+                               num_prompt_tokens=10, num_computed_prompt_tokens=10,
+                               num_cached_prompt_tokens=0, num_generated_tokens=6,
+                               num_preemptions=preemptions))
+        published.publish(m)
+    assert [value for name, _, value in pb.log if name == "llm_num_preemptions_total"] == [3, 4]

@@ -3,6 +3,7 @@ import concurrent.futures
 import json
 import os
 import queue
+import random
 import re
 import shutil
 import signal
@@ -812,6 +813,27 @@ def test_max_tokens_beyond_the_context_ends_at_max_model_len(server, model):
     wait_pool_whole(server)
 
 
+def test_requests_outgrowing_the_pool_are_preempted_and_answer_as_direct(server, direct):
+    """Eight requests of ~560 prompt tokens and 100 out need ~5,300 tokens of KV together, more
+    than the server's 256 blocks of 16 (4,096): as they grow, the newest running ones are
+    preempted and recomputed later (as vLLM's default). llm_num_preemptions_total counts it,
+    every answer is the direct engine's, and no block leaks."""
+    rng = random.Random(7)
+    words = ["ships", "clouds", "bread", "rivers", "lamps", "maps", "salt", "bees", "stone",
+             "wind", "glass", "moss"]
+    prompts = [f"Request {i}: " + " ".join(rng.choice(words) for _ in range(280)) for i in range(8)]
+    params = greedy(100)
+    want = direct.generate(prompts, SamplingParams(**params))
+    assert all(520 <= len(o.prompt_token_ids) <= 700 for o in want), [len(o.prompt_token_ids) for o in want]
+    assert 8 * (520 + 100) > SETTINGS["num_kv_blocks"] * 16
+    before = metric(server, "llm_num_preemptions_total")
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        texts = list(pool.map(lambda p: text_of(stream_request(server, p, params)), prompts))
+    assert texts == [o.outputs[0].text for o in want]
+    wait_pool_whole(server)
+    assert metric(server, "llm_num_preemptions_total") > before
+
+
 # ---------------------------------------------------------------------------- metrics
 def test_metrics_families_move(server):
     """Counted in the serving process and published twice a second (engine/metrics.py): the
@@ -819,7 +841,7 @@ def test_metrics_families_move(server):
     is observed between a stream's responses, so it moves only where the tokens came in more
     than one: under load all 8 may pile up into the first (engine/outbox.py), and then it must
     not move."""
-    counted = ["llm_time_to_first_token_seconds_count",
+    counted = ["llm_time_to_first_token_seconds_count", "llm_e2e_request_latency_seconds_count",
                "llm_prompt_tokens_total", "llm_generation_tokens_total",
                "llm_event_loop_lag_seconds_count", "llm_responses_total",
                "llm_response_tokens_total", "llm_response_send_seconds_count"]
@@ -837,12 +859,13 @@ def test_metrics_families_move(server):
     wait_for(moved, "the request's metrics to be published")
     after = metrics(server)
     # Histograms in Prometheus' layout: cumulative buckets up to +Inf, which equals the count.
-    inf = metric(server, "llm_time_to_first_token_seconds_bucket", after, le="+Inf")
-    assert inf == metric(server, "llm_time_to_first_token_seconds_count", after) > 0
+    for family in ("llm_time_to_first_token_seconds", "llm_e2e_request_latency_seconds"):
+        inf = metric(server, f"{family}_bucket", after, le="+Inf")
+        assert inf == metric(server, f"{family}_count", after) > 0
     for family in ("llm_num_requests_running", "llm_num_requests_waiting", "llm_kv_blocks_total",
                    "llm_kv_blocks_free", "llm_kv_cache_usage_ratio",
                    "llm_prefix_cache_hit_ratio", "llm_event_loop_lag_max_seconds",
-                   "llm_engine_graph_steps_total"):
+                   "llm_engine_graph_steps_total", "llm_num_preemptions_total"):
         assert any(k.startswith(family + "{") for k in after), family
     assert metric(server, "llm_kv_blocks_total") == SETTINGS["num_kv_blocks"]
     # On CPU every step is launched eagerly: no CUDA graphs.
