@@ -24,6 +24,15 @@ _FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters") + _FLAGS
 OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
                 "output_ids", "logprobs", "num_cached_tokens")
+# The request's own parameters as a JSON object, which the models pass beside the tensors under
+# this name (no input has it). They are where Triton's generate endpoint puts its "parameters"
+# object and every key that is not an input (`{"text_input": ..., "parameters":
+# {"temperature": 0}}`, or `{"text_input": ..., "max_tokens": 8}`), and gRPC its parameters
+# map. Triton's vLLM backend reads them as the sampling parameters when the
+# `sampling_parameters` input is absent; here they are merged under it (the input wins), and a
+# key naming a flag input (`stream`, `return_finish_reason`, ...) sets that flag where its
+# tensor is absent. Any other key is an error, so nothing a client asks for goes unheard.
+REQUEST_PARAMETERS = "parameters"
 # llm_bls's input to llm: abort the request the caller started with this id. Only ids of the
 # requests llm_bls starts (BLS_REQUEST_ID_PREFIX...) are honoured: another client could guess.
 CONTROL_INPUT_NAMES = ("abort_request_id",)
@@ -121,6 +130,14 @@ def parse_sampling_parameters(text: str) -> dict:
     return _coerce_json_values(load_json_object(text, "sampling_parameters"))
 
 
+def with_request_parameters(inputs: dict[str, np.ndarray], parameters: str | None) -> dict:
+    """`inputs` with the request's parameters (the JSON object of Triton's
+    `request.parameters()`) under REQUEST_PARAMETERS, where it has any."""
+    if parameters and parameters.strip() not in ("", "{}"):
+        inputs[REQUEST_PARAMETERS] = np.array([parameters.encode()], dtype=np.object_)
+    return inputs
+
+
 T = TypeVar("T")
 
 
@@ -153,18 +170,45 @@ def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
     else:
         raise ValueError("missing input: give text_input (a string) or input_ids")
 
-    params = {}
+    params, flags = _request_parameters(inputs)
     if inputs.get("sampling_parameters") is not None:
-        params = parse_sampling_parameters(_text(inputs["sampling_parameters"],
-                                                 "sampling_parameters",
-                                                 MAX_SAMPLING_PARAMETERS_BYTES))
+        params.update(parse_sampling_parameters(_text(inputs["sampling_parameters"],
+                                                      "sampling_parameters",
+                                                      MAX_SAMPLING_PARAMETERS_BYTES)))
     try:
         sampling = SamplingParams.from_dict(params)
     except TypeError as e:
         raise ValueError(f"sampling_parameters: {e}") from None
 
-    flags = {name: _flag(inputs[name], name) for name in _FLAGS if inputs.get(name) is not None}
+    flags.update({name: _flag(inputs[name], name) for name in _FLAGS
+                  if inputs.get(name) is not None})
     return GenerateRequest(prompt, sampling, **flags)
+
+
+def _request_parameters(inputs: dict[str, np.ndarray]) -> tuple[dict, dict[str, bool]]:
+    """The request parameters (REQUEST_PARAMETERS) split into sampling parameters and flags."""
+    if inputs.get(REQUEST_PARAMETERS) is None:
+        return {}, {}
+    text = _text(inputs[REQUEST_PARAMETERS], "parameters", MAX_SAMPLING_PARAMETERS_BYTES)
+    given = _coerce_json_values(load_json_object(text, "parameters"))
+    unknown = sorted(str(k) for k in given if k not in _FLAGS and k not in _SAMPLING_KEYS)
+    if unknown:
+        raise ValueError(f"unknown request parameter(s) {unknown}: the request's parameters "
+                         f"may be sampling parameters {list(_SAMPLING_KEYS)} or the flags "
+                         f"{list(_FLAGS)}")
+    flags = {}
+    for name in _FLAGS:
+        if name in given:
+            v = given.pop(name)
+            if isinstance(v, str) and v.strip().lower() in ("true", "false"):
+                v = v.strip().lower() == "true"
+            if not isinstance(v, bool):
+                raise ValueError(f"parameters: {name} must be true or false, got {v!r:.40}")
+            flags[name] = v
+    return given, flags
+
+
+_SAMPLING_KEYS = tuple(SamplingParams.field_names())
 
 
 def _input_ids(arr: np.ndarray) -> list[int]:
@@ -183,13 +227,14 @@ def _input_ids(arr: np.ndarray) -> list[int]:
 @_only_value_errors
 def bls_inner_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The llm_bls request turned into an llm request: TensorRT-LLM-style scalar inputs merged
-    into `sampling_parameters` (they win), one response (`stream` false). Raises ValueError for
-    a request `llm` would refuse, so that it is not forwarded."""
-    params = {}
+    into `sampling_parameters` (they win), the request parameters folded in as `llm` reads
+    them, one response (`stream` false). Raises ValueError for a request `llm` would refuse, so
+    that it is not forwarded."""
+    params, flags = _request_parameters(inputs)
     if inputs.get("sampling_parameters") is not None:
-        params = parse_sampling_parameters(_text(inputs["sampling_parameters"],
-                                                 "sampling_parameters",
-                                                 MAX_SAMPLING_PARAMETERS_BYTES))
+        params.update(parse_sampling_parameters(_text(inputs["sampling_parameters"],
+                                                      "sampling_parameters",
+                                                      MAX_SAMPLING_PARAMETERS_BYTES)))
     for name, kind in SCALAR_OVERRIDES.items():
         if inputs.get(name) is not None:
             params[name] = kind(_scalar(inputs[name], name))
@@ -199,7 +244,8 @@ def bls_inner_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             raise ValueError(f"stop_words holds {words.size} strings; at most "
                              f"{MAX_STOP_STRINGS} are allowed")
         params["stop"] = [_text(np.array([w]), "stop_words") for w in words]
-    inner = {k: v for k, v in inputs.items() if k in INPUT_NAMES and v is not None}
+    inner = {name: np.array([v]) for name, v in flags.items()}
+    inner.update({k: v for k, v in inputs.items() if k in INPUT_NAMES and v is not None})
     inner["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
     inner["stream"] = np.array([False])
     parse_request(inner)

@@ -5,7 +5,8 @@ import pytest
 
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.protocol import (MAX_INPUT_IDS, MAX_SAMPLING_PARAMETERS_BYTES, MAX_TEXT_INPUT_BYTES,
-                             bls_inner_inputs, make_response, parse_request)
+                             REQUEST_PARAMETERS, bls_inner_inputs, make_response, parse_request,
+                             with_request_parameters)
 from engine.sampling_params import MAX_STOP_STRINGS
 
 
@@ -94,7 +95,7 @@ HOSTILE_TENSORS = [
 
 
 @pytest.mark.parametrize("name", ["text_input", "input_ids", "sampling_parameters", "stream",
-                                  "return_logprobs"])
+                                  "return_logprobs", REQUEST_PARAMETERS])
 def test_any_tensor_in_any_input_is_parsed_or_a_value_error(name):
     """The server answers only ValueErrors with an error response: nothing else may escape."""
     for arr in HOSTILE_TENSORS:
@@ -137,6 +138,50 @@ def test_bls_scalars_override_json_and_force_one_response():
     assert params == {"max_tokens": 9, "top_k": 3, "temperature": 0.25, "stop": ["END", "\n\n"]}
     assert inner["stream"][0] == np.False_ and "max_tokens" not in inner
     assert parse_request(inner).params.max_tokens == 9
+
+
+def test_request_parameters_are_sampling_parameters_and_flags_under_the_inputs():
+    """Triton's generate endpoint puts its "parameters" object (and any key that is not an
+    input) into the request's parameters, where Triton's vLLM backend reads its sampling
+    parameters when the sampling_parameters input is absent."""
+    req = parse_request(with_request_parameters(
+        {"text_input": s("x")},
+        '{"temperature": 0, "max_tokens": "3", "stream": true, "return_finish_reason": "true"}'))
+    assert req.params.greedy and req.params.max_tokens == 3
+    assert req.stream and req.return_finish_reason
+    # The inputs win where both say something; the rest is merged.
+    req = parse_request(with_request_parameters(
+        {"text_input": s("x"), "sampling_parameters": s('{"max_tokens": 5}'), "stream": b(False)},
+        '{"max_tokens": 3, "top_k": 7, "stream": true}'))
+    assert req.params.max_tokens == 5 and req.params.top_k == 7 and not req.stream
+    assert REQUEST_PARAMETERS not in with_request_parameters({"text_input": s("x")}, "{}")
+    assert REQUEST_PARAMETERS not in with_request_parameters({"text_input": s("x")}, "")
+
+
+@pytest.mark.parametrize("parameters,needle", [
+    ('{"bogus_key": 1, "temperature": 0}', r"unknown request parameter\(s\) \['bogus_key'\]"),
+    ('{"min_p": 2.0}', "min_p"),
+    ('{"stream": 1}', "parameters: stream must be true or false, got 1"),
+    ('{"temperature": 0', "parameters is not valid JSON"),
+    ('[1]', "parameters must be a JSON object"),
+])
+def test_bad_request_parameters_are_named(parameters, needle):
+    for parse in (parse_request, bls_inner_inputs):
+        with pytest.raises(ValueError, match=needle):
+            parse(with_request_parameters({"text_input": s("x")}, parameters))
+
+
+def test_bls_folds_the_request_parameters_into_llms_inputs():
+    inner = bls_inner_inputs(with_request_parameters(
+        {"text_input": s("x"), "sampling_parameters": s('{"top_k": 3}'),
+         "max_tokens": np.array([9], dtype=np.int32)},
+        '{"max_tokens": 2, "temperature": 0, "top_k": 1, "return_finish_reason": true}'))
+    assert REQUEST_PARAMETERS not in inner
+    assert json.loads(inner["sampling_parameters"][0]) == {"max_tokens": 9, "temperature": 0,
+                                                           "top_k": 3}
+    assert inner["return_finish_reason"][0] == np.True_
+    req = parse_request(inner)
+    assert req.return_finish_reason and req.params.greedy and req.params.max_tokens == 9
 
 
 def _out(finished=True):

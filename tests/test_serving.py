@@ -279,6 +279,46 @@ def test_bls_grpc_http_infer_and_generate_equal_streaming(server):
     assert gen["text_output"] == prompt + streamed
 
 
+def test_request_parameters_are_sampling_parameters_as_in_the_vllm_backend(server, direct):
+    """Triton's generate endpoint puts its "parameters" object, and every key that is not an
+    input, into the request's parameters; gRPC clients set them directly. Triton's vLLM backend
+    samples by them when sampling_parameters is absent, so both models do too (the inputs win
+    where both are given), and a key they cannot honour is an error naming it."""
+    prompt = "Parameters, not tensors"
+    want = direct.generate(prompt, SamplingParams(**greedy(3)))[0].outputs[0].text
+    gen = http_json(server, "/v2/models/llm_bls/generate", {
+        "text_input": prompt, "exclude_input_in_output": True, "parameters": greedy(3)})
+    assert gen["text_output"] == want
+    gen = http_json(server, "/v2/models/llm_bls/generate", {
+        "text_input": prompt, "exclude_input_in_output": True, **greedy(3)})
+    assert gen["text_output"] == want
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    try:
+        inputs = [t for t in grpc_inputs(prompt, {}, stream=False, exclude_input_in_output=True)
+                  if t.name() != "sampling_parameters"]
+        result = client.infer("llm_bls", inputs, parameters=greedy(3))
+        assert result.as_numpy("text_output")[0].decode() == want
+    finally:
+        client.close()
+    streamed = urllib.request.urlopen(urllib.request.Request(
+        f"http://{server.http_url}/v2/models/llm/generate_stream",
+        data=json.dumps({"text_input": prompt, "stream": True,
+                         "parameters": {**greedy(3), "return_num_output_tokens": True}}).encode(),
+        headers={"Content-Type": "application/json"}), timeout=60).read().decode()
+    events = [json.loads(line[len("data: "):]) for line in streamed.splitlines()
+              if line.startswith("data: ")]
+    assert "".join(e["text_output"] for e in events) == want
+    assert events[-1]["num_output_tokens"] == 3
+    for model in ("llm", "llm_bls"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            http_json(server, f"/v2/models/{model}/generate",
+                      {"text_input": prompt, "parameters": {"temperture": 0}})
+        assert e.value.code == 400
+        body = e.value.read().decode()
+        assert "unknown request parameter(s) ['temperture']" in body and "temperature" in body
+    _server_carries_on(server)
+
+
 def test_bls_scalar_inputs_override_json(server, direct):
     prompt = "Scalars win"
     expected = direct.generate(prompt, SamplingParams(**greedy(5)))[0].outputs[0].token_ids

@@ -8,7 +8,7 @@ import triton_python_backend_utils as pb_utils
 from engine.config import EngineConfig, settings_from_triton
 from engine.instance_board import InstanceBoard
 from engine.metrics import TritonMetrics
-from engine.protocol import CONTROL_INPUT_NAMES, INPUT_NAMES
+from engine.protocol import CONTROL_INPUT_NAMES, INPUT_NAMES, with_request_parameters
 from engine.signal_watch import SignalWatch
 
 
@@ -105,7 +105,8 @@ def _open_board(model_name):
 
 def _inputs_of(request):
     def read():
-        return {t.name(): t.as_numpy() for t in request.inputs() if t.name() in _KNOWN_INPUTS}
+        inputs = {t.name(): t.as_numpy() for t in request.inputs() if t.name() in _KNOWN_INPUTS}
+        return with_request_parameters(inputs, request.parameters())
     return read
 
 

@@ -18,7 +18,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from engine.bls_calls import BlsCalls, python_backend_thread_pool_size
-from engine.protocol import INPUT_NAMES, OUTPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs
+from engine.protocol import (INPUT_NAMES, OUTPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs,
+                             with_request_parameters)
 
 _OUTER_INPUTS = frozenset(INPUT_NAMES + tuple(SCALAR_OVERRIDES) + ("stop_words",))
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -81,7 +82,9 @@ def _answer_from_llm(request, inner_id):
     """The response to send, and what must outlive its sending: the BLS call's iterator (see
     _serve) and the output tensors (a response sender drops the tensors the client did not ask
     for without the GIL: never their last reference)."""
-    inputs = {t.name(): t.as_numpy() for t in request.inputs() if t.name() in _OUTER_INPUTS}
+    inputs = with_request_parameters(
+        {t.name(): t.as_numpy() for t in request.inputs() if t.name() in _OUTER_INPUTS},
+        request.parameters())
     try:
         inner = bls_inner_inputs(inputs)
     except ValueError as e:
