@@ -57,6 +57,16 @@ class _RequestState:
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0          # told with the first token
+        # The tokens whose text the output carries; None: all. Set before the last token is
+        # added when the core ended the request on a stop token or EOS: as in vLLM, that
+        # token's text is left out unless include_stop_str_in_output (it stays in token_ids).
+        self.num_text_tokens: int | None = None
+
+    def ids_to_decode(self, end: int) -> list[int]:
+        """The token ids from num_decoded up to `end` whose text the output carries."""
+        if self.num_text_tokens is not None:
+            end = min(end, self.num_text_tokens)
+        return self.token_ids[self.num_decoded:end]
 
 
 class PullOutput:
@@ -118,6 +128,9 @@ class OutputProcessor:
                 st.num_cached_tokens = co.num_cached_tokens
             if st.logprobs is not None and co.new_logprobs:
                 st.logprobs.extend(self._logprobs(lp) for lp in co.new_logprobs)
+            if (co.finished and co.finish_reason == "stop" and co.new_token_ids
+                    and not st.params.include_stop_str_in_output):
+                st.num_text_tokens = len(st.token_ids) + len(co.new_token_ids) - 1
             handle = st.handle
             if handle is not None:
                 # Tokens first, the finish after: render reads them in the other order.
@@ -134,7 +147,7 @@ class OutputProcessor:
                 continue
             if st.detok:
                 windows[st.detok.skip_special_tokens].extend(
-                    st.detok.windows(st.token_ids[st.num_decoded:]))
+                    st.detok.windows(st.ids_to_decode(len(st.token_ids))))
             st.num_decoded = len(st.token_ids)
             todo.append((co, st, st.detok is not None))
         texts = {skip: iter(self._decode_many(seqs, skip)) if seqs else iter(())
@@ -148,7 +161,8 @@ class OutputProcessor:
             st.text += new_text
             if finished:
                 st.finish_reason, st.stop_reason = co.finish_reason, co.stop_reason
-            if st.stop.stop and new_text and len(st.token_ids) >= st.params.min_tokens:
+            # As vLLM: the text of the first min_tokens tokens is not searched.
+            if st.stop.stop and new_text and len(st.token_ids) > st.params.min_tokens:
                 hit = st.stop.find(st.text, len(new_text))
                 if hit is not None:
                     st.stop_reason, cut = hit
@@ -171,7 +185,7 @@ class OutputProcessor:
         st = handle.state
         finished = st.finish_reason is not None       # before the tokens: see process
         n = len(st.token_ids)
-        new_ids = st.token_ids[st.num_decoded:n]
+        new_ids = st.ids_to_decode(n)
         st.num_decoded = n
         if st.detok is not None and (new_ids or finished):
             skip = st.detok.skip_special_tokens

@@ -58,6 +58,13 @@ def test_stop_token_id(llm, greedy_ref):
                                               stop_token_ids=[stop_id]))[0].outputs[0]
     assert out.token_ids == greedy_ref.token_ids[:first + 1]
     assert out.finish_reason == "stop" and out.stop_reason == stop_id
+    # As vLLM: the stop token's text is not in the output text unless asked for.
+    tok = llm.tokenizer
+    assert out.text == tok.decode(greedy_ref.token_ids[:first], skip_special_tokens=True)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=48, temperature=0, ignore_eos=True,
+                                              stop_token_ids=[stop_id],
+                                              include_stop_str_in_output=True))[0].outputs[0]
+    assert out.text == tok.decode(greedy_ref.token_ids[:first + 1], skip_special_tokens=True)
 
 
 def _token_texts(tok, ids):

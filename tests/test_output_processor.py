@@ -137,3 +137,47 @@ def test_every_output_carries_the_cached_prompt_tokens_told_with_the_first_token
     outs = [o for o in outs if o is not None]
     assert len(outs) == (len(steps) if stream else 1) and outs[-1].finished
     assert [o.num_cached_tokens for o in outs] == [32] * len(outs)
+
+
+def _stop_token_run(tok, params, mode):
+    """TEXT's tokens, the last one a stop token the core ended the request on: the joined
+    text and ids of the outputs (mode: per step, pulled, or one final output)."""
+    steps, ids = _steps(tok, finish="stop")
+    steps[-1].stop_reason = ids[-1]
+    proc = OutputProcessor(tok, stream_deltas=mode != "final")
+    proc.add_request(7, "r", "Prompt", tok.encode("Prompt"), params, pull=mode == "pull")
+    outs = []
+    for co in steps:
+        got, _ = proc.process([co])
+        outs += [proc.render(o) if isinstance(o, PullOutput) else o for o in got]
+    outs = [o for o in outs if o is not None]
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "stop"
+    assert outs[-1].outputs[0].stop_reason == ids[-1]
+    return _joined(outs), ids
+
+
+@pytest.mark.parametrize("mode", ["step", "pull", "final"])
+def test_the_stop_tokens_text_is_left_out_unless_asked_for(tok, mode):
+    """vLLM leaves the text of the token that stopped a request (a stop_token_ids entry or
+    EOS) out of the output text unless include_stop_str_in_output; the id stays."""
+    (text, got_ids), ids = _stop_token_run(tok, SamplingParams(max_tokens=1000), mode)
+    assert got_ids == ids
+    assert text == tok.decode(ids[:-1]) and text != TEXT
+    (text, got_ids), _ = _stop_token_run(
+        tok, SamplingParams(max_tokens=1000, include_stop_str_in_output=True), mode)
+    assert got_ids == ids and text == TEXT
+
+
+def test_a_stop_string_in_the_first_min_tokens_tokens_text_is_not_searched(tok):
+    """As vLLM: stop strings are looked for once more than min_tokens tokens are out, so a
+    stop string within the first min_tokens tokens' text does not end the request."""
+    ids = tok.encode("plain words at the end", add_special_tokens=False)
+    steps = [EngineCoreOutput(7, [t], None) for t in ids]
+    second = tok.decode(ids[:2])[len(tok.decode(ids[:1])):]
+    assert second.strip() and second not in tok.decode(ids[:1]), second
+    for min_tokens, stopped in ((1, True), (2, False)):
+        proc = OutputProcessor(tok, stream_deltas=False)
+        proc.add_request(7, "r", None, [1], SamplingParams(max_tokens=1000, stop=[second],
+                                                           min_tokens=min_tokens))
+        to_abort = [key for co in steps[:2] for key in proc.process([co])[1]]
+        assert (to_abort == [7]) is stopped, (min_tokens, to_abort)
