@@ -99,8 +99,9 @@ class Request:
 
     def _length_reached(self, num_tokens: int, max_model_len: int) -> bool:
         """With num_tokens tokens the request has all the output it may have."""
-        return (num_tokens - self.num_prompt_tokens >= self.sampling_params.max_tokens
-                or num_tokens >= max_model_len)
+        max_tokens = self.sampling_params.max_tokens
+        return (num_tokens >= max_model_len
+                or max_tokens is not None and num_tokens - self.num_prompt_tokens >= max_tokens)
 
     @property
     def num_cached_prompt_tokens(self) -> int:

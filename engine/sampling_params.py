@@ -36,7 +36,7 @@ class SamplingParams:
     under the raw model distribution and the top-n alternatives.
     """
 
-    max_tokens: int = 16
+    max_tokens: int | None = 16         # None: until the context ends (max_model_len)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = _NO_TOP_K
@@ -60,13 +60,17 @@ class SamplingParams:
         if self.top_k is None:
             self.top_k = _NO_TOP_K
         _check_int("top_k", self.top_k)
+        if self.top_k < -1:
+            raise ValueError(f"top_k must be -1 or 0 (no top-k) or a positive integer, "
+                             f"got {self.top_k}")
         self.top_k = _NO_TOP_K if self.top_k < 0 else min(self.top_k, _MAX_TOP_K)
         self.validate()
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         # max_tokens has no upper bound: a request also ends at the model's max_model_len.
-        _check_int("max_tokens", self.max_tokens, lo=1)
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, lo=1)
         _check_num("temperature", self.temperature, lo=0.0, hi=FLOAT32_MAX)
         _check_num("top_p", self.top_p, lo=0.0, lo_open=True, hi=1.0)
         _check_int("top_k", self.top_k, lo=0)
@@ -91,7 +95,7 @@ class SamplingParams:
                 raise ValueError(f"stop_token_ids must be non-negative integers, got {_short(t)}")
         _check_bool("ignore_eos", self.ignore_eos)
         _check_int("min_tokens", self.min_tokens, lo=0)
-        if self.min_tokens > self.max_tokens:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens must be <= max_tokens ({self.max_tokens}), got {self.min_tokens}")
         _check_num("repetition_penalty", self.repetition_penalty, lo=FLOAT32_MIN_NORMAL,
@@ -114,9 +118,12 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":
-        """Build from a user's dict (e.g. the `sampling_parameters` JSON); unknown keys are errors."""
+        """Build from a user's dict (e.g. the `sampling_parameters` JSON); unknown keys are
+        errors. A null value is the key's default (as Triton's vLLM backend reads it), but for
+        max_tokens, where None means until the context ends (vLLM's meaning)."""
         if not isinstance(d, dict):
             raise ValueError(f"sampling parameters must be a JSON object, got {_json_kind(d)}")
+        d = {k: v for k, v in d.items() if v is not None or k == "max_tokens"}
         names = cls.field_names()
         unknown = sorted(str(k) for k in set(d) - set(names))
         if unknown:

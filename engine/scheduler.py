@@ -360,8 +360,9 @@ class Scheduler:
 
     def _final_blocks(self, req: Request) -> int:
         """The blocks `req` holds once it has run to max_tokens (or max_model_len)."""
-        final_len = min(req.num_prompt_tokens + req.sampling_params.max_tokens,
-                        self.max_model_len)
+        max_tokens = req.sampling_params.max_tokens
+        final_len = (self.max_model_len if max_tokens is None
+                     else min(req.num_prompt_tokens + max_tokens, self.max_model_len))
         return -(-final_len // self.kv.block_size)
 
     def _blocks_to_finish(self, req: Request) -> int:

@@ -221,7 +221,7 @@ def _pack_params(p: SamplingParams) -> bytes:
     """The fields the core uses; stop strings, detokenization options stay in the front end."""
     flags = (1 if p.seed is not None else 0) | (2 if p.ignore_eos else 0)
     # Beyond 2**32 - 1 tokens a limit is no limit: max_model_len ends a request first.
-    max_tokens = min(p.max_tokens, 2**32 - 1)
+    max_tokens = 2**32 - 1 if p.max_tokens is None else min(p.max_tokens, 2**32 - 1)
     return _PARAMS.pack(max_tokens, min(p.min_tokens, max_tokens), p.temperature, p.top_p,
                         min(p.top_k, _I32_MAX),
                         p.min_p, p.seed or 0, p.repetition_penalty, p.presence_penalty,

@@ -45,6 +45,15 @@ def with_eos(model_dir, tmp_path, eos_id):
     return str(d)
 
 
+def test_max_tokens_none_runs_to_max_model_len(model_dir):
+    """vLLM's meaning of max_tokens=None: until the context ends ("length" at max_model_len)."""
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=40)
+    out = llm.generate(PROMPT, SamplingParams(max_tokens=None, temperature=0, ignore_eos=True))[0]
+    assert len(out.prompt_token_ids) + len(out.outputs[0].token_ids) == 40
+    assert out.outputs[0].finish_reason == "length"
+    assert llm.get_stats().num_free_kv_blocks == 64
+
+
 def test_max_tokens_gives_length(llm):
     out = llm.generate(PROMPT, SamplingParams(max_tokens=7, temperature=0, ignore_eos=True))[0]
     assert len(out.outputs[0].token_ids) == 7

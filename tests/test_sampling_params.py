@@ -17,6 +17,24 @@ def test_stop_string_becomes_list_and_top_k_minus_one_is_off():
     assert p.stop == ["###"] and p.top_k == 0
 
 
+def test_a_top_k_below_minus_one_is_refused_as_in_vllm():
+    for off in (-1, 0):
+        assert SamplingParams(top_k=off).top_k == 0
+    with pytest.raises(ValueError, match=r"top_k must be -1 or 0 \(no top-k\) or a positive "
+                                         r"integer, got -5"):
+        SamplingParams(top_k=-5)
+
+
+def test_max_tokens_none_is_no_limit_and_json_null_is_the_default_elsewhere():
+    """vLLM: max_tokens None runs until the context ends. Triton's vLLM backend reads a null
+    sampling parameter as the key's default."""
+    assert SamplingParams(max_tokens=None, min_tokens=5).max_tokens is None
+    p = SamplingParams.from_json('{"max_tokens": null, "temperature": null, "top_k": null, '
+                                 '"stop": null, "seed": null, "logprobs": null, "ignore_eos": null}')
+    assert p == SamplingParams(max_tokens=None)
+    assert SamplingParams.from_json('{"temperature": null}') == SamplingParams()
+
+
 def test_a_top_k_beyond_int32_keeps_every_token_as_int32_max():
     assert SamplingParams(top_k=10**30).top_k == SamplingParams(top_k=2**31).top_k == 2**31 - 1
 

@@ -184,12 +184,22 @@ def test_guaranteed_no_evict_admits_only_with_room_to_finish():
 
 
 def test_guaranteed_no_evict_reserves_up_to_max_model_len():
-    """max_tokens beyond the context ends at max_model_len: that is what is reserved."""
-    sched = make(num_blocks=24, block_size=4, max_model_len=40, policy="guaranteed_no_evict")
-    for rid in ("a", "b"):
-        sched.add_request(Request(rid, list(range(1, 9)), SamplingParams(max_tokens=10**6), []))
-    out, _ = FakeRunner(sched).step()
-    assert set(out.num_scheduled_tokens) == {"a", "b"}       # 10 + 10 blocks of 24
+    """max_tokens beyond the context (or None: no limit) ends at max_model_len: that is what
+    is reserved."""
+    def admitted(num_blocks, max_tokens):
+        sched = make(num_blocks=num_blocks, block_size=4, max_model_len=40,
+                     policy="guaranteed_no_evict")
+        for rid in ("a", "b"):
+            sched.add_request(Request(rid, list(range(1, 9)), SamplingParams(max_tokens=max_tokens),
+                                      []))
+        out, _ = FakeRunner(sched).step()
+        return set(out.num_scheduled_tokens)
+
+    assert admitted(24, 10**6) == {"a", "b"}                # 10 + 10 blocks of 24
+    assert admitted(12, 10**6) == {"a"}
+    for num_blocks in range(12, 25):
+        assert admitted(num_blocks, None) == admitted(num_blocks, 10**6), num_blocks
+    assert admitted(16, 20) == {"a", "b"} != admitted(16, None)   # 7 blocks each, not 10
 
 
 def test_unknown_capacity_policy_is_refused():

@@ -836,13 +836,14 @@ def test_a_50mb_prompt_is_refused_by_its_size(server):
     _server_carries_on(server)
 
 
+@pytest.mark.parametrize("max_tokens", [10**12, None])
 @pytest.mark.parametrize("model", ["llm", "llm_bls"])
-def test_max_tokens_beyond_the_context_ends_at_max_model_len(server, model):
-    """Like vLLM's engine: max_tokens has no upper bound; the request ends with "length" when
-    it fills the context."""
+def test_max_tokens_beyond_the_context_ends_at_max_model_len(server, model, max_tokens):
+    """Like vLLM's engine: max_tokens has no upper bound, and null is no limit; the request
+    ends with "length" when it fills the context."""
     flags = dict(return_finish_reason=True, return_num_input_tokens=True,
                  return_num_output_tokens=True)
-    params = {**greedy(10**12), "min_tokens": 10**12}
+    params = {**greedy(max_tokens), "min_tokens": 10**12}
     if model == "llm":
         (out, final), = stream_request(server, "Go on", params, stream=False, **flags)
         assert final
