@@ -284,6 +284,10 @@ def test_add_clamps_limits_beyond_the_record():
     params = SamplingParams(max_tokens=2**40, min_tokens=5, top_k=2**40)
     _, _, got = wire.decode_add(payload(wire.encode_add(0, [1], params), wire.ADD))
     assert (got.max_tokens, got.min_tokens, got.top_k) == (U32_MAX, 5, I32_MAX)
+    # max_tokens None (no limit) travels as the same no-limit value.
+    params = SamplingParams(max_tokens=None, min_tokens=10**12)
+    _, _, got = wire.decode_add(payload(wire.encode_add(0, [1], params), wire.ADD))
+    assert (got.max_tokens, got.min_tokens) == (U32_MAX, U32_MAX)
 
 
 @pytest.mark.parametrize("indices", [[], [0], [1, U32_MAX, 5, 5]])
