@@ -15,7 +15,8 @@ from typing import Any, TypeVar
 import numpy as np
 
 from engine.outputs import RequestOutput
-from engine.sampling_params import MAX_STOP_STRINGS, SamplingParams, load_json_object
+from engine.sampling_params import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, SamplingParams,
+                                    load_json_object)
 
 _FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
           "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
@@ -182,6 +183,9 @@ def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
 
     flags.update({name: _flag(inputs[name], name) for name in _FLAGS
                   if inputs.get(name) is not None})
+    if flags.get("stream") and flags.get("exclude_input_in_output") is False:
+        raise ValueError("exclude_input_in_output=false is not allowed with stream=true (as in "
+                         "Triton's vLLM backend): a stream's responses carry only new text")
     return GenerateRequest(prompt, sampling, **flags)
 
 
@@ -239,17 +243,35 @@ def bls_inner_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         if inputs.get(name) is not None:
             params[name] = kind(_scalar(inputs[name], name))
     if inputs.get("stop_words") is not None:
-        words = np.asarray(inputs["stop_words"]).reshape(-1)
-        if words.size > MAX_STOP_STRINGS:
-            raise ValueError(f"stop_words holds {words.size} strings; at most "
-                             f"{MAX_STOP_STRINGS} are allowed")
-        params["stop"] = [_text(np.array([w]), "stop_words") for w in words]
+        params["stop"] = _stop_words(inputs["stop_words"], params.get("stop"))
     inner = {name: np.array([v]) for name, v in flags.items()}
     inner.update({k: v for k, v in inputs.items() if k in INPUT_NAMES and v is not None})
     inner["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
+    if parse_request(inner).stream and inner.get("exclude_input_in_output") is None:
+        # One response with the text a stream of it would carry, joined: no prompt.
+        inner["exclude_input_in_output"] = np.array([True])
     inner["stream"] = np.array([False])
-    parse_request(inner)
     return inner
+
+
+def _stop_words(arr: np.ndarray, stop: Any) -> list[str]:
+    """TensorRT-LLM's stop_words input, checked by its own name, added to the JSON's stop."""
+    words = np.asarray(arr).reshape(-1)
+    if words.size > MAX_STOP_STRINGS:
+        raise ValueError(f"stop_words holds {words.size} strings; at most {MAX_STOP_STRINGS} "
+                         f"are allowed")
+    out = list(stop) if isinstance(stop, list) else [] if stop is None else [stop]
+    for w in words:
+        word = _text(np.array([w], dtype=np.object_), "stop_words")
+        if not 1 <= len(word) <= MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop_words must be strings of 1 to {MAX_STOP_STRING_CHARS} "
+                             f"characters, got one of {len(word)}")
+        if word not in out:
+            out.append(word)
+    if len(out) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop and stop_words hold {len(out)} strings together; at most "
+                         f"{MAX_STOP_STRINGS} are allowed")
+    return out
 
 
 def make_response(req: GenerateRequest, out: RequestOutput, text: str,

@@ -184,6 +184,46 @@ def test_bls_folds_the_request_parameters_into_llms_inputs():
     assert req.return_finish_reason and req.params.greedy and req.params.max_tokens == 9
 
 
+def test_a_stream_carries_no_prompt_and_llm_bls_answers_with_the_streams_text():
+    """Triton's vLLM backend: a stream's responses carry only new text (asking for the prompt
+    is an error). llm_bls answers a stream=true request with one response: the stream's text,
+    joined, so no prompt unless exclude_input_in_output says otherwise."""
+    for parse in (parse_request, bls_inner_inputs):
+        with pytest.raises(ValueError, match="exclude_input_in_output=false is not allowed with "
+                                             "stream=true"):
+            parse({"text_input": s("x"), "stream": b(True), "exclude_input_in_output": b(False)})
+    assert not parse_request({"text_input": s("x"), "stream": b(False),
+                              "exclude_input_in_output": b(False)}).exclude_input_in_output
+    inner = bls_inner_inputs({"text_input": s("x"), "stream": b(True)})
+    req = parse_request(inner)
+    assert not req.stream and req.exclude_input_in_output
+    inner = bls_inner_inputs(with_request_parameters({"text_input": s("x")}, '{"stream": true}'))
+    assert parse_request(inner).exclude_input_in_output
+    for inputs in ({"text_input": s("x")}, {"text_input": s("x"), "stream": b(False)}):
+        assert not parse_request(bls_inner_inputs(inputs)).exclude_input_in_output
+
+
+def test_stop_words_are_checked_by_their_name_and_added_to_stop():
+    inner = bls_inner_inputs({"text_input": s("x"), "sampling_parameters": s('{"stop": "A"}'),
+                              "stop_words": np.array([b"B", b"A"], dtype=np.object_)})
+    assert parse_request(inner).params.stop == ["A", "B"]
+    inner = bls_inner_inputs({"text_input": s("x"), "sampling_parameters": s('{"stop": ["A"]}'),
+                              "stop_words": np.array([b"C"], dtype=np.object_)})
+    assert parse_request(inner).params.stop == ["A", "C"]
+    for words, needle in (([b""], "stop_words must be strings of 1 to 256 characters, got one "
+                                  "of 0"),
+                          ([b"w" * 300], "stop_words must be strings of 1 to 256 characters, "
+                                         "got one of 300"),
+                          ([b"w%d" % i for i in range(MAX_STOP_STRINGS)],
+                           f"stop and stop_words hold {MAX_STOP_STRINGS + 1} strings together")):
+        with pytest.raises(ValueError, match=needle):
+            bls_inner_inputs({"text_input": s("x"), "sampling_parameters": s('{"stop": "A"}'),
+                              "stop_words": np.array(words, dtype=np.object_)})
+    with pytest.raises(ValueError, match="stop must be a string or a list"):
+        bls_inner_inputs({"text_input": s("x"), "sampling_parameters": s('{"stop": 5}'),
+                          "stop_words": np.array([b"B"], dtype=np.object_)})
+
+
 def _out(finished=True):
     return RequestOutput("r", "Hello", [1, 2, 3],
                          [CompletionOutput(0, " world", [7, 8], "length" if finished else None)],

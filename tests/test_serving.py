@@ -279,6 +279,25 @@ def test_bls_grpc_http_infer_and_generate_equal_streaming(server):
     assert gen["text_output"] == prompt + streamed
 
 
+def test_bls_answers_a_stream_request_with_the_streams_text(server):
+    """llm_bls gives one response; to a request with stream=true it is the text the stream
+    carries, joined (no prompt), and asking a stream for the prompt is an error on both models,
+    as in Triton's vLLM backend."""
+    prompt = "One answer for a stream"
+    streamed = text_of(stream_request(server, prompt, greedy(6)))
+    gen = http_json(server, "/v2/models/llm_bls/generate", {
+        "text_input": prompt, "stream": True, "sampling_parameters": json.dumps(greedy(6))})
+    assert gen["text_output"] == streamed
+    for model in ("llm", "llm_bls"):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            http_json(server, f"/v2/models/{model}/generate", {
+                "text_input": prompt, "stream": True, "exclude_input_in_output": False})
+        assert e.value.code == 400
+        assert "exclude_input_in_output=false is not allowed with stream=true" in \
+            e.value.read().decode()
+    _server_carries_on(server)
+
+
 def test_request_parameters_are_sampling_parameters_as_in_the_vllm_backend(server, direct):
     """Triton's generate endpoint puts its "parameters" object, and every key that is not an
     input, into the request's parameters; gRPC clients set them directly. Triton's vLLM backend
