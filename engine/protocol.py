@@ -295,8 +295,11 @@ def make_response(req: GenerateRequest, out: RequestOutput, text: str,
     if req.return_num_cached_tokens:
         # The prompt tokens the prefix cache held (not computed for this request).
         tensors["num_cached_tokens"] = np.array([out.num_cached_tokens], dtype=np.uint32)
-    if req.return_logprobs and logprobs is not None:
-        tensors["logprobs"] = np.array([json.dumps(
-            [{str(tid): lp.logprob for tid, lp in step.items()} for step in logprobs]
-        ).encode()], dtype=np.object_)
+    if req.return_logprobs:
+        # Triton's vLLM backend's layout: per token of this response, {token id: {"logprob",
+        # "rank", "decoded_token"}} for the sampled token and the top-n; "null" when the
+        # sampling parameters asked for no logprobs.
+        tensors["logprobs"] = np.array([json.dumps(None if logprobs is None else [
+            {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+             for tid, lp in step.items()} for step in logprobs]).encode()], dtype=np.object_)
     return tensors

@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from engine.outputs import CompletionOutput, RequestOutput
+from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.protocol import (MAX_INPUT_IDS, MAX_SAMPLING_PARAMETERS_BYTES, MAX_TEXT_INPUT_BYTES,
                              REQUEST_PARAMETERS, bls_inner_inputs, make_response, parse_request,
                              with_request_parameters)
@@ -222,6 +222,20 @@ def test_stop_words_are_checked_by_their_name_and_added_to_stop():
     with pytest.raises(ValueError, match="stop must be a string or a list"):
         bls_inner_inputs({"text_input": s("x"), "sampling_parameters": s('{"stop": 5}'),
                           "stop_words": np.array([b"B"], dtype=np.object_)})
+
+
+def test_logprobs_go_out_in_the_vllm_backends_layout():
+    req = parse_request({"text_input": s("Hello"), "return_logprobs": b(True)})
+    steps = [{7: Logprob(-0.5, 2, " wor"), 3: Logprob(-0.25, 1, "x")}, {8: Logprob(-1.0, 1, "ld")}]
+    t = make_response(req, _out(), " world", [7, 8], steps, 2)
+    assert json.loads(t["logprobs"][0]) == [
+        {"7": {"logprob": -0.5, "rank": 2, "decoded_token": " wor"},
+         "3": {"logprob": -0.25, "rank": 1, "decoded_token": "x"}},
+        {"8": {"logprob": -1.0, "rank": 1, "decoded_token": "ld"}}]
+    # Asked for, but the sampling parameters asked for no logprobs: "null", as the backend.
+    assert make_response(req, _out(), " world", [7, 8], None, 2)["logprobs"][0] == b"null"
+    plain = parse_request({"text_input": s("Hello")})
+    assert "logprobs" not in make_response(plain, _out(), " world", [7, 8], steps, 2)
 
 
 def _out(finished=True):

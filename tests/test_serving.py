@@ -279,6 +279,32 @@ def test_bls_grpc_http_infer_and_generate_equal_streaming(server):
     assert gen["text_output"] == prompt + streamed
 
 
+@pytest.mark.parametrize("model", ["llm", "llm_bls"])
+def test_logprobs_are_the_direct_engines_in_the_vllm_backends_layout(server, direct, model):
+    """Per generated token, {token id: {"logprob", "rank", "decoded_token"}} for the sampled
+    token and the top-n (Triton's vLLM backend's layout), equal to the direct engine's."""
+    prompt = "Log these"
+    params = {**greedy(5), "logprobs": 2}
+    want = direct.generate(prompt, SamplingParams(**params))[0].outputs[0]
+    if model == "llm":
+        responses = stream_request(server, prompt, params, return_logprobs=True)
+        got = [step for o, _ in responses if "logprobs" in o
+               for step in json.loads(o["logprobs"][0])]
+    else:
+        got = json.loads(bls_grpc(server, prompt, params, return_logprobs=True)["logprobs"][0])
+    assert len(got) == len(want.logprobs) == 5
+    for step, expected, token in zip(got, want.logprobs, want.token_ids):
+        assert str(token) in step
+        assert set(step) == {str(t) for t in expected}
+        for tid, lp in expected.items():
+            entry = step[str(tid)]
+            assert entry["rank"] == lp.rank and entry["decoded_token"] == lp.decoded_token
+            assert entry["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
+    if model == "llm_bls":
+        out = bls_grpc(server, prompt, greedy(5), return_logprobs=True)
+        assert out["logprobs"][0] == b"null"
+
+
 def test_bls_answers_a_stream_request_with_the_streams_text(server):
     """llm_bls gives one response; to a request with stream=true it is the text the stream
     carries, joined (no prompt), and asking a stream for the prompt is an error on both models,
