@@ -119,7 +119,10 @@ class LLM:
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
                  ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, np.ndarray):     # a 1-D array is one prompt's ids, 2-D a batch
+            prompts = prompts.tolist()
+        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
+                                        and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if sampling_params is None:
             sampling_params = SamplingParams()

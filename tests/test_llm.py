@@ -153,6 +153,12 @@ def test_text_and_token_prompts_agree(tiny_models):
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     assert a.outputs[0].text == llm.tokenizer.decode(a.outputs[0].token_ids,
                                                      skip_special_tokens=True)
+    # One prompt of NumPy ids, as a list or an array, and a 2-D array as a batch.
+    import numpy as np
+    for one in ([np.int64(t) for t in ids], np.array(ids)):
+        (c,) = llm.generate(one, GREEDY)
+        assert c.prompt_token_ids == ids and c.outputs[0].token_ids == b.outputs[0].token_ids
+    assert len(llm.generate(np.array([ids, ids]), GREEDY)) == 2
 
 
 def test_prompt_longer_than_max_model_len_is_rejected(tiny_models):
