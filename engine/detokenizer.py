@@ -93,12 +93,15 @@ class IncrementalDetokenizer:
 
 class StopStringMatcher:
     """Finds the first stop string in the output text; while streaming, holds back the last
-    `max_len - 1` characters, which could be the start of a stop string."""
+    `max_len - 1` characters, which could be the start of a stop string to be cut. With
+    include_stop_str_in_output nothing is held back (as vLLM): the text is cut where a stop
+    string ends, always within the step that completes it, after all that was sent."""
 
     def __init__(self, stop: list[str], include_stop_str_in_output: bool = False) -> None:
         self.stop = list(stop)
         self.include = include_stop_str_in_output
-        self.holdback = max((len(s) for s in self.stop), default=1) - 1
+        self.holdback = (0 if include_stop_str_in_output
+                         else max((len(s) for s in self.stop), default=1) - 1)
 
     def find(self, text: str, num_new_chars: int) -> tuple[str, int] | None:
         """Returns (stop string, length to cut the text to) if a stop string ends inside the

@@ -104,6 +104,7 @@ def test_stop_matcher_finds_earliest_and_cuts():
     assert m.find("abcdef", 3) is None
     assert m.find("xxSTyyEND", 9) == ("ST", 2)
     assert StopStringMatcher(["END"], include_stop_str_in_output=True).find("abEND", 2) == ("END", 5)
+    assert StopStringMatcher(["END"], include_stop_str_in_output=True).holdback == 0
 
 
 def test_stop_matcher_only_looks_at_new_text_plus_overlap():

@@ -181,3 +181,23 @@ def test_a_stop_string_in_the_first_min_tokens_tokens_text_is_not_searched(tok):
                                                            min_tokens=min_tokens))
         to_abort = [key for co in steps[:2] for key in proc.process([co])[1]]
         assert (to_abort == [7]) is stopped, (min_tokens, to_abort)
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_a_stream_holds_back_text_only_where_a_stop_string_would_be_cut(tok, include):
+    """Streamed with a stop string, the text that could begin one is held back until it cannot
+    (it would be cut); with include_stop_str_in_output nothing is cut before a stop string's
+    end, so nothing is held back (as vLLM): each step sends what it sends with no stop string.
+    The joined text is the same either way."""
+    stop = "\u2603never\u2603"                      # 8 characters, never generated
+    plain = [o.outputs[0].text for o in _per_step(tok, SamplingParams(max_tokens=1000))]
+    outs = [o.outputs[0].text for o in _per_step(
+        tok, SamplingParams(max_tokens=1000, stop=[stop], include_stop_str_in_output=include))]
+    if include:
+        assert outs == plain
+    else:
+        sent, sent_plain = "", ""
+        for text, text_plain in zip(outs[:-1], plain[:-1]):
+            sent, sent_plain = sent + text, sent_plain + text_plain
+            assert sent == sent_plain[:max(0, len(sent_plain) - (len(stop) - 1))]
+    assert "".join(outs) == "".join(plain) == TEXT
