@@ -275,10 +275,11 @@ def _stop_words(arr: np.ndarray, stop: Any) -> list[str]:
 
 
 def make_response(req: GenerateRequest, out: RequestOutput, text: str,
-                  token_ids: list[int], logprobs: list | None,
-                  num_output_tokens: int) -> dict[str, np.ndarray]:
+                  token_ids: list[int], logprobs: list | None) -> dict[str, np.ndarray]:
     """Output tensors for one response. `text` / `token_ids` / `logprobs` are what this
-    response carries: the new part when streaming, everything when not."""
+    response carries: the new part when streaming, everything when not. As in Triton's vLLM
+    backend, `num_output_tokens` counts this response's tokens (a stream's add up to the
+    request's) and `finish_reason` is in every response ("None" until the last)."""
     comp = out.outputs[0]
     if not req.stream and not req.exclude_input_in_output and isinstance(out.prompt, str):
         text = out.prompt + text
@@ -286,12 +287,13 @@ def make_response(req: GenerateRequest, out: RequestOutput, text: str,
         "text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
     if req.return_output_ids:
         tensors["output_ids"] = np.array(token_ids, dtype=np.int32)
-    if req.return_finish_reason and out.finished:
-        tensors["finish_reason"] = np.array([str(comp.finish_reason).encode()], dtype=np.object_)
+    if req.return_finish_reason:
+        reason = comp.finish_reason if out.finished else None
+        tensors["finish_reason"] = np.array([str(reason).encode()], dtype=np.object_)
     if req.return_num_input_tokens:
         tensors["num_input_tokens"] = np.array([len(out.prompt_token_ids)], dtype=np.uint32)
     if req.return_num_output_tokens:
-        tensors["num_output_tokens"] = np.array([num_output_tokens], dtype=np.uint32)
+        tensors["num_output_tokens"] = np.array([len(token_ids)], dtype=np.uint32)
     if req.return_num_cached_tokens:
         # The prompt tokens the prefix cache held (not computed for this request).
         tensors["num_cached_tokens"] = np.array([out.num_cached_tokens], dtype=np.uint32)

@@ -443,7 +443,7 @@ class ServingEngine:
         if last.finished:
             self._count_finished(r, last, r.num_out + len(token_ids))
         r.num_out += len(token_ids)
-        self._timed_send(send, make_response(r.req, last, text, token_ids, logprobs, r.num_out),
+        self._timed_send(send, make_response(r.req, last, text, token_ids, logprobs),
                          last.finished, len(token_ids))
         if last.finished:
             if self._trace is not None and r.req.stream:

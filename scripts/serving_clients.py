@@ -257,7 +257,8 @@ def py_client_worker(spec: dict) -> None:
                     raise RuntimeError(str(error))
                 last = time.time()
                 first = first or last
-                if result.as_numpy("finish_reason") is not None:
+                reason = result.as_numpy("finish_reason")     # "None" until the last response
+                if reason is not None and reason[0] != b"None":
                     break
             times.append((start, first, last))
         await queue.put(None)

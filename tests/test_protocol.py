@@ -227,15 +227,15 @@ def test_stop_words_are_checked_by_their_name_and_added_to_stop():
 def test_logprobs_go_out_in_the_vllm_backends_layout():
     req = parse_request({"text_input": s("Hello"), "return_logprobs": b(True)})
     steps = [{7: Logprob(-0.5, 2, " wor"), 3: Logprob(-0.25, 1, "x")}, {8: Logprob(-1.0, 1, "ld")}]
-    t = make_response(req, _out(), " world", [7, 8], steps, 2)
+    t = make_response(req, _out(), " world", [7, 8], steps)
     assert json.loads(t["logprobs"][0]) == [
         {"7": {"logprob": -0.5, "rank": 2, "decoded_token": " wor"},
          "3": {"logprob": -0.25, "rank": 1, "decoded_token": "x"}},
         {"8": {"logprob": -1.0, "rank": 1, "decoded_token": "ld"}}]
     # Asked for, but the sampling parameters asked for no logprobs: "null", as the backend.
-    assert make_response(req, _out(), " world", [7, 8], None, 2)["logprobs"][0] == b"null"
+    assert make_response(req, _out(), " world", [7, 8], None)["logprobs"][0] == b"null"
     plain = parse_request({"text_input": s("Hello")})
-    assert "logprobs" not in make_response(plain, _out(), " world", [7, 8], steps, 2)
+    assert "logprobs" not in make_response(plain, _out(), " world", [7, 8], steps)
 
 
 def _out(finished=True):
@@ -248,27 +248,32 @@ def test_response_non_streaming_includes_prompt_unless_excluded():
     req = parse_request({"text_input": s("Hello"), "return_finish_reason": b(True),
                          "return_num_input_tokens": b(True),
                          "return_num_output_tokens": b(True), "return_output_ids": b(True)})
-    t = make_response(req, _out(), " world", [7, 8], None, 2)
+    t = make_response(req, _out(), " world", [7, 8], None)
     assert t["text_output"][0] == b"Hello world"
     assert t["finish_reason"][0] == b"length"
     assert t["num_input_tokens"][0] == 3 and t["num_output_tokens"][0] == 2
     assert t["output_ids"].tolist() == [7, 8] and t["output_ids"].dtype == np.int32
     req.exclude_input_in_output = True
-    assert make_response(req, _out(), " world", [7, 8], None, 2)["text_output"][0] == b" world"
+    assert make_response(req, _out(), " world", [7, 8], None)["text_output"][0] == b" world"
 
 
 def test_response_gives_the_cached_prompt_tokens_only_when_asked():
     out = _out()
     out.num_cached_tokens = 48
     asked = parse_request({"text_input": s("Hello"), "return_num_cached_tokens": b(True)})
-    t = make_response(asked, out, " world", [7, 8], None, 2)
+    t = make_response(asked, out, " world", [7, 8], None)
     assert t["num_cached_tokens"].tolist() == [48] and t["num_cached_tokens"].dtype == np.uint32
     plain = parse_request({"text_input": s("Hello")})
-    assert "num_cached_tokens" not in make_response(plain, out, " world", [7, 8], None, 2)
+    assert "num_cached_tokens" not in make_response(plain, out, " world", [7, 8], None)
 
 
-def test_streaming_response_carries_only_new_text_and_reason_at_the_end():
+def test_streaming_response_carries_only_new_text_and_its_own_token_count():
+    """As Triton's vLLM backend: num_output_tokens counts the response's tokens (a stream's
+    add up to the request's) and finish_reason is "None" until the last response."""
     req = parse_request({"text_input": s("Hello"), "stream": b(True),
-                         "return_finish_reason": b(True)})
-    t = make_response(req, _out(finished=False), " wor", [7], None, 1)
-    assert t["text_output"][0] == b" wor" and "finish_reason" not in t
+                         "return_finish_reason": b(True), "return_num_output_tokens": b(True)})
+    t = make_response(req, _out(finished=False), " wor", [7], None)
+    assert t["text_output"][0] == b" wor" and t["finish_reason"][0] == b"None"
+    assert t["num_output_tokens"].tolist() == [1]
+    t = make_response(req, _out(), "ld", [8, 9], None)
+    assert t["finish_reason"][0] == b"length" and t["num_output_tokens"].tolist() == [2]
