@@ -54,6 +54,8 @@ class _RequestState:
         self.num_sent_tokens = 0
         self.logprobs: list[dict[int, Logprob]] | None = [] if params.logprobs is not None else None
         self.num_sent_logprobs = 0
+        self.sum_logprob = 0.0              # the sampled tokens' logprobs, the first num_summed
+        self.num_summed = 0
         self.finish_reason: str | None = None
         self.stop_reason: int | str | None = None
         self.num_cached_tokens = 0          # told with the first token
@@ -214,7 +216,8 @@ class OutputProcessor:
             if not finished:
                 return None
             comp = CompletionOutput(0, st.text, list(st.token_ids), st.finish_reason,
-                                    st.stop_reason, st.logprobs)
+                                    st.stop_reason, st.logprobs,
+                                    _cumulative_logprob(st, len(st.token_ids)))
         else:
             visible = len(st.text) if finished else max(st.num_sent_chars,
                                                          len(st.text) - st.stop.holdback)
@@ -229,8 +232,20 @@ class OutputProcessor:
                 logprobs = st.logprobs[st.num_sent_logprobs:end_lp]
                 st.num_sent_logprobs = end_lp
             comp = CompletionOutput(0, text, token_ids, st.finish_reason if finished else None,
-                                    st.stop_reason if finished else None, logprobs)
+                                    st.stop_reason if finished else None, logprobs,
+                                    _cumulative_logprob(st, end))
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [comp], finished,
                              num_cached_tokens=st.num_cached_tokens,
                              metrics={"first_token_time": st.first_token_time,
                                       "last_token_time": st.last_token_time})
+
+
+def _cumulative_logprob(st: _RequestState, end: int) -> float | None:
+    """The sum of the first `end` sampled tokens' logprobs (each step's dict holds the sampled
+    token first), kept as a running sum; None without logprobs."""
+    if st.logprobs is None:
+        return None
+    for step in st.logprobs[st.num_summed:end]:
+        st.sum_logprob += next(iter(step.values())).logprob
+    st.num_summed = max(st.num_summed, min(end, len(st.logprobs)))
+    return st.sum_logprob

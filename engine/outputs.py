@@ -20,6 +20,9 @@ class CompletionOutput:
     stop_reason: int | str | None = None   # the stop string or stop token id that ended it
     # One dict per generated token: the sampled token and the top-n alternatives.
     logprobs: list[dict[int, Logprob]] | None = None
+    # The sum of the sampled tokens' logprobs so far, all of the request's tokens up to this
+    # output's last (vLLM's); None unless logprobs were asked for.
+    cumulative_logprob: float | None = None
 
     @property
     def finished(self) -> bool:

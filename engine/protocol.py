@@ -20,11 +20,11 @@ from engine.sampling_params import (MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, Sam
 
 _FLAGS = ("stream", "exclude_input_in_output", "return_finish_reason",
           "return_num_input_tokens", "return_num_output_tokens", "return_logprobs",
-          "return_output_ids", "return_num_cached_tokens")
+          "return_output_ids", "return_num_cached_tokens", "return_cumulative_logprob")
 
 INPUT_NAMES = ("text_input", "input_ids", "sampling_parameters") + _FLAGS
 OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens",
-                "output_ids", "logprobs", "num_cached_tokens")
+                "output_ids", "logprobs", "num_cached_tokens", "cumulative_logprob")
 # The request's own parameters as a JSON object, which the models pass beside the tensors under
 # this name (no input has it). They are where Triton's generate endpoint puts its "parameters"
 # object and every key that is not an input (`{"text_input": ..., "parameters":
@@ -65,6 +65,7 @@ class GenerateRequest:
     return_logprobs: bool = False
     return_output_ids: bool = False
     return_num_cached_tokens: bool = False
+    return_cumulative_logprob: bool = False
 
 
 def _scalar(arr: np.ndarray, name: str) -> Any:
@@ -297,6 +298,12 @@ def make_response(req: GenerateRequest, out: RequestOutput, text: str,
     if req.return_num_cached_tokens:
         # The prompt tokens the prefix cache held (not computed for this request).
         tensors["num_cached_tokens"] = np.array([out.num_cached_tokens], dtype=np.uint32)
+    if req.return_cumulative_logprob:
+        # The request's sampled tokens' logprobs summed up to this response's last; NaN when
+        # the sampling parameters asked for no logprobs (the vLLM backend's None as FP32).
+        value = comp.cumulative_logprob
+        tensors["cumulative_logprob"] = np.array([np.nan if value is None else value],
+                                                 dtype=np.float32)
     if req.return_logprobs:
         # Triton's vLLM backend's layout: per token of this response, {token id: {"logprob",
         # "rank", "decoded_token"}} for the sampled token and the top-n; "null" when the

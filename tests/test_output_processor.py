@@ -201,3 +201,30 @@ def test_a_stream_holds_back_text_only_where_a_stop_string_would_be_cut(tok, inc
             sent, sent_plain = sent + text, sent_plain + text_plain
             assert sent == sent_plain[:max(0, len(sent_plain) - (len(stop) - 1))]
     assert "".join(outs) == "".join(plain) == TEXT
+
+
+@pytest.mark.parametrize("mode", ["step", "pull", "final"])
+def test_cumulative_logprob_sums_the_sampled_tokens_logprobs_so_far(tok, mode):
+    """vLLM's CompletionOutput.cumulative_logprob: every output carries the sum over all the
+    request's sampled tokens up to its last (not only its own); None without logprobs."""
+    ids = tok.encode("some words here and more", add_special_tokens=False)
+    rng = random.Random(1)
+    sampled = [-rng.random() for _ in ids]
+    for logprobs in (2, None):
+        proc = OutputProcessor(tok, stream_deltas=mode != "final")
+        proc.add_request(7, "r", None, [1], SamplingParams(max_tokens=100, logprobs=logprobs),
+                         pull=mode == "pull")
+        outs = []
+        for i, t in enumerate(ids):
+            # The sampled token first, then the top-2 (the sampled one among them: rank 1).
+            lp = [([t, t, (t + 1) % 100], [sampled[i], sampled[i], -9.0], 1)]
+            got, _ = proc.process([EngineCoreOutput(7, [t], "length" if i == len(ids) - 1
+                                                    else None, None, lp if logprobs else None)])
+            outs += [proc.render(o) if isinstance(o, PullOutput) else o for o in got]
+        outs = [o for o in outs if o is not None]
+        assert outs[-1].finished
+        num = 0
+        for out in outs:
+            num += len(out.outputs[0].token_ids) if mode != "final" else len(ids)
+            want = sum(sampled[:num]) if logprobs else None
+            assert out.outputs[0].cumulative_logprob == pytest.approx(want), (mode, num)

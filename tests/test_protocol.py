@@ -238,6 +238,17 @@ def test_logprobs_go_out_in_the_vllm_backends_layout():
     assert "logprobs" not in make_response(plain, _out(), " world", [7, 8], steps)
 
 
+def test_cumulative_logprob_is_fp32_and_nan_when_no_logprobs_were_asked_for():
+    req = parse_request({"text_input": s("Hello"), "return_cumulative_logprob": b(True)})
+    out = _out()
+    out.outputs[0].cumulative_logprob = -1.25
+    t = make_response(req, out, " world", [7, 8], None)
+    assert t["cumulative_logprob"].dtype == np.float32 and t["cumulative_logprob"].tolist() == [-1.25]
+    assert np.isnan(make_response(req, _out(), " world", [7, 8], None)["cumulative_logprob"][0])
+    plain = parse_request({"text_input": s("Hello")})
+    assert "cumulative_logprob" not in make_response(plain, out, " world", [7, 8], None)
+
+
 def _out(finished=True):
     return RequestOutput("r", "Hello", [1, 2, 3],
                          [CompletionOutput(0, " world", [7, 8], "length" if finished else None)],

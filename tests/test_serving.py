@@ -285,16 +285,28 @@ def test_bls_grpc_http_infer_and_generate_equal_streaming(server):
 @pytest.mark.parametrize("model", ["llm", "llm_bls"])
 def test_logprobs_are_the_direct_engines_in_the_vllm_backends_layout(server, direct, model):
     """Per generated token, {token id: {"logprob", "rank", "decoded_token"}} for the sampled
-    token and the top-n (Triton's vLLM backend's layout), equal to the direct engine's."""
+    token and the top-n (Triton's vLLM backend's layout), equal to the direct engine's; and
+    cumulative_logprob, the sampled tokens' sum so far (NaN when no logprobs were asked for)."""
     prompt = "Log these"
     params = {**greedy(5), "logprobs": 2}
     want = direct.generate(prompt, SamplingParams(**params))[0].outputs[0]
+    assert want.cumulative_logprob == pytest.approx(
+        sum(step[t].logprob for step, t in zip(want.logprobs, want.token_ids)))
     if model == "llm":
-        responses = stream_request(server, prompt, params, return_logprobs=True)
+        responses = stream_request(server, prompt, params, return_logprobs=True,
+                                   return_cumulative_logprob=True)
         got = [step for o, _ in responses if "logprobs" in o
                for step in json.loads(o["logprobs"][0])]
+        cumulative = [float(o["cumulative_logprob"][0]) for o, _ in responses
+                      if "cumulative_logprob" in o]
     else:
-        got = json.loads(bls_grpc(server, prompt, params, return_logprobs=True)["logprobs"][0])
+        out = bls_grpc(server, prompt, params, return_logprobs=True,
+                       return_cumulative_logprob=True)
+        got = json.loads(out["logprobs"][0])
+        cumulative = [float(out["cumulative_logprob"][0])]
+    # Each response's is the request's running sum; the last one's the whole request's.
+    assert cumulative[-1] == pytest.approx(want.cumulative_logprob, abs=1e-4)
+    assert cumulative == sorted(cumulative, reverse=True)
     assert len(got) == len(want.logprobs) == 5
     for step, expected, token in zip(got, want.logprobs, want.token_ids):
         assert str(token) in step
@@ -304,8 +316,9 @@ def test_logprobs_are_the_direct_engines_in_the_vllm_backends_layout(server, dir
             assert entry["rank"] == lp.rank and entry["decoded_token"] == lp.decoded_token
             assert entry["logprob"] == pytest.approx(lp.logprob, abs=1e-5)
     if model == "llm_bls":
-        out = bls_grpc(server, prompt, greedy(5), return_logprobs=True)
-        assert out["logprobs"][0] == b"null"
+        out = bls_grpc(server, prompt, greedy(5), return_logprobs=True,
+                       return_cumulative_logprob=True)
+        assert out["logprobs"][0] == b"null" and np.isnan(out["cumulative_logprob"][0])
 
 
 def test_bls_answers_a_stream_request_with_the_streams_text(server):
