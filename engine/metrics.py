@@ -19,6 +19,9 @@ from engine.outputs import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
+# Whole requests run from a fraction of a second to many minutes (vLLM's e2e buckets).
+REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
+                   60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
 # ServingMetrics' histograms: attribute -> (Prometheus name, description, bucket bounds).
 HISTOGRAMS = {
@@ -28,7 +31,7 @@ HISTOGRAMS = {
             LATENCY_BUCKETS),
     "e2e": ("llm_e2e_request_latency_seconds",
             "Time from arrival until a request's final response (any finish reason)",
-            LATENCY_BUCKETS),
+            REQUEST_BUCKETS),
     "send": ("llm_response_send_seconds", "Time to hand one response to tritonserver",
              LATENCY_BUCKETS),
     "loop_lag": ("llm_event_loop_lag_seconds",

@@ -30,9 +30,12 @@ OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_
 # object and every key that is not an input (`{"text_input": ..., "parameters":
 # {"temperature": 0}}`, or `{"text_input": ..., "max_tokens": 8}`), and gRPC its parameters
 # map. Triton's vLLM backend reads them as the sampling parameters when the
-# `sampling_parameters` input is absent; here they are merged under it (the input wins), and a
-# key naming a flag input (`stream`, `return_finish_reason`, ...) sets that flag where its
-# tensor is absent. Any other key is an error, so nothing a client asks for goes unheard.
+# `sampling_parameters` input is absent (and ignores them when it is given); here they are
+# merged under it (the input wins), and a key naming a flag input (`stream`,
+# `return_finish_reason`, ...) sets that flag where its tensor is absent. Any other key is an
+# error where the parameters are the request's sampling parameters (a misspelt key would
+# otherwise go unheard); beside the input it is left alone, as the vLLM backend leaves it (e.g.
+# headers tritonserver forwards as parameters).
 REQUEST_PARAMETERS = "parameters"
 # llm_bls's input to llm: abort the request the caller started with this id. Only ids of the
 # requests llm_bls starts (BLS_REQUEST_ID_PREFIX...) are honoured: another client could guess.
@@ -197,7 +200,9 @@ def _request_parameters(inputs: dict[str, np.ndarray]) -> tuple[dict, dict[str, 
     text = _text(inputs[REQUEST_PARAMETERS], "parameters", MAX_SAMPLING_PARAMETERS_BYTES)
     given = _coerce_json_values(load_json_object(text, "parameters"))
     unknown = sorted(str(k) for k in given if k not in _FLAGS and k not in _SAMPLING_KEYS)
-    if unknown:
+    if unknown and inputs.get("sampling_parameters") is not None:
+        given = {k: v for k, v in given.items() if k in _FLAGS or k in _SAMPLING_KEYS}
+    elif unknown:
         raise ValueError(f"unknown request parameter(s) {unknown}: the request's parameters "
                          f"may be sampling parameters {list(_SAMPLING_KEYS)} or the flags "
                          f"{list(_FLAGS)}")

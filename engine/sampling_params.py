@@ -123,7 +123,6 @@ class SamplingParams:
         max_tokens, where None means until the context ends (vLLM's meaning)."""
         if not isinstance(d, dict):
             raise ValueError(f"sampling parameters must be a JSON object, got {_json_kind(d)}")
-        d = {k: v for k, v in d.items() if v is not None or k == "max_tokens"}
         names = cls.field_names()
         unknown = sorted(str(k) for k in set(d) - set(names))
         if unknown:
@@ -131,7 +130,7 @@ class SamplingParams:
             more = f" and {len(unknown) - 5} more" if len(unknown) > 5 else ""
             raise ValueError(
                 f"unknown sampling parameter(s) [{shown}]{more}; valid keys are {names}")
-        return cls(**d)
+        return cls(**{k: v for k, v in d.items() if v is not None or k == "max_tokens"})
 
     @classmethod
     def from_json(cls, text: str) -> "SamplingParams":

@@ -110,6 +110,7 @@ class _Request:
     final_output: float | None = None   # when its last step's output came back
     final_sent: float | None = None     # when its final response went to the server
     num_out: int = 0
+    counted: bool = False               # counted finished in the metrics
     cancelled: bool = False
     stream: Stream | None = None        # its way back
 
@@ -460,7 +461,7 @@ class ServingEngine:
         """The response could not be sent (the client is gone): stop generating for it."""
         logger.info("request %s: sending failed (%s); aborting it", r.rid, e)
         self.engine.abort_nowait(r.rid)
-        if r.req is not None and r.rid in self._inflight:
+        if r.req is not None and r.rid in self._inflight and not r.counted:
             self.metrics.on_request_done(time.monotonic() - r.start)
             self.metrics.on_finish("abort")
         self._forget(r)
@@ -468,6 +469,7 @@ class ServingEngine:
 
     def _count_finished(self, r: _Request, out: RequestOutput, num_out: int,
                         reason: str | None = None) -> None:
+        r.counted = True        # before its final response is sent: a failing send finds it
         if not r.req.stream:
             first, last = out.metrics.get("first_token_time"), out.metrics.get("last_token_time")
             if first is not None:

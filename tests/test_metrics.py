@@ -1,5 +1,7 @@
 """engine/metrics.py's publication order, with a stand-in for Triton's metrics API that logs
 each increment (the real one is exercised through tritonserver in tests/test_serving.py)."""
+import pytest
+
 from engine.metrics import ServingMetrics, TritonMetrics
 from engine.outputs import EngineStats
 
@@ -119,3 +121,15 @@ def test_preemptions_go_out_as_deltas_of_the_engines_count():
                                num_preemptions=preemptions))
         published.publish(m)
     assert [value for name, _, value in pb.log if name == "llm_num_preemptions_total"] == [3, 4]
+
+
+def test_whole_requests_are_bucketed_up_to_hours():
+    """llm_e2e_request_latency_seconds covers whole requests (vLLM's e2e buckets), not the
+    first-token scale: a 45 s or 10-minute request lands in a finite bucket."""
+    m = ServingMetrics()
+    for seconds in (0.2, 45.0, 600.0):
+        m.on_request_done(seconds)
+    cumulative, total, n = m.e2e.snapshot()
+    buckets = m.e2e.buckets
+    assert n == 3 and total == pytest.approx(645.2) and buckets[-1] >= 7680
+    assert cumulative[buckets.index(60.0)] == 2 and cumulative[buckets.index(960.0)] == 3

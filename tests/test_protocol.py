@@ -171,6 +171,17 @@ def test_bad_request_parameters_are_named(parameters, needle):
             parse(with_request_parameters({"text_input": s("x")}, parameters))
 
 
+def test_beside_sampling_parameters_unknown_request_parameters_are_left_alone():
+    """Where the sampling_parameters input is given, the vLLM backend ignores the request's
+    parameters: a key that is neither a sampling parameter nor a flag (e.g. a header the server
+    forwards) is left alone there; the known ones still count."""
+    inputs = with_request_parameters(
+        {"text_input": s("x"), "sampling_parameters": s('{"max_tokens": 5}')},
+        '{"x-request-id": "abc", "top_k": 7, "return_finish_reason": true}')
+    for req in (parse_request(inputs), parse_request(bls_inner_inputs(inputs))):
+        assert req.params.max_tokens == 5 and req.params.top_k == 7 and req.return_finish_reason
+
+
 def test_bls_folds_the_request_parameters_into_llms_inputs():
     inner = bls_inner_inputs(with_request_parameters(
         {"text_input": s("x"), "sampling_parameters": s('{"top_k": 3}'),

@@ -33,6 +33,8 @@ def test_max_tokens_none_is_no_limit_and_json_null_is_the_default_elsewhere():
                                  '"stop": null, "seed": null, "logprobs": null, "ignore_eos": null}')
     assert p == SamplingParams(max_tokens=None)
     assert SamplingParams.from_json('{"temperature": null}') == SamplingParams()
+    with pytest.raises(ValueError, match="unknown sampling parameter"):
+        SamplingParams.from_json('{"temperture": null}')       # a misspelt key stays an error
 
 
 def test_a_top_k_beyond_int32_keeps_every_token_as_int32_max():

@@ -359,3 +359,31 @@ def test_an_abort_reaching_the_wrong_instance_is_passed_on_to_the_right_one(mode
         b.shutdown()
         for board in boards:
             board.close()
+
+
+def test_a_request_whose_final_send_fails_is_counted_once(model_dir):
+    """The final response's request is counted finished before it is sent; should that send
+    fail (the client is gone), the request is not counted again as aborted."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        failed = threading.Event()
+
+        def send(tensors, error, final):
+            if final:
+                failed.set()
+                raise RuntimeError("the client is gone")
+
+        serving.submit({"text_input": _str("Hello"), "stream": np.array([False]),
+                        "sampling_parameters": _str(json.dumps(
+                            {"max_tokens": 4, "temperature": 0, "ignore_eos": True}))}, send)
+        assert failed.wait(30)
+        deadline = time.monotonic() + 10
+        while serving.num_open:                     # until the failed send is dealt with
+            assert time.monotonic() < deadline, "the failed send was never dealt with"
+            time.sleep(0.01)
+        counters = serving.metrics.snapshot_counters()
+        assert (counters["finished_length"], counters["finished_abort"]) == (1, 0)
+        assert serving.metrics.e2e.count == 1
+    finally:
+        serving.shutdown()
