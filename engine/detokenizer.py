@@ -10,29 +10,37 @@ from __future__ import annotations
 from collections.abc import Callable
 
 # Tokens of the prompt kept as left context: enough for tokenizers whose decoding of a token
-# depends on its neighbours (leading-space rules), small enough to stay cheap.
+# depends on its neighbours (leading-space rules), small enough to stay cheap. More where those
+# begin inside a character: a SentencePiece byte-fallback decoder turns a whole run of byte
+# tokens with an incomplete character in it into U+FFFD, the output's first bytes with it. So
+# the context is the shortest prompt tail of at least _PROMPT_CONTEXT tokens that decodes
+# without U+FFFD, up to _MAX_PROMPT_CONTEXT (as vLLM chooses its own).
 _PROMPT_CONTEXT = 5
+_MAX_PROMPT_CONTEXT = 24
 
 # decode_many(id lists, skip_special_tokens) -> their texts, each as tokenizer.decode gives it
 DecodeMany = Callable[[list[list[int]], bool], list[str]]
 
 
+def _decode(tokenizer, ids: list[int], skip: bool) -> str:
+    """tokenizer.decode without its clean-up of spaces: that rewrites text across token
+    boundaries (" ' s" -> "'s"), so a window's text would not be a prefix of the next one's and
+    incremental text would lose characters. vLLM's incremental text does without it too."""
+    return tokenizer.decode(ids, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+
+
 def batch_decoder(tokenizer) -> DecodeMany:
     """Decodes many id lists in one call. For a fast (Rust) tokenizer that is its backend's
-    decode with what transformers' decode adds after it (its clean-up rule), without the
-    Python around it (3x less time: a step of 256 streams decodes 512 lists, and this was most
-    of the serving reader thread's time). Used only if it gives exactly what
-    tokenizer.decode gives on a probe of the vocabulary; otherwise tokenizer.decode."""
+    decode without the Python around it (3x less time: a step of 256 streams decodes 512
+    lists, and this was most of the serving reader thread's time). Used only if it gives
+    exactly what tokenizer.decode gives (without clean-up, _decode) on a probe of the
+    vocabulary; otherwise tokenizer.decode."""
     def slow(seqs: list[list[int]], skip: bool) -> list[str]:
-        return [tokenizer.decode(ids, skip_special_tokens=skip) for ids in seqs]
+        return [_decode(tokenizer, ids, skip) for ids in seqs]
 
     backend = getattr(tokenizer, "_tokenizer", None)
     if backend is None or not hasattr(backend, "decode_batch"):
         return slow
-    clean = bool(getattr(tokenizer, "clean_up_tokenization_spaces", False)) and not (
-        type(backend.model).__name__ == "BPE" and not getattr(
-            tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output",
-            False))
 
     # The backend's decode per list, not its decode_batch: that one lets go of the GIL and
     # hands the lists to a thread pool, slower for a few tokens each, and getting the GIL
@@ -40,8 +48,7 @@ def batch_decoder(tokenizer) -> DecodeMany:
     decode = backend.decode
 
     def fast(seqs: list[list[int]], skip: bool) -> list[str]:
-        texts = [decode(ids, skip_special_tokens=skip) for ids in seqs]
-        return [tokenizer.clean_up_tokenization(t) for t in texts] if clean else texts
+        return [decode(ids, skip_special_tokens=skip) for ids in seqs]
 
     vocab = len(tokenizer)
     probe = [list(range(i, min(i + 3, vocab))) for i in range(0, min(vocab, 3000), 3)]
@@ -64,12 +71,24 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
-        self.ids = list(prompt_token_ids[-_PROMPT_CONTEXT:])
+        # The context is chosen at the first step (a decode, off the prompts' intake).
+        self.ids: list[int] | None = None
+        self._prompt_tail = list(prompt_token_ids[-_MAX_PROMPT_CONTEXT:])
         self.prefix_offset = 0
-        self.read_offset = len(self.ids)
+        self.read_offset = 0
+
+    def _prompt_context(self) -> list[int]:
+        tail = self._prompt_tail
+        for n in range(_PROMPT_CONTEXT, len(tail)):
+            if "\ufffd" not in _decode(self.tokenizer, tail[-n:], self.skip_special_tokens):
+                return tail[-n:]
+        return tail
 
     def windows(self, new_token_ids: list[int]) -> tuple[list[int], list[int]]:
         """Adds tokens; returns the ids to decode without and with the unread ones."""
+        if self.ids is None:
+            self.ids = self._prompt_context()
+            self.read_offset = len(self.ids)
         self.ids.extend(new_token_ids)
         return self.ids[self.prefix_offset:self.read_offset], self.ids[self.prefix_offset:]
 
@@ -87,8 +106,8 @@ class IncrementalDetokenizer:
         """Adds tokens; returns the text they complete. `final` flushes an incomplete tail."""
         prefix, full = self.windows(new_token_ids)
         skip = self.skip_special_tokens
-        return self.complete(self.tokenizer.decode(prefix, skip_special_tokens=skip),
-                             self.tokenizer.decode(full, skip_special_tokens=skip), final)
+        return self.complete(_decode(self.tokenizer, prefix, skip),
+                             _decode(self.tokenizer, full, skip), final)
 
 
 class StopStringMatcher:

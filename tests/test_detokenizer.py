@@ -62,15 +62,18 @@ def test_batch_decoder_takes_the_fast_path_and_equals_decode(tok, skip):
     assert decode_many(seqs, skip) == [tok.decode(s, skip_special_tokens=skip) for s in seqs]
 
 
-def test_batch_decoder_keeps_transformers_clean_up_where_it_applies(tok):
-    """clean_up_tokenization_spaces is ignored for BPE by transformers' decode unless forced;
-    forced, the fast path applies it the same way."""
+def test_batch_decoder_decodes_without_the_clean_up_of_spaces(tok):
+    """Windows are decoded without transformers' clean-up of spaces, even where the tokenizer
+    asks for it (test_a_tokenizer_that_cleans_up_spaces_loses_no_characters_in_steps says
+    why), on the fast path as on the slow one."""
     tok.clean_up_tokenization_spaces = True
     tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = True
     try:
         ids = tok.encode("a , b . c ' d", add_special_tokens=False)
-        assert tok.decode(ids) != "a , b . c ' d"      # the clean-up changed it
-        assert batch_decoder(tok)([ids], True) == [tok.decode(ids, skip_special_tokens=True)]
+        assert tok.decode(ids) != "a , b . c ' d"      # the clean-up would change it
+        decode_many = batch_decoder(tok)
+        assert decode_many.__name__ == "fast"
+        assert decode_many([ids], True) == ["a , b . c ' d"]
     finally:
         tok.clean_up_tokenization_spaces = False
         tok.clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output = False
@@ -113,3 +116,57 @@ def test_stop_matcher_only_looks_at_new_text_plus_overlap():
     assert m.find("abc" + "zzzz" + "q", 1) is None
     # Spanning the old/new boundary is found.
     assert m.find("zzzab" + "c", 1) == ("abc", 3)
+
+
+def _byte_fallback_tokenizer():
+    """A Llama-2-style SentencePiece tokenizer in miniature: byte-fallback BPE whose vocabulary
+    is the 256 byte tokens and a word, so every character but that word goes byte by byte."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)},
+             "\u2581is": 259}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"),
+                                          normalizers.Replace(" ", "\u2581")])
+    tk.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, bos_token="<s>", eos_token="</s>",
+                                   unk_token="<unk>")
+
+
+def test_a_prompt_ending_inside_byte_fallback_characters_leaves_the_output_whole():
+    """The prompt's last 5 tokens start inside 日 (3 byte tokens each): a byte-fallback decoder
+    turns such a run, the output's own bytes with it, into U+FFFD. The context then reaches
+    back to a whole character, and the output decodes as the tokenizer decodes it alone."""
+    tok = _byte_fallback_tokenizer()
+    prompt = tok.encode("Translate: 日本", add_special_tokens=False)
+    assert "\ufffd" in tok.decode(prompt[-5:])
+    out = tok.encode("語", add_special_tokens=False)[-3:] + [tok.convert_tokens_to_ids("\u2581is")]
+    assert tok.decode(out) == "語 is"
+    d = IncrementalDetokenizer(tok, prompt)
+    steps = [d.step([t]) for t in out] + [d.step([], final=True)]
+    assert "".join(steps) == "語 is" and "\ufffd" not in "".join(steps), steps
+
+
+def test_a_tokenizer_that_cleans_up_spaces_loses_no_characters_in_steps():
+    """transformers' clean-up of spaces rewrites text across token boundaries (" ' s" to
+    "'s"): applied to each window, a window's text was no prefix of the next one's and steps
+    lost characters ("don ' t it '" without the s). Windows are decoded without it, as vLLM's
+    incremental text is: every chunking gives the same, whole text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {w: i for i, w in enumerate(["[UNK]", "do", "##n", "'", "t", "it", "s"])}
+    tk = Tokenizer(models.WordPiece(vocab=vocab, unk_token="[UNK]"))
+    tk.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    tk.decoder = decoders.WordPiece(prefix="##")
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="[UNK]",
+                                  clean_up_tokenization_spaces=True)
+    ids = tok.encode("don't it's", add_special_tokens=False)
+    assert tok.decode(ids) != tok.decode(ids, clean_up_tokenization_spaces=False)
+    whole = tok.decode(ids, clean_up_tokenization_spaces=False)
+    decode_many = batch_decoder(tok)
+    for k in (1, 2, 3):
+        d = IncrementalDetokenizer(tok, [])
+        steps = [d.complete(*decode_many(list(d.windows(ids[i:i + k])), True),
+                            final=i + k >= len(ids)) for i in range(0, len(ids), k)]
+        assert "".join(steps) == whole, (k, steps)
