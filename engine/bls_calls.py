@@ -45,6 +45,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.config import PYTHON_BACKEND_PARAMETERS
 from engine.protocol import BLS_REQUEST_ID_PREFIX
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,24 @@ logger = logging.getLogger(__name__)
 DEFAULT_THREAD_POOL_SIZE = 32   # the Python backend's, without --backend-config
 CANCEL_CHECKS_PER_ROUND = 64    # as engine/serving.py: at most 640 round trips a second
 CANCEL_ROUND_S = 0.1
+
+
+def max_concurrency_from(parameters: dict) -> int:
+    """llm_bls's `max_concurrency` from its config's `parameters` (default 256; an empty value
+    keeps it). Any other key but the Python backend's own is an error naming it."""
+    values = {k: v.get("string_value", "").strip() for k, v in parameters.items()}
+    unknown = sorted(set(values) - {"max_concurrency", *PYTHON_BACKEND_PARAMETERS})
+    if unknown:
+        raise ValueError(f"unknown llm_bls parameter(s) {unknown}; its parameter is "
+                         f"max_concurrency (requests in llm at once on an instance)")
+    text = values.get("max_concurrency") or "256"
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise ValueError(f"max_concurrency must be an integer >= 1, got {text!r}")
+    return value
 
 
 def python_backend_thread_pool_size(argv: Sequence[str]) -> int:

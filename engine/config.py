@@ -224,14 +224,27 @@ def _float_in(name: str, v: Any, lo: float, hi: float) -> None:
         raise ValueError(f"{name} must be a number in ({lo}, {hi}], got {v!r}")
 
 
+# Parameters of Triton's Python backend itself (a conda-pack environment, ...): not the engine's.
+PYTHON_BACKEND_PARAMETERS = ("EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS")
+
+
 def settings_from_triton(model_config: dict, repository: str, device: str) -> dict[str, str]:
-    """Engine settings from a Triton model config's `parameters` (string values). `model` and
-    `tokenizer` paths are resolved against the model repository; `device` comes from the
-    instance (KIND_CPU / KIND_GPU with its device id) unless a parameter sets it."""
-    params = {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+    """Engine settings from a Triton model config's `parameters` (string values; an empty one
+    keeps the default). `model` and `tokenizer` paths are resolved against the model
+    repository (`tokenizer` "none": the model's); `device` comes from the instance (KIND_CPU /
+    KIND_GPU with its device id) unless a parameter sets it."""
+    params = {k: v.get("string_value", "").strip()
+              for k, v in model_config.get("parameters", {}).items()
+              if k not in PYTHON_BACKEND_PARAMETERS}
+    params = {k: v for k, v in params.items() if v}
+    if "model" not in params:
+        raise ValueError("the model's config.pbtxt needs a `model` parameter: the local Hugging "
+                         "Face folder to serve (relative to the model repository or absolute)")
     for key in ("model", "tokenizer"):
-        if params.get(key) and not os.path.isabs(params[key]):
-            params[key] = os.path.normpath(os.path.join(repository, params[key]))
+        if key in params and params[key].lower() != "none":
+            path = os.path.expanduser(params[key])
+            params[key] = os.path.normpath(path if os.path.isabs(path)
+                                           else os.path.join(repository, path))
     params.setdefault("device", device)
     return params
 

@@ -222,3 +222,19 @@ def test_an_ask_that_began_before_the_keep_does_not_release_it():
     calls.finish(fast.call)             # this one began after it
     gc.collect()
     assert ref() is None
+
+
+def test_max_concurrency_from_the_config_names_what_is_wrong():
+    from engine.bls_calls import max_concurrency_from
+
+    def params(**kv):
+        return {k: {"string_value": v} for k, v in kv.items()}
+    assert max_concurrency_from({}) == 256
+    assert max_concurrency_from(params(max_concurrency=" 8 ")) == 8
+    assert max_concurrency_from(params(max_concurrency="", EXECUTION_ENV_PATH="env.tar.gz")) == 256
+    with pytest.raises(ValueError, match=r"unknown llm_bls parameter\(s\) \['max_concurency'\]; "
+                                         r"its parameter is max_concurrency"):
+        max_concurrency_from(params(max_concurency="8"))
+    for bad in ("0", "-5", "abc", "8.0"):
+        with pytest.raises(ValueError, match=f"max_concurrency must be an integer >= 1, got '{bad}'"):
+            max_concurrency_from(params(max_concurrency=bad))

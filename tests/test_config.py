@@ -59,3 +59,29 @@ def test_kv_cache_dtype_from_a_triton_parameter(model_dir):
     """The served model's config.pbtxt parameters arrive as strings (settings_from_triton)."""
     assert EngineConfig.from_strings({"model": model_dir, "kv_cache_dtype": "fp8"}).kv_cache_dtype == "fp8"
     assert EngineConfig(model=model_dir).kv_cache_dtype == "auto"
+
+
+def _pbtxt(**params):
+    return {"parameters": {k: {"string_value": v} for k, v in params.items()}}
+
+
+def test_settings_from_a_triton_config(model_dir, tmp_path):
+    """config.pbtxt parameters: paths from the model repository (`~` expanded, spaces around
+    dropped, tokenizer "none" is the model's own), an empty value keeps the default (so an
+    empty device is the instance's, not the default GPU), Triton's Python-backend parameters
+    are left to it, and a missing model is an error that says what to set."""
+    import os
+
+    from engine.config import settings_from_triton
+    repo, rel = os.path.split(model_dir)
+    got = settings_from_triton(_pbtxt(model=f" {rel} ", tokenizer="none", device="",
+                                      max_num_seqs="", EXECUTION_ENV_PATH="$$TRITON_MODEL_DIRECTORY/env.tar.gz"),
+                               repo, "cuda:3")
+    assert got == {"model": model_dir, "tokenizer": "none", "device": "cuda:3"}
+    config = EngineConfig.from_strings({**got, "device": "cpu"})
+    assert config.tokenizer is None and config.max_num_seqs == EngineConfig(model=model_dir).max_num_seqs
+    home = os.path.expanduser("~")
+    assert settings_from_triton(_pbtxt(model="~/m"), repo, "cpu")["model"] == os.path.join(home, "m")
+    for missing in (_pbtxt(), _pbtxt(model="  ")):
+        with pytest.raises(ValueError, match="needs a `model` parameter"):
+            settings_from_triton(missing, repo, "cpu")

@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from engine.bls_calls import BlsCalls, python_backend_thread_pool_size
+from engine.bls_calls import BlsCalls, max_concurrency_from, python_backend_thread_pool_size
 from engine.protocol import (INPUT_NAMES, OUTPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs,
                              with_request_parameters)
 
@@ -27,8 +27,8 @@ _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
-        params = json.loads(args["model_config"]).get("parameters", {})
-        max_concurrency = int(params.get("max_concurrency", {}).get("string_value", "256"))
+        max_concurrency = max_concurrency_from(
+            json.loads(args["model_config"]).get("parameters", {}))
         server_threads = python_backend_thread_pool_size(_server_argv())
         # One server thread stays free for the BLS calls that abort cancelled requests.
         self.max_in_llm = max(1, min(max_concurrency, server_threads - 1))
