@@ -144,13 +144,19 @@ class EngineConfig:
                         raise ValueError
                     values[k] = s.lower() in ("true", "1")
                 elif t.startswith("int"):
+                    if "_" in s:                # int() takes "1_0" as 10
+                        raise ValueError
                     values[k] = int(s)
                 elif t.startswith("float"):
+                    if "_" in s:
+                        raise ValueError
                     values[k] = float(s)
                 else:
                     values[k] = s
             except ValueError:
-                raise ValueError(f"{k} must be of type {t.split(' ')[0]}, got {v!r}") from None
+                kind = t.split(" ")[0]
+                allowed = " (true, false, 1 or 0)" if kind == "bool" else ""
+                raise ValueError(f"{k} must be of type {kind}{allowed}, got {v!r}") from None
         return cls(**values)
 
     def validate(self) -> None:

@@ -85,3 +85,13 @@ def test_settings_from_a_triton_config(model_dir, tmp_path):
     for missing in (_pbtxt(), _pbtxt(model="  ")):
         with pytest.raises(ValueError, match="needs a `model` parameter"):
             settings_from_triton(missing, repo, "cpu")
+
+
+def test_string_settings_name_what_they_take(model_dir):
+    for key, value, needle in (("enable_prefix_caching", "yes", "(true, false, 1 or 0), got 'yes'"),
+                               ("max_num_seqs", "1_0", "max_num_seqs must be of type int, got '1_0'"),
+                               ("gpu_memory_utilization", "0_5", "must be of type float")):
+        with pytest.raises(ValueError) as e:
+            EngineConfig.from_strings({"model": model_dir, key: value})
+        assert needle in str(e.value)
+    assert EngineConfig.from_strings({"model": model_dir, "max_num_seqs": "10"}).max_num_seqs == 10
