@@ -353,6 +353,11 @@ def test_request_parameters_are_sampling_parameters_as_in_the_vllm_backend(serve
     gen = http_json(server, "/v2/models/llm_bls/generate", {
         "text_input": prompt, "exclude_input_in_output": True, **greedy(3)})
     assert gen["text_output"] == want
+    # The vLLM backend README's own request (triton-inference-server/server#6660 sent it), to
+    # the decoupled model: one response, the prompt and its text.
+    gen = http_json(server, "/v2/models/llm/generate", {
+        "text_input": prompt, "parameters": {"stream": False, **greedy(3)}})
+    assert gen["text_output"] == prompt + want
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         inputs = [t for t in grpc_inputs(prompt, {}, stream=False, exclude_input_in_output=True)
