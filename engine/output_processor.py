@@ -70,6 +70,16 @@ class _RequestState:
             end = min(end, self.num_text_tokens)
         return self.token_ids[self.num_decoded:end]
 
+    def cumulative_logprob(self, end: int) -> float | None:
+        """The sum of the first `end` sampled tokens' logprobs (each step's dict holds the
+        sampled token first), kept as a running sum; None without logprobs."""
+        if self.logprobs is None:
+            return None
+        for step in self.logprobs[self.num_summed:end]:
+            self.sum_logprob += next(iter(step.values())).logprob
+        self.num_summed = max(self.num_summed, min(end, len(self.logprobs)))
+        return self.sum_logprob
+
 
 class PullOutput:
     """What `process` hands out for a pull request, the same object every step: new tokens
@@ -217,7 +227,7 @@ class OutputProcessor:
                 return None
             comp = CompletionOutput(0, st.text, list(st.token_ids), st.finish_reason,
                                     st.stop_reason, st.logprobs,
-                                    _cumulative_logprob(st, len(st.token_ids)))
+                                    st.cumulative_logprob(len(st.token_ids)))
         else:
             visible = len(st.text) if finished else max(st.num_sent_chars,
                                                          len(st.text) - st.stop.holdback)
@@ -233,19 +243,8 @@ class OutputProcessor:
                 st.num_sent_logprobs = end_lp
             comp = CompletionOutput(0, text, token_ids, st.finish_reason if finished else None,
                                     st.stop_reason if finished else None, logprobs,
-                                    _cumulative_logprob(st, end))
+                                    st.cumulative_logprob(end))
         return RequestOutput(st.request_id, st.prompt, st.prompt_token_ids, [comp], finished,
                              num_cached_tokens=st.num_cached_tokens,
                              metrics={"first_token_time": st.first_token_time,
                                       "last_token_time": st.last_token_time})
-
-
-def _cumulative_logprob(st: _RequestState, end: int) -> float | None:
-    """The sum of the first `end` sampled tokens' logprobs (each step's dict holds the sampled
-    token first), kept as a running sum; None without logprobs."""
-    if st.logprobs is None:
-        return None
-    for step in st.logprobs[st.num_summed:end]:
-        st.sum_logprob += next(iter(step.values())).logprob
-    st.num_summed = max(st.num_summed, min(end, len(st.logprobs)))
-    return st.sum_logprob

@@ -175,11 +175,7 @@ def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
     else:
         raise ValueError("missing input: give text_input (a string) or input_ids")
 
-    params, flags = _request_parameters(inputs)
-    if inputs.get("sampling_parameters") is not None:
-        params.update(parse_sampling_parameters(_text(inputs["sampling_parameters"],
-                                                      "sampling_parameters",
-                                                      MAX_SAMPLING_PARAMETERS_BYTES)))
+    params, flags = _sampling_dict(inputs)
     try:
         sampling = SamplingParams.from_dict(params)
     except TypeError as e:
@@ -191,6 +187,17 @@ def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
         raise ValueError("exclude_input_in_output=false is not allowed with stream=true (as in "
                          "Triton's vLLM backend): a stream's responses carry only new text")
     return GenerateRequest(prompt, sampling, **flags)
+
+
+def _sampling_dict(inputs: dict[str, np.ndarray]) -> tuple[dict, dict[str, bool]]:
+    """The request's sampling parameters as a dict (the request parameters', then the
+    sampling_parameters input's over them) and the flags its parameters set."""
+    params, flags = _request_parameters(inputs)
+    if inputs.get("sampling_parameters") is not None:
+        params.update(parse_sampling_parameters(_text(inputs["sampling_parameters"],
+                                                      "sampling_parameters",
+                                                      MAX_SAMPLING_PARAMETERS_BYTES)))
+    return params, flags
 
 
 def _request_parameters(inputs: dict[str, np.ndarray]) -> tuple[dict, dict[str, bool]]:
@@ -240,11 +247,7 @@ def bls_inner_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     into `sampling_parameters` (they win), the request parameters folded in as `llm` reads
     them, one response (`stream` false). Raises ValueError for a request `llm` would refuse, so
     that it is not forwarded."""
-    params, flags = _request_parameters(inputs)
-    if inputs.get("sampling_parameters") is not None:
-        params.update(parse_sampling_parameters(_text(inputs["sampling_parameters"],
-                                                      "sampling_parameters",
-                                                      MAX_SAMPLING_PARAMETERS_BYTES)))
+    params, flags = _sampling_dict(inputs)
     for name, kind in SCALAR_OVERRIDES.items():
         if inputs.get(name) is not None:
             params[name] = kind(_scalar(inputs[name], name))
