@@ -193,8 +193,11 @@ def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], wo
         out, _ = proc.communicate(timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"perf_analyzer failed ({proc.returncode}):\n{out[-3000:]}")
-        with open(export) as f:
-            exp = json.load(f)
+        try:
+            with open(export) as f:
+                exp = json.load(f)
+        except (OSError, ValueError) as e:
+            raise RuntimeError(f"perf_analyzer wrote no profile export ({e}):\n{out[-3000:]}")
         os.remove(export)
         reqs += [r for e in exp["experiments"] for r in e["requests"]
                  if r["response_timestamps"]]

@@ -18,7 +18,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from engine.bls_calls import BlsCalls, max_concurrency_from, python_backend_thread_pool_size
-from engine.protocol import (INPUT_NAMES, OUTPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs,
+from engine.protocol import (INPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs,
                              with_request_parameters)
 
 _OUTER_INPUTS = frozenset(INPUT_NAMES + tuple(SCALAR_OVERRIDES) + ("stop_words",))
@@ -89,8 +89,12 @@ def _answer_from_llm(request, inner_id):
         inner = bls_inner_inputs(inputs)
     except ValueError as e:
         return _error(str(e)), None
+    # The outputs this request's client asked for (Triton lists all of llm_bls's when it
+    # named none): a repository may declare fewer outputs than engine.protocol.OUTPUT_NAMES
+    # (scripts/bench_serving.py's copy does), and llm refuses a call for an output it does not
+    # declare.
     call = pb_utils.InferenceRequest(
-        model_name="llm", requested_output_names=list(OUTPUT_NAMES),
+        model_name="llm", requested_output_names=list(request.requested_output_names()),
         inputs=[pb_utils.Tensor(k, v) for k, v in inner.items()], request_id=inner_id)
     outputs, error = None, None
     # Returns (without the GIL) when llm answers: one response, with the FINAL flag.
