@@ -24,7 +24,7 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.core_client import CoreClient, CoreDiedError
-from engine.llm import Prompt, encode_prompt, eos_token_ids, load_tokenizer
+from engine.llm import Prompt, encode_prompt, eos_token_ids, load_tokenizer, unwrap_prompt
 from engine.output_processor import OutputProcessor, PullOutput
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.request import check_request
@@ -222,6 +222,7 @@ class AsyncEngine:
         self.core.add(index, packed, params)
 
     async def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int], np.ndarray]:
+        prompt = unwrap_prompt(prompt)
         if not isinstance(prompt, str) or self.tokenizer is None:
             _, ids = encode_prompt(self.tokenizer, prompt)    # token ids, or the error
             return None, ids, np.asarray(ids, dtype=np.int64)

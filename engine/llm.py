@@ -5,6 +5,8 @@ import array
 import contextlib
 import gc
 import itertools
+import json
+import os
 import time
 from collections.abc import Iterator, Sequence
 
@@ -18,7 +20,11 @@ from engine.outputs import RequestOutput
 from engine.prefix_groups import group_prompts
 from engine.sampling_params import SamplingParams
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text} and
+# {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict
+
+_PROMPT_KEYS = ("prompt", "prompt_token_ids")
 
 
 def load_tokenizer(config: EngineConfig):
@@ -31,9 +37,31 @@ def load_tokenizer(config: EngineConfig):
                          f"{e}") from e
 
 
+def unwrap_prompt(prompt: Prompt) -> str | list[int]:
+    """vLLM's prompt dicts as the text or the token ids they hold: {"prompt": text} (TextPrompt)
+    or {"prompt_token_ids": ids} (TokensPrompt); keys whose value is None are left out (e.g.
+    multi_modal_data=None), any other key is an error naming it."""
+    if not isinstance(prompt, dict):
+        return prompt
+    given = {k: v for k, v in prompt.items() if v is not None}
+    other = sorted(str(k) for k in given if k not in _PROMPT_KEYS)
+    if other:
+        raise ValueError(f"a prompt dict may hold {list(_PROMPT_KEYS)} (vLLM's TextPrompt / "
+                         f"TokensPrompt); {other} are not supported")
+    if "prompt_token_ids" in given:         # a TokensPrompt's optional text is not re-encoded
+        return given["prompt_token_ids"]
+    if "prompt" in given:
+        return given["prompt"]
+    raise ValueError(f"a prompt dict must hold one of {list(_PROMPT_KEYS)}")
+
+
 def encode_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
     """Text is tokenized with the tokenizer's special tokens (e.g. BOS); a list or tuple of
-    ints (Python or NumPy integers, not bools) is taken as token ids."""
+    ints (Python or NumPy integers, not bools) is taken as token ids; a prompt dict as what it
+    holds (unwrap_prompt)."""
+    prompt = unwrap_prompt(prompt)
+    if isinstance(prompt, np.ndarray) and prompt.ndim == 1:
+        prompt = prompt.tolist()
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer, and skip_tokenizer_init is set: "
@@ -49,6 +77,29 @@ def encode_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
             return None, [int(t) for t in prompt]
     raise ValueError(f"a prompt must be a string or a list of token ids, got "
                      f"{type(prompt).__name__}")
+
+
+# generation_config.json's fields that vLLM (generation_config="auto", its default since 0.8)
+# takes as the defaults of a generate() given no SamplingParams, and our names for them.
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k",
+                        "min_p": "min_p", "repetition_penalty": "repetition_penalty",
+                        "max_new_tokens": "max_tokens"}
+
+
+def default_sampling_params(model_dir: str) -> SamplingParams:
+    """SamplingParams() with the checkpoint's generation_config.json sampling fields over its
+    defaults, as vLLM's LLM.get_default_sampling_params()."""
+    path = os.path.join(model_dir, "generation_config.json")
+    if not os.path.isfile(path):
+        return SamplingParams()
+    with open(path, encoding="utf-8") as f:
+        raw = json.load(f)
+    given = {ours: raw[theirs] for theirs, ours in _GENERATION_DEFAULTS.items()
+             if raw.get(theirs) is not None}
+    try:
+        return SamplingParams(**given)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
 
 
 def token_array(ids: list[int]) -> np.ndarray | None:
@@ -116,16 +167,29 @@ class LLM:
         # read it (scripts/bench_shared_prefix.py, scripts/bench_prompt_intake.py).
         self.intake_s: dict[str, float] = {}
 
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What generate() samples with when given no SamplingParams (vLLM's)."""
+        return default_sampling_params(self.config.model)
+
     def generate(self, prompts: Prompt | Sequence[Prompt],
-                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None
-                 ) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, lora_request=None) -> list[RequestOutput]:
+        """vLLM's call: one prompt or a list (text, token ids, or vLLM's prompt dicts), one
+        SamplingParams for all or one per prompt (none: the checkpoint's generation_config.json
+        defaults). use_tqdm is accepted and ignored (no progress bar); LoRA is not supported."""
+        if lora_request is not None:
+            raise ValueError("lora_request: LoRA adapters are not supported")
         if isinstance(prompts, np.ndarray):     # a 1-D array is one prompt's ids, 2-D a batch
             prompts = prompts.tolist()
-        if isinstance(prompts, str) or (isinstance(prompts, (list, tuple)) and prompts
-                                        and isinstance(prompts[0], (int, np.integer))):
+        if isinstance(prompts, (str, dict)) or (
+                isinstance(prompts, (list, tuple)) and prompts
+                and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):

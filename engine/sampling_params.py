@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+import numpy as np
+
 # top-k at or below 0 means "no top-k" (vLLM accepts both -1 and 0). One at or above the
 # vocabulary size keeps every token too: larger ones are stored as int32's max, which the
 # sampler's tensors and the wire hold.
@@ -52,11 +54,18 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # vLLM's number of completions per prompt; only 1 (vLLM code often passes n=1).
+    n: int = 1
 
     def __post_init__(self) -> None:
+        # NumPy scalars (np.int64(8), np.float32(0.5)) as the Python numbers they are.
+        for f in fields(self):
+            v = getattr(self, f.name)
+            if isinstance(v, np.generic):
+                setattr(self, f.name, v.item())
         self.stop = _as_list("stop", self.stop, "a string or a list of strings")
-        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids,
-                                       "a list of token ids")
+        self.stop_token_ids = [t.item() if isinstance(t, np.integer) else t for t in _as_list(
+            "stop_token_ids", self.stop_token_ids, "a list of token ids")]
         if self.top_k is None:
             self.top_k = _NO_TOP_K
         _check_int("top_k", self.top_k)
@@ -106,6 +115,11 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
+        _check_int("n", self.n)
+        if self.n != 1:
+            raise ValueError(f"n must be 1: one completion per request (parallel sampling is "
+                             f"not supported; send n requests, with different seeds), got "
+                             f"{self.n}")
 
     @property
     def greedy(self) -> bool:

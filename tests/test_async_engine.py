@@ -174,6 +174,31 @@ def test_non_streamed_request_yields_one_complete_output(model_dir):
         assert outs[0].metrics["first_token_time"] <= outs[0].metrics["last_token_time"]
 
 
+def test_vllm_prompt_dicts_are_the_prompts_they_hold(model_dir):
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    text = "one output please"
+    llm = LLM(model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+    (want,) = llm.generate(text, params)
+    ids = llm.tokenizer.encode(text)
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+
+    async def main():
+        outs = [[o async for o in engine.generate(p, params, f"d{i}", stream=False)]
+                for i, p in enumerate([{"prompt": text}, {"prompt_token_ids": ids}])]
+        with pytest.raises(ValueError, match="not supported"):
+            async for _ in engine.generate({"prompt": text, "lora": "x"}, params, "bad"):
+                pass
+        return outs
+
+    try:
+        (text_out,), (ids_out,) = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert text_out.prompt == text and ids_out.prompt is None
+    for out in (text_out, ids_out):
+        assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want.outputs[0].token_ids
+
+
 def test_killing_the_core_ends_every_stream_with_an_error_within_a_second(model_dir):
     died = threading.Event()
     reasons = []

@@ -161,6 +161,55 @@ def test_text_and_token_prompts_agree(tiny_models):
     assert len(llm.generate(np.array([ids, ids]), GREEDY)) == 2
 
 
+def test_vllm_prompt_dicts_and_call_forms(tiny_models):
+    """vLLM's TextPrompt / TokensPrompt dicts, alone or in a list, are the prompts they hold (a
+    lone dict used to be read as a list of its keys), and vLLM's generate() keywords work."""
+    import numpy as np
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=128)
+    text = "The quick brown fox jumps over the lazy dog."
+    ids = llm.tokenizer.encode(text)
+    (want,) = llm.generate(text, GREEDY)
+    forms = [{"prompt": text}, {"prompt": text, "multi_modal_data": None},
+             {"prompt_token_ids": ids}, {"prompt_token_ids": np.array(ids)}]
+    for form in forms:
+        (got,) = llm.generate(form, GREEDY, use_tqdm=False)
+        assert got.prompt_token_ids == ids and got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert got.prompt == (text if "prompt" in form else None)
+    outs = llm.generate(forms, GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == [want.outputs[0].token_ids] * len(forms)
+    with pytest.raises(ValueError, match=r"\['multi_modal_data'\] are not supported"):
+        llm.generate({"prompt": text, "multi_modal_data": {"image": 1}}, GREEDY)
+    with pytest.raises(ValueError, match="must hold one of"):
+        llm.generate({}, GREEDY)
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate(text, GREEDY, lora_request=object())
+    assert llm.get_tokenizer() is llm.tokenizer
+
+
+def test_generate_without_sampling_params_takes_the_generation_config(tiny_models, tmp_path):
+    """As vLLM (generation_config "auto"): the checkpoint's generation_config.json sampling
+    fields are the defaults of a generate() given no SamplingParams."""
+    model = tmp_path / "m"
+    shutil.copytree(tiny_models["llama"], model)
+    prompts = ["The quick brown fox", "Once upon a time"]
+    llm = LLM(str(model), dtype="float32", device="cpu", num_kv_blocks=128)
+    assert llm.get_default_sampling_params() == SamplingParams()
+    gen = json.loads((model / "generation_config.json").read_text())
+    gen.update({"do_sample": True, "temperature": 0.7, "top_k": 1, "max_new_tokens": 5})
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    assert llm.get_default_sampling_params() == SamplingParams(temperature=0.7, top_k=1,
+                                                               max_tokens=5)
+    # top_k 1 at any temperature is greedy: the same 5 tokens every time.
+    greedy = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=5))
+    for _ in range(2):
+        outs = llm.generate(prompts)
+        assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in greedy]
+    gen["top_p"] = 2.0
+    (model / "generation_config.json").write_text(json.dumps(gen))
+    with pytest.raises(ValueError, match="generation_config.json: top_p"):
+        llm.generate(prompts)
+
+
 def test_prompt_longer_than_max_model_len_is_rejected(tiny_models):
     llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64,
               max_model_len=64)

@@ -173,3 +173,27 @@ def test_many_unknown_keys_are_listed_briefly():
     with pytest.raises(ValueError) as e:
         SamplingParams.from_json(text)
     assert "and 9995 more" in str(e.value) and len(str(e.value)) < 1000
+
+
+def test_numpy_scalars_are_the_numbers_they_hold():
+    """vLLM takes NumPy scalars; they used to be refused as 'must be an integer, got 8'."""
+    import numpy as np
+    p = SamplingParams(max_tokens=np.int64(8), temperature=np.float64(0.5), top_k=np.int32(4),
+                       seed=np.uint16(3), stop_token_ids=[np.int64(5), 6],
+                       ignore_eos=np.bool_(True), logprobs=np.int8(2))
+    assert p == SamplingParams(max_tokens=8, temperature=0.5, top_k=4, seed=3,
+                               stop_token_ids=[5, 6], ignore_eos=True, logprobs=2)
+    assert all(type(v) in (int, float, bool) for v in
+               (p.max_tokens, p.temperature, p.top_k, p.seed, p.ignore_eos, p.logprobs,
+                *p.stop_token_ids))
+    with pytest.raises(ValueError, match="max_tokens must be >= 1"):
+        SamplingParams(max_tokens=np.int64(0))
+
+
+def test_n_is_accepted_as_one_and_more_is_refused_by_name():
+    assert SamplingParams(n=1) == SamplingParams()
+    assert SamplingParams.from_json('{"n": 1, "max_tokens": 3}').max_tokens == 3
+    with pytest.raises(ValueError, match="n must be 1.*parallel sampling.*got 2"):
+        SamplingParams.from_json('{"n": 2}')
+    with pytest.raises(ValueError, match="n must be an integer"):
+        SamplingParams(n=1.5)

@@ -28,11 +28,11 @@ VOCAB = 1000
 U32_MAX = 2**32 - 1
 I32_MAX = 2**31 - 1
 # What the core uses of SamplingParams. The rest stays in the front end: stop strings are
-# matched on text, and detokenization options apply to text.
+# matched on text, detokenization options apply to text, and n (always 1) is checked there.
 CORE_PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                      "seed", "stop_token_ids", "ignore_eos", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "logprobs")
-FRONT_END_PARAM_FIELDS = {"stop", "include_stop_str_in_output", "skip_special_tokens"}
+FRONT_END_PARAM_FIELDS = {"stop", "include_stop_str_in_output", "skip_special_tokens", "n"}
 
 
 # ---------------------------------------------------------------------------- helpers
