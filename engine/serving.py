@@ -109,7 +109,8 @@ class _Request:
     first_sent: float | None = None     # when its first tokens went to the server
     final_output: float | None = None   # when its last step's output came back
     final_sent: float | None = None     # when its final response went to the server
-    num_out: int = 0
+    num_out: int = 0                    # its tokens in the responses so far
+    num_prompt: int = 0                 # its prompt tokens, once it has had an output
     counted: bool = False               # counted finished in the metrics
     cancelled: bool = False
     stream: Stream | None = None        # its way back
@@ -419,11 +420,13 @@ class ServingEngine:
                 return False                 # nothing visible yet (a partial character)
             items = [out]
         last: RequestOutput = items[-1]
+        r.num_prompt = len(last.prompt_token_ids)
         comps = [o.outputs[0] for o in items]
         token_ids = [t for c in comps for t in c.token_ids]
         text = "".join(c.text for c in comps)
         if last.finished and r.cancelled:
-            self._count_finished(r, last, len(token_ids), reason="abort")
+            # Its tokens were generated, sent or not: counted as vLLM counts them.
+            self._count_finished(r, last, r.num_out + len(token_ids), reason="abort")
             send(None, "request cancelled", True)
             self._forget(r)
             return True
@@ -463,6 +466,7 @@ class ServingEngine:
         self.engine.abort_nowait(r.rid)
         if r.req is not None and r.rid in self._inflight and not r.counted:
             self.metrics.on_request_done(time.monotonic() - r.start)
+            self.metrics.on_tokens(r.num_prompt, r.num_out)
             self.metrics.on_finish("abort")
         self._forget(r)
         self._count_open(-1)

@@ -387,3 +387,37 @@ def test_a_request_whose_final_send_fails_is_counted_once(model_dir):
         assert serving.metrics.e2e.count == 1
     finally:
         serving.shutdown()
+
+
+def test_a_stream_whose_send_fails_counts_its_prompt_and_generated_tokens(model_dir):
+    """A stream whose client is gone mid-way (a send fails) is counted aborted once, with its
+    prompt tokens and the tokens generated for it so far, as vLLM counts them (they used to be
+    left out of llm_generation_tokens_total)."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        failed = threading.Event()
+        sent = []                                   # num_output_tokens of each response
+
+        def send(tensors, error, final):
+            sent.append(int(tensors["num_output_tokens"][0]))
+            if len(sent) == 3:
+                failed.set()
+                raise RuntimeError("the client is gone")
+
+        serving.submit({"text_input": _str("Hello there"), "stream": np.array([True]),
+                        "return_num_output_tokens": np.array([True]),
+                        "sampling_parameters": _str(json.dumps(
+                            {"max_tokens": 400, "temperature": 0, "ignore_eos": True}))}, send)
+        assert failed.wait(30)
+        deadline = time.monotonic() + 10
+        while serving.num_open:                     # until the failed send is dealt with
+            assert time.monotonic() < deadline, "the failed send was never dealt with"
+            time.sleep(0.01)
+        counters = serving.metrics.snapshot_counters()
+        assert counters["finished_abort"] == 1 and sum(counters[f"finished_{r}"] for r in
+                                                       ("stop", "length")) == 0
+        assert counters["prompt_tokens"] == len(serving.engine.tokenizer.encode("Hello there"))
+        assert sum(sent) <= counters["generation_tokens"] < 400
+    finally:
+        serving.shutdown()
