@@ -30,7 +30,7 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.request import check_request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import EngineCoreOutput
-from engine.tokenize import BatchTokenizer
+from engine.tokenize import BatchTokenizer, PromptDropped, TokenizerClosed
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ class AsyncEngine:
         (and costs no per-step work). Leaving the loop early aborts the request."""
         channel = self._open(request_id)
         try:
-            text, ids, packed = await self._prepare(prompt, params)
+            text, ids, packed = await self._prepare(prompt, params, channel)
             if channel.abort_requested:
                 channel.finished = True
                 yield RequestOutput(request_id, text, ids,
@@ -134,7 +134,7 @@ class AsyncEngine:
         the last render, decoded only then (engine/output_processor.py)."""
         channel = self._open(request_id, sink)
         try:
-            text, ids, packed = await self._prepare(prompt, params)
+            text, ids, packed = await self._prepare(prompt, params, channel)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -188,8 +188,10 @@ class AsyncEngine:
             return
         self._stopped = True
         self.core.shutdown()
-        self._tokenizer_thread.shutdown(wait=True)
+        # The queued prompts fail first and the tokenizer process stops: the thread's wait is
+        # then for at most the batch it is tokenizing itself, not for every queued prompt.
         self._batch_tokenizer.close()
+        self._tokenizer_thread.shutdown(wait=True)
         self._fail_all(EngineDeadError("the engine was shut down"))
 
     # ------------------------------------------------------------------ event loop
@@ -206,9 +208,15 @@ class AsyncEngine:
         self._streams[request_id] = channel
         return channel
 
-    async def _prepare(self, prompt: Prompt, params: SamplingParams
+    async def _prepare(self, prompt: Prompt, params: SamplingParams, channel: _Stream
                        ) -> tuple[str | None, list[int], np.ndarray]:
-        text, ids, packed = await self._tokenize(prompt)
+        try:
+            text, ids, packed = await self._tokenize(prompt, channel)
+        except PromptDropped:               # aborted while queued: never tokenized
+            prompt = unwrap_prompt(prompt)
+            return (prompt if isinstance(prompt, str) else None), [], np.zeros(0, np.int64)
+        except TokenizerClosed:
+            raise EngineDeadError("the engine was shut down") from None
         self._check_alive()
         check_request(packed, params, self.info.max_model_len, self.info.vocab_size)
         return text, ids, packed
@@ -221,7 +229,8 @@ class AsyncEngine:
         self._ids_by_index[index] = request_id
         self.core.add(index, packed, params)
 
-    async def _tokenize(self, prompt: Prompt) -> tuple[str | None, list[int], np.ndarray]:
+    async def _tokenize(self, prompt: Prompt, channel: _Stream
+                        ) -> tuple[str | None, list[int], np.ndarray]:
         prompt = unwrap_prompt(prompt)
         if not isinstance(prompt, str) or self.tokenizer is None:
             _, ids = encode_prompt(self.tokenizer, prompt)    # token ids, or the error
@@ -232,7 +241,8 @@ class AsyncEngine:
             if isinstance(result, ValueError):
                 raise result
             return (prompt, *result)
-        return (prompt, *await self._batch_tokenizer.encode(prompt))
+        return (prompt, *await self._batch_tokenizer.encode(
+            prompt, dropped=lambda: channel.abort_requested))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

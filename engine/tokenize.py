@@ -17,6 +17,10 @@ With a `TokenizerProcess` the thread only hands its batches to a tokenizer proce
 GIL: the serving process then spends no CPU on long prompts but the conversion of the ids of
 a prompt that fits. A prompt too long comes back as its length alone. If that process dies,
 the thread tokenizes from then on (logged).
+
+A queued prompt whose request was aborted is dropped unread (its caller gets PromptDropped),
+and `close` fails every queued prompt at once and stops the process without waiting for it:
+cancelled clients and a stopping server do not wait behind prompts nobody wants.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ import logging
 import socket
 import subprocess
 import threading
+from collections.abc import Callable
 from concurrent.futures import Executor
 
 import numpy as np
@@ -40,7 +45,16 @@ _PROBES = ["Hello, world!", "  two  spaces\tand a tab\n\nnew lines", "café ☕ 
 Encoded = tuple[list[int], np.ndarray]       # the ids as a list and as int32
 RECV_BYTES = 1 << 20
 STOP_WAIT_S = 5.0
+STOP_NOW_S = 0.5             # close(): an idle process has exited by then
 START_TIMEOUT_S = 60.0
+
+
+class PromptDropped(Exception):
+    """The prompt's request was aborted before it was tokenized."""
+
+
+class TokenizerClosed(RuntimeError):
+    """The tokenizer was closed (the engine is shutting down) before the prompt's turn."""
 
 
 class BatchTokenizer:
@@ -61,8 +75,11 @@ class BatchTokenizer:
             self.process = TokenizerProcess.start(self._backend, max_num_tokens, process_priority,
                                                   [tokenizer.encode(p) for p in _PROBES])
         self._lock = threading.Lock()
-        self._pending: list[tuple[str, asyncio.Future]] = []
+        # (text, its future, whether its request was aborted meanwhile)
+        self._pending: list[tuple[str, asyncio.Future, Callable[[], bool]]] = []
         self._running = False
+        self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def encode_now(self, texts: list[str], inline: bool = False) -> list[Encoded | ValueError]:
         """Tokenizes with special tokens (e.g. BOS), like `encode`. `inline`: on the event loop,
@@ -84,8 +101,22 @@ class BatchTokenizer:
         return results
 
     def close(self) -> None:
-        if self.process is not None:
-            self.process.close()
+        """Fails every queued prompt (TokenizerClosed) and stops the tokenizer process at once;
+        a batch the thread is tokenizing itself ends when that call returns."""
+        with self._lock:
+            self._closed = True
+            pending, self._pending = self._pending, []
+            loop = self._loop
+        if pending and loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(_settle, [f for _, f, _ in pending],
+                                          [TokenizerClosed("the engine was shut down")]
+                                          * len(pending))
+            except RuntimeError:             # closed meanwhile: nobody is waiting
+                pass
+        process = self.process
+        if process is not None:
+            process.close(STOP_NOW_S)    # it may be busy with a prompt nobody wants now
 
     def _too_long(self, num_tokens: int) -> ValueError:
         return ValueError(f"the prompt is {num_tokens} tokens long, more than max_model_len "
@@ -95,6 +126,8 @@ class BatchTokenizer:
         try:
             items = self.process.encode(texts)
         except RuntimeError as e:
+            if self._closed:                 # stopped by close(): not a failure to recover from
+                return [TokenizerClosed("the engine was shut down")] * len(texts)
             logger.error("the tokenizer process failed (%s): tokenizing on the tokenizer "
                          "thread from now on", e)
             self.process.close()
@@ -110,12 +143,16 @@ class BatchTokenizer:
                 results.append(ValueError(value))
         return results
 
-    async def encode(self, text: str) -> Encoded:
-        """Raises ValueError if the prompt is too long."""
+    async def encode(self, text: str, dropped: Callable[[], bool] = lambda: False) -> Encoded:
+        """Raises ValueError if the prompt is too long, PromptDropped if `dropped()` (any
+        thread may make it true) before its turn, TokenizerClosed after close()."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
         with self._lock:
-            self._pending.append((text, fut))
+            if self._closed:
+                raise TokenizerClosed("the engine was shut down")
+            self._loop = loop
+            self._pending.append((text, fut, dropped))
             start = not self._running
             self._running = True
         if start:
@@ -128,6 +165,9 @@ class BatchTokenizer:
         so a short prompt waits behind at most one long one, however many are queued."""
         while True:
             with self._lock:
+                dropped = [p for p in self._pending if p[2]()]
+                if dropped:
+                    self._pending = [p for p in self._pending if not p[2]()]
                 group = [p for p in self._pending if len(p[0]) <= BATCH_MAX_CHARS]
                 if group:
                     self._pending = [p for p in self._pending if len(p[0]) > BATCH_MAX_CHARS]
@@ -135,14 +175,21 @@ class BatchTokenizer:
                     group = [self._pending.pop(0)]
                 else:
                     self._running = False
+                if self._closed:             # close() has failed the rest
+                    self._running = False
                     return
-            texts = [t for t, _ in group]
+            if dropped:
+                _settle_threadsafe(loop, [f for _, f, _ in dropped],
+                                   [PromptDropped("the request was aborted")] * len(dropped))
+            if not group:
+                return
+            texts = [t for t, _, _ in group]
             try:
                 results = (self._encode_in_process(texts) if self.process is not None
                            else self.encode_now(texts))
             except Exception as e:  # noqa: BLE001 - each caller hears of it
                 results = [e] * len(group)
-            loop.call_soon_threadsafe(_settle, [f for _, f in group], results)
+            _settle_threadsafe(loop, [f for _, f, _ in group], results)
             del results, group, texts   # a rejected prompt's ids are freed here, not on the loop
 
 
@@ -209,15 +256,16 @@ class TokenizerProcess:
             raise RuntimeError(f"the tokenizer process answered {len(items)} of {len(texts)}")
         return items
 
-    def close(self) -> None:
-        """End of stream tells the process to exit; killed if it has not within a few s."""
+    def close(self, wait_s: float | None = None) -> None:
+        """End of stream tells the process to exit (an idle one does at once); killed if it has
+        not within `wait_s` (STOP_WAIT_S)."""
         try:
             self._sock.shutdown(socket.SHUT_RDWR)
         except OSError:
             pass
         self._sock.close()
         try:
-            self.process.wait(STOP_WAIT_S)
+            self.process.wait(STOP_WAIT_S if wait_s is None else wait_s)
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
@@ -234,6 +282,14 @@ class TokenizerProcess:
         if kind == wire.ERROR:
             raise RuntimeError(wire.decode_error(payload))
         return kind, payload
+
+
+def _settle_threadsafe(loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future],
+                       results: list) -> None:
+    try:
+        loop.call_soon_threadsafe(_settle, futures, results)
+    except RuntimeError:                     # the loop is closed: nobody is waiting
+        pass
 
 
 def _settle(futures: list[asyncio.Future], results: list) -> None:

@@ -199,6 +199,57 @@ def test_vllm_prompt_dicts_are_the_prompts_they_hold(model_dir):
         assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+def test_requests_queued_for_the_tokenizer_are_dropped_on_abort_and_failed_on_shutdown(
+        model_dir):
+    """A prompt waiting for the tokenizer thread is never tokenized once its request is
+    aborted, and shutdown fails the waiting requests at once, not after tokenizing them (a
+    cancelled client's 15 MB prompts used to hold up later requests and the server's stop)."""
+    long_prompt = "word " * 100                 # past tokenize_inline_max_chars: queued
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                         tokenizer_process=False)
+    seen = []
+    real = engine._batch_tokenizer.encode_now
+    engine._batch_tokenizer.encode_now = lambda batch: seen.extend(batch) or real(batch)
+    gate = threading.Event()
+    stopper = None
+
+    async def queued(n):
+        while len(engine._batch_tokenizer._pending) < n:
+            await asyncio.sleep(0.001)
+
+    async def main():
+        nonlocal stopper
+        engine._tokenizer_thread.submit(gate.wait)      # the tokenizer thread is busy
+        aborted = asyncio.create_task(_collect(engine, long_prompt + "a", params, "a"))
+        await queued(1)
+        await engine.abort("a")
+        kept = asyncio.create_task(_collect(engine, long_prompt + "k", params, "k"))
+        await queued(2)
+        gate.set()
+        (dropped,), outs = await aborted, await kept
+        gate.clear()
+        engine._tokenizer_thread.submit(gate.wait)
+        waiting = asyncio.create_task(_collect(engine, long_prompt + "w", params, "w"))
+        await queued(1)
+        stopper = threading.Thread(target=engine.shutdown)
+        stopper.start()
+        with pytest.raises(EngineDeadError, match="shut down"):
+            await asyncio.wait_for(waiting, 10)         # while the thread is still busy
+        return dropped, outs
+
+    try:
+        dropped, outs = asyncio.run(main())
+    finally:
+        gate.set()
+        if stopper is not None:
+            stopper.join()
+        engine.shutdown()
+    assert dropped.finished and dropped.outputs[0].finish_reason == "abort"
+    assert dropped.prompt_token_ids == [] and seen == [long_prompt + "k"]
+    assert outs[-1].finished and sum(len(o.outputs[0].token_ids) for o in outs) == 4
+
+
 def test_killing_the_core_ends_every_stream_with_an_error_within_a_second(model_dir):
     died = threading.Event()
     reasons = []

@@ -361,6 +361,14 @@ def test_an_abort_reaching_the_wrong_instance_is_passed_on_to_the_right_one(mode
             board.close()
 
 
+def _wait_failed_send_dealt_with(serving, failed: threading.Event) -> None:
+    assert failed.wait(30)
+    deadline = time.monotonic() + 10
+    while serving.num_open:                     # until the failed send is dealt with
+        assert time.monotonic() < deadline, "the failed send was never dealt with"
+        time.sleep(0.01)
+
+
 def test_a_request_whose_final_send_fails_is_counted_once(model_dir):
     """The final response's request is counted finished before it is sent; should that send
     fail (the client is gone), the request is not counted again as aborted."""
@@ -377,11 +385,7 @@ def test_a_request_whose_final_send_fails_is_counted_once(model_dir):
         serving.submit({"text_input": _str("Hello"), "stream": np.array([False]),
                         "sampling_parameters": _str(json.dumps(
                             {"max_tokens": 4, "temperature": 0, "ignore_eos": True}))}, send)
-        assert failed.wait(30)
-        deadline = time.monotonic() + 10
-        while serving.num_open:                     # until the failed send is dealt with
-            assert time.monotonic() < deadline, "the failed send was never dealt with"
-            time.sleep(0.01)
+        _wait_failed_send_dealt_with(serving, failed)
         counters = serving.metrics.snapshot_counters()
         assert (counters["finished_length"], counters["finished_abort"]) == (1, 0)
         assert serving.metrics.e2e.count == 1
@@ -409,11 +413,7 @@ def test_a_stream_whose_send_fails_counts_its_prompt_and_generated_tokens(model_
                         "return_num_output_tokens": np.array([True]),
                         "sampling_parameters": _str(json.dumps(
                             {"max_tokens": 400, "temperature": 0, "ignore_eos": True}))}, send)
-        assert failed.wait(30)
-        deadline = time.monotonic() + 10
-        while serving.num_open:                     # until the failed send is dealt with
-            assert time.monotonic() < deadline, "the failed send was never dealt with"
-            time.sleep(0.01)
+        _wait_failed_send_dealt_with(serving, failed)
         counters = serving.metrics.snapshot_counters()
         assert counters["finished_abort"] == 1 and sum(counters[f"finished_{r}"] for r in
                                                        ("stop", "length")) == 0

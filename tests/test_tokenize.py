@@ -12,7 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import wire
-from engine.tokenize import BATCH_MAX_CHARS, BatchTokenizer, TokenizerProcess
+from engine.tokenize import (BATCH_MAX_CHARS, BatchTokenizer, PromptDropped, TokenizerClosed,
+                             TokenizerProcess)
 from scripts.make_tiny_model import make_tiny_model
 
 TEXTS = ["Hello there", "  spaces  and\ttabs\n", "naïve café ☕ 日本語 🙂", "x" * 5000,
@@ -71,6 +72,60 @@ def test_prompts_arriving_together_share_one_call_and_long_ones_go_alone(tokeniz
         pool.shutdown()
     assert [r[0] for r in results] == [tokenizer.encode(t) for t in texts]
     assert order == [20, 1, 1]    # the short ones first and together, though a long one came first
+
+
+def test_a_prompt_whose_request_was_aborted_while_queued_is_never_tokenized(tokenizer):
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=10**6)
+    seen = []
+    real = bt.encode_now
+    bt.encode_now = lambda batch: seen.extend(batch) or real(batch)
+    aborted = threading.Event()
+
+    async def main():
+        gate = threading.Event()
+        pool.submit(gate.wait)                 # hold the thread: both prompts queue up
+        kept = asyncio.create_task(bt.encode("kept prompt"))
+        dropped = asyncio.create_task(bt.encode("dropped prompt", dropped=aborted.is_set))
+        while len(bt._pending) < 2:
+            await asyncio.sleep(0)
+        aborted.set()                          # e.g. the client cancelled, from another thread
+        gate.set()
+        return await asyncio.gather(kept, dropped, return_exceptions=True)
+
+    try:
+        kept, dropped = asyncio.run(main())
+    finally:
+        pool.shutdown()
+    assert kept[0] == tokenizer.encode("kept prompt") and isinstance(dropped, PromptDropped)
+    assert seen == ["kept prompt"]
+
+
+def test_close_fails_the_queued_prompts_at_once_and_stops_the_process(tokenizer):
+    """close() (the engine's shutdown) does not wait for queued prompts to be tokenized."""
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=10**6, process_priority="normal")
+    proc = bt.process.process
+    gate = threading.Event()
+
+    async def main():
+        pool.submit(gate.wait)                 # the thread stays busy throughout
+        tasks = [asyncio.create_task(bt.encode(t)) for t in ("a b", "c d")]
+        while len(bt._pending) < 2:
+            await asyncio.sleep(0)
+        await asyncio.get_running_loop().run_in_executor(None, bt.close)   # another thread
+        results = await asyncio.gather(*tasks, return_exceptions=True)     # the thread held
+        with pytest.raises(TokenizerClosed):
+            await bt.encode("e f")
+        return results
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        gate.set()
+        pool.shutdown()
+    assert all(isinstance(r, TokenizerClosed) for r in results), results
+    assert proc.poll() is not None
 
 
 # ---------------------------------------------------------------------------- tokenizer process

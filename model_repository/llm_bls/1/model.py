@@ -116,8 +116,13 @@ def _abort_in_llm(inner_id):
         inputs=[pb_utils.Tensor("abort_request_id",
                                 np.array([inner_id.encode()], dtype=np.object_))])
     responses = call.exec(decoupled=True)
-    for _ in responses:
-        pass
+    for response in responses:
+        if response.has_error():
+            # e.g. llm is being unloaded: Triton takes no new request for it, so the aborted
+            # request runs to its end (and the unload waits for it). Said, not swallowed.
+            pb_utils.Logger.log_error(
+                f"llm_bls: could not abort request {inner_id} in llm, which runs on to its "
+                f"end: {response.error().message()}")
     return responses
 
 
