@@ -158,20 +158,23 @@ class DirectEngines:
         self.groups, self.stagger_s = args.clients, args.direct_stagger_ms / 1e3
         spec = {"settings": settings, "prompts": prompts, "output_tokens": args.output_tokens,
                 "sampling": args.sampling}
-        spec_path = tempfile.mkstemp(prefix="bench-serving-", suffix=".json")[1]
-        with open(spec_path, "w") as f:
-            json.dump(spec, f)
-        for gpu in range(max(gpus, 1)):
-            env = dict(os.environ)
-            if gpus:
-                env["CUDA_VISIBLE_DEVICES"] = str(gpu)
-            self.procs.append(subprocess.Popen(
-                [sys.executable, os.path.abspath(__file__), "--direct-worker", spec_path],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT))
-        for p in self.procs:
-            line = p.stdout.readline()
-            if line.strip() != "ready":
-                raise RuntimeError(f"direct engine did not start (said {line!r})")
+        fd, spec_path = tempfile.mkstemp(prefix="bench-serving-", suffix=".json")
+        try:
+            with os.fdopen(fd, "w") as f:
+                json.dump(spec, f)
+            for gpu in range(max(gpus, 1)):
+                env = dict(os.environ)
+                if gpus:
+                    env["CUDA_VISIBLE_DEVICES"] = str(gpu)
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, os.path.abspath(__file__), "--direct-worker", spec_path],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env, cwd=ROOT))
+            for p in self.procs:
+                line = p.stdout.readline()
+                if line.strip() != "ready":
+                    raise RuntimeError(f"direct engine did not start (said {line!r})")
+        finally:                            # read by every worker once it is ready
+            os.remove(spec_path)
 
     def run(self, c: int, n: int, tag: str, first: int) -> tuple[list, dict]:
         """Per-request times, and the share of the engines' steps that ran as a CUDA graph.
