@@ -102,6 +102,21 @@ def default_sampling_params(model_dir: str) -> SamplingParams:
         raise ValueError(f"{path}: {e}") from None
 
 
+def _joined(outs: list[RequestOutput]) -> RequestOutput:
+    """A prompt's n completions as one RequestOutput (vLLM's): outputs[k] is the k-th's, under
+    the prompt's request id; the prefix cache and timing figures are the first's."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    completions = []
+    for k, out in enumerate(outs):
+        completion = out.outputs[0]
+        completion.index = k
+        completions.append(completion)
+    return RequestOutput(first.request_id.rsplit("_", 1)[0], first.prompt, first.prompt_token_ids,
+                         completions, True, first.num_cached_tokens, first.metrics)
+
+
 def token_array(ids: list[int]) -> np.ndarray | None:
     """The ids as an int64 array, made in one pass over them (`array`; NumPy's conversion of a
     list of ints took about three times as long), for the request check and the grouping to
@@ -199,6 +214,7 @@ class LLM:
         # collector passes over the growing prompt lists (see gc_paused).
         processor = OutputProcessor(self.tokenizer, stream_deltas=False)
         requests, prompt_ids = [], []
+        parents: list[list[str]] = []       # per prompt, its completions' request ids
         finished: dict[str, RequestOutput] = {}
         with contextlib.ExitStack() as collector:
             with gc_paused():
@@ -206,10 +222,18 @@ class LLM:
                 for prompt, params in zip(prompts, sampling_params):
                     text, ids = encode_prompt(self.tokenizer, prompt)
                     arr = token_array(ids)
-                    req = self.core.make_request(str(next(self._ids)), ids, params, arr)
-                    processor.add_request(req.request_id, req.request_id, text, ids, params)
-                    requests.append(req)
-                    prompt_ids.append(ids if arr is None else arr)
+                    parent = str(next(self._ids))
+                    # n completions are n requests of the prompt: they share its KV blocks
+                    # (prefix groups or the prefix cache) and run as any others.
+                    children = ([(parent, params)] if params.n == 1 else
+                                [(f"{parent}_{k}", params.child(k)) for k in range(params.n)])
+                    parents.append([])
+                    for request_id, child_params in children:
+                        req = self.core.make_request(request_id, ids, child_params, arr)
+                        processor.add_request(request_id, request_id, text, ids, child_params)
+                        requests.append(req)
+                        prompt_ids.append(ids if arr is None else arr)
+                        parents[-1].append(request_id)
                 t_prompts = t_grouped = time.perf_counter()
                 if self.config.enable_prefix_groups and len(requests) > 1:
                     # Prompts sharing a prefix run as groups: the prefix computed once, kept
@@ -234,7 +258,7 @@ class LLM:
                     self.core.abort_requests(to_abort)
                 for out in outs:
                     finished[out.request_id] = out
-        return [finished[req.request_id] for req in requests]
+        return [_joined([finished[c] for c in children]) for children in parents]
 
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()

@@ -41,6 +41,10 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
     """Raises ValueError naming what in a request this engine cannot serve. Token ids may be a
     list or a numpy array (long prompts are checked without a Python loop). Served, given
     token ids are the `input_ids` input."""
+    if params.n != 1:
+        raise ValueError(f"n must be 1 here, got {params.n}: a request is one completion (only "
+                         f"LLM.generate fans n completions out; send n requests with different "
+                         f"seeds)")
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("the prompt is empty: give at least one token")

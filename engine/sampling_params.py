@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
+MAX_N = 128                  # completions per prompt (LLM.generate)
 # The sampler works in float32: temperature and repetition_penalty must be float32 numbers
 # there, not inf (beyond FLOAT32_MAX) or 0 / a denormal (a penalty below FLOAT32_MIN_NORMAL),
 # which turn the logits into NaN.
@@ -54,7 +55,9 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # vLLM's number of completions per prompt; only 1 (vLLM code often passes n=1).
+    # Completions per prompt (vLLM's parallel sampling): LLM.generate runs n requests of the
+    # prompt, the k-th seeded seed + k when a seed is given (vLLM's rule). A served or
+    # AsyncEngine request is one completion (n 1).
     n: int = 1
 
     def __post_init__(self) -> None:
@@ -115,15 +118,17 @@ class SamplingParams:
             _check_int("logprobs", self.logprobs, lo=0, hi=MAX_LOGPROBS)
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
-        _check_int("n", self.n)
-        if self.n != 1:
-            raise ValueError(f"n must be 1: one completion per request (parallel sampling is "
-                             f"not supported; send n requests, with different seeds), got "
-                             f"{self.n}")
+        _check_int("n", self.n, lo=1, hi=MAX_N)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def child(self, k: int) -> "SamplingParams":
+        """The k-th of the n completions' own parameters (vLLM's): n 1, seed + k (wrapped
+        within int64)."""
+        seed = None if self.seed is None else (self.seed + k + 2**63) % 2**64 - 2**63
+        return replace(self, n=1, seed=seed)
 
     # ------------------------------------------------------------------ from user input
     @classmethod

@@ -122,6 +122,8 @@ def test_bad_request_is_an_error_for_that_request_only(model_dir):
     async def main():
         with pytest.raises(ValueError, match="max_model_len"):
             await _collect(engine, [5] * 40, SamplingParams(max_tokens=3), "bad")
+        with pytest.raises(ValueError, match="n must be 1 here, got 2.*send n requests"):
+            await _collect(engine, "ok", SamplingParams(max_tokens=3, n=2), "n2")
         outs = await _collect(engine, "ok", SamplingParams(max_tokens=3, temperature=0), "good")
         return outs
 

@@ -186,6 +186,29 @@ def test_vllm_prompt_dicts_and_call_forms(tiny_models):
     assert llm.get_tokenizer() is llm.tokenizer
 
 
+def test_n_completions_are_the_seeded_requests_and_share_the_prompts_blocks(tiny_models):
+    """vLLM's parallel sampling: outputs[k] is what the prompt gives alone with seed + k; the
+    completions share the prompt's KV blocks (computed once, in a group); the pool ends whole."""
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=256)
+    prompt = list(range(3, 67))                 # 64 tokens: four whole blocks to share
+    sampled = SamplingParams(n=4, seed=11, temperature=1.0, max_tokens=8, ignore_eos=True)
+    before = llm.get_stats()
+    out, greedy = llm.generate([prompt, "Hello"], [sampled, SamplingParams(
+        n=2, temperature=0.0, max_tokens=8, ignore_eos=True)])
+    stats = llm.get_stats()
+    assert out.request_id != greedy.request_id and out.prompt_token_ids == prompt
+    assert [c.index for c in out.outputs] == [0, 1, 2, 3]
+    alone = [llm.generate(prompt, sampled.child(k))[0].outputs[0] for k in range(4)]
+    assert [c.token_ids for c in out.outputs] == [a.token_ids for a in alone]
+    assert [c.text for c in out.outputs] == [a.text for a in alone]
+    assert len({tuple(c.token_ids) for c in out.outputs}) > 1     # seeds 11..14 differ here
+    assert [c.token_ids for c in greedy.outputs] == [greedy.outputs[0].token_ids] * 2
+    # The 64 shared tokens are computed once for the four (the rest of each prompt is its own).
+    computed = stats.num_computed_prompt_tokens - before.num_computed_prompt_tokens
+    assert computed <= len(prompt) + 4 * 16, computed     # a block of its own each at most
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
 def test_generate_without_sampling_params_takes_the_generation_config(tiny_models, tmp_path):
     """As vLLM (generation_config "auto"): the checkpoint's generation_config.json sampling
     fields are the defaults of a generate() given no SamplingParams."""

@@ -51,7 +51,7 @@ def test_numbers_as_strings_are_accepted():
     ({"text_input": s("x"), "sampling_parameters": s("[1]")}, "JSON object"),
     ({"text_input": s("x"), "sampling_parameters": s('{"best_of": 2}')},
      "unknown sampling parameter"),
-    ({"text_input": s("x"), "sampling_parameters": s('{"n": 2}')}, "n must be 1"),
+    ({"text_input": s("x"), "sampling_parameters": s('{"n": 0}')}, "n must be >= 1"),
     ({"text_input": s("x"), "sampling_parameters": s('{"temperature": -1}')}, "temperature"),
     ({"text_input": s("x"), "sampling_parameters": s('{"max_tokens": "1.5"}')}, "max_tokens"),
     ({"text_input": s("x"), "stream": np.array([1], dtype=np.int32)}, "stream"),

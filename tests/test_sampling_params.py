@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from engine.sampling_params import (FLOAT32_MAX, MAX_LOGPROBS, MAX_STOP_STRING_CHARS,
+from engine.sampling_params import (FLOAT32_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS,
                                     MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
 
 
@@ -190,10 +190,16 @@ def test_numpy_scalars_are_the_numbers_they_hold():
         SamplingParams(max_tokens=np.int64(0))
 
 
-def test_n_is_accepted_as_one_and_more_is_refused_by_name():
+def test_n_completions_are_children_seeded_seed_plus_k():
     assert SamplingParams(n=1) == SamplingParams()
-    assert SamplingParams.from_json('{"n": 1, "max_tokens": 3}').max_tokens == 3
-    with pytest.raises(ValueError, match="n must be 1.*parallel sampling.*got 2"):
-        SamplingParams.from_json('{"n": 2}')
+    assert SamplingParams.from_json('{"n": 3, "max_tokens": 3}').n == 3
+    p = SamplingParams(n=3, seed=10, temperature=0.5)
+    assert [p.child(k) for k in range(3)] == [SamplingParams(seed=10 + k, temperature=0.5)
+                                              for k in range(3)]
+    assert SamplingParams(n=2).child(1) == SamplingParams()           # unseeded stays so
+    assert SamplingParams(n=2, seed=2**63 - 1).child(1).seed == -(2**63)   # int64 wraps
+    for bad in (0, MAX_N + 1):
+        with pytest.raises(ValueError, match=f"n must be"):
+            SamplingParams(n=bad)
     with pytest.raises(ValueError, match="n must be an integer"):
         SamplingParams(n=1.5)
