@@ -1,4 +1,5 @@
 """Triton adapter for the engine: decoupled, streaming. All logic is in engine/serving.py."""
+import faulthandler
 import json
 import os
 import signal
@@ -44,6 +45,9 @@ class TritonPythonModel:
         # whole process group (Ctrl-C): the server is stopping, and it unloads this model only
         # once every stream has ended. So end them (engine/signal_watch.py).
         self.signal_watch = SignalWatch((signal.SIGINT, signal.SIGTERM), self._server_stopping)
+        # `kill -USR1 <stub pid>` prints every thread's stack to the server's log: for a model
+        # that seems stuck (e.g. a stop whose finalize never comes).
+        faulthandler.register(signal.SIGUSR1, all_threads=True)
         self.logger.log_info(f"llm: engine ready on {device} with {config.model}")
 
     def execute(self, requests):
