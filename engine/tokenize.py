@@ -107,13 +107,9 @@ class BatchTokenizer:
             self._closed = True
             pending, self._pending = self._pending, []
             loop = self._loop
-        if pending and loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(_settle, [f for _, f, _ in pending],
-                                          [TokenizerClosed("the engine was shut down")]
-                                          * len(pending))
-            except RuntimeError:             # closed meanwhile: nobody is waiting
-                pass
+        if pending:                          # loop is set once anything was queued
+            _settle_threadsafe(loop, [f for _, f, _ in pending],
+                               [TokenizerClosed("the engine was shut down")] * len(pending))
         process = self.process
         if process is not None:
             process.close(STOP_NOW_S)    # it may be busy with a prompt nobody wants now
@@ -165,9 +161,11 @@ class BatchTokenizer:
         so a short prompt waits behind at most one long one, however many are queued."""
         while True:
             with self._lock:
-                dropped = [p for p in self._pending if p[2]()]
-                if dropped:
-                    self._pending = [p for p in self._pending if not p[2]()]
+                # One look at each flag: it may turn true meanwhile (any thread sets it).
+                dropped, kept = [], []
+                for p in self._pending:
+                    (dropped if p[2]() else kept).append(p)
+                self._pending = kept
                 group = [p for p in self._pending if len(p[0]) <= BATCH_MAX_CHARS]
                 if group:
                     self._pending = [p for p in self._pending if len(p[0]) > BATCH_MAX_CHARS]
