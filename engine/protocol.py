@@ -10,7 +10,7 @@ import functools
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import numpy as np
 
@@ -283,40 +283,67 @@ def _stop_words(arr: np.ndarray, stop: Any) -> list[str]:
     return out
 
 
+class Completion(NamedTuple):
+    """What one response carries of one of the request's completions."""
+    text: str
+    token_ids: list[int]
+    logprobs: list | None               # per token; None when none were asked for
+    finish_reason: str | None           # None until it has finished
+    cumulative_logprob: float | None
+
+
 def make_response(req: GenerateRequest, out: RequestOutput, text: str,
                   token_ids: list[int], logprobs: list | None) -> dict[str, np.ndarray]:
-    """Output tensors for one response. `text` / `token_ids` / `logprobs` are what this
-    response carries: the new part when streaming, everything when not. As in Triton's vLLM
-    backend, `num_output_tokens` counts this response's tokens (a stream's add up to the
-    request's) and `finish_reason` is in every response ("None" until the last)."""
+    """Output tensors for one response of a one-completion request. `text` / `token_ids` /
+    `logprobs` are what this response carries: the new part when streaming, everything when
+    not."""
     comp = out.outputs[0]
+    return make_response_n(req, out, [Completion(
+        text, token_ids, logprobs, comp.finish_reason if out.finished else None,
+        comp.cumulative_logprob)])
+
+
+def make_response_n(req: GenerateRequest, out: RequestOutput,
+                    completions: list[Completion]) -> dict[str, np.ndarray]:
+    """Output tensors for one response, one entry per completion (n of them, in index order),
+    the layout of Triton's vLLM backend: `text_output`, `finish_reason`, `num_output_tokens`,
+    `cumulative_logprob` and `logprobs` have an entry per completion. As there,
+    `num_output_tokens` counts this response's tokens (a stream's add up to the request's) and
+    `finish_reason` is in every response ("None" until that completion has finished).
+    `output_ids` holds the completions' tokens one after another, each `num_output_tokens` long.
+    `out` gives the prompt (the completions share it)."""
+    prefix = ""
     if not req.stream and not req.exclude_input_in_output and isinstance(out.prompt, str):
-        text = out.prompt + text
-    tensors: dict[str, np.ndarray] = {
-        "text_output": np.array([text.encode("utf-8")], dtype=np.object_)}
+        prefix = out.prompt
+    tensors: dict[str, np.ndarray] = {"text_output": np.array(
+        [(prefix + c.text).encode("utf-8") for c in completions], dtype=np.object_)}
     if req.return_output_ids:
-        tensors["output_ids"] = np.array(token_ids, dtype=np.int32)
+        tensors["output_ids"] = np.array(
+            [t for c in completions for t in c.token_ids] if len(completions) > 1
+            else completions[0].token_ids, dtype=np.int32)
     if req.return_finish_reason:
-        reason = comp.finish_reason if out.finished else None
-        tensors["finish_reason"] = np.array([str(reason).encode()], dtype=np.object_)
+        tensors["finish_reason"] = np.array([str(c.finish_reason).encode() for c in completions],
+                                            dtype=np.object_)
     if req.return_num_input_tokens:
         tensors["num_input_tokens"] = np.array([len(out.prompt_token_ids)], dtype=np.uint32)
     if req.return_num_output_tokens:
-        tensors["num_output_tokens"] = np.array([len(token_ids)], dtype=np.uint32)
+        tensors["num_output_tokens"] = np.array([len(c.token_ids) for c in completions],
+                                                dtype=np.uint32)
     if req.return_num_cached_tokens:
         # The prompt tokens the prefix cache held (not computed for this request).
         tensors["num_cached_tokens"] = np.array([out.num_cached_tokens], dtype=np.uint32)
     if req.return_cumulative_logprob:
-        # The request's sampled tokens' logprobs summed up to this response's last; NaN when
+        # The completion's sampled tokens' logprobs summed up to this response's last; NaN when
         # the sampling parameters asked for no logprobs (the vLLM backend's None as FP32).
-        value = comp.cumulative_logprob
-        tensors["cumulative_logprob"] = np.array([np.nan if value is None else value],
-                                                 dtype=np.float32)
+        tensors["cumulative_logprob"] = np.array(
+            [np.nan if c.cumulative_logprob is None else c.cumulative_logprob
+             for c in completions], dtype=np.float32)
     if req.return_logprobs:
         # Triton's vLLM backend's layout: per token of this response, {token id: {"logprob",
         # "rank", "decoded_token"}} for the sampled token and the top-n; "null" when the
         # sampling parameters asked for no logprobs.
-        tensors["logprobs"] = np.array([json.dumps(None if logprobs is None else [
+        tensors["logprobs"] = np.array([json.dumps(None if c.logprobs is None else [
             {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-             for tid, lp in step.items()} for step in logprobs]).encode()], dtype=np.object_)
+             for tid, lp in step.items()} for step in c.logprobs]).encode()
+            for c in completions], dtype=np.object_)
     return tensors

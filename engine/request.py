@@ -42,9 +42,9 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
     list or a numpy array (long prompts are checked without a Python loop). Served, given
     token ids are the `input_ids` input."""
     if params.n != 1:
-        raise ValueError(f"n must be 1 here, got {params.n}: a request is one completion (only "
-                         f"LLM.generate fans n completions out; send n requests with different "
-                         f"seeds)")
+        raise ValueError(f"n must be 1 here, got {params.n}: an engine request is one "
+                         f"completion (LLM.generate and the served models fan n completions "
+                         f"out; here send n requests with different seeds)")
     n = len(prompt_token_ids)
     if n == 0:
         raise ValueError("the prompt is empty: give at least one token")

@@ -55,8 +55,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
-    # Completions per prompt (vLLM's parallel sampling): LLM.generate runs n requests of the
-    # prompt, the k-th seeded seed + k when a seed is given (vLLM's rule). A served or
+    # Completions per prompt (vLLM's parallel sampling): LLM.generate and the served models run
+    # n requests of the prompt, the k-th seeded seed + k when a seed is given (vLLM's rule). An
     # AsyncEngine request is one completion (n 1).
     n: int = 1
 

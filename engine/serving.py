@@ -24,6 +24,11 @@ Where the work happens, so that a response costs what the server takes and nothi
   steer requests to the least-loaded instance, and an abort for a request this instance does
   not hold is passed on to the others there.
 
+A request with n completions (`n` in its sampling parameters, above 1) runs as n engine
+requests, the k-th seeded seed + k (vLLM's rule), which share the prompt's KV blocks; each of its
+responses has an entry per completion (Triton's vLLM backend's layout), and it ends when every
+completion has.
+
 A request whose only input is `abort_request_id` aborts the request the caller started with
 that id (how llm_bls passes on a cancellation) and gets an empty answer.
 
@@ -55,9 +60,9 @@ from engine.instance_board import InstanceBoard
 from engine.metrics import ServingMetrics
 from engine.output_processor import PullOutput
 from engine.outbox import Outbox, Stream
-from engine.outputs import EngineStats, RequestOutput
-from engine.protocol import (BLS_REQUEST_ID_PREFIX, GenerateRequest, make_response,
-                             parse_request)
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.protocol import (BLS_REQUEST_ID_PREFIX, Completion, GenerateRequest, make_response,
+                             make_response_n, parse_request)
 from engine.serving_trace import RequestTrace
 
 logger = logging.getLogger(__name__)
@@ -95,6 +100,18 @@ _EMPTY = object()         # an empty final answer (to an abort request)
 
 
 @dataclass
+class _Part:
+    """One of the completions of a request with n above 1: what it has had and not yet sent."""
+    rid: str                            # its engine request id
+    finished: bool = False
+    finish_reason: str | None = None
+    cumulative_logprob: float | None = None
+    text: str = ""                      # pending: not yet in a response
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list | None = None
+
+
+@dataclass
 class _Request:
     rid: str
     req: GenerateRequest | None = None
@@ -114,6 +131,18 @@ class _Request:
     counted: bool = False               # counted finished in the metrics
     cancelled: bool = False
     stream: Stream | None = None        # its way back
+    parts: list[_Part] | None = None    # n above 1: its completions, in index order
+    aborted: bool = False               # n above 1: aborted (its completions still arriving)
+    last_out: RequestOutput | None = None   # n above 1: the latest output of any completion
+
+    def abort(self, engine: AsyncEngine) -> None:
+        """Ends its engine request(s), from any thread."""
+        if self.parts is None:
+            engine.abort_nowait(self.rid)
+            return
+        self.aborted = True             # before the loop: _submit_parts checks it after each
+        for p in self.parts:
+            engine.abort_nowait(p.rid)
 
 
 class ServingEngine:
@@ -204,7 +233,7 @@ class ServingEngine:
         with self._lock:
             requests = list(self._inflight.values())
         for r in requests:
-            self.engine.abort_nowait(r.rid)
+            r.abort(self.engine)
             self._fail(r.stream, self._stop_reason)
 
     @property
@@ -365,8 +394,15 @@ class ServingEngine:
         except ValueError as e:
             self._fail(answer, str(e))
             return
+        params = r.req.params
+        if params.n > 1:                # before it can be aborted: see _Request.abort
+            r.parts = [_Part(f"{rid}_{k}", logprobs=None if params.logprobs is None else [])
+                       for k in range(params.n)]
         if not self._track(r):
             self._fail(answer, "request cancelled")
+            return
+        if r.parts is not None:
+            await self._submit_parts(r)
             return
         try:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
@@ -379,6 +415,40 @@ class ServingEngine:
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
             logger.exception("request %s failed", rid)
             self._fail(r.stream, f"internal error: {e}")
+
+    async def _submit_parts(self, r: _Request) -> None:
+        """A request with n completions: each into the engine as a request of its own."""
+        params = r.req.params
+        for k, part in enumerate(r.parts):
+            def sink(out, k=k):
+                self._on_part_output(r, k, out)
+            if r.aborted:               # before this one reached the engine
+                sink(RequestOutput(part.rid, None, [], [CompletionOutput(0, "", [], "abort")],
+                                   True))
+                continue
+            try:
+                await self.engine.submit(r.req.prompt, params.child(k), part.rid, sink,
+                                         stream=r.req.stream, pull=True)
+            except Exception as e:  # noqa: BLE001 - the client must always get a final answer
+                message = str(e)        # e.g. prompt too long, or the engine died
+                if not isinstance(e, (ValueError, EngineDeadError)):
+                    logger.exception("request %s failed", part.rid)
+                    message = f"internal error: {e}"
+                r.abort(self.engine)    # the completions already in the engine
+                self._fail(r.stream, message)
+                return
+            if r.aborted:               # while it went in: r.abort may have missed it
+                self.engine.abort_nowait(part.rid)
+
+    def _on_part_output(self, r: _Request, k: int, out) -> None:
+        """_on_output for the k-th completion of a request with n above 1."""
+        if r.first_output is None:
+            r.first_output = time.monotonic()
+        if isinstance(out, BaseException):
+            r.abort(self.engine)        # the others: the request ends with this error
+            self._fail(r.stream, str(out))
+            return
+        self.outbox.put(r.stream, (k, out), final=out.finished)
 
     def _fail(self, stream: Stream, message: str) -> None:
         """The stream's final answer is this error."""
@@ -414,6 +484,8 @@ class ServingEngine:
             send(None, failure.message, True)
             self._forget(r)
             return True
+        if r.parts is not None:
+            return self._send_parts(r, send, items)
         if isinstance(items[-1], PullOutput):  # every item is the request's handle
             out = self.engine.render(items[-1])
             if out is None:
@@ -455,6 +527,82 @@ class ServingEngine:
             self._forget(r)
         return last.finished
 
+    def _send_parts(self, r: _Request, send: SendFn, items: list) -> bool:
+        """_send_answer for a request with n completions: every (k, output) pending, one
+        response with an entry per completion (what each had since the last response)."""
+        handles: dict[int, PullOutput] = {}
+        newly_finished = False
+        for k, out in items:
+            if isinstance(out, PullOutput):
+                handles[k] = out         # rendered below, once: it holds every step since
+            else:
+                newly_finished |= self._take_part_output(r, r.parts[k], out)
+        for k, handle in handles.items():
+            if not r.parts[k].finished:  # a finished handle is never rendered again
+                out = self.engine.render(handle)
+                if out is not None:
+                    newly_finished |= self._take_part_output(r, r.parts[k], out)
+        done = all(p.finished for p in r.parts)
+        last = r.last_out
+        if done and r.cancelled:
+            num = r.num_out + sum(len(p.token_ids) for p in r.parts)
+            self._count_finished(r, last, num, reason="abort")
+            send(None, "request cancelled", True)
+            self._forget(r)
+            return True
+        pending = [len(p.token_ids) for p in r.parts]
+        if not done and (not r.req.stream or not (newly_finished or any(pending)
+                                                  or any(p.text for p in r.parts))):
+            return False                # nothing to say yet
+        now = time.monotonic()
+        steps = max(pending)            # the completions step together: tokens each
+        if steps and r.req.stream:
+            if r.last_sent is None:
+                self.metrics.on_first_token(now - r.start)
+                r.first_sent = now
+            else:
+                self.metrics.on_inter_token((now - r.last_sent) / steps, steps)
+            r.last_sent = now
+        num_tokens = sum(pending)
+        if done:
+            reasons = {p.finish_reason for p in r.parts}
+            reason = reasons.pop() if len(reasons) == 1 else last.outputs[0].finish_reason
+            self._count_finished(r, last, r.num_out + num_tokens, reason=reason)
+        r.num_out += num_tokens
+        completions = []
+        for p in r.parts:
+            completions.append(Completion(p.text, p.token_ids, p.logprobs,
+                                          p.finish_reason if p.finished else None,
+                                          p.cumulative_logprob))
+            p.text, p.token_ids = "", []
+            if p.logprobs is not None:
+                p.logprobs = []
+        self._timed_send(send, make_response_n(r.req, last, completions), done, num_tokens)
+        if done:
+            self._forget(r)
+        return done
+
+    def _take_part_output(self, r: _Request, p: _Part, out: RequestOutput) -> bool:
+        """Adds a completion's output to what it has pending; True if it finished it."""
+        if p.finished:
+            return False
+        c = out.outputs[0]
+        p.text += c.text
+        p.token_ids += c.token_ids
+        if p.logprobs is not None and c.logprobs:
+            p.logprobs += c.logprobs
+        if c.cumulative_logprob is not None:
+            p.cumulative_logprob = c.cumulative_logprob
+        if out.prompt_token_ids:        # not an abort made before it reached the engine
+            r.num_prompt = len(out.prompt_token_ids)
+            if r.last_out is None or out.finished or not r.last_out.prompt_token_ids:
+                r.last_out = out
+        elif r.last_out is None:
+            r.last_out = out
+        if out.finished:
+            p.finished, p.finish_reason = True, c.finish_reason
+        return out.finished
+
     def _timed_send(self, send: SendFn, tensors, final: bool, num_tokens: int) -> None:
         t0 = time.perf_counter()
         send(tensors, None, final)
@@ -463,7 +611,7 @@ class ServingEngine:
     def _send_failed(self, r: _Request, e: BaseException) -> None:
         """The response could not be sent (the client is gone): stop generating for it."""
         logger.info("request %s: sending failed (%s); aborting it", r.rid, e)
-        self.engine.abort_nowait(r.rid)
+        r.abort(self.engine)
         if r.req is not None and r.rid in self._inflight and not r.counted:
             self.metrics.on_request_done(time.monotonic() - r.start)
             self.metrics.on_tokens(r.num_prompt, r.num_out)
@@ -512,12 +660,15 @@ class ServingEngine:
         another instance's: with `pass_on` the abort goes on the board for them too."""
         with self._lock:
             rid = self._client_ids.get(client_id)
+            r = self._inflight.get(rid) if rid is not None else None
             if rid is None:
                 now = time.monotonic()
                 self._early_aborts = {k: t for k, t in self._early_aborts.items()
                                       if now - t < PENDING_ABORT_S}
                 self._early_aborts[client_id] = now
-        if rid is not None:
+        if r is not None:
+            r.abort(self.engine)
+        elif rid is not None:
             self.engine.abort_nowait(rid)
         elif pass_on and self._board is not None:
             self._board.post_abort(client_id)
@@ -557,7 +708,7 @@ class ServingEngine:
                 except Exception:  # noqa: BLE001 - a broken check must not stop the others
                     logger.exception("cancellation check for %s", r.rid)
             if r.cancelled:
-                self.engine.abort_nowait(r.rid)
+                r.abort(self.engine)
         return cursor + len(batch)
 
     def _publish(self) -> None:

@@ -321,6 +321,46 @@ def test_logprobs_are_the_direct_engines_in_the_vllm_backends_layout(server, dir
         assert out["logprobs"][0] == b"null" and np.isnan(out["cumulative_logprob"][0])
 
 
+@pytest.mark.parametrize("model", ["llm", "llm_bls"])
+def test_n_completions_are_the_direct_engines_one_entry_each(server, direct, model):
+    """n 3 in the sampling parameters: every response has an entry per completion (Triton's
+    vLLM backend's layout), and the completions are the direct engine's n completions (the
+    request seeded seed + k for the k-th), streamed on llm and whole from llm_bls."""
+    prompt = "Three ways to end this"
+    params = {"max_tokens": 8, "temperature": 1.0, "seed": 5, "ignore_eos": True, "n": 3}
+    want = direct.generate(prompt, SamplingParams(**params))[0].outputs
+    assert len({c.text for c in want}) == 3
+    flags = {"return_finish_reason": True, "return_num_output_tokens": True}
+    if model == "llm":
+        responses = stream_request(server, prompt, params, **flags)
+        assert len(responses) > 1
+        assert all(len(o["text_output"]) == 3 for o, _ in responses)
+        texts = ["".join(o["text_output"][k].decode() for o, _ in responses) for k in range(3)]
+        counts = [sum(int(o["num_output_tokens"][k]) for o, _ in responses) for k in range(3)]
+        last = responses[-1][0]
+    else:
+        last = bls_grpc(server, prompt, params, **flags)
+        texts = [t.decode() for t in last["text_output"]]
+        counts = [int(c) for c in last["num_output_tokens"]]
+    assert texts == [c.text for c in want]
+    assert counts == [8] * 3
+    assert last["finish_reason"].tolist() == [b"length"] * 3
+    wait_pool_whole(server)
+
+
+def test_cancelled_stream_of_n_completions_aborts_them_all(server):
+    """A stream with n 4 cancelled by its client: all four end in the engine (their blocks
+    come back) early, together fewer tokens than one would generate running to max_model_len,
+    and the abort is counted once."""
+    wait_pool_whole(server)
+    baseline = _abort_baseline(server)
+    responses = stream_request(server, "Cancel us", {**endless(), "n": 4}, cancel_after=2)
+    assert len(responses) == 2 and len(responses[0][0]["text_output"]) == 4
+    _wait_aborted_early(server, baseline, at_least=2)
+    wait_pool_whole(server)
+    assert finished(server, "abort") == baseline[0] + 1
+
+
 def test_bls_answers_a_stream_request_with_the_streams_text(server):
     """llm_bls gives one response; to a request with stream=true it is the text the stream
     carries, joined (no prompt), and asking a stream for the prompt is an error on both models,

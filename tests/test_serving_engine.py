@@ -421,3 +421,184 @@ def test_a_stream_whose_send_fails_counts_its_prompt_and_generated_tokens(model_
         assert sum(sent) <= counters["generation_tokens"] < 400
     finally:
         serving.shutdown()
+
+
+def _n_inputs(prompt, n, stream, **sampling):
+    return {"text_input": _str(prompt), "stream": np.array([stream]),
+            "return_output_ids": np.array([True]), "return_num_output_tokens": np.array([True]),
+            "return_finish_reason": np.array([True]),
+            "return_cumulative_logprob": np.array([True]), "return_logprobs": np.array([True]),
+            "exclude_input_in_output": np.array([True]),
+            "sampling_parameters": _str(json.dumps({"n": n, **sampling}))}
+
+
+def _completions(rec, n):
+    """Each completion's text, ids, logprobs (per token) and last cumulative logprob and
+    finish reason, from a recorded request with n entries per response."""
+    assert all(error is None for _, error, _ in rec.responses), rec.responses
+    assert [f for _, _, f in rec.responses] == [False] * (len(rec.responses) - 1) + [True]
+    texts, ids, logprobs = [b""] * n, [[] for _ in range(n)], [[] for _ in range(n)]
+    for t, _, _ in rec.responses:
+        counts = [int(c) for c in t["num_output_tokens"]]
+        assert len(t["text_output"]) == len(counts) == len(t["finish_reason"]) == n
+        assert len(t["cumulative_logprob"]) == len(t["logprobs"]) == n
+        assert len(t["output_ids"]) == sum(counts)      # one after another, in index order
+        flat = [int(i) for i in t["output_ids"]]
+        for k in range(n):
+            texts[k] += t["text_output"][k]
+            ids[k] += flat[sum(counts[:k]):sum(counts[:k + 1])]
+            steps = json.loads(t["logprobs"][k])       # None: none asked for
+            assert steps is None or len(steps) == counts[k]
+            logprobs[k] += steps or []
+    last = rec.responses[-1][0]
+    return ([x.decode() for x in texts], ids, logprobs,
+            [float(v) for v in last["cumulative_logprob"]],
+            [r.decode() for r in last["finish_reason"]])
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_n_completions_are_the_seeded_requests_each_in_its_entry(model_dir, stream):
+    """n 3, seeded: the k-th entry of every response belongs to the k-th completion, which is
+    the request seeded seed + k run alone (vLLM's rule), text, ids, logprobs and cumulative
+    logprob; the request ends once all three have, with their finish reasons; the prompt's
+    KV blocks are shared and the pool ends whole."""
+    n = 3
+    prompt = " ".join(f"fan {i} out" for i in range(30))       # several KV blocks long
+    sampling = {"max_tokens": 12, "temperature": 1.0, "seed": 11, "ignore_eos": True,
+                "logprobs": 1}
+    llm = LLM(model_dir, dtype="float32", device="cpu", **SETTINGS)
+    alone = [llm.generate(prompt, SamplingParams(**(sampling | {"seed": 11 + k})))[0].outputs[0]
+             for k in range(n)]
+    assert len({tuple(c.token_ids) for c in alone}) == n       # the seeds make them differ
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        num_prompt = len(serving.engine.tokenizer.encode(prompt))
+        before = serving.stats()
+        rec = Recorder()
+        serving.submit(_n_inputs(prompt, n, stream, **sampling), rec)
+        assert rec.final.wait(WAIT_S)
+        _wait_idle(serving)
+        counters = serving.metrics.snapshot_counters()
+        computed = serving.stats().num_computed_prompt_tokens - before.num_computed_prompt_tokens
+    finally:
+        serving.shutdown()
+    texts, ids, logprobs, cumulative, reasons = _completions(rec, n)
+    assert texts == [c.text for c in alone]
+    assert ids == [c.token_ids for c in alone]
+    # Logprobs to float32 rounding: a batch of three rows sums in another order than one.
+    for k, c in enumerate(alone):
+        assert [float(next(iter(step.values()))["logprob"]) for step in logprobs[k]] == \
+            pytest.approx([next(iter(step.values())).logprob for step in c.logprobs], abs=1e-4)
+    assert cumulative == pytest.approx([c.cumulative_logprob for c in alone], abs=1e-3)
+    assert reasons == ["length"] * n
+    if not stream:
+        assert len(rec.responses) == 1
+    # The prompt's whole blocks are computed once for the three (a block of its own each at
+    # most: the last token is always computed).
+    block = serving.engine.config.block_size
+    assert num_prompt > 2 * block and computed <= num_prompt + n * block, (computed, num_prompt)
+    # One request, counted once, with its prompt once and every completion's tokens.
+    assert counters["finished_length"] == 1
+    assert counters["prompt_tokens"] == num_prompt
+    assert counters["generation_tokens"] == 12 * n
+
+
+def test_n_greedy_completions_are_equal_and_output_ids_split_by_num_output_tokens(model_dir):
+    """Greedy (temperature 0), n 2, a stop string: both completions are the direct engine's one
+    completion; with a stop string each entry's text is found step by step (no pull)."""
+    prompt = "Greedy twice"
+    sampling = {"max_tokens": 10, "temperature": 0, "ignore_eos": True}
+    llm = LLM(model_dir, dtype="float32", device="cpu", **SETTINGS)
+    direct = llm.generate(prompt, SamplingParams(**sampling))[0].outputs[0]
+    # A stop string found in the direct text, so that the request ends on it.
+    stop = direct.text[len(direct.text) // 2:len(direct.text) // 2 + 2]
+    stopped = llm.generate(prompt, SamplingParams(**sampling, stop=[stop]))[0].outputs[0]
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        plain, with_stop = Recorder(), Recorder()
+        serving.submit(_n_inputs(prompt, 2, True, **sampling), plain)
+        serving.submit(_n_inputs(prompt, 2, True, **sampling, stop=[stop]), with_stop)
+        assert plain.final.wait(WAIT_S) and with_stop.final.wait(WAIT_S)
+        _wait_idle(serving)
+    finally:
+        serving.shutdown()
+    texts, ids, _, _, reasons = _completions(plain, 2)
+    assert texts == [direct.text] * 2 and ids == [direct.token_ids] * 2
+    assert reasons == ["length"] * 2
+    texts, ids, _, _, reasons = _completions(with_stop, 2)
+    assert texts == [stopped.text] * 2 and ids == [stopped.token_ids] * 2
+    assert reasons == [stopped.finish_reason] * 2 == ["stop"] * 2
+
+
+def test_n_completions_are_all_aborted_by_a_cancel_an_abort_or_a_stop(model_dir):
+    """A request with n completions ends every one of them in the engine when its client
+    cancels it, when llm_bls aborts it (even while its completions are going into the engine),
+    or when the server stops: the pool ends whole each time. Every prompt goes through the
+    tokenizer process (no inline tokenizing), so a completion's way into the engine waits, and
+    the abort can come between two completions."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         tokenize_inline_max_chars=0, **SETTINGS))
+    long = {"max_tokens": 200, "temperature": 0, "ignore_eos": True}
+    try:
+        # The client cancels.
+        cancelled = threading.Event()
+        rec = Recorder()
+        serving.submit(_n_inputs("cancel me", 3, True, **long), rec,
+                       is_cancelled=cancelled.is_set)
+        assert rec.entered.wait(WAIT_S)
+        cancelled.set()
+        assert rec.final.wait(WAIT_S)
+        assert rec.responses[-1] == (None, "request cancelled", True)
+        _wait_idle(serving)
+        assert serving.metrics.snapshot_counters()["finished_abort"] == 1
+
+        # llm_bls aborts it, once under way, and once as its completions go in (the loop is
+        # held, so the abort is queued right behind the request's admission).
+        for held in (False, True):
+            rec, ack = Recorder(), Recorder()
+            release = _block_loop(serving) if held else None
+            serving.submit(_n_inputs("abort me", 4, True, **long), rec,
+                           request_id=f"bls-n-{held}")
+            if held:
+                serving.submit({"abort_request_id": _str(f"bls-n-{held}")}, ack)
+                release.set()
+            else:
+                assert rec.entered.wait(WAIT_S)
+                serving.submit({"abort_request_id": _str(f"bls-n-{held}")}, ack)
+            assert rec.final.wait(WAIT_S) and ack.final.wait(WAIT_S)
+            final = rec.responses[-1]
+            assert final[1] == "request cancelled" or final[0]["finish_reason"].tolist() == \
+                [b"abort"] * 4, final
+            _wait_idle(serving)
+
+        # The server stops.
+        rec = Recorder()
+        serving.submit(_n_inputs("stop me", 3, True, **long), rec)
+        assert rec.entered.wait(WAIT_S)
+        serving.stop_serving("the server is shutting down")
+        assert rec.final.wait(WAIT_S)
+        assert rec.responses[-1] == (None, "the server is shutting down", True)
+        _wait_idle(serving)
+    finally:
+        serving.shutdown()
+
+
+def test_n_completions_of_a_bad_request_fail_it_once_and_leave_nothing_running(model_dir):
+    """A prompt too long for the model fails the request with the engine's message, once,
+    whatever its n."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        rec = Recorder()
+        serving.submit(_n_inputs("word " * 400, 3, True, max_tokens=4), rec)
+        assert rec.final.wait(WAIT_S)
+        assert len(rec.responses) == 1 and "max_model_len" in rec.responses[0][1]
+        too_many = Recorder()
+        serving.submit(_n_inputs("hi", 129, True, max_tokens=4), too_many)
+        assert too_many.final.wait(WAIT_S)
+        assert "n must be" in too_many.responses[0][1] and "128" in too_many.responses[0][1]
+        _wait_idle(serving)
+    finally:
+        serving.shutdown()
