@@ -1116,6 +1116,38 @@ def test_unload_lets_in_flight_streams_finish_then_finalizes(model_dir, tmp_path
         client.close()
 
 
+def test_a_cancel_llm_cannot_take_while_unloading_is_logged_and_the_unload_waits(tmp_path):
+    """An llm_bls request cancelled while llm is unloading: Triton takes no new request for a
+    model that is unloading, and the abort llm_bls sends is one, so llm_bls logs that the inner
+    request runs on to its end; llm then unloads once it has ended. A model of 4,096 positions
+    makes the inner request run long enough (~6 s) for the unload and the cancel to come while
+    it runs."""
+    model = make_tiny_model(tmp_path / "long", arch="llama", seed=3,
+                            max_position_embeddings=4096)
+    repo = _repo_with(tmp_path, model=str(model), dtype="float32", max_num_seqs=4,
+                      max_num_batched_tokens=512, num_kv_blocks=300, max_model_len=4096,
+                      cpu_threads=1)
+    with start_server(repo, log_dir=tmp_path) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        done: queue.Queue = queue.Queue()
+        ctx = client.async_infer("llm_bls", grpc_inputs("Run long", endless(), stream=False),
+                                 callback=lambda result, error: done.put(error))
+        wait_for(lambda: metric(server, "llm_num_requests_running") >= 1,
+                 "the inner llm request to run")
+        client.unload_model("llm")
+        wait_for(lambda: not client.is_model_ready("llm"), "llm to be unloading")
+        ctx.cancel()
+        assert "CANCELLED" in str(done.get(timeout=30)).upper()
+        wait_for(lambda: "could not abort request bls-" in open(server.log_path).read(),
+                 "llm_bls to log the abort llm refused", timeout_s=30)
+        log = open(server.log_path).read()
+        assert "runs on to its end" in log and "successfully unloaded 'llm'" not in log
+        wait_for(lambda: "successfully unloaded 'llm'" in open(server.log_path).read(),
+                 "llm to unload once the inner request ended", timeout_s=120)
+        assert "llm: engine stopped" in open(server.log_path).read()     # finalize ran
+        client.close()
+
+
 def _core_pids(server):
     """The engine core processes of this server (started by its stubs, by command line)."""
     return [pid for pid, cmdline in server.descendant_pids().items()
