@@ -396,8 +396,9 @@ class ServingEngine:
             return
         params = r.req.params
         if params.n > 1:                # before it can be aborted: see _Request.abort
-            r.parts = [_Part(f"{rid}_{k}", logprobs=None if params.logprobs is None else [])
-                       for k in range(params.n)]
+            asked = params.logprobs is not None     # then a completion's sum starts at 0
+            r.parts = [_Part(f"{rid}_{k}", cumulative_logprob=0.0 if asked else None,
+                             logprobs=[] if asked else None) for k in range(params.n)]
         if not self._track(r):
             self._fail(answer, "request cancelled")
             return
@@ -565,9 +566,7 @@ class ServingEngine:
             r.last_sent = now
         num_tokens = sum(pending)
         if done:
-            reasons = {p.finish_reason for p in r.parts}
-            reason = reasons.pop() if len(reasons) == 1 else last.outputs[0].finish_reason
-            self._count_finished(r, last, r.num_out + num_tokens, reason=reason)
+            self._count_finished(r, last, r.num_out + num_tokens)
         r.num_out += num_tokens
         completions = []
         for p in r.parts:
@@ -615,23 +614,33 @@ class ServingEngine:
         if r.req is not None and r.rid in self._inflight and not r.counted:
             self.metrics.on_request_done(time.monotonic() - r.start)
             self.metrics.on_tokens(r.num_prompt, r.num_out)
-            self.metrics.on_finish("abort")
+            for _ in r.parts or (None,):
+                self.metrics.on_finish("abort")
         self._forget(r)
         self._count_open(-1)
 
     def _count_finished(self, r: _Request, out: RequestOutput, num_out: int,
                         reason: str | None = None) -> None:
+        """`out`: its (last completion's) final output; `num_out`: its tokens (all its
+        completions'). A request with n completions counts one finish per completion, each
+        under its reason, as vLLM counts its child requests (and as the engine's running gauge
+        counts them); its latencies and prompt count once."""
         r.counted = True        # before its final response is sent: a failing send finds it
         if not r.req.stream:
             first, last = out.metrics.get("first_token_time"), out.metrics.get("last_token_time")
             if first is not None:
                 self.metrics.on_first_token(first - r.start)
-                if num_out > 1:
-                    self.metrics.on_inter_token((last - first) / (num_out - 1), num_out - 1)
+                steps = len(out.outputs[0].token_ids) if r.parts is not None else num_out
+                if steps > 1:   # that completion's own steps, not its siblings' too
+                    self.metrics.on_inter_token((last - first) / (steps - 1), steps - 1)
         self.metrics.on_request_done(time.monotonic() - r.start)
         # Last: a request counts as finished once its latencies are in (TritonMetrics.publish).
         self.metrics.on_tokens(len(out.prompt_token_ids), num_out)
-        self.metrics.on_finish(reason or out.outputs[0].finish_reason)
+        if r.parts is None:
+            self.metrics.on_finish(reason or out.outputs[0].finish_reason)
+        else:
+            for p in r.parts:
+                self.metrics.on_finish(reason or p.finish_reason)
 
     # ------------------------------------------------------------------ bookkeeping
     def _track(self, r: _Request) -> bool:

@@ -480,6 +480,7 @@ def test_n_completions_are_the_seeded_requests_each_in_its_entry(model_dir, stre
         assert rec.final.wait(WAIT_S)
         _wait_idle(serving)
         counters = serving.metrics.snapshot_counters()
+        num_itl = serving.metrics.itl.count
         computed = serving.stats().num_computed_prompt_tokens - before.num_computed_prompt_tokens
     finally:
         serving.shutdown()
@@ -498,9 +499,13 @@ def test_n_completions_are_the_seeded_requests_each_in_its_entry(model_dir, stre
     # most: the last token is always computed).
     block = serving.engine.config.block_size
     assert num_prompt > 2 * block and computed <= num_prompt + n * block, (computed, num_prompt)
-    # One request, counted once, with its prompt once and every completion's tokens.
-    assert counters["finished_length"] == 1
+    # Its prompt counted once, every completion's tokens, and a finish per completion (as vLLM
+    # counts its child requests). Not streamed, the inter-token gaps are those of one
+    # completion's 12 tokens (not of the three's 36); streamed, a response's gap is spread over
+    # the most tokens any completion has in it (they start a step or more apart: 11 or more).
+    assert counters["finished_length"] == n
     assert counters["prompt_tokens"] == num_prompt
+    assert num_itl == 11 if not stream else num_itl >= 11
     assert counters["generation_tokens"] == 12 * n
 
 
@@ -552,7 +557,7 @@ def test_n_completions_are_all_aborted_by_a_cancel_an_abort_or_a_stop(model_dir)
         assert rec.final.wait(WAIT_S)
         assert rec.responses[-1] == (None, "request cancelled", True)
         _wait_idle(serving)
-        assert serving.metrics.snapshot_counters()["finished_abort"] == 1
+        assert serving.metrics.snapshot_counters()["finished_abort"] == 3    # per completion
 
         # llm_bls aborts it, once under way, and once as its completions go in (the loop is
         # held, so the abort is queued right behind the request's admission).
@@ -602,3 +607,45 @@ def test_n_completions_of_a_bad_request_fail_it_once_and_leave_nothing_running(m
         _wait_idle(serving)
     finally:
         serving.shutdown()
+
+
+def test_n_completions_finish_counts_and_logprob_sums_are_per_completion(model_dir):
+    """Completions ending for different reasons count a finish each under its own reason; and
+    a completion with no token yet in a response has the cumulative logprob 0 (not NaN, which
+    says no logprobs were asked for) when logprobs were asked for."""
+    prompt = "Count each"
+    sampling = {"max_tokens": 12, "temperature": 1.0, "seed": 3, "ignore_eos": True,
+                "logprobs": 1}
+    llm = LLM(model_dir, dtype="float32", device="cpu", **SETTINGS)
+    alone = llm.generate(prompt, SamplingParams(**sampling, n=3))[0].outputs
+    # A stop token that the first completion samples at its 4th token: it stops there, the
+    # others run on unless they sample it too.
+    stop_id = alone[0].token_ids[3]
+    want = llm.generate(prompt, SamplingParams(**sampling, n=3, stop_token_ids=[stop_id]))[0]
+    reasons = [c.finish_reason for c in want.outputs]
+    assert "stop" in reasons and "length" in reasons, reasons
+    # One sequence at a time: the completions run one after another, so the first responses
+    # have completions without a token yet.
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **(SETTINGS | {"max_num_seqs": 1})))
+    try:
+        rec = Recorder()
+        serving.submit(_n_inputs(prompt, 3, True, **sampling, stop_token_ids=[stop_id]), rec)
+        assert rec.final.wait(WAIT_S)
+        _wait_idle(serving)
+        counters = serving.metrics.snapshot_counters()
+    finally:
+        serving.shutdown()
+    texts, ids, _, cumulative, got_reasons = _completions(rec, 3)
+    assert ids == [c.token_ids for c in want.outputs] and got_reasons == reasons
+    assert (counters["finished_stop"], counters["finished_length"]) == \
+        (reasons.count("stop"), reasons.count("length"))
+    had_tokens, num_before_first = [False] * 3, 0
+    for t, _, _ in rec.responses:
+        for k, count in enumerate(t["num_output_tokens"]):
+            had_tokens[k] |= bool(count)
+            assert not np.isnan(t["cumulative_logprob"][k])
+            if not had_tokens[k]:
+                assert t["cumulative_logprob"][k] == 0.0
+                num_before_first += 1
+    assert num_before_first > 0
