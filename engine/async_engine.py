@@ -36,6 +36,10 @@ logger = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 10.0
 
+# A tokenized prompt: its text (None when given as token ids), its ids, and the ids packed for
+# the core.
+Tokenized = tuple[str | None, list[int], np.ndarray]
+
 
 class EngineDeadError(RuntimeError):
     pass
@@ -121,9 +125,21 @@ class AsyncEngine:
                     self.core.abort([channel.index])
                     self._processor.drop(channel.index)
 
+    async def tokenize(self, prompt: Prompt, dropped: Callable[[], bool] = lambda: False
+                       ) -> Tokenized:
+        """The prompt tokenized, for `submit(..., tokenized=)`: a prompt several requests share
+        (n completions) is tokenized once. Raises ValueError for a prompt this engine cannot
+        take, PromptDropped if `dropped()` became true while the prompt waited for the
+        tokenizer, EngineDeadError if the engine is gone."""
+        try:
+            return await self._tokenize(prompt, dropped)
+        except TokenizerClosed:
+            raise EngineDeadError("the engine was shut down") from None
+
     async def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
                      sink: Callable[[RequestOutput | PullOutput | BaseException], None],
-                     stream: bool = True, pull: bool = False) -> None:
+                     stream: bool = True, pull: bool = False,
+                     tokenized: Tokenized | None = None) -> None:
         """`generate` without the iterator, for callers that do not want a loop wake-up per
         step: returns once the request is in the engine; then `sink` gets each step's output
         on the engine's reader thread, in order, the last with finished=True, or, if the
@@ -131,10 +147,11 @@ class AsyncEngine:
         ValueError / EngineDeadError (and never calls `sink`) for a request refused first.
         pull (streamed requests without stop strings): the sink gets the request's PullOutput
         handle instead, each step, and `render(handle)` gives the output of every step since
-        the last render, decoded only then (engine/output_processor.py)."""
+        the last render, decoded only then (engine/output_processor.py). tokenized: the
+        prompt's `tokenize` (then it is not tokenized again, and this does not wait)."""
         channel = self._open(request_id, sink)
         try:
-            text, ids, packed = await self._prepare(prompt, params, channel)
+            text, ids, packed = await self._prepare(prompt, params, channel, tokenized)
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -208,15 +225,19 @@ class AsyncEngine:
         self._streams[request_id] = channel
         return channel
 
-    async def _prepare(self, prompt: Prompt, params: SamplingParams, channel: _Stream
-                       ) -> tuple[str | None, list[int], np.ndarray]:
-        try:
-            text, ids, packed = await self._tokenize(prompt, channel)
-        except PromptDropped:               # aborted while queued: never tokenized
-            prompt = unwrap_prompt(prompt)
-            return (prompt if isinstance(prompt, str) else None), [], np.zeros(0, np.int64)
-        except TokenizerClosed:
-            raise EngineDeadError("the engine was shut down") from None
+    async def _prepare(self, prompt: Prompt, params: SamplingParams, channel: _Stream,
+                       tokenized: Tokenized | None = None) -> Tokenized:
+        if tokenized is not None:
+            text, ids, packed = tokenized
+        else:
+            try:
+                text, ids, packed = await self._tokenize(prompt,
+                                                         lambda: channel.abort_requested)
+            except PromptDropped:               # aborted while queued: never tokenized
+                prompt = unwrap_prompt(prompt)
+                return (prompt if isinstance(prompt, str) else None), [], np.zeros(0, np.int64)
+            except TokenizerClosed:
+                raise EngineDeadError("the engine was shut down") from None
         self._check_alive()
         check_request(packed, params, self.info.max_model_len, self.info.vocab_size)
         return text, ids, packed
@@ -229,8 +250,7 @@ class AsyncEngine:
         self._ids_by_index[index] = request_id
         self.core.add(index, packed, params)
 
-    async def _tokenize(self, prompt: Prompt, channel: _Stream
-                        ) -> tuple[str | None, list[int], np.ndarray]:
+    async def _tokenize(self, prompt: Prompt, dropped: Callable[[], bool]) -> Tokenized:
         prompt = unwrap_prompt(prompt)
         if not isinstance(prompt, str) or self.tokenizer is None:
             _, ids = encode_prompt(self.tokenizer, prompt)    # token ids, or the error
@@ -241,8 +261,7 @@ class AsyncEngine:
             if isinstance(result, ValueError):
                 raise result
             return (prompt, *result)
-        return (prompt, *await self._batch_tokenizer.encode(
-            prompt, dropped=lambda: channel.abort_requested))
+        return (prompt, *await self._batch_tokenizer.encode(prompt, dropped=dropped))
 
     def _dispatch(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:

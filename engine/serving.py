@@ -64,6 +64,7 @@ from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.protocol import (BLS_REQUEST_ID_PREFIX, Completion, GenerateRequest, make_response,
                              make_response_n, parse_request)
 from engine.serving_trace import RequestTrace
+from engine.tokenize import PromptDropped
 
 logger = logging.getLogger(__name__)
 
@@ -418,28 +419,36 @@ class ServingEngine:
             self._fail(r.stream, f"internal error: {e}")
 
     async def _submit_parts(self, r: _Request) -> None:
-        """A request with n completions: each into the engine as a request of its own."""
+        """A request with n completions: the prompt tokenized once, then each completion into
+        the engine as a request of its own, all in the same step (submit does not wait once
+        the prompt is tokenized)."""
         params = r.req.params
-        for k, part in enumerate(r.parts):
-            def sink(out, k=k):
-                self._on_part_output(r, k, out)
-            if r.aborted:               # before this one reached the engine
-                sink(RequestOutput(part.rid, None, [], [CompletionOutput(0, "", [], "abort")],
-                                   True))
-                continue
-            try:
+        tokenized, submitted = None, 0
+        try:
+            tokenized = await self.engine.tokenize(r.req.prompt, dropped=lambda: r.aborted)
+            for k, part in enumerate(r.parts):
+                def sink(out, k=k):
+                    self._on_part_output(r, k, out)
+                if r.aborted:           # before this one reached the engine
+                    break
                 await self.engine.submit(r.req.prompt, params.child(k), part.rid, sink,
-                                         stream=r.req.stream, pull=True)
-            except Exception as e:  # noqa: BLE001 - the client must always get a final answer
-                message = str(e)        # e.g. prompt too long, or the engine died
-                if not isinstance(e, (ValueError, EngineDeadError)):
-                    logger.exception("request %s failed", part.rid)
-                    message = f"internal error: {e}"
-                r.abort(self.engine)    # the completions already in the engine
-                self._fail(r.stream, message)
-                return
-            if r.aborted:               # while it went in: r.abort may have missed it
-                self.engine.abort_nowait(part.rid)
+                                         stream=r.req.stream, pull=True, tokenized=tokenized)
+                submitted = k + 1
+                if r.aborted:           # while it went in: r.abort may have missed it
+                    self.engine.abort_nowait(part.rid)
+        except PromptDropped:           # aborted while it waited for the tokenizer
+            pass
+        except Exception as e:  # noqa: BLE001 - the client must always get a final answer
+            message = str(e)            # e.g. prompt too long, or the engine died
+            if not isinstance(e, (ValueError, EngineDeadError)):
+                logger.exception("request %s failed", r.rid)
+                message = f"internal error: {e}"
+            r.abort(self.engine)        # the completions already in the engine
+            self._fail(r.stream, message)
+            return
+        for k in range(submitted, len(r.parts)):    # aborted before they reached the engine
+            self._on_part_output(r, k, RequestOutput(
+                r.parts[k].rid, None, [], [CompletionOutput(0, "", [], "abort")], True))
 
     def _on_part_output(self, r: _Request, k: int, out) -> None:
         """_on_output for the k-th completion of a request with n above 1."""

@@ -649,3 +649,29 @@ def test_n_completions_finish_counts_and_logprob_sums_are_per_completion(model_d
                 assert t["cumulative_logprob"][k] == 0.0
                 num_before_first += 1
     assert num_before_first > 0
+
+
+def test_n_completions_tokenize_the_prompt_once(model_dir):
+    """n 8: the prompt goes through the tokenizer once (vLLM tokenizes a parent request once);
+    it used to be tokenized once per completion, one after another."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         tokenize_inline_max_chars=0, **SETTINGS))
+    encodes = []
+    tokenizer = serving.engine._batch_tokenizer
+    real_encode = tokenizer.encode
+
+    async def counted(text, *args, **kwargs):
+        encodes.append(text)
+        return await real_encode(text, *args, **kwargs)
+    tokenizer.encode = counted
+    try:
+        rec = Recorder()
+        serving.submit(_n_inputs("Once for all of them", 8, True, max_tokens=3, temperature=0,
+                                 ignore_eos=True), rec)
+        assert rec.final.wait(WAIT_S)
+        _wait_idle(serving)
+    finally:
+        serving.shutdown()
+    assert encodes == ["Once for all of them"]
+    texts, ids, _, _, _ = _completions(rec, 8)
+    assert len(set(map(tuple, ids))) == 1 and all(len(i) == 3 for i in ids)
