@@ -420,8 +420,8 @@ class ServingEngine:
 
     async def _submit_parts(self, r: _Request) -> None:
         """A request with n completions: the prompt tokenized once, then each completion into
-        the engine as a request of its own, all in the same step (submit does not wait once
-        the prompt is tokenized)."""
+        the engine as a request of its own, one after another without waiting (submit does not
+        wait for a prompt already tokenized)."""
         params = r.req.params
         tokenized, submitted = None, 0
         try:
