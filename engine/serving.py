@@ -68,8 +68,36 @@ from engine.tokenize import PromptDropped
 
 logger = logging.getLogger(__name__)
 
-# send(tensors or None, error message or None, final)
+# send(tensors or None, error message or None, final); the message is a ServingError
 SendFn = Callable[[dict[str, np.ndarray] | None, str | None, bool], None]
+
+
+class ServingError(str):
+    """A request's error message (compared, logged and sent as the str it is) and its kind, which
+    the model turns into the server's status code: INVALID the request itself (HTTP 400, gRPC
+    INVALID_ARGUMENT: a client must not retry it as it is), CANCELLED, UNAVAILABLE (the server
+    is stopping or the engine is gone: 503), INTERNAL (a fault of ours: 500)."""
+    INVALID, CANCELLED, UNAVAILABLE, INTERNAL = "invalid", "cancelled", "unavailable", "internal"
+    kind: str
+
+    def __new__(cls, message: str, kind: str) -> ServingError:
+        error = super().__new__(cls, message)
+        error.kind = kind
+        return error
+
+
+def _unavailable(message: str) -> ServingError:
+    return ServingError(message, ServingError.UNAVAILABLE)
+
+
+def _refused(e: Exception) -> ServingError:
+    """The error of a request the engine refused: its own fault (ValueError) or the engine's
+    end (EngineDeadError)."""
+    return ServingError(str(e), ServingError.INVALID if isinstance(e, ValueError)
+                        else ServingError.UNAVAILABLE)
+
+
+_CANCELLED = ServingError("request cancelled", ServingError.CANCELLED)
 # A request's tensors by name, or a function giving them (called once, on the loop)
 Inputs = dict[str, np.ndarray] | Callable[[], dict[str, np.ndarray]]
 
@@ -94,7 +122,7 @@ class _Admission(NamedTuple):
 
 @dataclass
 class _Failure:
-    message: str
+    message: ServingError
 
 
 _EMPTY = object()         # an empty final answer (to an abort request)
@@ -220,7 +248,7 @@ class ServingEngine:
                     return
                 self._admit_scheduled = True
         if closed:
-            send(None, self._stop_reason or "the engine was shut down", True)
+            send(None, _unavailable(self._stop_reason or "the engine was shut down"), True)
             return
         self._wakeups.put(True)             # no system call: this thread keeps the GIL
 
@@ -235,7 +263,7 @@ class ServingEngine:
             requests = list(self._inflight.values())
         for r in requests:
             r.abort(self.engine)
-            self._fail(r.stream, self._stop_reason)
+            self._fail(r.stream, _unavailable(self._stop_reason))
 
     @property
     def num_open(self) -> int:
@@ -308,7 +336,7 @@ class ServingEngine:
     def _refuse(self, a: _Admission) -> None:
         """A submitted request that will not start: its final answer is the stop reason."""
         try:
-            a.send(None, self._stop_reason or "the engine was shut down", True)
+            a.send(None, _unavailable(self._stop_reason or "the engine was shut down"), True)
         finally:
             self._count_open(-1)
 
@@ -371,21 +399,23 @@ class ServingEngine:
                                     lambda e: self._send_failed(r, e), context=r)
         r.stream = answer
         if self._stop_reason is not None:
-            self._fail(answer, self._stop_reason)
+            self._fail(answer, _unavailable(self._stop_reason))
             return
         if callable(inputs):
             try:
                 inputs = inputs()
             except Exception as e:  # noqa: BLE001 - the client must always get a final answer
                 logger.exception("request %s: reading its inputs failed", rid)
-                self._fail(answer, f"internal error reading the inputs: {e}")
+                self._fail(answer, ServingError(f"internal error reading the inputs: {e}",
+                                                ServingError.INTERNAL))
                 return
         if inputs.get("abort_request_id") is not None:
             target = _text(inputs["abort_request_id"])
             if not target.startswith(BLS_REQUEST_ID_PREFIX):
-                self._fail(answer,
-                           f"abort_request_id: only the requests llm_bls starts (ids "
-                           f"'{BLS_REQUEST_ID_PREFIX}...') can be aborted this way, got {target!r}")
+                self._fail(answer, ServingError(
+                    f"abort_request_id: only the requests llm_bls starts (ids "
+                    f"'{BLS_REQUEST_ID_PREFIX}...') can be aborted this way, got {target!r}",
+                    ServingError.INVALID))
                 return
             self._abort_client(target)
             self.outbox.put(answer, _EMPTY, final=True)
@@ -393,7 +423,7 @@ class ServingEngine:
         try:
             r.req = parse_request(inputs)
         except ValueError as e:
-            self._fail(answer, str(e))
+            self._fail(answer, ServingError(str(e), ServingError.INVALID))
             return
         params = r.req.params
         if params.n > 1:                # before it can be aborted: see _Request.abort
@@ -401,7 +431,7 @@ class ServingEngine:
             r.parts = [_Part(f"{rid}_{k}", cumulative_logprob=0.0 if asked else None,
                              logprobs=[] if asked else None) for k in range(params.n)]
         if not self._track(r):
-            self._fail(answer, "request cancelled")
+            self._fail(answer, _CANCELLED)
             return
         if r.parts is not None:
             await self._submit_parts(r)
@@ -413,10 +443,10 @@ class ServingEngine:
             if self._trace is not None:
                 self._trace.in_engine(r, time.monotonic())
         except (ValueError, EngineDeadError) as e:  # e.g. prompt too long, or the engine died
-            self._fail(r.stream, str(e))
+            self._fail(r.stream, _refused(e))
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
             logger.exception("request %s failed", rid)
-            self._fail(r.stream, f"internal error: {e}")
+            self._fail(r.stream, ServingError(f"internal error: {e}", ServingError.INTERNAL))
 
     async def _submit_parts(self, r: _Request) -> None:
         """A request with n completions: the prompt tokenized once, then each completion into
@@ -439,12 +469,13 @@ class ServingEngine:
         except PromptDropped:           # aborted while it waited for the tokenizer
             pass
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
-            message = str(e)            # e.g. prompt too long, or the engine died
-            if not isinstance(e, (ValueError, EngineDeadError)):
+            if isinstance(e, (ValueError, EngineDeadError)):    # e.g. prompt too long
+                error = _refused(e)
+            else:
                 logger.exception("request %s failed", r.rid)
-                message = f"internal error: {e}"
+                error = ServingError(f"internal error: {e}", ServingError.INTERNAL)
             r.abort(self.engine)        # the completions already in the engine
-            self._fail(r.stream, message)
+            self._fail(r.stream, error)
             return
         for k in range(submitted, len(r.parts)):    # aborted before they reached the engine
             self._on_part_output(r, k, RequestOutput(
@@ -456,11 +487,11 @@ class ServingEngine:
             r.first_output = time.monotonic()
         if isinstance(out, BaseException):
             r.abort(self.engine)        # the others: the request ends with this error
-            self._fail(r.stream, str(out))
+            self._fail(r.stream, _unavailable(str(out)))
             return
         self.outbox.put(r.stream, (k, out), final=out.finished)
 
-    def _fail(self, stream: Stream, message: str) -> None:
+    def _fail(self, stream: Stream, message: ServingError) -> None:
         """The stream's final answer is this error."""
         self.outbox.put(stream, _Failure(message), final=True)
 
@@ -469,7 +500,7 @@ class ServingEngine:
         if r.first_output is None:
             r.first_output = time.monotonic()
         if isinstance(out, BaseException):
-            self._fail(r.stream, str(out))
+            self._fail(r.stream, _unavailable(str(out)))
             return
         if out.finished and self._trace is not None:
             r.final_output = time.monotonic()
@@ -509,7 +540,7 @@ class ServingEngine:
         if last.finished and r.cancelled:
             # Its tokens were generated, sent or not: counted as vLLM counts them.
             self._count_finished(r, last, r.num_out + len(token_ids), reason="abort")
-            send(None, "request cancelled", True)
+            send(None, _CANCELLED, True)
             self._forget(r)
             return True
         if not (token_ids or text or last.finished):
@@ -557,7 +588,7 @@ class ServingEngine:
         if done and r.cancelled:
             num = r.num_out + sum(len(p.token_ids) for p in r.parts)
             self._count_finished(r, last, num, reason="abort")
-            send(None, "request cancelled", True)
+            send(None, _CANCELLED, True)
             self._forget(r)
             return True
         pending = [len(p.token_ids) for p in r.parts]

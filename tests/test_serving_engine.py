@@ -675,3 +675,31 @@ def test_n_completions_tokenize_the_prompt_once(model_dir):
     assert encodes == ["Once for all of them"]
     texts, ids, _, _, _ = _completions(rec, 8)
     assert len(set(map(tuple, ids))) == 1 and all(len(i) == 3 for i in ids)
+
+
+def test_errors_carry_their_kind_for_the_status_code(model_dir):
+    """A refused request's error is INVALID (the client's: HTTP 400), a stop's UNAVAILABLE, a
+    cancel's CANCELLED; the model turns the kind into Triton's code (it sent INTERNAL for all)."""
+    from engine.serving import ServingError
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        bad, too_long, cancelled, stopped = Recorder(), Recorder(), Recorder(), Recorder()
+        serving.submit(_n_inputs("hi", 1, True, max_tokens=-1), bad)
+        serving.submit(_inputs("word " * 400, 4), too_long)
+        flag = threading.Event()
+        serving.submit(_inputs("cancel me", 200), cancelled, is_cancelled=flag.is_set)
+        assert cancelled.entered.wait(WAIT_S)
+        flag.set()
+        for rec in (bad, too_long, cancelled):
+            assert rec.final.wait(WAIT_S)
+        serving.submit(_inputs("stop me", 200), stopped)
+        assert stopped.entered.wait(WAIT_S)
+        serving.stop_serving("the server is shutting down")
+        assert stopped.final.wait(WAIT_S)
+    finally:
+        serving.shutdown()
+    kinds = [rec.responses[-1][1].kind for rec in (bad, too_long, cancelled, stopped)]
+    assert kinds == [ServingError.INVALID, ServingError.INVALID, ServingError.CANCELLED,
+                     ServingError.UNAVAILABLE]
+    assert "max_tokens must be >= 1" in bad.responses[-1][1]

@@ -117,11 +117,20 @@ def _inputs_of(request):
 _KNOWN_INPUTS = frozenset(INPUT_NAMES + CONTROL_INPUT_NAMES)
 
 
+def _error_code(error):
+    """engine.serving.ServingError's kind as the server's status code (HTTP 400 / 499 / 503 /
+    500). Looked up here, not at import: the stub that completes the config has no TritonError."""
+    codes = pb_utils.TritonError
+    return {"invalid": codes.INVALID_ARG, "cancelled": codes.CANCELLED,
+            "unavailable": codes.UNAVAILABLE}.get(getattr(error, "kind", None), codes.INTERNAL)
+
+
 def _sender(sender):
     def send(tensors, error, final):
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         if error is not None:
-            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(error))
+            response = pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(str(error), _error_code(error)))
         else:
             response = pb_utils.InferenceResponse(
                 [pb_utils.Tensor(name, value) for name, value in tensors.items()])

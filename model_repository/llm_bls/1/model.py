@@ -88,7 +88,7 @@ def _answer_from_llm(request, inner_id):
     try:
         inner = bls_inner_inputs(inputs)
     except ValueError as e:
-        return _error(str(e)), None
+        return _error(str(e), pb_utils.TritonError.INVALID_ARG), None
     # The outputs this request's client asked for (Triton lists all of llm_bls's when it
     # named none): a repository may declare fewer outputs than engine.protocol.OUTPUT_NAMES
     # (scripts/bench_serving.py's copy does), and llm refuses a call for an output it does not
@@ -101,11 +101,13 @@ def _answer_from_llm(request, inner_id):
     responses = call.exec(decoupled=True)
     for response in responses:
         if response.has_error():
-            error = response.error().message()
+            error = response.error()        # its code too: a bad request is the client's
         elif response.output_tensors():
             outputs = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in response.output_tensors()]
-    if error is not None or outputs is None:
-        return _error(error or "llm returned no output"), responses
+    if error is not None:
+        return _error(error.message(), error.code()), responses
+    if outputs is None:
+        return _error("llm returned no output"), responses
     return pb_utils.InferenceResponse(output_tensors=outputs), (responses, outputs)
 
 
