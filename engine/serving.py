@@ -90,11 +90,16 @@ def _unavailable(message: str) -> ServingError:
     return ServingError(message, ServingError.UNAVAILABLE)
 
 
-def _refused(e: Exception) -> ServingError:
-    """The error of a request the engine refused: its own fault (ValueError) or the engine's
-    end (EngineDeadError)."""
-    return ServingError(str(e), ServingError.INVALID if isinstance(e, ValueError)
-                        else ServingError.UNAVAILABLE)
+def _submission_error(e: Exception, rid: str) -> ServingError:
+    """The error of a request the engine did not take: its own fault (ValueError, e.g. a prompt
+    too long), the engine's end (EngineDeadError), or a fault of ours (logged). Call within
+    the except clause."""
+    if isinstance(e, ValueError):
+        return ServingError(str(e), ServingError.INVALID)
+    if isinstance(e, EngineDeadError):
+        return _unavailable(str(e))
+    logger.exception("request %s failed", rid)
+    return ServingError(f"internal error: {e}", ServingError.INTERNAL)
 
 
 _CANCELLED = ServingError("request cancelled", ServingError.CANCELLED)
@@ -442,11 +447,8 @@ class ServingEngine:
                                      pull=True)
             if self._trace is not None:
                 self._trace.in_engine(r, time.monotonic())
-        except (ValueError, EngineDeadError) as e:  # e.g. prompt too long, or the engine died
-            self._fail(r.stream, _refused(e))
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
-            logger.exception("request %s failed", rid)
-            self._fail(r.stream, ServingError(f"internal error: {e}", ServingError.INTERNAL))
+            self._fail(r.stream, _submission_error(e, rid))
 
     async def _submit_parts(self, r: _Request) -> None:
         """A request with n completions: the prompt tokenized once, then each completion into
@@ -469,11 +471,7 @@ class ServingEngine:
         except PromptDropped:           # aborted while it waited for the tokenizer
             pass
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
-            if isinstance(e, (ValueError, EngineDeadError)):    # e.g. prompt too long
-                error = _refused(e)
-            else:
-                logger.exception("request %s failed", r.rid)
-                error = ServingError(f"internal error: {e}", ServingError.INTERNAL)
+            error = _submission_error(e, r.rid)
             r.abort(self.engine)        # the completions already in the engine
             self._fail(r.stream, error)
             return
@@ -538,25 +536,13 @@ class ServingEngine:
         token_ids = [t for c in comps for t in c.token_ids]
         text = "".join(c.text for c in comps)
         if last.finished and r.cancelled:
-            # Its tokens were generated, sent or not: counted as vLLM counts them.
-            self._count_finished(r, last, r.num_out + len(token_ids), reason="abort")
-            send(None, _CANCELLED, True)
-            self._forget(r)
-            return True
+            return self._end_cancelled(r, send, last, len(token_ids))
         if not (token_ids or text or last.finished):
             return False                     # nothing to say yet (a stop string held back)
         logprobs = None
         if any(c.logprobs is not None for c in comps):
             logprobs = [lp for c in comps for lp in (c.logprobs or [])]
-        now = time.monotonic()
-        if token_ids and r.req.stream:
-            if r.last_sent is None:
-                self.metrics.on_first_token(now - r.start)
-                r.first_sent = now
-            else:
-                self.metrics.on_inter_token((now - r.last_sent) / len(token_ids),
-                                            len(token_ids))
-            r.last_sent = now
+        self._time_stream(r, len(token_ids))
         if last.finished:
             self._count_finished(r, last, r.num_out + len(token_ids))
         r.num_out += len(token_ids)
@@ -567,6 +553,15 @@ class ServingEngine:
                 self._trace.final_sent(r, time.monotonic())
             self._forget(r)
         return last.finished
+
+    def _end_cancelled(self, r: _Request, send: SendFn, last: RequestOutput,
+                       num_unsent: int) -> bool:
+        """A cancelled request's engine request(s) ended: its final answer says so. Its tokens
+        were generated, sent or not: counted as vLLM counts them."""
+        self._count_finished(r, last, r.num_out + num_unsent, reason="abort")
+        send(None, _CANCELLED, True)
+        self._forget(r)
+        return True
 
     def _send_parts(self, r: _Request, send: SendFn, items: list) -> bool:
         """_send_answer for a request with n completions: every (k, output) pending, one
@@ -586,24 +581,12 @@ class ServingEngine:
         done = all(p.finished for p in r.parts)
         last = r.last_out
         if done and r.cancelled:
-            num = r.num_out + sum(len(p.token_ids) for p in r.parts)
-            self._count_finished(r, last, num, reason="abort")
-            send(None, _CANCELLED, True)
-            self._forget(r)
-            return True
+            return self._end_cancelled(r, send, last, sum(len(p.token_ids) for p in r.parts))
         pending = [len(p.token_ids) for p in r.parts]
         if not done and (not r.req.stream or not (newly_finished or any(pending)
                                                   or any(p.text for p in r.parts))):
             return False                # nothing to say yet
-        now = time.monotonic()
-        steps = max(pending)            # the completions step together: tokens each
-        if steps and r.req.stream:
-            if r.last_sent is None:
-                self.metrics.on_first_token(now - r.start)
-                r.first_sent = now
-            else:
-                self.metrics.on_inter_token((now - r.last_sent) / steps, steps)
-            r.last_sent = now
+        self._time_stream(r, max(pending))  # the completions step together: tokens each
         num_tokens = sum(pending)
         if done:
             self._count_finished(r, last, r.num_out + num_tokens)
@@ -634,13 +617,25 @@ class ServingEngine:
             p.cumulative_logprob = c.cumulative_logprob
         if out.prompt_token_ids:        # not an abort made before it reached the engine
             r.num_prompt = len(out.prompt_token_ids)
-            if r.last_out is None or out.finished or not r.last_out.prompt_token_ids:
-                r.last_out = out
+            r.last_out = out
         elif r.last_out is None:
             r.last_out = out
         if out.finished:
             p.finished, p.finish_reason = True, c.finish_reason
         return out.finished
+
+    def _time_stream(self, r: _Request, steps: int) -> None:
+        """A streamed response carrying `steps` new tokens (of each completion) goes out now:
+        its time to first token, or the gap since the last such response over its steps."""
+        if not (steps and r.req.stream):
+            return
+        now = time.monotonic()
+        if r.last_sent is None:
+            self.metrics.on_first_token(now - r.start)
+            r.first_sent = now
+        else:
+            self.metrics.on_inter_token((now - r.last_sent) / steps, steps)
+        r.last_sent = now
 
     def _timed_send(self, send: SendFn, tensors, final: bool, num_tokens: int) -> None:
         t0 = time.perf_counter()
