@@ -41,6 +41,32 @@ REQUEST_PARAMETERS = "parameters"
 # requests llm_bls starts (BLS_REQUEST_ID_PREFIX...) are honoured: another client could guess.
 CONTROL_INPUT_NAMES = ("abort_request_id",)
 BLS_REQUEST_ID_PREFIX = "bls-"
+# An error's kind (engine.serving.ServingError) as the name of Triton's status code; any other
+# kind is INTERNAL. Triton 2.51's BLS responses drop an error's code (llm_bls sees INTERNAL for
+# every error of llm's), so llm ends the message of an error it sends to llm_bls with its kind
+# (tag_error_kind), and llm_bls takes the tag off (untag_error_kind) and answers with that
+# kind's code: a prompt too long for the model is the client's fault (HTTP 400) through llm_bls
+# as through llm.
+ERROR_CODE_NAMES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED",
+                    "unavailable": "UNAVAILABLE"}
+_KIND_TAG = " [llm error kind: "
+
+
+def error_code(codes: Any, kind: str | None) -> Any:
+    """`kind`'s status code among `codes` (the Python backend's pb_utils.TritonError)."""
+    return getattr(codes, ERROR_CODE_NAMES.get(kind, "INTERNAL"))
+
+
+def tag_error_kind(message: str, kind: str | None) -> str:
+    return f"{message}{_KIND_TAG}{kind or 'internal'}]"
+
+
+def untag_error_kind(message: str) -> tuple[str, str | None]:
+    """(the message without its tag, the kind), or (message, None) if it has no tag."""
+    head, tag, kind = message.rpartition(_KIND_TAG)
+    if not tag or not kind.endswith("]"):
+        return message, None
+    return head, kind[:-1]
 
 # Sizes a request may have, checked before anything is parsed: prompts are tokenized and
 # checked against the model's max_model_len later, and this bounds what reaches that point

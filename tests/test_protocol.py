@@ -5,7 +5,8 @@ import pytest
 
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.protocol import (MAX_INPUT_IDS, MAX_SAMPLING_PARAMETERS_BYTES, MAX_TEXT_INPUT_BYTES,
-                             REQUEST_PARAMETERS, bls_inner_inputs, make_response, parse_request,
+                             REQUEST_PARAMETERS, bls_inner_inputs, error_code, make_response,
+                             parse_request, tag_error_kind, untag_error_kind,
                              with_request_parameters)
 from engine.sampling_params import MAX_STOP_STRINGS
 
@@ -301,3 +302,23 @@ def test_streaming_response_carries_only_new_text_and_its_own_token_count():
     assert t["num_output_tokens"].tolist() == [1]
     t = make_response(req, _out(), "ld", [8, 9], None)
     assert t["finish_reason"][0] == b"length" and t["num_output_tokens"].tolist() == [2]
+
+
+class _Codes:
+    INVALID_ARG, CANCELLED, UNAVAILABLE, INTERNAL = "400", "499", "503", "500"
+
+
+@pytest.mark.parametrize("kind,code", [("invalid", "400"), ("cancelled", "499"),
+                                       ("unavailable", "503"), ("internal", "500"),
+                                       (None, "500"), ("unheard-of", "500")])
+def test_an_error_kind_tagged_for_llm_bls_comes_back_whole(kind, code):
+    """llm tags what it sends llm_bls with the error's kind (BLS drops the code); llm_bls gets
+    the message back as it was, and the kind's code. A message that names a kind in its own
+    text keeps it."""
+    message = "prompt is 9 tokens [kind of], more than max_model_len 8"
+    back, got_kind = untag_error_kind(tag_error_kind(message, kind))
+    assert back == message and got_kind == (kind or "internal")
+    assert error_code(_Codes, got_kind) == code
+    assert untag_error_kind(message) == (message, None)
+    assert untag_error_kind(message + " [llm error kind: invalid") == (
+        message + " [llm error kind: invalid", None)

@@ -9,7 +9,8 @@ import triton_python_backend_utils as pb_utils
 from engine.config import EngineConfig, settings_from_triton
 from engine.instance_board import InstanceBoard
 from engine.metrics import TritonMetrics
-from engine.protocol import CONTROL_INPUT_NAMES, INPUT_NAMES, with_request_parameters
+from engine.protocol import (BLS_REQUEST_ID_PREFIX, CONTROL_INPUT_NAMES, INPUT_NAMES,
+                             error_code, tag_error_kind, with_request_parameters)
 from engine.signal_watch import SignalWatch
 
 
@@ -55,8 +56,11 @@ class TritonPythonModel:
         # tensors are read later, on the serving loop (a request's inputs stay valid after
         # execute returns in a decoupled model).
         for request in requests:
-            self.serving.submit(_inputs_of(request), _sender(request.get_response_sender()),
-                                request.is_cancelled, request.request_id() or None)
+            request_id = request.request_id() or None
+            for_bls = bool(request_id) and request_id.startswith(BLS_REQUEST_ID_PREFIX)
+            self.serving.submit(_inputs_of(request),
+                                _sender(request.get_response_sender(), for_bls),
+                                request.is_cancelled, request_id)
         if self.board is not None:
             # Holding this call a moment while this instance has more requests than another
             # makes Triton give the next ones to the others (engine/instance_board.py).
@@ -117,20 +121,17 @@ def _inputs_of(request):
 _KNOWN_INPUTS = frozenset(INPUT_NAMES + CONTROL_INPUT_NAMES)
 
 
-def _error_code(error):
-    """engine.serving.ServingError's kind as the server's status code (HTTP 400 / 499 / 503 /
-    500). Looked up here, not at import: the stub that completes the config has no TritonError."""
-    codes = pb_utils.TritonError
-    return {"invalid": codes.INVALID_ARG, "cancelled": codes.CANCELLED,
-            "unavailable": codes.UNAVAILABLE}.get(getattr(error, "kind", None), codes.INTERNAL)
-
-
-def _sender(sender):
+def _sender(sender, for_bls):
+    """`send` for the serving engine. An error's kind (engine.serving.ServingError) is its status
+    code (HTTP 400 / 499 / 503 / 500), and for llm_bls also a tag on its message: Triton's BLS
+    drops the code (engine/protocol.py, tag_error_kind)."""
     def send(tensors, error, final):
         flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if final else 0
         if error is not None:
+            kind = getattr(error, "kind", None)
+            message = tag_error_kind(str(error), kind) if for_bls else str(error)
             response = pb_utils.InferenceResponse(
-                error=pb_utils.TritonError(str(error), _error_code(error)))
+                error=pb_utils.TritonError(message, error_code(pb_utils.TritonError, kind)))
         else:
             response = pb_utils.InferenceResponse(
                 [pb_utils.Tensor(name, value) for name, value in tensors.items()])

@@ -18,8 +18,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from engine.bls_calls import BlsCalls, max_concurrency_from, python_backend_thread_pool_size
-from engine.protocol import (INPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs,
-                             with_request_parameters)
+from engine.protocol import (INPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs, error_code,
+                             untag_error_kind, with_request_parameters)
 
 _OUTER_INPUTS = frozenset(INPUT_NAMES + tuple(SCALAR_OVERRIDES) + ("stop_words",))
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -101,11 +101,15 @@ def _answer_from_llm(request, inner_id):
     responses = call.exec(decoupled=True)
     for response in responses:
         if response.has_error():
-            error = response.error()        # its code too: a bad request is the client's
+            error = response.error()
         elif response.output_tensors():
             outputs = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in response.output_tensors()]
     if error is not None:
-        return _error(error.message(), error.code()), responses
+        # llm's errors carry their kind on the message (BLS drops their code); one without is
+        # Triton's own (e.g. llm is not loaded), with its code.
+        message, kind = untag_error_kind(error.message())
+        code = error.code() if kind is None else error_code(pb_utils.TritonError, kind)
+        return _error(message, code), responses
     if outputs is None:
         return _error("llm returned no output"), responses
     return pb_utils.InferenceResponse(output_tensors=outputs), (responses, outputs)
