@@ -198,6 +198,7 @@ class ServingEngine:
         self._board = board
         self._open_lock = threading.Lock()
         self._num_open = 0                  # submitted and not yet answered for good
+        self._more_completions = 0          # of those, completions beyond each one's first
         self._lock = threading.Lock()
         self._inflight: dict[str, _Request] = {}
         self._client_ids: dict[str, str] = {}     # caller's request id -> engine request id
@@ -275,11 +276,19 @@ class ServingEngine:
         """Requests submitted whose final answer has not gone out (or failed) yet."""
         return self._num_open
 
-    def _count_open(self, delta: int) -> None:
+    def _count_open(self, delta: int, more_completions: int = 0) -> None:
+        """`delta` requests opened or answered for good, with `more_completions` completions
+        beyond their first (n - 1 each). The board's load is their completions: a request
+        with n of them is n requests' work in the engine."""
         with self._open_lock:
             self._num_open += delta
+            self._more_completions += more_completions
             if self._board is not None:
-                self._board.set_load(self._num_open)
+                self._board.set_load(self._num_open + self._more_completions)
+
+    def _close_open(self, r: _Request) -> None:
+        """`r` has been answered for good (or can no longer be)."""
+        self._count_open(-1, 1 - len(r.parts) if r.parts is not None else 0)
 
     def stats(self) -> EngineStats:
         """Blocking; not from the loop thread."""
@@ -435,6 +444,7 @@ class ServingEngine:
             asked = params.logprobs is not None     # then a completion's sum starts at 0
             r.parts = [_Part(f"{rid}_{k}", cumulative_logprob=0.0 if asked else None,
                              logprobs=[] if asked else None) for k in range(params.n)]
+            self._count_open(0, params.n - 1)
         if not self._track(r):
             self._fail(answer, _CANCELLED)
             return
@@ -509,7 +519,7 @@ class ServingEngine:
         """The outbox's send: True once the final answer is out (the request is closed)."""
         final = self._send_answer(r, send, items)
         if final:
-            self._count_open(-1)
+            self._close_open(r)
         return final
 
     def _send_answer(self, r: _Request, send: SendFn, items: list) -> bool:
@@ -652,7 +662,7 @@ class ServingEngine:
             for _ in r.parts or (None,):
                 self.metrics.on_finish("abort")
         self._forget(r)
-        self._count_open(-1)
+        self._close_open(r)
 
     def _count_finished(self, r: _Request, out: RequestOutput, num_out: int,
                         reason: str | None = None) -> None:
