@@ -83,8 +83,18 @@ class _Stream:
 
     def close(self):
         # Triton 2.51 unloads a model only once every gRPC stream that sent it a request has
-        # closed, answered or not (README, Stopping): a client must close its stream.
-        self.client.stop_stream(cancel_requests=True)
+        # closed, answered or not (README, Stopping): a client must close its stream. One whose
+        # request has ended is closed as a client that is done closes it (writes done; the
+        # server ends the call); cancelling a call whose answers are all out races in this
+        # Triton's stream handler, which can leak the call's state and so hold the model (the
+        # suspected cause of the rare stop in _dump_stub_if_finalize_never_comes; README).
+        if not self.ended.is_set():
+            self.client.stop_stream(cancel_requests=True)
+        else:                           # blocks until the server ends the call: bounded here
+            closing = threading.Thread(target=self.client.stop_stream, daemon=True)
+            closing.start()
+            closing.join(60)
+            assert not closing.is_alive(), "the server did not end a finished stream's call"
         self.client.close()
 
 
