@@ -485,6 +485,8 @@ class ServingEngine:
             r.abort(self.engine)        # the completions already in the engine
             self._fail(r.stream, error)
             return
+        if submitted == len(r.parts) and self._trace is not None:
+            self._trace.in_engine(r, time.monotonic())
         for k in range(submitted, len(r.parts)):    # aborted before they reached the engine
             self._on_part_output(r, k, RequestOutput(
                 r.parts[k].rid, None, [], [CompletionOutput(0, "", [], "abort")], True))
@@ -497,6 +499,8 @@ class ServingEngine:
             r.abort(self.engine)        # the others: the request ends with this error
             self._fail(r.stream, _unavailable(str(out)))
             return
+        if out.finished and self._trace is not None:
+            r.final_output = time.monotonic()   # the last completion's end is the request's
         self.outbox.put(r.stream, (k, out), final=out.finished)
 
     def _fail(self, stream: Stream, message: ServingError) -> None:
@@ -611,6 +615,8 @@ class ServingEngine:
                 p.logprobs = []
         self._timed_send(send, make_response_n(r.req, last, completions), done, num_tokens)
         if done:
+            if self._trace is not None and r.req.stream:
+                self._trace.final_sent(r, time.monotonic())
             self._forget(r)
         return done
 

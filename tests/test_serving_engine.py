@@ -267,20 +267,24 @@ def test_shutdown_answers_requests_submitted_but_not_yet_started(model_dir):
 
 
 def test_trace_file_has_each_streams_timeline_in_order(model_dir, tmp_path, monkeypatch):
+    """Three streams of one completion and one of two (n 2: its timeline spans both, from
+    the first's first output to the last's final response)."""
     trace = tmp_path / "trace.jsonl"
     monkeypatch.setenv("LLM_SERVING_TRACE", str(trace))
     serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
                                          **SETTINGS))
     try:
-        recs = [Recorder() for _ in range(3)]
-        for i, rec in enumerate(recs):
+        recs = [Recorder() for _ in range(4)]
+        for i, rec in enumerate(recs[:3]):
             serving.submit(_inputs(f"trace me {i}", 4), rec)
+        serving.submit(_n_inputs("trace us", 2, True, max_tokens=4, temperature=0,
+                                 ignore_eos=True), recs[3])
         for rec in recs:
             assert rec.final.wait(WAIT_S)
     finally:
         serving.shutdown()
     lines = [json.loads(line) for line in trace.read_text().splitlines()]
-    assert len(lines) == 3 and len({t["rid"] for t in lines}) == 3
+    assert len(lines) == 4 and len({t["rid"] for t in lines}) == 4
     for t in lines:
         assert all(isinstance(t[k], float) for k in
                    ("submitted", "serving", "in_engine", "first_output", "first_sent",
