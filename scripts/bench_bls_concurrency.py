@@ -24,6 +24,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
@@ -71,11 +72,20 @@ def time_concurrent(grpc_url: str, n: int, params: dict) -> float:
     return elapsed
 
 
-def concurrency_ratio(grpc_url: str, n: int, params: dict, best_of: int) -> dict:
-    """One round: best of `best_of` runs of one request and of `n` at once."""
-    one = min(time_concurrent(grpc_url, 1, params) for _ in range(best_of))
-    many = min(time_concurrent(grpc_url, n, params) for _ in range(best_of))
+def best_ratio(timed: Callable[[int], float], n: int, best_of: int) -> dict:
+    """Best of `best_of` runs of one request and of `n` at once, the two taken in turn (a
+    passing burst of other work on the machine then slows both, not one side's every run)."""
+    ones, manys = [], []
+    for _ in range(best_of):
+        ones.append(timed(1))
+        manys.append(timed(n))
+    one, many = min(ones), min(manys)
     return {"one_s": round(one, 4), "n_s": round(many, 4), "ratio": round(many / one, 3)}
+
+
+def concurrency_ratio(grpc_url: str, n: int, params: dict, best_of: int) -> dict:
+    """One round through the server."""
+    return best_ratio(lambda k: time_concurrent(grpc_url, k, params), n, best_of)
 
 
 def engine_ratio(model: str, settings: dict[str, str], n: int, max_tokens: int,
@@ -93,10 +103,10 @@ def engine_ratio(model: str, settings: dict[str, str], n: int, max_tokens: int,
         t0 = time.perf_counter()
         llm.generate(prompts(k), sp)
         return time.perf_counter() - t0
-    one = min(timed(1) for _ in range(best_of))
-    many = min(timed(n) for _ in range(best_of))
-    llm.core.shutdown()
-    return {"one_s": round(one, 4), "n_s": round(many, 4), "ratio": round(many / one, 3)}
+    try:
+        return best_ratio(timed, n, best_of)
+    finally:
+        llm.core.shutdown()
 
 
 def main(argv: list[str] | None = None) -> dict:

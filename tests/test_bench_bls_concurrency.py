@@ -8,7 +8,7 @@ from scripts.make_tiny_model import make_tiny_model
 
 def test_bench_bls_concurrency_tiny_run_writes_results(tmp_path):
     model = make_tiny_model(tmp_path / "llama", arch="llama", seed=4)
-    main(["--concurrency", "3", "--max-tokens", "4", "--rounds", "2", "--best-of", "2",
+    main(["--concurrency", "3", "--max-tokens", "16", "--rounds", "2", "--best-of", "2",
           "--model", str(model), "--out-dir", str(tmp_path)])
     data = json.loads((tmp_path / "bls_concurrency.json").read_text())
     table = (tmp_path / "bls_concurrency.md").read_text()
