@@ -41,14 +41,29 @@ REQUEST_PARAMETERS = "parameters"
 # requests llm_bls starts (BLS_REQUEST_ID_PREFIX...) are honoured: another client could guess.
 CONTROL_INPUT_NAMES = ("abort_request_id",)
 BLS_REQUEST_ID_PREFIX = "bls-"
-# An error's kind (engine.serving.ServingError) as the name of Triton's status code; any other
-# kind is INTERNAL. Triton 2.51's BLS responses drop an error's code (llm_bls sees INTERNAL for
-# every error of llm's), so llm ends the message of an error it sends to llm_bls with its kind
-# (tag_error_kind), and llm_bls takes the tag off (untag_error_kind) and answers with that
-# kind's code: a prompt too long for the model is the client's fault (HTTP 400) through llm_bls
-# as through llm.
-ERROR_CODE_NAMES = {"invalid": "INVALID_ARG", "cancelled": "CANCELLED",
-                    "unavailable": "UNAVAILABLE"}
+
+
+class ServingError(str):
+    """A request's error message (compared, logged and sent as the str it is) and its kind, which
+    the model turns into the server's status code: INVALID the request itself (HTTP 400, gRPC
+    INVALID_ARGUMENT: a client must not retry it as it is), CANCELLED, UNAVAILABLE (the server
+    is stopping or the engine is gone: 503), INTERNAL (a fault of ours: 500)."""
+    INVALID, CANCELLED, UNAVAILABLE, INTERNAL = "invalid", "cancelled", "unavailable", "internal"
+    kind: str
+
+    def __new__(cls, message: str, kind: str) -> ServingError:
+        error = super().__new__(cls, message)
+        error.kind = kind
+        return error
+
+
+# An error's kind as the name of Triton's status code; any other kind is INTERNAL. Triton
+# 2.51's BLS responses drop an error's code (llm_bls sees INTERNAL for every error of llm's),
+# so llm ends the message of an error it sends to llm_bls with its kind (tag_error_kind), and
+# llm_bls takes the tag off (untag_error_kind) and answers with that kind's code: a prompt too
+# long for the model is the client's fault (HTTP 400) through llm_bls as through llm.
+ERROR_CODE_NAMES = {ServingError.INVALID: "INVALID_ARG", ServingError.CANCELLED: "CANCELLED",
+                    ServingError.UNAVAILABLE: "UNAVAILABLE"}
 _KIND_TAG = " [llm error kind: "
 
 
@@ -58,7 +73,7 @@ def error_code(codes: Any, kind: str | None) -> Any:
 
 
 def tag_error_kind(message: str, kind: str | None) -> str:
-    return f"{message}{_KIND_TAG}{kind or 'internal'}]"
+    return f"{message}{_KIND_TAG}{kind or ServingError.INTERNAL}]"
 
 
 def untag_error_kind(message: str) -> tuple[str, str | None]:

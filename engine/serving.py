@@ -61,8 +61,8 @@ from engine.metrics import ServingMetrics
 from engine.output_processor import PullOutput
 from engine.outbox import Outbox, Stream
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
-from engine.protocol import (BLS_REQUEST_ID_PREFIX, Completion, GenerateRequest, make_response,
-                             make_response_n, parse_request)
+from engine.protocol import (BLS_REQUEST_ID_PREFIX, Completion, GenerateRequest, ServingError,
+                             make_response, make_response_n, parse_request)
 from engine.serving_trace import RequestTrace
 from engine.tokenize import PromptDropped
 
@@ -70,20 +70,6 @@ logger = logging.getLogger(__name__)
 
 # send(tensors or None, error message or None, final); the message is a ServingError
 SendFn = Callable[[dict[str, np.ndarray] | None, str | None, bool], None]
-
-
-class ServingError(str):
-    """A request's error message (compared, logged and sent as the str it is) and its kind, which
-    the model turns into the server's status code: INVALID the request itself (HTTP 400, gRPC
-    INVALID_ARGUMENT: a client must not retry it as it is), CANCELLED, UNAVAILABLE (the server
-    is stopping or the engine is gone: 503), INTERNAL (a fault of ours: 500)."""
-    INVALID, CANCELLED, UNAVAILABLE, INTERNAL = "invalid", "cancelled", "unavailable", "internal"
-    kind: str
-
-    def __new__(cls, message: str, kind: str) -> ServingError:
-        error = super().__new__(cls, message)
-        error.kind = kind
-        return error
 
 
 def _unavailable(message: str) -> ServingError:

@@ -122,7 +122,7 @@ _KNOWN_INPUTS = frozenset(INPUT_NAMES + CONTROL_INPUT_NAMES)
 
 
 def _sender(sender, for_bls):
-    """`send` for the serving engine. An error's kind (engine.serving.ServingError) is its status
+    """`send` for the serving engine. An error's kind (engine.protocol.ServingError) is its status
     code (HTTP 400 / 499 / 503 / 500), and for llm_bls also a tag on its message: Triton's BLS
     drops the code (engine/protocol.py, tag_error_kind)."""
     def send(tensors, error, final):
