@@ -56,16 +56,25 @@ def _pin_device(config: EngineConfig, env: dict[str, str]) -> EngineConfig:
 class CoreClient:
     def __init__(self, config: EngineConfig, eos_token_ids: list[int],
                  on_outputs: Callable[[list[EngineCoreOutput]], None],
-                 on_dead: Callable[[str], None]) -> None:
+                 on_dead: Callable[[str], None], peer_address: str | None = None) -> None:
         """Starts the core process and waits until it is READY (model loaded, KV cache sized);
-        raises RuntimeError with the core's own message if it cannot start."""
-        self._on_outputs = on_outputs
-        self._on_dead = on_dead
+        raises RuntimeError with the core's own message if it cannot start. With
+        `peer_address`, the core also takes peers there (PeerCoreClient)."""
         env = dict(os.environ)
         config = _pin_device(config, env)
-        self._sock, self.process = child_process.start(
-            "engine.core_process", ["--config", json.dumps(asdict(config)),
-                                    "--eos-token-ids", json.dumps(list(eos_token_ids))], env)
+        args = ["--config", json.dumps(asdict(config)),
+                "--eos-token-ids", json.dumps(list(eos_token_ids))]
+        if peer_address:
+            args += ["--peer-address", peer_address]
+        sock, self.process = child_process.start("engine.core_process", args, env)
+        self._connected(sock, on_outputs, on_dead)
+
+    def _connected(self, sock: socket.socket,
+                   on_outputs: Callable[[list[EngineCoreOutput]], None],
+                   on_dead: Callable[[str], None]) -> None:
+        self._sock = sock
+        self._on_outputs = on_outputs
+        self._on_dead = on_dead
         self._reader = wire.FrameReader()
         self._decoder = wire.OutputsDecoder()
         try:
@@ -125,15 +134,18 @@ class CoreClient:
         while True:
             data = self._sock.recv(RECV_BYTES)
             if not data:
-                code = self.process.wait()
-                raise RuntimeError(f"the engine core process exited during start-up "
-                                   f"(exit code {code}); see its log above")
+                raise RuntimeError(self._closed_before_ready())
             for kind, payload in self._reader.feed(data):
                 if kind == wire.READY:
                     return wire.decode_ready(payload)
                 if kind == wire.ERROR:
                     raise RuntimeError(wire.decode_error(payload))
                 raise RuntimeError(f"the engine core sent {wire.KIND_NAMES[kind]} before READY")
+
+    def _closed_before_ready(self) -> str:
+        code = self.process.wait()
+        return (f"the engine core process exited during start-up (exit code {code}); see its "
+                f"log above")
 
     def _kill(self) -> None:
         if self.process.poll() is None:
@@ -230,3 +242,59 @@ class CoreClient:
         if not self._closing:
             logger.error("engine core is gone: %s", reason)
         self._on_dead(reason)
+
+
+class PeerCoreClient(CoreClient):
+    """A connection to another front end's core, which takes peers at `address`
+    (engine/core_process.py): the same add / abort, for requests of this front end. It does
+    not own the core: `shutdown` only closes the connection, and the core's end (or the
+    connection's) is `on_dead`. No stats: the core's owner reports them."""
+
+    def __init__(self, address: str, on_outputs: Callable[[list[EngineCoreOutput]], None],
+                 on_dead: Callable[[str], None], timeout_s: float = 10.0) -> None:
+        """Connects and waits for READY; raises OSError if nobody takes peers at `address`,
+        RuntimeError if the core says no or nothing in `timeout_s`."""
+        self.process = None
+        self.address = address
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.settimeout(timeout_s)
+            sock.connect("\0" + address)
+        except BaseException:
+            sock.close()
+            raise
+        try:
+            self._connected(sock, on_outputs, on_dead)
+        except socket.timeout:
+            raise RuntimeError(f"the engine core at {address!r} did not answer in "
+                               f"{timeout_s:.0f} s") from None
+        sock.settimeout(None)
+
+    @property
+    def pid(self) -> int:
+        return -1
+
+    def request_stats(self) -> Future:
+        raise RuntimeError("a peer's stats are its owner's to report")
+
+    def shutdown(self) -> None:
+        self._closing = True
+        self._kill()
+        self._outbox.put(None)
+        self._sender.join(timeout=5)
+        self._receiver.join(timeout=5)
+        self._sock.close()
+
+    def _kill(self) -> None:
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
+    def _closed_before_ready(self) -> str:
+        return f"the engine core at {self.address!r} closed the connection"
+
+    def _exit_message(self) -> str:
+        if self._closing:
+            return "the connection was closed"
+        return f"the engine core at {self.address!r} closed the connection"

@@ -8,11 +8,18 @@ the front end goes away (end of stream, or a write that finds the socket closed:
 the step it is busy with), or on a malformed frame, after saying why in an ERROR frame. It
 ignores SIGINT and SIGTERM and has a session of its own: its parent stops it
 (engine/child_process.py). It never imports the tokenizer: it sees token ids only.
+
+With `--peer-address NAME` it also takes peers: other front ends (the served model's other
+instances, engine/prefix_routing.py) that connect to the abstract Unix socket NAME, get READY,
+and then send ADD and ABORT frames of their own, numbered in their own space; each gets the
+outputs of its own requests. A peer that goes away has its requests aborted; a peer that sends
+anything else is told why (ERROR) and dropped. Peers never stop the core.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import json
 import logging
 import os
@@ -33,16 +40,36 @@ STALLED_FRAME_S = 30.0      # a frame begun and not finished this long: the peer
 STEP_LOG_ENV = "ENGINE_STEP_LOG_S"
 
 
+# A peer's request k is the core's PEER_SPACE * peer + k (the parent's are below PEER_SPACE).
+PEER_SPACE = 1 << 32
+
+
 class _Exit(Exception):
     pass
 
 
+class _Peer:
+    """A front end other than the parent, connected through the peer address."""
+
+    def __init__(self, sock: socket.socket, number: int) -> None:
+        self.sock = sock
+        self.base = PEER_SPACE * number
+        self.reader = wire.FrameReader()
+        self.encoder = wire.OutputsEncoder()
+        self.live: set[int] = set()         # the core's ids of its unfinished requests
+
+
 class CoreServer:
-    def __init__(self, sock: socket.socket, core) -> None:
+    def __init__(self, sock: socket.socket, core, info: wire.CoreInfo | None = None,
+                 listener: socket.socket | None = None) -> None:
         self.sock = sock
         self.core = core
         self.reader = wire.FrameReader()
         self.encoder = wire.OutputsEncoder()
+        self.info = info
+        self.listener = listener            # peers connect here (--peer-address)
+        self.peers: dict[socket.socket, _Peer] = {}
+        self._peer_numbers = itertools.count(1)
 
     def serve(self) -> None:
         pending = []            # outputs of aborts, sent with the next step's
@@ -51,15 +78,20 @@ class CoreServer:
             busy = self.core.has_unfinished_requests()
             timeout = 0.0 if busy else (STALLED_FRAME_S if self.reader.mid_frame else None)
             log.mark()
-            readable, _, _ = select.select([self.sock], [], [], timeout)
-            if readable:
-                data = self.sock.recv(RECV_BYTES)
-                if not data:
-                    self.reader.eof()
-                    raise _Exit("the front end closed the connection")
-                for kind, payload in self.reader.feed(data):
-                    pending.extend(self._handle(kind, payload))
-            elif not busy and self.reader.mid_frame:
+            readable, _, _ = select.select(self._watched(), [], [], timeout)
+            for sock in readable:
+                if sock is self.sock:
+                    data = self.sock.recv(RECV_BYTES)
+                    if not data:
+                        self.reader.eof()
+                        raise _Exit("the front end closed the connection")
+                    for kind, payload in self.reader.feed(data):
+                        pending.extend(self._handle(kind, payload))
+                elif sock is self.listener:
+                    self._accept_peer()
+                else:
+                    pending.extend(self._from_peer(self.peers[sock]))
+            if not readable and not busy and self.reader.mid_frame:
                 raise wire.FrameError(f"a frame stalled for {STALLED_FRAME_S:.0f} s")
             log.add("frames", busy)
             outputs = self.core.step() if self.core.has_unfinished_requests() else []
@@ -67,8 +99,88 @@ class CoreServer:
             if pending:
                 outputs, pending = pending + outputs, []
             if outputs:
-                self.sock.sendall(self.encoder.encode(outputs))
+                if self.peers:
+                    outputs = self._send_to_peers(outputs)
+                if outputs:
+                    self.sock.sendall(self.encoder.encode(outputs))
             log.add("send", busy)
+
+    def _watched(self) -> list[socket.socket]:
+        if self.listener is None:
+            return [self.sock]
+        return [self.sock, self.listener, *self.peers]
+
+    # ------------------------------------------------------------------ peers
+    def _accept_peer(self) -> None:
+        try:
+            sock, _ = self.listener.accept()
+        except OSError:
+            return
+        try:
+            sock.setblocking(True)
+            sock.sendall(wire.encode_ready(self.info))
+        except OSError:
+            sock.close()
+            return
+        self.peers[sock] = _Peer(sock, next(self._peer_numbers))
+
+    def _from_peer(self, peer: _Peer) -> list:
+        try:
+            data = peer.sock.recv(RECV_BYTES)
+            if not data:
+                peer.reader.eof()
+                return self._drop_peer(peer, None)
+            outputs = []
+            for kind, payload in peer.reader.feed(data):
+                if kind == wire.ADD:
+                    index, ids, params = wire.decode_add(payload)
+                    request = self.core.make_request(peer.base + index, ids, params)
+                    self.core.add_request(request)
+                    peer.live.add(request.request_id)
+                elif kind == wire.ABORT:
+                    ids = [peer.base + i for i in wire.decode_abort(payload)]
+                    outputs.extend(self.core.abort_requests([i for i in ids if i in peer.live]))
+                else:
+                    raise wire.FrameError(f"a peer may not send {wire.KIND_NAMES[kind]} frames")
+            return outputs
+        except (wire.FrameError, ValueError) as e:
+            return self._drop_peer(peer, f"the engine core dropped this peer: {e}")
+        except OSError:
+            return self._drop_peer(peer, None)
+
+    def _drop_peer(self, peer: _Peer, error: str | None) -> list:
+        """Closes the peer's connection (telling it `error`) and aborts its requests; the
+        outputs of those aborts are nobody's and are dropped."""
+        del self.peers[peer.sock]
+        if error is not None:
+            logger.warning("%s", error)
+            _send_error(peer.sock, error)
+        peer.sock.close()
+        if peer.live:
+            self.core.abort_requests(sorted(peer.live))
+        return []
+
+    def _send_to_peers(self, outputs: list) -> list:
+        """Sends each peer its requests' outputs (numbered in its space); returns the parent's."""
+        own, theirs = [], {}
+        for o in outputs:
+            if isinstance(o.request_id, int) and o.request_id >= PEER_SPACE:
+                theirs.setdefault(o.request_id // PEER_SPACE, []).append(o)
+            else:
+                own.append(o)
+        for peer in list(self.peers.values()):
+            mine = theirs.get(peer.base // PEER_SPACE)
+            if not mine:
+                continue
+            for o in mine:
+                if o.finish_reason is not None:
+                    peer.live.discard(o.request_id)
+            try:
+                peer.sock.sendall(peer.encoder.encode(
+                    [dataclasses.replace(o, request_id=o.request_id - peer.base) for o in mine]))
+            except OSError:
+                self._drop_peer(peer, None)
+        return own
 
     def _handle(self, kind: int, payload) -> list:
         if kind == wire.ADD:
@@ -137,6 +249,15 @@ class _StepLog:
             self.spent = dict.fromkeys(self.spent, 0.0)
 
 
+def _listen(name: str) -> socket.socket:
+    """A listening socket in Linux's abstract namespace: no file, gone with the process."""
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind("\0" + name)
+    listener.listen(64)
+    listener.setblocking(False)
+    return listener
+
+
 def _send_error(sock: socket.socket, message: str) -> None:
     try:
         sock.sendall(wire.encode_error(message))
@@ -170,6 +291,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fd", type=int, required=True, help="socket to the front end")
     ap.add_argument("--config", required=True, help="EngineConfig as JSON")
     ap.add_argument("--eos-token-ids", default="[]", help="the tokenizer's EOS ids, JSON")
+    ap.add_argument("--peer-address", default=None,
+                    help="also take peers on this abstract Unix socket name")
     args = ap.parse_args(argv)
     child_process.ignore_stop_signals()
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
@@ -184,16 +307,17 @@ def main(argv: list[str] | None = None) -> int:
             device_type = resolve_device(config.device).type
             config = dataclasses.replace(config, cpu_threads=default_cpu_threads(device_type))
         core = EngineCore(config, json.loads(args.eos_token_ids))
-        sock.sendall(wire.encode_ready(wire.CoreInfo(
-            core.max_model_len, core.vocab_size, core.kv.num_blocks, config.block_size,
-            core.eos_token_ids)))
+        info = wire.CoreInfo(core.max_model_len, core.vocab_size, core.kv.num_blocks,
+                             config.block_size, core.eos_token_ids)
+        listener = _listen(args.peer_address) if args.peer_address else None
+        sock.sendall(wire.encode_ready(info))
     except BaseException as e:  # noqa: BLE001 - whatever it is, the front end must hear it
         logger.exception("engine core failed to start")
         _send_error(sock, f"the engine core failed to start: {e}")
         return 1
     code = 0
     try:
-        CoreServer(sock, core).serve()
+        CoreServer(sock, core, info, listener).serve()
     except _Exit as e:
         logger.info("engine core exiting: %s", e)
     except child_process.PEER_GONE:
@@ -209,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         core.shutdown()
         sock.close()
+        if listener is not None:
+            listener.close()
     return code
 
 

@@ -124,3 +124,137 @@ def test_step_log_says_where_the_busy_loops_time_went(model_dir, caplog):
     # The first step computes the 3 prompt tokens; the counts are per line, not running totals.
     assert "prompt tokens computed 3 (cached 0)" in text
     assert "prompt tokens computed 0 (cached 0)" in text and "preemptions 0" in text
+
+
+# ---------------------------------------------------------------------------- peers
+class _Collector:
+    """on_outputs / on_dead of a client: outputs by index, finished indices, death."""
+
+    def __init__(self) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.finished: dict[int, str] = {}
+        self.died: list[str] = []
+        self.changed = threading.Condition()
+
+    def on_outputs(self, outputs) -> None:
+        with self.changed:
+            for o in outputs:
+                self.tokens.setdefault(o.request_id, []).extend(o.new_token_ids)
+                if o.finish_reason is not None:
+                    self.finished[o.request_id] = o.finish_reason
+            self.changed.notify_all()
+
+    def on_dead(self, reason: str) -> None:
+        with self.changed:
+            self.died.append(reason)
+            self.changed.notify_all()
+
+    def wait(self, predicate, timeout: float = 60.0) -> None:
+        with self.changed:
+            assert self.changed.wait_for(predicate, timeout), (self.tokens, self.finished,
+                                                               self.died)
+
+
+def _start_with_peers(model_dir, address):
+    from engine.core_client import PeerCoreClient
+    owner = _Collector()
+    client = CoreClient(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                     num_kv_blocks=64, cpu_threads=1),
+                        [], owner.on_outputs, owner.on_dead, peer_address=address)
+    peer = _Collector()
+    try:
+        peer_client = PeerCoreClient(address, peer.on_outputs, peer.on_dead)
+    except BaseException:
+        client.shutdown()
+        raise
+    return client, owner, peer_client, peer
+
+
+def _peer_address():
+    return f"tritonllm-test-core-{os.getpid()}-{time.monotonic_ns()}"
+
+
+def test_a_peer_runs_requests_on_the_core_numbered_in_its_own_space(model_dir):
+    client, owner, peer_client, peer = _start_with_peers(model_dir, _peer_address())
+    try:
+        assert peer_client.info == client.info
+        greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+        prompts = {0: [5, 6, 7, 8], 1: [9, 10, 11]}
+        for index, ids in prompts.items():      # the same indices from both front ends
+            client.add(index, ids, greedy)
+            peer_client.add(index, ids, greedy)
+        for side in (owner, peer):
+            side.wait(lambda side=side: len(side.finished) == 2)
+        # Each front end got exactly its own requests' outputs, and the same greedy tokens.
+        assert owner.tokens == peer.tokens and sorted(peer.tokens) == [0, 1]
+        assert all(len(t) == 12 for t in peer.tokens.values())
+        assert peer.finished == owner.finished == {0: "length", 1: "length"}
+        stats = client.request_stats().result(timeout=10)
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        assert not owner.died and not peer.died
+    finally:
+        peer_client.shutdown()
+        client.shutdown()
+
+
+def test_a_peer_that_goes_away_has_its_requests_aborted_and_the_core_carries_on(model_dir):
+    client, owner, peer_client, peer = _start_with_peers(model_dir, _peer_address())
+    try:
+        long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
+        peer_client.add(0, [5, 6, 7, 8], long)
+        peer_client.add(1, [5, 6, 7, 9], long)
+        peer.wait(lambda: len(peer.tokens.get(1, [])) >= 2)
+        peer_client.shutdown()                  # mid-generation
+        client.add(7, [1, 2, 3], SamplingParams(max_tokens=4, temperature=0.0,
+                                                ignore_eos=True))
+        owner.wait(lambda: 7 in owner.finished)
+        # The peer's two requests were aborted, not run to their 500 tokens: the pool is whole.
+        stats = client.request_stats().result(timeout=10)
+        assert (stats.num_running, stats.num_waiting) == (0, 0)
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        assert stats.num_generated_tokens < 2 * 500
+        assert not owner.died and client.process.poll() is None
+    finally:
+        peer_client.shutdown()
+        client.shutdown()
+
+
+def test_a_peer_may_not_stop_the_core(model_dir):
+    """SHUTDOWN (or stats) from a peer: the peer is told why and dropped, and its requests
+    are aborted; the core and its owner's requests carry on."""
+    client, owner, peer_client, peer = _start_with_peers(model_dir, _peer_address())
+    try:
+        client.add(0, [1, 2, 3], SamplingParams(max_tokens=300, temperature=0.0,
+                                                ignore_eos=True))
+        peer_client.add(0, [5, 6, 7, 8], SamplingParams(max_tokens=500, ignore_eos=True))
+        peer.wait(lambda: peer.tokens.get(0))
+        peer_client._sock.sendall(wire.frame(wire.SHUTDOWN))
+        peer.wait(lambda: peer.died)
+        assert "may not send SHUTDOWN" in peer.died[0], peer.died
+        owner.wait(lambda: 0 in owner.finished)
+        assert owner.finished[0] == "length" and len(owner.tokens[0]) == 300
+        stats = client.request_stats().result(timeout=10)
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        assert not owner.died and client.process.poll() is None
+    finally:
+        peer_client.shutdown()
+        client.shutdown()
+
+
+def test_a_peer_hears_when_the_core_is_gone(model_dir):
+    client, owner, peer_client, peer = _start_with_peers(model_dir, _peer_address())
+    try:
+        peer_client.add(0, [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))
+        peer.wait(lambda: peer.tokens.get(0))
+        client.shutdown()
+        peer.wait(lambda: peer.died)
+        assert "closed the connection" in peer.died[0], peer.died
+    finally:
+        peer_client.shutdown()
+        client.shutdown()
+
+
+def test_nobody_takes_peers_at_an_unknown_address():
+    from engine.core_client import PeerCoreClient
+    with pytest.raises(OSError):
+        PeerCoreClient(_peer_address(), lambda outputs: None, lambda reason: None)
