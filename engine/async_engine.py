@@ -23,7 +23,7 @@ from contextlib import AbstractContextManager, nullcontext
 import numpy as np
 
 from engine.config import EngineConfig
-from engine.core_client import CoreClient, CoreDiedError
+from engine.core_client import CoreClient, CoreDiedError, PeerCoreClient
 from engine.llm import Prompt, encode_prompt, eos_token_ids, load_tokenizer, unwrap_prompt
 from engine.output_processor import OutputProcessor, PullOutput
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
@@ -46,7 +46,7 @@ class EngineDeadError(RuntimeError):
 
 
 class _Stream:
-    __slots__ = ("queue", "sink", "index", "finished", "abort_requested")
+    __slots__ = ("queue", "sink", "index", "core", "finished", "abort_requested")
 
     def __init__(self, sink: Callable[[RequestOutput | BaseException], None] | None = None
                  ) -> None:
@@ -55,6 +55,7 @@ class _Stream:
             asyncio.Queue() if sink is None else None)
         self.sink = sink
         self.index: int | None = None      # the core's id for it, once sent
+        self.core: CoreClient | None = None     # the core it was sent to: ours or a peer's
         self.finished = False
         self.abort_requested = False       # abort() came before it was sent
 
@@ -63,12 +64,13 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig | None = None,
                  on_dead: Callable[[str], None] | None = None,
                  sink_batch: Callable[[], AbstractContextManager] | None = None,
-                 **settings) -> None:
+                 peer_address: str | None = None, **settings) -> None:
         """Starts the engine core process and waits until it has loaded the model (call from a
         thread that does not mind the wait); then use it from one event loop. `on_dead(reason)`
         is called once, from another thread, if the core process dies. `sink_batch()`, if
         given, is entered around each step's calls of the submit() sinks (e.g. Outbox.batch:
-        one lock for the step's outputs, not one per request)."""
+        one lock for the step's outputs, not one per request). `peer_address`: other
+        engines may run requests on this one's core through it (connect_peer)."""
         self.config = config or EngineConfig(**settings)
         self._on_dead = on_dead
         self._sink_batch = sink_batch or nullcontext
@@ -76,13 +78,15 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._ids_by_index: dict[int, str] = {}
         self._indices = itertools.count()
+        self._peers: dict[str, PeerCoreClient] = {}
+        self._outputs_lock = threading.Lock()     # reader threads: ours and the peers'
         self._dead: str | None = None
         self._stopped = False
         tokenizer = load_tokenizer(self.config)        # detokenizes, on the core reader thread
         self.tokenizer = tokenizer
         self._processor = OutputProcessor(tokenizer, stream_deltas=True)
         self.core = CoreClient(self.config, eos_token_ids(tokenizer), self._process_outputs,
-                               self._core_died)
+                               self._core_died, peer_address)
         self.info = self.core.info
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
         self._batch_tokenizer = BatchTokenizer(
@@ -122,7 +126,7 @@ class AsyncEngine:
             if channel.index is not None:
                 self._ids_by_index.pop(channel.index, None)
                 if not channel.finished and self._dead is None and not self._stopped:
-                    self.core.abort([channel.index])
+                    channel.core.abort([channel.index])
                     self._processor.drop(channel.index)
 
     async def tokenize(self, prompt: Prompt, dropped: Callable[[], bool] = lambda: False
@@ -139,7 +143,8 @@ class AsyncEngine:
     async def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
                      sink: Callable[[RequestOutput | PullOutput | BaseException], None],
                      stream: bool = True, pull: bool = False,
-                     tokenized: Tokenized | None = None) -> None:
+                     tokenized: Tokenized | None = None,
+                     route: Callable[[np.ndarray], str | None] | None = None) -> None:
         """`generate` without the iterator, for callers that do not want a loop wake-up per
         step: returns once the request is in the engine; then `sink` gets each step's output
         on the engine's reader thread, in order, the last with finished=True, or, if the
@@ -148,7 +153,9 @@ class AsyncEngine:
         pull (streamed requests without stop strings): the sink gets the request's PullOutput
         handle instead, each step, and `render(handle)` gives the output of every step since
         the last render, decoded only then (engine/output_processor.py). tokenized: the
-        prompt's `tokenize` (then it is not tokenized again, and this does not wait)."""
+        prompt's `tokenize` (then it is not tokenized again, and this does not wait).
+        route(prompt ids): the address of a connected peer core to run it on (connect_peer),
+        or None for this engine's own; a peer that is gone means our own."""
         channel = self._open(request_id, sink)
         try:
             text, ids, packed = await self._prepare(prompt, params, channel, tokenized)
@@ -160,7 +167,11 @@ class AsyncEngine:
             sink(RequestOutput(request_id, text, ids, [CompletionOutput(0, "", [], "abort")],
                                True))
             return
-        self._send_to_core(channel, request_id, text, ids, packed, params, stream, pull)
+        core = None
+        if route is not None:
+            address = route(packed)
+            core = self._peers.get(address) if address is not None else None
+        self._send_to_core(channel, request_id, text, ids, packed, params, stream, pull, core)
 
     def render(self, handle: PullOutput) -> RequestOutput | None:
         """A pull request's output since its last render (see submit). Any thread, one at a
@@ -177,7 +188,7 @@ class AsyncEngine:
         if channel is None:
             return
         if channel.index is not None:
-            self.core.abort([channel.index])
+            channel.core.abort([channel.index])
         else:                               # still tokenizing: it will not reach the core
             channel.abort_requested = True
 
@@ -204,6 +215,8 @@ class AsyncEngine:
         if self._stopped:
             return
         self._stopped = True
+        for peer in list(self._peers.values()):
+            peer.shutdown()
         self.core.shutdown()
         # The queued prompts fail first and the tokenizer process stops: the thread's wait is
         # then for at most the batch it is tokenizing itself, not for every queued prompt.
@@ -243,12 +256,16 @@ class AsyncEngine:
         return text, ids, packed
 
     def _send_to_core(self, channel: _Stream, request_id: str, text, ids, packed,
-                      params: SamplingParams, stream: bool, pull: bool = False) -> None:
+                      params: SamplingParams, stream: bool, pull: bool = False,
+                      core: CoreClient | None = None) -> None:
         index = next(self._indices) % 2**32   # the wire's u32; wraps after 4G requests
         self._processor.add_request(index, request_id, text, ids, params, stream, pull)
         channel.index = index
+        channel.core = core or self.core
         self._ids_by_index[index] = request_id
-        self.core.add(index, packed, params)
+        channel.core.add(index, packed, params)
+        if core is not None and core.dead_reason is not None:   # gone as it went in
+            self._fail_streams_of(core)
 
     async def _tokenize(self, prompt: Prompt, dropped: Callable[[], bool]) -> Tokenized:
         prompt = unwrap_prompt(prompt)
@@ -290,11 +307,68 @@ class AsyncEngine:
             except RuntimeError:             # closed meanwhile
                 pass
 
+    # ------------------------------------------------------------------ peers
+    def connect_peer(self, address: str, timeout_s: float = 10.0) -> None:
+        """Connects to another engine's core, which takes peers at `address` (blocks until it
+        answers; raises OSError or RuntimeError if it does not). Requests routed there
+        (submit's route) run on that core; if it goes away, they end with EngineDeadError and
+        the peer is forgotten (connect again to use it again). Any thread but the loop's."""
+        if address in self._peers:
+            return
+        holder: list[PeerCoreClient] = []
+        peer = PeerCoreClient(address, self._process_outputs,
+                              lambda reason: self._peer_died(holder, reason), timeout_s)
+        holder.append(peer)
+        if peer.info.max_model_len != self.info.max_model_len or (
+                peer.info.vocab_size != self.info.vocab_size):
+            peer.shutdown()
+            raise RuntimeError(f"the engine core at {address!r} runs another model")
+        if self._stopped or peer.dead_reason is not None:
+            peer.shutdown()
+            return
+        self._peers[address] = peer
+
+    def peers(self) -> list[str]:
+        """The addresses of the peer cores connected now."""
+        return [a for a, p in list(self._peers.items()) if p.dead_reason is None]
+
+    def _peer_died(self, holder: list[PeerCoreClient], reason: str) -> None:
+        """A peer's reader thread: its connection is gone; its requests end with an error.
+        `holder`: the peer, once connect_peer has it (before, it has nothing to fail)."""
+        if not holder:
+            return
+        peer = holder[0]
+        if self._peers.get(peer.address) is peer:
+            del self._peers[peer.address]
+        if self._stopped:
+            return
+        logger.warning("lost the peer engine core %s: %s", peer.address, reason)
+        self._fail_streams_of(peer)
+
+    def _fail_streams_of(self, peer: PeerCoreClient) -> None:
+        error = EngineDeadError(f"the engine core of another instance failed: "
+                                f"{peer.dead_reason}")
+        with self._outputs_lock:
+            for request_id, channel in list(self._streams.items()):
+                if channel.core is peer and self._streams.pop(request_id, None) is channel:
+                    self._ids_by_index.pop(channel.index, None)
+                    self._processor.drop(channel.index)
+                    if channel.sink is not None:
+                        channel.sink(error)
+                    elif self._loop is not None and not self._loop.is_closed():
+                        self._loop.call_soon_threadsafe(channel.queue.put_nowait, error)
+
     # ------------------------------------------------------------------ core reader thread
     def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> None:
+        """Our core's reader thread, or a peer's: one at a time."""
+        with self._outputs_lock:
+            self._process_outputs_locked(core_outputs)
+
+    def _process_outputs_locked(self, core_outputs: list[EngineCoreOutput]) -> None:
         outputs, to_abort = self._processor.process(core_outputs)
-        if to_abort:
-            self.core.abort(to_abort)
+        for index in to_abort:
+            channel = self._streams.get(self._ids_by_index.get(index, ""))
+            (channel.core if channel is not None and channel.core else self.core).abort([index])
         queued = []
         with self._sink_batch():
             for out in outputs:

@@ -107,6 +107,10 @@ class EngineConfig:
     # wants the GIL (Triton's call of `execute`, a sender back from its round trip) waits up to
     # this long for the thread holding it; Python's default is 5000.
     gil_switch_interval_us: int = 500
+    # Served with several instances (one per GPU): a request whose prompt shares at least 4 KV
+    # blocks of prefix with what another instance's engine took runs on that engine, unless it
+    # is full and fuller than this one's (engine/prefix_routing.py). Needs prefix caching.
+    prefix_routing: bool = True
 
     def __post_init__(self) -> None:
         self.validate()
@@ -188,7 +192,7 @@ class EngineConfig:
             _int_at_least("cpu_threads", self.cpu_threads, 1)
         for name in ("enable_prefix_caching", "enable_prefix_groups", "enable_cascade_attention",
                      "async_scheduling", "fuse_rope_kv_write", "fuse_kv_split_merge", "decode_pdl",
-                     "decode_late_merge"):
+                     "decode_late_merge", "prefix_routing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         _one_of("load_format", self.load_format, LOAD_FORMATS)

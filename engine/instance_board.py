@@ -15,7 +15,10 @@ tritonserver maps (the key is the server's pid and the model's name), no syscall
   least-loaded live instance, for at most `max_wait_s`: Triton then hands the next requests to
   the others (the least-loaded one never waits, so two can never wait for each other);
 - an abort that reached an instance which does not hold its target is posted to a ring of
-  aborts that every instance reads on its housekeeping round.
+  aborts that every instance reads on its housekeeping round;
+- for prefix routing (engine/prefix_routing.py): how many requests each instance has placed on
+  each instance's engine (a row per instance, written by it alone), and a table of prompt
+  prefixes (block keys) and the instance whose engine last took each.
 
 Slots of processes that are gone are taken back when found; the file of a server that is gone
 is removed by the next board opened on the machine, and the last instance to close a board
@@ -36,14 +39,19 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-MAGIC = 0x54524C4C4D42        # "TRLLMB"
+MAGIC = 0x54524C4C4D43        # "TRLLMC" (the layout with prefix routing's parts)
 NUM_SLOTS = 64
 NUM_ABORTS = 256              # the ring: a reader more than this far behind loses the oldest
 MAX_ABORT_ID_BYTES = 56
+PREFIX_TABLE_BITS = 17        # entries of the prefix table: 2 ** 17 block keys, 2 MiB
 _HEADER = 4                   # int64s: magic, abort sequence, two spare
 _SLOT = 2                     # int64s per slot: pid, load
 _ABORT = 8                    # int64s per ring entry: its sequence number, then the id's bytes
-_SIZE_BYTES = 8 * (_HEADER + NUM_SLOTS * _SLOT + NUM_ABORTS * _ABORT)
+_PARTS = {                    # int64s of each part, in the file's order
+    "header": _HEADER, "slots": NUM_SLOTS * _SLOT, "ring": NUM_ABORTS * _ABORT,
+    "placed": NUM_SLOTS * NUM_SLOTS, "prefix_keys": 1 << PREFIX_TABLE_BITS,
+    "prefix_owners": 1 << PREFIX_TABLE_BITS}
+_SIZE_BYTES = 8 * sum(_PARTS.values())
 PREFIX = "tritonllm-board-"
 
 MARGIN = 1                    # requests an instance may hold over the least-loaded one
@@ -90,9 +98,15 @@ class InstanceBoard:
                 os.ftruncate(fd, _SIZE_BYTES)
             self._mm = mmap.mmap(fd, _SIZE_BYTES)
             words = np.frombuffer(self._mm, dtype=np.int64)
-            self._header = words[:_HEADER]
-            self._slots = words[_HEADER:_HEADER + NUM_SLOTS * _SLOT].reshape(NUM_SLOTS, _SLOT)
-            self._ring = words[_HEADER + NUM_SLOTS * _SLOT:].reshape(NUM_ABORTS, _ABORT)
+            parts, start = {}, 0
+            for name, size in _PARTS.items():
+                parts[name], start = words[start:start + size], start + size
+            self._header = parts["header"]
+            self._slots = parts["slots"].reshape(NUM_SLOTS, _SLOT)
+            self._ring = parts["ring"].reshape(NUM_ABORTS, _ABORT)
+            self._placed = parts["placed"].reshape(NUM_SLOTS, NUM_SLOTS)
+            self.prefix_keys = parts["prefix_keys"].view(np.uint64)
+            self.prefix_owners = parts["prefix_owners"]
             if self._header[0] != MAGIC:
                 words[:] = 0
                 self._header[0] = MAGIC
@@ -111,6 +125,7 @@ class InstanceBoard:
         for i in range(NUM_SLOTS):
             if pids[i] == 0 or not _alive(int(pids[i])):
                 self._slots[i] = (os.getpid(), 0)
+                self._placed[i] = 0
                 return i
         raise RuntimeError(f"all {NUM_SLOTS} instance slots of {self.path} are taken")
 
@@ -175,6 +190,32 @@ class InstanceBoard:
                     return load
                 logger.info("instance board: process %d is gone, freeing its slot", pid)
                 self._slots[i] = (0, 0)
+                self._placed[i] = 0
+
+    # ------------------------------------------------------------------ prefix routing
+    @property
+    def name(self) -> str:
+        """The board's file name: unique per server and model."""
+        return os.path.basename(self.path)
+
+    def slot_pids(self) -> np.ndarray:
+        """Each slot's process id (0: free), a copy."""
+        with self._lock:
+            return self._slots[:, 0].copy() if self._fd >= 0 else np.zeros(NUM_SLOTS, np.int64)
+
+    def add_placed(self, slot: int, delta: int) -> None:
+        """This instance has placed `delta` more requests on the engine of slot `slot`."""
+        with self._lock:
+            if self._fd >= 0:
+                self._placed[self.slot, slot] += delta
+
+    def engine_loads(self) -> np.ndarray:
+        """Per slot, the requests every live instance has placed on its engine."""
+        with self._lock:
+            if self._fd < 0:
+                return np.zeros(NUM_SLOTS, np.int64)
+            live = self._slots[:, 0] != 0
+            return self._placed[live].sum(axis=0)
 
     # ------------------------------------------------------------------ aborts
     def post_abort(self, request_id: str) -> bool:
@@ -229,6 +270,7 @@ class InstanceBoard:
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
                 self._slots[self.slot] = (0, 0)
+                self._placed[self.slot] = 0
                 if not self._slots[:, 0].any():
                     try:
                         os.unlink(self.path)
@@ -236,7 +278,8 @@ class InstanceBoard:
                         pass
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
-            del self._header, self._slots, self._ring     # views of the mapping
+            del (self._header, self._slots, self._ring, self._placed, self.prefix_keys,
+                 self.prefix_owners)                        # views of the mapping
             self._mm.close()
             os.close(self._fd)
             self._fd = -1

@@ -81,8 +81,10 @@ class ServingMetrics:
             setattr(self, key, Histogram(buckets))
         self._lock = threading.Lock()
         self.counters = {"prompt_tokens": 0, "generation_tokens": 0, "responses": 0,
-                         "response_tokens": 0, **{f"finished_{r}": 0 for r in FINISH_REASONS}}
+                         "response_tokens": 0, "run_on_peer": 0,
+                         **{f"finished_{r}": 0 for r in FINISH_REASONS}}
         self.loop_lag_max = 0.0
+        self.routing_peers = 0
         self.stats: EngineStats | None = None
 
     def _add(self, key: str, value: int) -> None:
@@ -113,11 +115,17 @@ class ServingMetrics:
         if reason in FINISH_REASONS:
             self._add(f"finished_{reason}", 1)
 
+    def on_run_on_peer(self) -> None:
+        self._add("run_on_peer", 1)
+
     def on_loop_lag(self, seconds: float) -> None:
         self.loop_lag.observe(seconds)
 
     def on_loop_lag_max(self, seconds: float) -> None:
         self.loop_lag_max = seconds
+
+    def on_routing_peers(self, count: int) -> None:
+        self.routing_peers = count
 
     def on_stats(self, stats: EngineStats) -> None:
         self.stats = stats
@@ -171,6 +179,9 @@ class TritonMetrics:
                                  "tokens: a stream's tokens that piled up while it waited)"),
             "response_tokens": counter("llm_response_tokens_total",
                                        "Generated tokens carried by the responses sent"),
+            "run_on_peer": counter("llm_requests_run_on_peer_total",
+                                   "Requests this instance took and ran on another instance's "
+                                   "engine, which held their prompt's prefix (prefix routing)"),
             **{f"finished_{r}": finished.Metric(labels={**labels, "reason": r})
                for r in FINISH_REASONS},
         }
@@ -200,6 +211,9 @@ class TritonMetrics:
             "kv_usage": gauge("llm_kv_cache_usage_ratio", "Fraction of KV blocks in use"),
             "prefix_hit": gauge("llm_prefix_cache_hit_ratio",
                                 "Prompt tokens served from the prefix cache / prompt tokens"),
+            "routing_peers": gauge("llm_prefix_routing_peers",
+                                   "Other instances' engines this instance is connected to "
+                                   "(prefix routing)"),
             "loop_lag_max": gauge("llm_event_loop_lag_max_seconds",
                                   "Largest event-loop lag over the last half second"),
         }
@@ -214,6 +228,7 @@ class TritonMetrics:
         produced its tokens (scripts/server_probe.py's `server_side` relies on it)."""
         counters, snapshots = cut if cut is not None else m.snapshot()
         self._gauges["loop_lag_max"].set(m.loop_lag_max)
+        self._gauges["routing_peers"].set(m.routing_peers)
         stats = m.stats
         if stats is not None:
             g = self._gauges

@@ -44,6 +44,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import queue
 import sys
 import threading
@@ -61,6 +62,7 @@ from engine.metrics import ServingMetrics
 from engine.output_processor import PullOutput
 from engine.outbox import Outbox, Stream
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
+from engine.prefix_routing import PrefixRouter, core_address
 from engine.protocol import (BLS_REQUEST_ID_PREFIX, Completion, GenerateRequest, ServingError,
                              make_response, make_response_n, parse_request)
 from engine.serving_trace import RequestTrace
@@ -154,6 +156,8 @@ class _Request:
     parts: list[_Part] | None = None    # n above 1: its completions, in index order
     aborted: bool = False               # n above 1: aborted (its completions still arriving)
     last_out: RequestOutput | None = None   # n above 1: the latest output of any completion
+    engine_slot: int | None = None      # prefix routing: the board slot of the engine it runs on
+    num_placed: int = 0                 # its completions placed there so far
 
     def abort(self, engine: AsyncEngine) -> None:
         """Ends its engine request(s), from any thread."""
@@ -203,9 +207,15 @@ class ServingEngine:
         self._admissions_closed = False         # shutdown: submit() refuses
         self._wakeups: queue.SimpleQueue = queue.SimpleQueue()     # True: wake; False: end
         self.outbox = Outbox(num_senders or config.response_senders, "llm-send")
+        routing = board is not None and config.prefix_routing and config.enable_prefix_caching
+        self._router: PrefixRouter | None = None
         try:
-            self.engine = AsyncEngine(config, on_dead=self._engine_died,
-                                      sink_batch=self.outbox.batch)
+            self.engine = AsyncEngine(
+                config, on_dead=self._engine_died, sink_batch=self.outbox.batch,
+                peer_address=core_address(board, os.getpid()) if routing else None)
+            if routing:
+                self._router = PrefixRouter(board, self.engine, config.block_size,
+                                            config.max_num_seqs, self.engine.info.max_model_len)
         except BaseException:
             self.outbox.close()
             if self._trace is not None:
@@ -219,6 +229,8 @@ class ServingEngine:
         self._housekeeper.start()
         self._waker = threading.Thread(target=self._wake_loop, name="serving-waker", daemon=True)
         self._waker.start()
+        if self._router is not None:
+            self._router.start()
 
     # ------------------------------------------------------------------ any thread
     def submit(self, inputs: Inputs, send: SendFn,
@@ -275,6 +287,27 @@ class ServingEngine:
     def _close_open(self, r: _Request) -> None:
         """`r` has been answered for good (or can no longer be)."""
         self._count_open(-1, 1 - len(r.parts) if r.parts is not None else 0)
+        if r.num_placed:
+            self._router.placed(r.engine_slot, -r.num_placed)
+            r.num_placed = 0
+
+    def _route(self, r: _Request) -> Callable[[np.ndarray], str | None] | None:
+        """submit's `route` for `r` (None without prefix routing): its first completion picks
+        the engine (PrefixRouter.choose), the others follow it; each counts on that engine's
+        load until `r` is closed."""
+        router = self._router
+        if router is None:
+            return None
+
+        def route(ids: np.ndarray) -> str | None:
+            if r.engine_slot is None:
+                r.engine_slot = router.choose(ids)
+                if r.engine_slot != router.board.slot:
+                    self.metrics.on_run_on_peer()
+            router.placed(r.engine_slot, 1)
+            r.num_placed += 1
+            return router.address(r.engine_slot)
+        return route
 
     def stats(self) -> EngineStats:
         """Blocking; not from the loop thread."""
@@ -302,6 +335,8 @@ class ServingEngine:
         self._wakeups.put(False)
         self._waker.join(STOP_WAIT_S)
         self._admit_rest()
+        if self._router is not None:
+            self._router.close()
         self.engine.shutdown()
         self._idle.wait(STOP_WAIT_S)
         self._stopping.set()
@@ -440,7 +475,7 @@ class ServingEngine:
         try:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
                                      lambda out: self._on_output(r, out), stream=r.req.stream,
-                                     pull=True)
+                                     pull=True, route=self._route(r))
             if self._trace is not None:
                 self._trace.in_engine(r, time.monotonic())
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
@@ -452,6 +487,7 @@ class ServingEngine:
         wait for a prompt already tokenized)."""
         params = r.req.params
         tokenized, submitted = None, 0
+        route = self._route(r)
         try:
             tokenized = await self.engine.tokenize(r.req.prompt, dropped=lambda: r.aborted)
             for k, part in enumerate(r.parts):
@@ -460,7 +496,8 @@ class ServingEngine:
                 if r.aborted:           # before this one reached the engine
                     break
                 await self.engine.submit(r.req.prompt, params.child(k), part.rid, sink,
-                                         stream=r.req.stream, pull=True, tokenized=tokenized)
+                                         stream=r.req.stream, pull=True, tokenized=tokenized,
+                                         route=route)
                 submitted = k + 1
                 if r.aborted:           # while it went in: r.abort may have missed it
                     self.engine.abort_nowait(part.rid)
@@ -760,6 +797,8 @@ class ServingEngine:
     def _publish(self) -> None:
         self.metrics.on_loop_lag_max(self._max_lag)
         self._max_lag = 0.0
+        if self._router is not None:
+            self.metrics.on_routing_peers(len(self.engine.peers()))
         cut = self.metrics.snapshot()    # before the engine's stats, which then count every
         if self.engine.is_alive:         # step of every request the cut counts finished
             try:

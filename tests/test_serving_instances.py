@@ -124,3 +124,47 @@ def test_both_instances_answer_as_the_direct_engine(server, model_dir):
              >= sum(before.values()) + 6, "the finishes to be published")
     after = per_instance(server, "llm_requests_finished_total")
     assert all(after[k] > before.get(k, 0) for k in after) and len(after) == NUM_INSTANCES
+
+
+def test_requests_sharing_a_long_prefix_run_on_the_engine_that_has_it(server, model_dir):
+    """Prefix routing (engine/prefix_routing.py): whichever instance Triton gives each request
+    of a group that shares a long prefix, the group runs on the engine that took the first, so
+    the prefix is computed once and cached once; each answers as the direct engine."""
+    from transformers import AutoTokenizer
+    wait_pool_whole(server)
+    shared = " ".join(f"section {i} of the shared document says {i * 7} things." for i in range(40))
+    prompts = [f"{shared} Question {i}: what of {w}?" for i, w in enumerate(
+        ["ships", "clouds", "bread", "rivers", "lamps", "maps", "salt", "bees", "tea", "ink",
+         "wool", "snow"])]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    ids = [tok(p)["input_ids"] for p in prompts]
+    common = next(i for i in range(len(ids[0])) if len({tuple(x[:i + 1]) for x in ids}) > 1)
+    shared_blocks = common // 16
+    assert shared_blocks >= 20, common
+    queries = lambda: per_instance(server, "llm_prefix_cache_queries_total")  # noqa: E731
+    hits = lambda: sum(per_instance(server, "llm_prefix_cache_hits_total").values())  # noqa
+    on_peer = lambda: sum(per_instance(server, "llm_requests_run_on_peer_total").values())  # noqa
+    # Every instance connects to the others' cores once they are up (checked every 0.5 s).
+    wait_for(lambda: per_instance(server, "llm_prefix_routing_peers") == {
+        "llm_0_0": 1, "llm_0_1": 1}, "each instance connected to the other's engine",
+        timeout_s=30)
+    q0, h0, p0 = queries(), hits(), on_peer()
+    first = text_of(stream_request(server, prompts[0], greedy(8)))    # takes the prefix
+    with concurrent.futures.ThreadPoolExecutor(len(prompts) - 1) as pool:
+        texts = [first] + list(pool.map(
+            lambda p: text_of(stream_request(server, p, greedy(8))), prompts[1:]))
+    wait_pool_whole(server, timeout_s=60)
+    wait_for(lambda: sum(queries().values()) >= sum(q0.values()) + sum(map(len, ids)),
+             "the prompts' counts to be published")
+    q1 = queries()
+    moved = {k: q1[k] - q0.get(k, 0) for k in q1}
+    # Every prompt token was looked up in one engine's cache: the other took none of them...
+    assert sorted(moved.values())[0] <= 2 * 4, moved      # (the pool probes' prompts)
+    # ... so the prefix was computed once: the other 11 found its whole blocks there.
+    assert hits() - h0 >= (len(prompts) - 1) * shared_blocks * 16
+    # Triton gave some of them to the other instance, which ran them there.
+    assert on_peer() - p0 >= 1
+    llm = LLM(model_dir, dtype="float32", device="cpu", **INSTANCE_SETTINGS)
+    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(**greedy(8)))]
+    assert texts == expected
+

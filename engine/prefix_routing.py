@@ -1,0 +1,173 @@
+"""Requests that share a long prompt prefix run on one engine, when a model has several.
+
+With one `llm` instance per GPU, Triton gives each request to whichever instance is free, so
+the requests of a group that share a long prefix (a document, few-shot examples, a system
+prompt) land on every GPU: each GPU computes the prefix and keeps it cached, and cascade
+attention reads it once per GPU instead of once for the group. On two H200s, 256-request groups
+of 16 sharing 2,000 tokens were served at 77.6% of the same engines given whole groups
+(benchmarks/h200x2/served_shared_prefix.md).
+
+So an instance that takes a request looks up its prompt's prefix in a table on the instance
+board (engine/instance_board.py) and, where another instance's engine took the longest part of
+it, runs the request on that engine: each engine core takes peers (engine/core_process.py), and
+the instance keeps its connections to the others' cores (AsyncEngine.connect_peer). The
+request stays this instance's in every other way: its tokenization, its responses, its
+metrics, its cancellation.
+
+- Keys: one per full KV block of the prompt, each a hash of every token up to that block's end
+  (position-weighted sums, the same in every process): a shared prefix of k blocks has the
+  same first k keys.
+- The table: 2 ** 17 (key, owner pid) pairs in shared memory, written without locks by every
+  instance (the last writer of an entry wins; a torn entry is a wrong hint, never an error).
+  A request claims its keys for the engine it runs on.
+- The choice: the engine of the live, connected instance that owns the deepest key, if at
+  least MIN_SHARED_BLOCKS deep (a chat template's common start is not worth it), unless that
+  engine has max_num_seqs requests and SLACK more than this instance's own: then here (and the
+  prefix is claimed here, so both engines hold it). Loads are what the instances placed on
+  each engine (the board's `placed` rows), counted as requests are routed and answered.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+
+import numpy as np
+
+from engine.instance_board import PREFIX_TABLE_BITS, InstanceBoard
+
+logger = logging.getLogger(__name__)
+
+MIN_SHARED_BLOCKS = 4           # blocks a prefix must share with another engine's to go there
+CONNECT_EVERY_S = 0.5           # how often the board is checked for cores to connect to
+CONNECT_TIMEOUT_S = 5.0
+_MIX = np.uint64(0x9E3779B97F4A7C15)    # spreads keys over the table (Fibonacci hashing)
+_SEED = 0x7472697470            # the position weights: the same in every process
+
+
+def position_weights(max_len: int) -> np.ndarray:
+    """An odd random uint64 per token position, the same in every process."""
+    rng = np.random.default_rng(_SEED)
+    return rng.integers(0, 2 ** 63, size=max_len, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+
+
+def block_keys(ids: np.ndarray, block_size: int, weights: np.ndarray) -> np.ndarray:
+    """The key of each full block of `ids`: a hash of every token up to the block's end (never
+    0, the table's empty key). Wrapping uint64 arithmetic."""
+    n = min(len(ids), len(weights)) // block_size * block_size
+    if n == 0:
+        return np.zeros(0, np.uint64)
+    tokens = np.asarray(ids[:n], dtype=np.int64).astype(np.uint64) + np.uint64(1)
+    with np.errstate(over="ignore"):
+        sums = (tokens * weights[:n]).reshape(-1, block_size).sum(axis=1, dtype=np.uint64)
+        return np.cumsum(sums, dtype=np.uint64) | np.uint64(1)
+
+
+class PrefixRouter:
+    def __init__(self, board: InstanceBoard, engine, block_size: int, max_num_seqs: int,
+                 max_model_len: int) -> None:
+        """`engine`: the instance's AsyncEngine, whose core takes peers at
+        `core_address(board, os.getpid())`. Call `start()` to connect to the others."""
+        self.board = board
+        self.engine = engine
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.slack = max(1, max_num_seqs // 8)
+        self.pid = os.getpid()
+        self._weights = position_weights(max_model_len)
+        self._shift = np.uint64(64 - PREFIX_TABLE_BITS)
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failed: dict[str, float] = {}     # address -> when connecting last failed
+
+    # ------------------------------------------------------------------ the loop's
+    def choose(self, ids: np.ndarray) -> int:
+        """The board slot of the engine to run a prompt on (this instance's own, or a peer's
+        that holds its prefix), and claims the prompt's prefix for it."""
+        own = self.board.slot
+        if len(ids) < MIN_SHARED_BLOCKS * self.block_size or not self.engine.peers():
+            return own                      # nothing to share, or nobody to share it with
+        keys = block_keys(ids, self.block_size, self._weights)
+        index = ((keys * _MIX) >> self._shift).astype(np.int64)
+        pids = self.board.slot_pids()
+        target = own
+        hits = np.flatnonzero(self.board.prefix_keys[index] == keys)
+        if len(hits) and hits[-1] + 1 >= MIN_SHARED_BLOCKS:
+            owners = self.board.prefix_owners[index[hits]]
+            reachable = self._reachable(pids)
+            for depth, pid in zip(hits[::-1] + 1, owners[::-1]):
+                if depth < MIN_SHARED_BLOCKS:
+                    break
+                slot = reachable.get(int(pid))
+                if slot is not None:
+                    target = slot
+                    break
+        if target != own:
+            loads = self.board.engine_loads()
+            if loads[target] >= max(self.max_num_seqs, loads[own] + self.slack):
+                target = own                # that engine is full, and fuller than ours
+        self.board.prefix_keys[index] = keys
+        self.board.prefix_owners[index] = pids[target] if target != own else self.pid
+        return target
+
+    def address(self, slot: int) -> str | None:
+        """Where to send a request placed on `slot` (None: this instance's own engine)."""
+        if slot == self.board.slot:
+            return None
+        return core_address(self.board, int(self.board.slot_pids()[slot]))
+
+    def placed(self, slot: int, delta: int) -> None:
+        self.board.add_placed(slot, delta)
+
+    def _reachable(self, pids: np.ndarray) -> dict[int, int]:
+        """pid -> slot of this instance and the peers whose cores are connected."""
+        connected = set(self.engine.peers())
+        slots = {self.pid: self.board.slot}
+        for slot, pid in enumerate(pids.tolist()):
+            if pid and pid != self.pid and core_address(self.board, pid) in connected:
+                slots[pid] = slot
+        return slots
+
+    # ------------------------------------------------------------------ connections
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._connect_loop, name="prefix-router",
+                                        daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(CONNECT_TIMEOUT_S + 1)
+
+    def _connect_loop(self) -> None:
+        """Connects to the cores of the instances on the board (they come up at their own
+        pace; one that is gone is dropped by the engine and tried again here)."""
+        while not self._stop.is_set():
+            try:
+                self.connect_new_peers()
+            except Exception:  # noqa: BLE001 - routing is a hint: it must not stop
+                logger.exception("prefix routing: connecting to the other instances")
+            self._stop.wait(CONNECT_EVERY_S)
+
+    def connect_new_peers(self) -> None:
+        connected = set(self.engine.peers())
+        now = time.monotonic()
+        for pid in self.board.slot_pids().tolist():
+            address = core_address(self.board, pid)
+            if not pid or pid == self.pid or address in connected or self._stop.is_set():
+                continue
+            if now - self._failed.get(address, -1e9) < 2 * CONNECT_EVERY_S:
+                continue
+            try:
+                self.engine.connect_peer(address, CONNECT_TIMEOUT_S)
+                self._failed.pop(address, None)
+                logger.info("prefix routing: connected to the engine of instance pid %d", pid)
+            except (OSError, RuntimeError) as e:    # not up yet, or gone
+                self._failed[address] = now
+                logger.debug("prefix routing: no engine at %s yet: %s", address, e)
+
+
+def core_address(board: InstanceBoard, pid: int) -> str:
+    """The abstract socket name where the core of the instance `pid` takes peers."""
+    return f"{board.name}-core-{pid}"

@@ -1,0 +1,202 @@
+"""engine/prefix_routing.py: block keys, the router's choice, and requests run on a peer's core
+(AsyncEngine.connect_peer). Through tritonserver: tests/test_serving_instances.py."""
+import asyncio
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from engine.async_engine import AsyncEngine, EngineDeadError
+from engine.instance_board import InstanceBoard
+from engine.prefix_routing import (MIN_SHARED_BLOCKS, PrefixRouter, block_keys, core_address,
+                                   position_weights)
+from engine.sampling_params import SamplingParams
+from scripts.make_tiny_model import make_tiny_model
+
+BS = 16
+
+
+def test_block_keys_are_the_same_for_a_shared_prefix_and_differ_after_it():
+    w = position_weights(1024)
+    rng = np.random.default_rng(1)
+    shared = rng.integers(0, 32000, 5 * BS)
+    a = block_keys(np.concatenate([shared, rng.integers(0, 32000, 40)]), BS, w)
+    b = block_keys(np.concatenate([shared, rng.integers(0, 32000, 40)]), BS, w)
+    assert len(a) == len(b) == 7                        # full blocks only
+    assert (a[:5] == b[:5]).all() and (a[5:] != b[5:]).all()
+    assert len(set(a.tolist())) == 7 and (a != 0).all()
+    # A block's key depends on where it is: the same tokens one block later are another key.
+    assert block_keys(np.tile(shared[:BS], 2), BS, w)[1] != block_keys(shared[:BS], BS, w)[0]
+    assert len(block_keys(shared[:BS - 1], BS, w)) == 0
+
+
+def test_block_keys_are_the_same_in_every_process():
+    """The instances are processes of their own (Python's hash() would differ)."""
+    ids = list(range(100, 100 + 3 * BS))
+    code = ("import numpy as np; from engine.prefix_routing import block_keys, position_weights;"
+            f"print(block_keys(np.array({ids}), {BS}, position_weights(1024)).tolist())")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=root, env={**os.environ, "PYTHONHASHSEED": "123"}).stdout
+    assert eval(out) == block_keys(np.array(ids), BS, position_weights(1024)).tolist()
+
+
+class _Engine:
+    """What the router asks of the engine: the peer cores connected."""
+
+    def __init__(self) -> None:
+        self.connected: list[str] = []
+
+    def peers(self) -> list[str]:
+        return list(self.connected)
+
+
+@pytest.fixture
+def two_instances(tmp_path):
+    """This process's board and router, and a second instance: a live process of its own (a
+    sleeper) whose slot we fill in by hand."""
+    board = InstanceBoard(4242, "llm", str(tmp_path))
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        peer_slot = next(i for i in range(64) if i != board.slot)
+        board._slots[peer_slot] = (sleeper.pid, 0)
+        engine = _Engine()
+        router = PrefixRouter(board, engine, BS, max_num_seqs=16, max_model_len=4096)
+        yield router, engine, peer_slot, sleeper.pid
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        board.close()
+
+
+def _claim_for(router, ids, pid):
+    """As the other instance's router would after running `ids`."""
+    keys = block_keys(ids, BS, router._weights)
+    index = ((keys * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - 17)).astype(np.int64)
+    router.board.prefix_keys[index] = keys
+    router.board.prefix_owners[index] = pid
+
+
+def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instances):
+    router, engine, peer_slot, peer_pid = two_instances
+    own = router.board.slot
+    rng = np.random.default_rng(2)
+    prefix = rng.integers(0, 32000, 10 * BS)
+    first = np.concatenate([prefix, rng.integers(0, 32000, 30)])
+    second = np.concatenate([prefix, rng.integers(0, 32000, 30)])
+    assert router.choose(second) == own                 # no peer connected: here, unclaimed
+    engine.connected.append(core_address(router.board, peer_pid))
+    _claim_for(router, first, peer_pid)
+    assert router.choose(second) == peer_slot
+    assert router.address(peer_slot) == core_address(router.board, peer_pid)
+    assert router.address(own) is None
+    # It claimed the second prompt's own blocks for the peer too: a third with the same
+    # 11 blocks goes there; one that shares fewer than MIN_SHARED_BLOCKS stays here.
+    assert router.choose(np.concatenate([second[:11 * BS], rng.integers(0, 32000, 5)])) == (
+        peer_slot)
+    short = np.concatenate([prefix[:(MIN_SHARED_BLOCKS - 1) * BS],
+                            rng.integers(0, 32000, 8 * BS)])
+    assert router.choose(short) == own
+    # A prompt of its own stays here, and is claimed for this instance.
+    alone = rng.integers(0, 32000, 12 * BS)
+    assert router.choose(alone) == own
+    assert router.choose(np.concatenate([alone, [7] * 40])) == own
+    # A peer that is no longer connected is not chosen.
+    engine.connected.clear()
+    assert router.choose(second) == own
+
+
+def test_a_full_engine_fuller_than_ours_keeps_the_request_here(two_instances):
+    router, engine, peer_slot, peer_pid = two_instances
+    own = router.board.slot
+    engine.connected.append(core_address(router.board, peer_pid))
+    rng = np.random.default_rng(3)
+    prefix = rng.integers(0, 32000, 8 * BS)
+    _claim_for(router, prefix, peer_pid)
+    ask = lambda: router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)]))  # noqa
+    router.board._placed[peer_slot, peer_slot] = 15         # below max_num_seqs (16): there
+    assert ask() == peer_slot
+    _claim_for(router, prefix, peer_pid)
+    router.board._placed[peer_slot, peer_slot] = 16         # full, and 16 >= 0 + slack (2)
+    assert ask() == own
+    _claim_for(router, prefix, peer_pid)
+    router.placed(own, 15)                                  # ours is as busy: there again
+    assert router.board.engine_loads()[own] == 15
+    assert ask() == peer_slot
+    router.placed(own, -15)
+    assert router.board.engine_loads()[own] == 0
+
+
+# ---------------------------------------------------------------------------- real cores
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "llama", arch="llama", seed=3))
+
+
+def _engine(model_dir, **kw):
+    return AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=128,
+                       cpu_threads=1, max_model_len=512, **kw)
+
+
+def test_requests_routed_to_a_peer_core_answer_as_on_our_own(model_dir):
+    address = f"tritonllm-test-peer-{os.getpid()}"
+    owner = _engine(model_dir, peer_address=address)
+    ours = _engine(model_dir)
+    greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+    long = SamplingParams(max_tokens=400, ignore_eos=True)
+    ids = {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}
+
+    async def run():
+        loop = asyncio.get_running_loop()
+        done = {}
+        events = {}
+
+        async def submit(key, params, route=None):
+            events[key] = asyncio.Event()
+
+            def sink(out):
+                done.setdefault(key, []).append(out)
+                if isinstance(out, BaseException) or out.finished:
+                    loop.call_soon_threadsafe(events[key].set)
+            await ours.submit(ids, params, key, sink, route=route)
+
+        def there(prompt_ids):
+            return address
+        await submit("local", greedy)
+        await submit("peer", greedy, there)
+        await submit("abort", long, there)
+        for key in ("local", "peer"):
+            await asyncio.wait_for(events[key].wait(), 60)
+        ours.abort_nowait("abort")
+        await asyncio.wait_for(events["abort"].wait(), 60)
+        assert owner.get_stats().num_generated_tokens >= 11    # they ran on the owner's core
+        assert ours.get_stats().num_generated_tokens == 10     # only "local" ran on ours
+        await submit("doomed", long, there)
+        await asyncio.to_thread(owner.shutdown)
+        await asyncio.wait_for(events["doomed"].wait(), 60)
+        # Ours carries on, and a route to the peer that is gone runs here.
+        await submit("after", greedy, there)
+        await asyncio.wait_for(events["after"].wait(), 60)
+        return done
+
+    try:
+        with pytest.raises(OSError):
+            ours.connect_peer(address + "-nobody", timeout_s=2)
+        ours.connect_peer(address)
+        assert ours.peers() == [address]
+        done = asyncio.run(run())
+        tokens = {k: [t for o in v if not isinstance(o, BaseException)
+                      for t in o.outputs[0].token_ids] for k, v in done.items()}
+        assert tokens["peer"] == tokens["local"] and len(tokens["local"]) == 10
+        assert tokens["after"] == tokens["local"]
+        assert done["abort"][-1].outputs[0].finish_reason == "abort"
+        error = done["doomed"][-1]
+        assert isinstance(error, EngineDeadError) and "another instance" in str(error), error
+        assert ours.peers() == [] and ours.is_alive
+        stats = ours.get_stats()
+        assert (stats.num_running, stats.num_free_kv_blocks) == (0, stats.num_kv_blocks)
+    finally:
+        ours.shutdown()
+        owner.shutdown()
