@@ -109,7 +109,8 @@ class EngineConfig:
     gil_switch_interval_us: int = 500
     # Served with several instances (one per GPU): a request whose prompt shares at least 4 KV
     # blocks of prefix with what another instance's engine took runs on that engine, unless it
-    # is full and fuller than this one's (engine/prefix_routing.py). Needs prefix caching.
+    # has max_num_seqs / 8 more requests than this one's (engine/prefix_routing.py). Needs
+    # prefix caching.
     prefix_routing: bool = True
 
     def __post_init__(self) -> None:

@@ -228,7 +228,9 @@ class TritonMetrics:
         produced its tokens (scripts/server_probe.py's `server_side` relies on it)."""
         counters, snapshots = cut if cut is not None else m.snapshot()
         self._gauges["loop_lag_max"].set(m.loop_lag_max)
-        self._gauges["routing_peers"].set(m.routing_peers)
+        if self._sent.get("routing_peers") != m.routing_peers:     # rarely changes
+            self._gauges["routing_peers"].set(m.routing_peers)
+            self._sent["routing_peers"] = m.routing_peers
         stats = m.stats
         if stats is not None:
             g = self._gauges

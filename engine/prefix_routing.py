@@ -22,9 +22,12 @@ metrics, its cancellation.
   A request claims its keys for the engine it runs on.
 - The choice: the engine of the live, connected instance that owns the deepest key, if at
   least MIN_SHARED_BLOCKS deep (a chat template's common start is not worth it), unless that
-  engine has max_num_seqs requests and SLACK more than this instance's own: then here (and the
-  prefix is claimed here, so both engines hold it). Loads are what the instances placed on
-  each engine (the board's `placed` rows), counted as requests are routed and answered.
+  engine has max_num_seqs / 8 requests or more over this instance's own: then here (and the
+  prefix is claimed here, so both engines hold it). The GPUs' loads stay that close: on two
+  H200s, letting an engine fill up to max_num_seqs while the other had room left one GPU
+  short of work (benchmarks/h200x2/served_shared_prefix.md). Loads are what the instances
+  placed on each engine (the board's `placed` rows), counted as requests are routed and
+  answered.
 """
 from __future__ import annotations
 
@@ -105,8 +108,8 @@ class PrefixRouter:
                     break
         if target != own:
             loads = self.board.engine_loads()
-            if loads[target] >= max(self.max_num_seqs, loads[own] + self.slack):
-                target = own                # that engine is full, and fuller than ours
+            if loads[target] >= loads[own] + self.slack:
+                target = own                # the engines' loads stay within the slack
         self.board.prefix_keys[index] = keys
         self.board.prefix_owners[index] = pids[target] if target != own else self.pid
         return target

@@ -108,24 +108,25 @@ def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instance
     assert router.choose(second) == own
 
 
-def test_a_full_engine_fuller_than_ours_keeps_the_request_here(two_instances):
+def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_instances):
+    """The engines' loads stay within max_num_seqs / 8 (here 16 / 8 = 2) of each other."""
     router, engine, peer_slot, peer_pid = two_instances
     own = router.board.slot
     engine.connected.append(core_address(router.board, peer_pid))
     rng = np.random.default_rng(3)
     prefix = rng.integers(0, 32000, 8 * BS)
-    _claim_for(router, prefix, peer_pid)
-    ask = lambda: router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)]))  # noqa
-    router.board._placed[peer_slot, peer_slot] = 15         # below max_num_seqs (16): there
+
+    def ask():
+        _claim_for(router, prefix, peer_pid)
+        return router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)]))
+    router.board._placed[peer_slot, peer_slot] = 1          # 1 < 0 + 2: there
     assert ask() == peer_slot
-    _claim_for(router, prefix, peer_pid)
-    router.board._placed[peer_slot, peer_slot] = 16         # full, and 16 >= 0 + slack (2)
+    router.board._placed[peer_slot, peer_slot] = 2          # 2 >= 0 + 2: here
     assert ask() == own
-    _claim_for(router, prefix, peer_pid)
-    router.placed(own, 15)                                  # ours is as busy: there again
-    assert router.board.engine_loads()[own] == 15
+    router.placed(own, 1)                                   # 2 < 1 + 2: there again
+    assert router.board.engine_loads()[own] == 1
     assert ask() == peer_slot
-    router.placed(own, -15)
+    router.placed(own, -1)
     assert router.board.engine_loads()[own] == 0
 
 
