@@ -17,7 +17,7 @@ metrics, its cancellation.
 - Keys: one per full KV block of the prompt, each a hash of every token up to that block's end
   (position-weighted sums, the same in every process): a shared prefix of k blocks has the
   same first k keys.
-- The table: 2 ** 17 (key, owner pid) pairs in shared memory, written without locks by every
+- The table: 2 ** 17 (key, owner) pairs in shared memory (owner_id: an instance's pid and slot), written without locks by every
   instance (the last writer of an entry wins; a torn entry is a wrong hint, never an error).
   A request claims its keys for the engine it runs on.
 - The choice: the engine of the live, connected instance that owns the deepest key, if at
@@ -71,13 +71,15 @@ class PrefixRouter:
     def __init__(self, board: InstanceBoard, engine, block_size: int, max_num_seqs: int,
                  max_model_len: int) -> None:
         """`engine`: the instance's AsyncEngine, whose core takes peers at
-        `core_address(board, os.getpid())`. Call `start()` to connect to the others."""
+        `core_address(board, os.getpid(), board.slot)`. Call `start()` to connect to the
+        others."""
         self.board = board
         self.engine = engine
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.slack = max(1, max_num_seqs // 8)
         self.pid = os.getpid()
+        self.owner = owner_id(self.pid, board.slot)
         self._weights = position_weights(max_model_len)
         self._shift = np.uint64(64 - PREFIX_TABLE_BITS)
         self._stop = threading.Event()
@@ -99,10 +101,10 @@ class PrefixRouter:
         if len(hits) and hits[-1] + 1 >= MIN_SHARED_BLOCKS:
             owners = self.board.prefix_owners[index[hits]]
             reachable = self._reachable(pids)
-            for depth, pid in zip(hits[::-1] + 1, owners[::-1]):
+            for depth, owner in zip(hits[::-1] + 1, owners[::-1]):
                 if depth < MIN_SHARED_BLOCKS:
                     break
-                slot = reachable.get(int(pid))
+                slot = reachable.get(int(owner))
                 if slot is not None:
                     target = slot
                     break
@@ -111,25 +113,25 @@ class PrefixRouter:
             if loads[target] >= loads[own] + self.slack:
                 target = own                # the engines' loads stay within the slack
         self.board.prefix_keys[index] = keys
-        self.board.prefix_owners[index] = pids[target] if target != own else self.pid
+        self.board.prefix_owners[index] = owner_id(int(pids[target]), target)
         return target
 
     def address(self, slot: int) -> str | None:
         """Where to send a request placed on `slot` (None: this instance's own engine)."""
         if slot == self.board.slot:
             return None
-        return core_address(self.board, int(self.board.slot_pids()[slot]))
+        return core_address(self.board, int(self.board.slot_pids()[slot]), slot)
 
     def placed(self, slot: int, delta: int) -> None:
         self.board.add_placed(slot, delta)
 
     def _reachable(self, pids: np.ndarray) -> dict[int, int]:
-        """pid -> slot of this instance and the peers whose cores are connected."""
+        """owner_id -> slot of this instance and the peers whose cores are connected."""
         connected = set(self.engine.peers())
-        slots = {self.pid: self.board.slot}
+        slots = {self.owner: self.board.slot}
         for slot, pid in enumerate(pids.tolist()):
-            if pid and pid != self.pid and core_address(self.board, pid) in connected:
-                slots[pid] = slot
+            if pid and core_address(self.board, pid, slot) in connected:
+                slots[owner_id(pid, slot)] = slot
         return slots
 
     # ------------------------------------------------------------------ connections
@@ -156,9 +158,10 @@ class PrefixRouter:
     def connect_new_peers(self) -> None:
         connected = set(self.engine.peers())
         now = time.monotonic()
-        for pid in self.board.slot_pids().tolist():
-            address = core_address(self.board, pid)
-            if not pid or pid == self.pid or address in connected or self._stop.is_set():
+        for slot, pid in enumerate(self.board.slot_pids().tolist()):
+            address = core_address(self.board, pid, slot)
+            if not pid or slot == self.board.slot or address in connected or (
+                    self._stop.is_set()):
                 continue
             if now - self._failed.get(address, -1e9) < 2 * CONNECT_EVERY_S:
                 continue
@@ -171,6 +174,11 @@ class PrefixRouter:
                 logger.debug("prefix routing: no engine at %s yet: %s", address, e)
 
 
-def core_address(board: InstanceBoard, pid: int) -> str:
-    """The abstract socket name where the core of the instance `pid` takes peers."""
-    return f"{board.name}-core-{pid}"
+def core_address(board: InstanceBoard, pid: int, slot: int) -> str:
+    """The abstract socket name where the core of the instance (pid, board slot) takes peers."""
+    return f"{board.name}-core-{pid}-{slot}"
+
+
+def owner_id(pid: int, slot: int) -> int:
+    """An instance's id in the prefix table."""
+    return pid * 64 + slot

@@ -212,7 +212,7 @@ class ServingEngine:
         try:
             self.engine = AsyncEngine(
                 config, on_dead=self._engine_died, sink_batch=self.outbox.batch,
-                peer_address=core_address(board, os.getpid()) if routing else None)
+                peer_address=core_address(board, os.getpid(), board.slot) if routing else None)
             if routing:
                 self._router = PrefixRouter(board, self.engine, config.block_size,
                                             config.max_num_seqs, self.engine.info.max_model_len)

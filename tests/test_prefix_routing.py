@@ -11,7 +11,7 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.instance_board import InstanceBoard
 from engine.prefix_routing import (MIN_SHARED_BLOCKS, PrefixRouter, block_keys, core_address,
-                                   position_weights)
+                                   owner_id, position_weights)
 from engine.sampling_params import SamplingParams
 from scripts.make_tiny_model import make_tiny_model
 
@@ -72,11 +72,12 @@ def two_instances(tmp_path):
 
 
 def _claim_for(router, ids, pid):
-    """As the other instance's router would after running `ids`."""
+    """As the other instance's router (the peer's slot) would after running `ids`."""
     keys = block_keys(ids, BS, router._weights)
     index = ((keys * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - 17)).astype(np.int64)
     router.board.prefix_keys[index] = keys
-    router.board.prefix_owners[index] = pid
+    slot = int(np.flatnonzero(router.board.slot_pids() == pid)[0])
+    router.board.prefix_owners[index] = owner_id(pid, slot)
 
 
 def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instances):
@@ -87,10 +88,10 @@ def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instance
     first = np.concatenate([prefix, rng.integers(0, 32000, 30)])
     second = np.concatenate([prefix, rng.integers(0, 32000, 30)])
     assert router.choose(second) == own                 # no peer connected: here, unclaimed
-    engine.connected.append(core_address(router.board, peer_pid))
+    engine.connected.append(core_address(router.board, peer_pid, peer_slot))
     _claim_for(router, first, peer_pid)
     assert router.choose(second) == peer_slot
-    assert router.address(peer_slot) == core_address(router.board, peer_pid)
+    assert router.address(peer_slot) == core_address(router.board, peer_pid, peer_slot)
     assert router.address(own) is None
     # It claimed the second prompt's own blocks for the peer too: a third with the same
     # 11 blocks goes there; one that shares fewer than MIN_SHARED_BLOCKS stays here.
@@ -112,7 +113,7 @@ def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_inst
     """The engines' loads stay within max_num_seqs / 8 (here 16 / 8 = 2) of each other."""
     router, engine, peer_slot, peer_pid = two_instances
     own = router.board.slot
-    engine.connected.append(core_address(router.board, peer_pid))
+    engine.connected.append(core_address(router.board, peer_pid, peer_slot))
     rng = np.random.default_rng(3)
     prefix = rng.integers(0, 32000, 8 * BS)
 

@@ -129,13 +129,16 @@ def test_both_instances_answer_as_the_direct_engine(server, model_dir):
 def test_requests_sharing_a_long_prefix_run_on_the_engine_that_has_it(server, model_dir):
     """Prefix routing (engine/prefix_routing.py): whichever instance Triton gives each request
     of a group that shares a long prefix, the group runs on the engine that took the first, so
-    the prefix is computed once and cached once; each answers as the direct engine."""
+    the prefix is computed once and cached once (while the engines' loads stay within the
+    slack); each answers as the direct engine."""
     from transformers import AutoTokenizer
     wait_pool_whole(server)
     shared = " ".join(f"section {i} of the shared document says {i * 7} things." for i in range(40))
+    # 7: the engines' loads stay within max_num_seqs / 8 = 8 of each other, so a group of up
+    # to 8 (one lingering a moment after its answer) all go to the engine that has the prefix.
+    assert INSTANCE_SETTINGS["max_num_seqs"] // 8 == 8
     prompts = [f"{shared} Question {i}: what of {w}?" for i, w in enumerate(
-        ["ships", "clouds", "bread", "rivers", "lamps", "maps", "salt", "bees", "tea", "ink",
-         "wool", "snow"])]
+        ["ships", "clouds", "bread", "rivers", "lamps", "maps", "salt"])]
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = [tok(p)["input_ids"] for p in prompts]
     common = next(i for i in range(len(ids[0])) if len({tuple(x[:i + 1]) for x in ids}) > 1)
@@ -160,7 +163,7 @@ def test_requests_sharing_a_long_prefix_run_on_the_engine_that_has_it(server, mo
     moved = {k: q1[k] - q0.get(k, 0) for k in q1}
     # Every prompt token was looked up in one engine's cache: the other took none of them...
     assert sorted(moved.values())[0] <= 2 * 4, moved      # (the pool probes' prompts)
-    # ... so the prefix was computed once: the other 11 found its whole blocks there.
+    # ... so the prefix was computed once: the other 6 found its whole blocks there.
     assert hits() - h0 >= (len(prompts) - 1) * shared_blocks * 16
     # Triton gave some of them to the other instance, which ran them there.
     assert on_peer() - p0 >= 1
