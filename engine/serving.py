@@ -158,6 +158,7 @@ class _Request:
     last_out: RequestOutput | None = None   # n above 1: the latest output of any completion
     engine_slot: int | None = None      # prefix routing: the board slot of the engine it runs on
     num_placed: int = 0                 # its completions placed there so far
+    placement_closed: bool = False      # answered for good: nothing more counts there
 
     def abort(self, engine: AsyncEngine) -> None:
         """Ends its engine request(s), from any thread."""
@@ -287,9 +288,11 @@ class ServingEngine:
     def _close_open(self, r: _Request) -> None:
         """`r` has been answered for good (or can no longer be)."""
         self._count_open(-1, 1 - len(r.parts) if r.parts is not None else 0)
-        if r.num_placed:
-            self._router.placed(r.engine_slot, -r.num_placed)
-            r.num_placed = 0
+        with self._open_lock:           # route() may be placing its last completions
+            r.placement_closed = True
+            if r.num_placed:
+                self._router.placed(r.engine_slot, -r.num_placed)
+                r.num_placed = 0
 
     def _route(self, r: _Request) -> Callable[[np.ndarray], str | None] | None:
         """submit's `route` for `r` (None without prefix routing): its first completion picks
@@ -304,8 +307,10 @@ class ServingEngine:
                 r.engine_slot = router.choose(ids)
                 if r.engine_slot != router.board.slot:
                     self.metrics.on_run_on_peer()
-            router.placed(r.engine_slot, 1)
-            r.num_placed += 1
+            with self._open_lock:
+                if not r.placement_closed:
+                    router.placed(r.engine_slot, 1)
+                    r.num_placed += 1
             return router.address(r.engine_slot)
         return route
 
