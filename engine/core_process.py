@@ -13,7 +13,8 @@ With `--peer-address NAME` it also takes peers: other front ends (the served mod
 instances, engine/prefix_routing.py) that connect to the abstract Unix socket NAME, get READY,
 and then send ADD and ABORT frames of their own, numbered in their own space; each gets the
 outputs of its own requests. A peer that goes away has its requests aborted; a peer that sends
-anything else is told why (ERROR) and dropped. Peers never stop the core.
+anything else is told why (ERROR) and dropped. Peers never stop the core. An abstract socket
+has no file permissions: a peer whose process runs as another user is refused.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ import logging
 import os
 import select
 import socket
+import struct
 import sys
 import time
 
@@ -115,6 +117,10 @@ class CoreServer:
         try:
             sock, _ = self.listener.accept()
         except OSError:
+            return
+        if not same_user(sock):
+            logger.warning("engine core: refused a peer that runs as another user")
+            sock.close()
             return
         try:
             sock.setblocking(True)
@@ -247,6 +253,13 @@ class _StepLog:
             self.stats = {k: getattr(stats, k) for k in _LOGGED_STATS}
             self.start, self.times = now, self.core.times.copy()
             self.spent = dict.fromkeys(self.spent, 0.0)
+
+
+def same_user(sock: socket.socket) -> bool:
+    """Whether the process at the other end of a Unix socket runs as this process's user."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    _, uid, _ = struct.unpack("3i", creds)
+    return uid == os.getuid()
 
 
 def _listen(name: str) -> socket.socket:

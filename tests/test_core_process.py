@@ -258,3 +258,17 @@ def test_nobody_takes_peers_at_an_unknown_address():
     from engine.core_client import PeerCoreClient
     with pytest.raises(OSError):
         PeerCoreClient(_peer_address(), lambda outputs: None, lambda reason: None)
+
+
+def test_a_peer_must_run_as_the_cores_user(monkeypatch):
+    """An abstract socket has no file permissions: the core checks who connected."""
+    from engine import core_process
+    a, b = socket.socketpair()
+    try:
+        assert core_process.same_user(a)
+        other = os.getuid() + 1
+        monkeypatch.setattr(core_process.os, "getuid", lambda: other)
+        assert not core_process.same_user(a)
+    finally:
+        a.close()
+        b.close()

@@ -152,10 +152,10 @@ def test_requests_sharing_a_long_prefix_run_on_the_engine_that_has_it(server, mo
         "llm_0_0": 1, "llm_0_1": 1}, "each instance connected to the other's engine",
         timeout_s=30)
     q0, h0, p0 = queries(), hits(), on_peer()
-    first = text_of(stream_request(server, prompts[0], greedy(8)))    # takes the prefix
-    with concurrent.futures.ThreadPoolExecutor(len(prompts) - 1) as pool:
-        texts = [first] + list(pool.map(
-            lambda p: text_of(stream_request(server, p, greedy(8))), prompts[1:]))
+    first = text_of(stream_request(server, prompts[0], greedy(32)))   # takes the prefix
+    # The others on one stream, sent at once: the instance board spreads them over both
+    # instances (its hold, not chance: test_streams_sent_at_once_spread_evenly_...).
+    texts = [first] + _stream_at_once(server, prompts[1:], greedy(32))
     wait_pool_whole(server, timeout_s=60)
     wait_for(lambda: sum(queries().values()) >= sum(q0.values()) + sum(map(len, ids)),
              "the prompts' counts to be published")
@@ -168,6 +168,30 @@ def test_requests_sharing_a_long_prefix_run_on_the_engine_that_has_it(server, mo
     # Triton gave some of them to the other instance, which ran them there.
     assert on_peer() - p0 >= 1
     llm = LLM(model_dir, dtype="float32", device="cpu", **INSTANCE_SETTINGS)
-    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(**greedy(8)))]
+    expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(**greedy(32)))]
     assert texts == expected
+
+
+def _stream_at_once(server, prompts, params):
+    """Sends every prompt on one gRPC stream without waiting; returns their texts in order."""
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    texts = {str(i): "" for i in range(len(prompts))}
+    try:
+        for i, prompt in enumerate(prompts):
+            client.async_stream_infer("llm", grpc_inputs(prompt, params), request_id=str(i),
+                                      enable_empty_final_response=True)
+        done = 0
+        while done < len(prompts):
+            result, error = results.get(timeout=60)
+            assert error is None, error
+            resp = result.get_response()
+            if any(o.name == "text_output" for o in resp.outputs):
+                texts[resp.id] += result.as_numpy("text_output")[0].decode()
+            done += resp.parameters["triton_final_response"].bool_param
+    finally:
+        client.stop_stream()
+        client.close()
+    return [texts[str(i)] for i in range(len(prompts))]
 
