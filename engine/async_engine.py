@@ -342,7 +342,7 @@ class AsyncEngine:
             del self._peers[peer.address]
         if self._stopped:
             return
-        logger.warning("lost the peer engine core %s: %s", peer.address, reason)
+        logger.info("lost the peer engine core %s: %s", peer.address, reason)
         self._fail_streams_of(peer)
 
     def _fail_streams_of(self, peer: PeerCoreClient) -> None:

@@ -54,6 +54,7 @@ def _pin_device(config: EngineConfig, env: dict[str, str]) -> EngineConfig:
 
 
 class CoreClient:
+    _gone_level = logging.ERROR     # how the core's end is logged
     def __init__(self, config: EngineConfig, eos_token_ids: list[int],
                  on_outputs: Callable[[list[EngineCoreOutput]], None],
                  on_dead: Callable[[str], None], peer_address: str | None = None) -> None:
@@ -240,7 +241,7 @@ class CoreClient:
         for fut in waiters:
             fut.set_exception(CoreDiedError(reason))
         if not self._closing:
-            logger.error("engine core is gone: %s", reason)
+            logger.log(self._gone_level, "engine core is gone: %s", reason)
         self._on_dead(reason)
 
 
@@ -248,7 +249,9 @@ class PeerCoreClient(CoreClient):
     """A connection to another front end's core, which takes peers at `address`
     (engine/core_process.py): the same add / abort, for requests of this front end. It does
     not own the core: `shutdown` only closes the connection, and the core's end (or the
-    connection's) is `on_dead`. No stats: the core's owner reports them."""
+    connection's) is `on_dead`. No stats: the core's owner reports them. The core's end is
+    its owner's to report (a stopping server's instances end one after another)."""
+    _gone_level = logging.INFO
 
     def __init__(self, address: str, on_outputs: Callable[[list[EngineCoreOutput]], None],
                  on_dead: Callable[[str], None], timeout_s: float = 10.0) -> None:
