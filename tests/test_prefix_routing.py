@@ -137,9 +137,9 @@ def model_dir(tmp_path_factory):
     return str(make_tiny_model(tmp_path_factory.mktemp("m") / "llama", arch="llama", seed=3))
 
 
-def _engine(model_dir, **kw):
+def _engine(model_dir, max_model_len=512, **kw):
     return AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=128,
-                       cpu_threads=1, max_model_len=512, **kw)
+                       cpu_threads=1, max_model_len=max_model_len, **kw)
 
 
 def test_requests_routed_to_a_peer_core_answer_as_on_our_own(model_dir):
@@ -199,6 +199,21 @@ def test_requests_routed_to_a_peer_core_answer_as_on_our_own(model_dir):
         assert ours.peers() == [] and ours.is_alive
         stats = ours.get_stats()
         assert (stats.num_running, stats.num_free_kv_blocks) == (0, stats.num_kv_blocks)
+    finally:
+        ours.shutdown()
+        owner.shutdown()
+
+
+def test_a_peer_core_of_another_model_is_not_used(model_dir):
+    """Instances of one model run one model; a core that says otherwise (here another context
+    length) is refused, so no request goes where it could not be answered as here."""
+    address = f"tritonllm-test-other-{os.getpid()}"
+    owner = _engine(model_dir, max_model_len=256, peer_address=address)
+    ours = _engine(model_dir)
+    try:
+        with pytest.raises(RuntimeError, match="runs another model"):
+            ours.connect_peer(address)
+        assert ours.peers() == []
     finally:
         ours.shutdown()
         owner.shutdown()
