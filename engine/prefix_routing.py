@@ -3,9 +3,9 @@
 With one `llm` instance per GPU, Triton gives each request to whichever instance is free, so
 the requests of a group that share a long prefix (a document, few-shot examples, a system
 prompt) land on every GPU: each GPU computes the prefix and keeps it cached, and cascade
-attention reads it once per GPU instead of once for the group. On two H200s, 256-request groups
-of 16 sharing 2,000 tokens were served at 77.6% of the same engines given whole groups
-(benchmarks/h200x2/served_shared_prefix.md).
+attention reads it once per GPU instead of once for the group. On two H200s, 512 streams in
+groups of 16 sharing 2,000 tokens were served at 77.6% of the same engines given whole groups;
+with this routing at 83.6-93.4% (benchmarks/h200x2/served_shared_prefix.md).
 
 So an instance that takes a request looks up its prompt's prefix in a table on the instance
 board (engine/instance_board.py) and, where another instance's engine took the longest part of
@@ -17,9 +17,10 @@ metrics, its cancellation.
 - Keys: one per full KV block of the prompt, each a hash of every token up to that block's end
   (position-weighted sums, the same in every process): a shared prefix of k blocks has the
   same first k keys.
-- The table: 2 ** 17 (key, owner) pairs in shared memory (owner_id: an instance's pid and slot), written without locks by every
-  instance (the last writer of an entry wins; a torn entry is a wrong hint, never an error).
-  A request claims its keys for the engine it runs on.
+- The table: 2 ** 17 (key, owner) pairs in shared memory (owner_id: an instance's pid and
+  board slot), written without locks by every instance (the last writer of an entry wins; a
+  torn entry is a wrong hint, never an error). A request claims its keys for the engine it
+  runs on.
 - The choice: the engine of the live, connected instance that owns the deepest key, if at
   least MIN_SHARED_BLOCKS deep (a chat template's common start is not worth it), unless that
   engine has max_num_seqs / 8 requests or more over this instance's own: then here (and the
