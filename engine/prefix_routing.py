@@ -88,20 +88,21 @@ class PrefixRouter:
         self._failed: dict[str, float] = {}     # address -> when connecting last failed
 
     # ------------------------------------------------------------------ the loop's
-    def choose(self, ids: np.ndarray) -> int:
+    def choose(self, ids: np.ndarray) -> tuple[int, str | None]:
         """The board slot of the engine to run a prompt on (this instance's own, or a peer's
-        that holds its prefix), and claims the prompt's prefix for it."""
+        that holds its prefix) and where to send it there (None: our own engine); claims the
+        prompt's prefix for that engine."""
         own = self.board.slot
-        if len(ids) < MIN_SHARED_BLOCKS * self.block_size or not self.engine.peers():
-            return own                      # nothing to share, or nobody to share it with
-        keys = block_keys(ids, self.block_size, self._weights)
-        index = ((keys * _MIX) >> self._shift).astype(np.int64)
+        connected = self.engine.peers()
+        if len(ids) < MIN_SHARED_BLOCKS * self.block_size or not connected:
+            return own, None                # nothing to share, or nobody to share it with
+        keys, index = self._keys(ids)
         pids = self.board.slot_pids()
         target = own
         hits = np.flatnonzero(self.board.prefix_keys[index] == keys)
         if len(hits) and hits[-1] + 1 >= MIN_SHARED_BLOCKS:
             owners = self.board.prefix_owners[index[hits]]
-            reachable = self._reachable(pids)
+            reachable = self._reachable(pids, set(connected))
             for depth, owner in zip(hits[::-1] + 1, owners[::-1]):
                 if depth < MIN_SHARED_BLOCKS:
                     break
@@ -113,22 +114,30 @@ class PrefixRouter:
             loads = self.board.engine_loads()
             if loads[target] >= loads[own] + self.slack:
                 target = own                # the engines' loads stay within the slack
-        self.board.prefix_keys[index] = keys
-        self.board.prefix_owners[index] = owner_id(int(pids[target]), target)
-        return target
+        self._claim(keys, index, int(pids[target]), target)
+        if target == own:
+            return own, None
+        return target, core_address(self.board, int(pids[target]), target)
 
-    def address(self, slot: int) -> str | None:
-        """Where to send a request placed on `slot` (None: this instance's own engine)."""
-        if slot == self.board.slot:
-            return None
-        return core_address(self.board, int(self.board.slot_pids()[slot]), slot)
+    def claim(self, ids: np.ndarray, slot: int) -> None:
+        """Claims a prompt's prefix for the engine of `slot`, as choose does for the engine
+        it picks (and as another instance's router does for its own)."""
+        self._claim(*self._keys(ids), int(self.board.slot_pids()[slot]), slot)
+
+    def _keys(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The prompt's block keys and their entries in the table."""
+        keys = block_keys(ids, self.block_size, self._weights)
+        return keys, ((keys * _MIX) >> self._shift).astype(np.int64)
+
+    def _claim(self, keys: np.ndarray, index: np.ndarray, pid: int, slot: int) -> None:
+        self.board.prefix_keys[index] = keys
+        self.board.prefix_owners[index] = owner_id(pid, slot)
 
     def placed(self, slot: int, delta: int) -> None:
         self.board.add_placed(slot, delta)
 
-    def _reachable(self, pids: np.ndarray) -> dict[int, int]:
+    def _reachable(self, pids: np.ndarray, connected: set[str]) -> dict[int, int]:
         """owner_id -> slot of this instance and the peers whose cores are connected."""
-        connected = set(self.engine.peers())
         slots = {self.owner: self.board.slot}
         for slot, pid in enumerate(pids.tolist()):
             if pid and core_address(self.board, pid, slot) in connected:

@@ -157,6 +157,7 @@ class _Request:
     aborted: bool = False               # n above 1: aborted (its completions still arriving)
     last_out: RequestOutput | None = None   # n above 1: the latest output of any completion
     engine_slot: int | None = None      # prefix routing: the board slot of the engine it runs on
+    engine_address: str | None = None   # and where that engine takes it (None: ours)
     num_placed: int = 0                 # its completions placed there so far
     placement_closed: bool = False      # answered for good: nothing more counts there
 
@@ -304,14 +305,14 @@ class ServingEngine:
 
         def route(ids: np.ndarray) -> str | None:
             if r.engine_slot is None:
-                r.engine_slot = router.choose(ids)
-                if r.engine_slot != router.board.slot:
+                r.engine_slot, r.engine_address = router.choose(ids)
+                if r.engine_address is not None:
                     self.metrics.on_run_on_peer()
             with self._open_lock:
                 if not r.placement_closed:
                     router.placed(r.engine_slot, 1)
                     r.num_placed += 1
-            return router.address(r.engine_slot)
+            return r.engine_address
         return route
 
     def stats(self) -> EngineStats:

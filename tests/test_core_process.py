@@ -1,4 +1,5 @@
 """engine/core_process.py: the real core process, fed bad frames through its socket."""
+import contextlib
 import os
 import signal
 import socket
@@ -155,19 +156,32 @@ class _Collector:
                                                                self.died)
 
 
-def _start_with_peers(model_dir, address):
+@contextlib.contextmanager
+def _with_peer(model_dir):
+    """A core that takes peers, its owner's client and a peer's; both stopped however it
+    ends. Yields (client, owner's collector, peer's client, peer's collector)."""
     from engine.core_client import PeerCoreClient
+    address = _peer_address()
     owner = _Collector()
     client = CoreClient(EngineConfig(model=model_dir, dtype="float32", device="cpu",
                                      num_kv_blocks=64, cpu_threads=1),
                         [], owner.on_outputs, owner.on_dead, peer_address=address)
-    peer = _Collector()
     try:
+        peer = _Collector()
         peer_client = PeerCoreClient(address, peer.on_outputs, peer.on_dead)
-    except BaseException:
+        try:
+            yield client, owner, peer_client, peer
+        finally:
+            peer_client.shutdown()
+    finally:
         client.shutdown()
-        raise
-    return client, owner, peer_client, peer
+
+
+def _assert_pool_whole(client):
+    stats = client.request_stats().result(timeout=10)
+    assert (stats.num_running, stats.num_waiting) == (0, 0)
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    return stats
 
 
 def _peer_address():
@@ -175,8 +189,7 @@ def _peer_address():
 
 
 def test_a_peer_runs_requests_on_the_core_numbered_in_its_own_space(model_dir):
-    client, owner, peer_client, peer = _start_with_peers(model_dir, _peer_address())
-    try:
+    with _with_peer(model_dir) as (client, owner, peer_client, peer):
         assert peer_client.info == client.info
         greedy = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
         prompts = {0: [5, 6, 7, 8], 1: [9, 10, 11]}
@@ -189,17 +202,12 @@ def test_a_peer_runs_requests_on_the_core_numbered_in_its_own_space(model_dir):
         assert owner.tokens == peer.tokens and sorted(peer.tokens) == [0, 1]
         assert all(len(t) == 12 for t in peer.tokens.values())
         assert peer.finished == owner.finished == {0: "length", 1: "length"}
-        stats = client.request_stats().result(timeout=10)
-        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        _assert_pool_whole(client)
         assert not owner.died and not peer.died
-    finally:
-        peer_client.shutdown()
-        client.shutdown()
 
 
 def test_a_peer_that_goes_away_has_its_requests_aborted_and_the_core_carries_on(model_dir):
-    client, owner, peer_client, peer = _start_with_peers(model_dir, _peer_address())
-    try:
+    with _with_peer(model_dir) as (client, owner, peer_client, peer):
         long = SamplingParams(max_tokens=500, temperature=0.0, ignore_eos=True)
         peer_client.add(0, [5, 6, 7, 8], long)
         peer_client.add(1, [5, 6, 7, 9], long)
@@ -209,21 +217,15 @@ def test_a_peer_that_goes_away_has_its_requests_aborted_and_the_core_carries_on(
                                                 ignore_eos=True))
         owner.wait(lambda: 7 in owner.finished)
         # The peer's two requests were aborted, not run to their 500 tokens: the pool is whole.
-        stats = client.request_stats().result(timeout=10)
-        assert (stats.num_running, stats.num_waiting) == (0, 0)
-        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        stats = _assert_pool_whole(client)
         assert stats.num_generated_tokens < 2 * 500
         assert not owner.died and client.process.poll() is None
-    finally:
-        peer_client.shutdown()
-        client.shutdown()
 
 
 def test_a_peer_may_not_stop_the_core(model_dir):
     """SHUTDOWN (or stats) from a peer: the peer is told why and dropped, and its requests
     are aborted; the core and its owner's requests carry on."""
-    client, owner, peer_client, peer = _start_with_peers(model_dir, _peer_address())
-    try:
+    with _with_peer(model_dir) as (client, owner, peer_client, peer):
         client.add(0, [1, 2, 3], SamplingParams(max_tokens=300, temperature=0.0,
                                                 ignore_eos=True))
         peer_client.add(0, [5, 6, 7, 8], SamplingParams(max_tokens=500, ignore_eos=True))
@@ -233,25 +235,17 @@ def test_a_peer_may_not_stop_the_core(model_dir):
         assert "may not send SHUTDOWN" in peer.died[0], peer.died
         owner.wait(lambda: 0 in owner.finished)
         assert owner.finished[0] == "length" and len(owner.tokens[0]) == 300
-        stats = client.request_stats().result(timeout=10)
-        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        _assert_pool_whole(client)
         assert not owner.died and client.process.poll() is None
-    finally:
-        peer_client.shutdown()
-        client.shutdown()
 
 
 def test_a_peer_hears_when_the_core_is_gone(model_dir):
-    client, owner, peer_client, peer = _start_with_peers(model_dir, _peer_address())
-    try:
+    with _with_peer(model_dir) as (client, owner, peer_client, peer):
         peer_client.add(0, [5, 6, 7], SamplingParams(max_tokens=500, ignore_eos=True))
         peer.wait(lambda: peer.tokens.get(0))
         client.shutdown()
         peer.wait(lambda: peer.died)
         assert "closed the connection" in peer.died[0], peer.died
-    finally:
-        peer_client.shutdown()
-        client.shutdown()
 
 
 def test_nobody_takes_peers_at_an_unknown_address():

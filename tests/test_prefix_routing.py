@@ -1,6 +1,7 @@
 """engine/prefix_routing.py: block keys, the router's choice, and requests run on a peer's core
 (AsyncEngine.connect_peer). Through tritonserver: tests/test_serving_instances.py."""
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -71,15 +72,6 @@ def two_instances(tmp_path):
         board.close()
 
 
-def _claim_for(router, ids, pid):
-    """As the other instance's router (the peer's slot) would after running `ids`."""
-    keys = block_keys(ids, BS, router._weights)
-    index = ((keys * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(64 - 17)).astype(np.int64)
-    router.board.prefix_keys[index] = keys
-    slot = int(np.flatnonzero(router.board.slot_pids() == pid)[0])
-    router.board.prefix_owners[index] = owner_id(pid, slot)
-
-
 def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instances):
     router, engine, peer_slot, peer_pid = two_instances
     own = router.board.slot
@@ -87,26 +79,24 @@ def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instance
     prefix = rng.integers(0, 32000, 10 * BS)
     first = np.concatenate([prefix, rng.integers(0, 32000, 30)])
     second = np.concatenate([prefix, rng.integers(0, 32000, 30)])
-    assert router.choose(second) == own                 # no peer connected: here, unclaimed
+    here, there = (own, None), (peer_slot, core_address(router.board, peer_pid, peer_slot))
+    assert router.choose(second) == here                # no peer connected: here, unclaimed
     engine.connected.append(core_address(router.board, peer_pid, peer_slot))
-    _claim_for(router, first, peer_pid)
-    assert router.choose(second) == peer_slot
-    assert router.address(peer_slot) == core_address(router.board, peer_pid, peer_slot)
-    assert router.address(own) is None
+    router.claim(first, peer_slot)
+    assert router.choose(second) == there
     # It claimed the second prompt's own blocks for the peer too: a third with the same
     # 11 blocks goes there; one that shares fewer than MIN_SHARED_BLOCKS stays here.
-    assert router.choose(np.concatenate([second[:11 * BS], rng.integers(0, 32000, 5)])) == (
-        peer_slot)
+    assert router.choose(np.concatenate([second[:11 * BS], rng.integers(0, 32000, 5)])) == there
     short = np.concatenate([prefix[:(MIN_SHARED_BLOCKS - 1) * BS],
                             rng.integers(0, 32000, 8 * BS)])
-    assert router.choose(short) == own
+    assert router.choose(short) == here
     # A prompt of its own stays here, and is claimed for this instance.
     alone = rng.integers(0, 32000, 12 * BS)
-    assert router.choose(alone) == own
-    assert router.choose(np.concatenate([alone, [7] * 40])) == own
+    assert router.choose(alone) == here
+    assert router.choose(np.concatenate([alone, [7] * 40])) == here
     # A peer that is no longer connected is not chosen.
     engine.connected.clear()
-    assert router.choose(second) == own
+    assert router.choose(second) == here
 
 
 def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_instances):
@@ -116,17 +106,18 @@ def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_inst
     engine.connected.append(core_address(router.board, peer_pid, peer_slot))
     rng = np.random.default_rng(3)
     prefix = rng.integers(0, 32000, 8 * BS)
+    here, there = (own, None), (peer_slot, core_address(router.board, peer_pid, peer_slot))
 
     def ask():
-        _claim_for(router, prefix, peer_pid)
+        router.claim(prefix, peer_slot)
         return router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)]))
     router.board._placed[peer_slot, peer_slot] = 1          # 1 < 0 + 2: there
-    assert ask() == peer_slot
+    assert ask() == there
     router.board._placed[peer_slot, peer_slot] = 2          # 2 >= 0 + 2: here
-    assert ask() == own
+    assert ask() == here
     router.placed(own, 1)                                   # 2 < 1 + 2: there again
     assert router.board.engine_loads()[own] == 1
-    assert ask() == peer_slot
+    assert ask() == there
     router.placed(own, -1)
     assert router.board.engine_loads()[own] == 0
 
@@ -142,15 +133,27 @@ def _engine(model_dir, max_model_len=512, **kw):
                        cpu_threads=1, max_model_len=max_model_len, **kw)
 
 
+@contextlib.contextmanager
+def _owner_and_ours(model_dir, address, owner_max_model_len=512):
+    """An engine whose core takes peers at `address`, and ours; both stopped however it ends."""
+    owner = _engine(model_dir, owner_max_model_len, peer_address=address)
+    try:
+        ours = _engine(model_dir)
+        try:
+            yield owner, ours
+        finally:
+            ours.shutdown()
+    finally:
+        owner.shutdown()
+
+
 def test_requests_routed_to_a_peer_core_answer_as_on_our_own(model_dir):
     address = f"tritonllm-test-peer-{os.getpid()}"
-    owner = _engine(model_dir, peer_address=address)
-    ours = _engine(model_dir)
     greedy = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
     long = SamplingParams(max_tokens=400, ignore_eos=True)
     ids = {"prompt_token_ids": [5, 6, 7, 8, 9, 10]}
 
-    async def run():
+    async def run(owner, ours):
         loop = asyncio.get_running_loop()
         done = {}
         events = {}
@@ -183,12 +186,12 @@ def test_requests_routed_to_a_peer_core_answer_as_on_our_own(model_dir):
         await asyncio.wait_for(events["after"].wait(), 60)
         return done
 
-    try:
+    with _owner_and_ours(model_dir, address) as (owner, ours):
         with pytest.raises(OSError):
             ours.connect_peer(address + "-nobody", timeout_s=2)
         ours.connect_peer(address)
         assert ours.peers() == [address]
-        done = asyncio.run(run())
+        done = asyncio.run(run(owner, ours))
         tokens = {k: [t for o in v if not isinstance(o, BaseException)
                       for t in o.outputs[0].token_ids] for k, v in done.items()}
         assert tokens["peer"] == tokens["local"] and len(tokens["local"]) == 10
@@ -199,21 +202,13 @@ def test_requests_routed_to_a_peer_core_answer_as_on_our_own(model_dir):
         assert ours.peers() == [] and ours.is_alive
         stats = ours.get_stats()
         assert (stats.num_running, stats.num_free_kv_blocks) == (0, stats.num_kv_blocks)
-    finally:
-        ours.shutdown()
-        owner.shutdown()
 
 
 def test_a_peer_core_of_another_model_is_not_used(model_dir):
     """Instances of one model run one model; a core that says otherwise (here another context
     length) is refused, so no request goes where it could not be answered as here."""
     address = f"tritonllm-test-other-{os.getpid()}"
-    owner = _engine(model_dir, max_model_len=256, peer_address=address)
-    ours = _engine(model_dir)
-    try:
+    with _owner_and_ours(model_dir, address, owner_max_model_len=256) as (owner, ours):
         with pytest.raises(RuntimeError, match="runs another model"):
             ours.connect_peer(address)
         assert ours.peers() == []
-    finally:
-        ours.shutdown()
-        owner.shutdown()
