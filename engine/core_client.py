@@ -83,6 +83,7 @@ class CoreClient:
         except BaseException:
             self._kill()
             raise
+        sock.settimeout(None)       # a start-up timeout (a peer's) is not the threads'
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._stats_waiters: deque[Future] = deque()
         self._lock = threading.Lock()
@@ -269,9 +270,12 @@ class PeerCoreClient(CoreClient):
         try:
             self._connected(sock, on_outputs, on_dead)
         except socket.timeout:
+            sock.close()
             raise RuntimeError(f"the engine core at {address!r} did not answer in "
                                f"{timeout_s:.0f} s") from None
-        sock.settimeout(None)
+        except BaseException:
+            sock.close()
+            raise
 
     @property
     def pid(self) -> int:

@@ -157,7 +157,7 @@ class _Collector:
 
 
 @contextlib.contextmanager
-def _with_peer(model_dir):
+def _with_peer(model_dir, timeout_s=10.0):
     """A core that takes peers, its owner's client and a peer's; both stopped however it
     ends. Yields (client, owner's collector, peer's client, peer's collector)."""
     from engine.core_client import PeerCoreClient
@@ -168,7 +168,7 @@ def _with_peer(model_dir):
                         [], owner.on_outputs, owner.on_dead, peer_address=address)
     try:
         peer = _Collector()
-        peer_client = PeerCoreClient(address, peer.on_outputs, peer.on_dead)
+        peer_client = PeerCoreClient(address, peer.on_outputs, peer.on_dead, timeout_s)
         try:
             yield client, owner, peer_client, peer
         finally:
@@ -237,6 +237,17 @@ def test_a_peer_may_not_stop_the_core(model_dir):
         assert owner.finished[0] == "length" and len(owner.tokens[0]) == 300
         _assert_pool_whole(client)
         assert not owner.died and client.process.poll() is None
+
+
+def test_a_peers_connect_timeout_does_not_end_an_idle_connection(model_dir):
+    """The start-up wait is bounded; once connected, a peer with nothing to hear for longer
+    than that stays connected."""
+    with _with_peer(model_dir, timeout_s=0.5) as (client, owner, peer_client, peer):
+        with peer.changed:
+            assert not peer.changed.wait_for(lambda: peer.died, 2.0), peer.died
+        peer_client.add(0, [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+        peer.wait(lambda: 0 in peer.finished)
+        assert not peer.died
 
 
 def test_a_peer_hears_when_the_core_is_gone(model_dir):
