@@ -108,9 +108,10 @@ class EngineConfig:
     # this long for the thread holding it; Python's default is 5000.
     gil_switch_interval_us: int = 500
     # Served with several instances (one per GPU): a request whose prompt shares at least 4 KV
-    # blocks of prefix with what another instance's engine took runs on that engine, unless it
-    # has max_num_seqs / 8 more requests than this one's (engine/prefix_routing.py). Needs
-    # prefix caching.
+    # blocks of prefix with what other instances' engines took runs on the least loaded of
+    # them (this one's if it holds the prefix too and is no busier), unless only others hold
+    # it and have max_num_seqs / 8 more requests than this one's (engine/prefix_routing.py).
+    # Needs prefix caching.
     prefix_routing: bool = True
 
     def __post_init__(self) -> None:

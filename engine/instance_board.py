@@ -18,7 +18,7 @@ tritonserver maps (the key is the server's pid and the model's name), no syscall
   aborts that every instance reads on its housekeeping round;
 - for prefix routing (engine/prefix_routing.py): how many requests each instance has placed on
   each instance's engine (a row per instance, written by it alone), and a table of prompt
-  prefixes (block keys) and the instance whose engine last took each.
+  prefixes (block keys) and the instances whose engines took each (a bit per slot).
 
 Slots of processes that are gone are taken back when found; the file of a server that is gone
 is removed by the next board opened on the machine, and the last instance to close a board
@@ -39,7 +39,7 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-MAGIC = 0x54524C4C4D43        # "TRLLMC" (the layout with prefix routing's parts)
+MAGIC = 0x54524C4C4D44        # "TRLLMD" (prefix routing's table holds a bit per slot)
 NUM_SLOTS = 64
 NUM_ABORTS = 256              # the ring: a reader more than this far behind loses the oldest
 MAX_ABORT_ID_BYTES = 56
@@ -50,13 +50,18 @@ _ABORT = 8                    # int64s per ring entry: its sequence number, then
 _PARTS = {                    # int64s of each part, in the file's order
     "header": _HEADER, "slots": NUM_SLOTS * _SLOT, "ring": NUM_ABORTS * _ABORT,
     "placed": NUM_SLOTS * NUM_SLOTS, "prefix_keys": 1 << PREFIX_TABLE_BITS,
-    "prefix_owners": 1 << PREFIX_TABLE_BITS}
+    "prefix_holders": 1 << PREFIX_TABLE_BITS}
 _SIZE_BYTES = 8 * sum(_PARTS.values())
 PREFIX = "tritonllm-board-"
 
 MARGIN = 1                    # requests an instance may hold over the least-loaded one
 MAX_WAIT_S = 0.01             # the longest an execute call is held for the others
 POLL_S = 0.0005
+
+
+def slot_bit(slot: int) -> np.uint64:
+    """A slot's bit in the prefix table's holder masks."""
+    return np.uint64(1) << np.uint64(slot)
 
 
 def _alive(pid: int) -> bool:
@@ -106,7 +111,7 @@ class InstanceBoard:
             self._ring = parts["ring"].reshape(NUM_ABORTS, _ABORT)
             self._placed = parts["placed"].reshape(NUM_SLOTS, NUM_SLOTS)
             self.prefix_keys = parts["prefix_keys"].view(np.uint64)
-            self.prefix_owners = parts["prefix_owners"]
+            self.prefix_holders = parts["prefix_holders"].view(np.uint64)
             if self._header[0] != MAGIC:
                 words[:] = 0
                 self._header[0] = MAGIC
@@ -126,6 +131,7 @@ class InstanceBoard:
             if pids[i] == 0 or not _alive(int(pids[i])):
                 self._slots[i] = (os.getpid(), 0)
                 self._placed[i] = 0
+                self.prefix_holders &= ~slot_bit(i)     # what the slot's last engine took
                 return i
         raise RuntimeError(f"all {NUM_SLOTS} instance slots of {self.path} are taken")
 
@@ -279,7 +285,7 @@ class InstanceBoard:
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             del (self._header, self._slots, self._ring, self._placed, self.prefix_keys,
-                 self.prefix_owners)                        # views of the mapping
+                 self.prefix_holders)                       # views of the mapping
             self._mm.close()
             os.close(self._fd)
             self._fd = -1

@@ -17,29 +17,31 @@ metrics, its cancellation.
 - Keys: one per full KV block of the prompt, each a hash of every token up to that block's end
   (position-weighted sums, the same in every process): a shared prefix of k blocks has the
   same first k keys.
-- The table: 2 ** 17 (key, owner) pairs in shared memory (owner_id: an instance's pid and
-  board slot), written without locks by every instance (the last writer of an entry wins; a
-  torn entry is a wrong hint, never an error). A request claims its keys for the engine it
-  runs on.
-- The choice: the engine of the live, connected instance that owns the deepest key, if at
-  least MIN_SHARED_BLOCKS deep (a chat template's common start is not worth it), unless that
-  engine has max_num_seqs / 8 requests or more over this instance's own: then here (and the
-  prefix is claimed here, so both engines hold it). The GPUs' loads stay that close: on two
-  H200s, letting an engine fill up to max_num_seqs while the other had room left one GPU
-  short of work (benchmarks/h200x2/served_shared_prefix.md). Loads are what the instances
-  placed on each engine (the board's `placed` rows), counted as requests are routed and
-  answered.
+- The table: 2 ** 17 entries in shared memory, each a key and a mask of the board slots whose
+  engines took it, written without locks by every instance (a torn or lost write is a wrong
+  hint, never an error; an instance that takes a slot clears the slot's bits). A request
+  claims its keys for the engine it runs on.
+- The choice: at the deepest key (at least MIN_SHARED_BLOCKS deep: a chat template's common
+  start is not worth it) that a reachable engine holds (ours, or a connected instance's), the
+  least loaded of the engines that hold it, ours on a tie. So a prefix that every engine
+  holds (a system prompt) moves no request except to even the loads, and a group whose
+  members run on two engines goes on by load, not to whichever took it last. Where only other engines
+  hold it, the least loaded of them, unless it has max_num_seqs / 8 requests or more over
+  ours: then here (and the prefix is claimed here, so both engines hold it). The GPUs' loads
+  stay that close: on two H200s, letting an engine fill up to max_num_seqs while the other
+  had room left one GPU short of work (benchmarks/h200x2/served_shared_prefix.md). Loads are
+  what the instances placed on each engine (the board's `placed` rows), counted as requests
+  are routed and answered.
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 
 import numpy as np
 
-from engine.instance_board import PREFIX_TABLE_BITS, InstanceBoard
+from engine.instance_board import NUM_SLOTS, PREFIX_TABLE_BITS, InstanceBoard, slot_bit
 
 logger = logging.getLogger(__name__)
 
@@ -79,8 +81,6 @@ class PrefixRouter:
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
         self.slack = max(1, max_num_seqs // 8)
-        self.pid = os.getpid()
-        self.owner = owner_id(self.pid, board.slot)
         self._weights = position_weights(max_model_len)
         self._shift = np.uint64(64 - PREFIX_TABLE_BITS)
         self._stop = threading.Event()
@@ -100,49 +100,55 @@ class PrefixRouter:
         pids = self.board.slot_pids()
         target = own
         hits = np.flatnonzero(self.board.prefix_keys[index] == keys)
-        if len(hits) and hits[-1] + 1 >= MIN_SHARED_BLOCKS:
-            owners = self.board.prefix_owners[index[hits]]
-            reachable = self._reachable(pids, set(connected))
-            for depth, owner in zip(hits[::-1] + 1, owners[::-1]):
-                if depth < MIN_SHARED_BLOCKS:
-                    break
-                slot = reachable.get(int(owner))
-                if slot is not None:
-                    target = slot
-                    break
-        if target != own:
-            loads = self.board.engine_loads()
-            if loads[target] >= loads[own] + self.slack:
-                target = own                # the engines' loads stay within the slack
-        self._claim(keys, index, int(pids[target]), target)
+        hits = hits[hits + 1 >= MIN_SHARED_BLOCKS]
+        if len(hits):
+            holders = self.board.prefix_holders[index[hits]] & self._reachable(pids, connected)
+            held = np.flatnonzero(holders)
+            if len(held):                   # the deepest block a reachable engine holds
+                target = self._least_loaded(int(holders[held[-1]]), own)
+        self._claim(keys, index, target)
         if target == own:
             return own, None
         return target, core_address(self.board, int(pids[target]), target)
 
+    def _least_loaded(self, holders: int, own: int) -> int:
+        """Of the engines whose slots are set in `holders`, the least loaded (ours on a tie);
+        ours if it holds none of them and theirs is loaded by the slack over ours."""
+        loads = self.board.engine_loads()
+        slots = [slot for slot in range(NUM_SLOTS) if holders >> slot & 1]
+        best = min(slots, key=lambda slot: (loads[slot], slot != own))
+        if own not in slots and loads[best] >= loads[own] + self.slack:
+            return own
+        return best
+
     def claim(self, ids: np.ndarray, slot: int) -> None:
         """Claims a prompt's prefix for the engine of `slot`, as choose does for the engine
         it picks (and as another instance's router does for its own)."""
-        self._claim(*self._keys(ids), int(self.board.slot_pids()[slot]), slot)
+        self._claim(*self._keys(ids), slot)
 
     def _keys(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The prompt's block keys and their entries in the table."""
         keys = block_keys(ids, self.block_size, self._weights)
         return keys, ((keys * _MIX) >> self._shift).astype(np.int64)
 
-    def _claim(self, keys: np.ndarray, index: np.ndarray, pid: int, slot: int) -> None:
+    def _claim(self, keys: np.ndarray, index: np.ndarray, slot: int) -> None:
+        """Sets the slot's bit on the keys' entries (an entry of another key is taken over)."""
+        same = self.board.prefix_keys[index] == keys
+        held = np.where(same, self.board.prefix_holders[index], np.uint64(0))
         self.board.prefix_keys[index] = keys
-        self.board.prefix_owners[index] = owner_id(pid, slot)
+        self.board.prefix_holders[index] = held | slot_bit(slot)
 
     def placed(self, slot: int, delta: int) -> None:
         self.board.add_placed(slot, delta)
 
-    def _reachable(self, pids: np.ndarray, connected: set[str]) -> dict[int, int]:
-        """owner_id -> slot of this instance and the peers whose cores are connected."""
-        slots = {self.owner: self.board.slot}
+    def _reachable(self, pids: np.ndarray, connected: list[str]) -> np.uint64:
+        """The bits of this instance's slot and of the peers whose cores are connected."""
+        connected = set(connected)
+        bits = slot_bit(self.board.slot)
         for slot, pid in enumerate(pids.tolist()):
             if pid and core_address(self.board, pid, slot) in connected:
-                slots[owner_id(pid, slot)] = slot
-        return slots
+                bits |= slot_bit(slot)
+        return bits
 
     # ------------------------------------------------------------------ connections
     def start(self) -> None:
@@ -188,7 +194,3 @@ def core_address(board: InstanceBoard, pid: int, slot: int) -> str:
     """The abstract socket name where the core of the instance (pid, board slot) takes peers."""
     return f"{board.name}-core-{pid}-{slot}"
 
-
-def owner_id(pid: int, slot: int) -> int:
-    """An instance's id in the prefix table."""
-    return pid * 64 + slot

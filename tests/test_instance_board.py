@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from engine.instance_board import NUM_ABORTS, PREFIX, InstanceBoard, remove_boards_of
+from engine.instance_board import NUM_ABORTS, PREFIX, InstanceBoard, remove_boards_of, slot_bit
 
 SERVER_PID = os.getpid()        # any live pid: the boards' key
 
@@ -93,6 +93,21 @@ def test_the_slot_of_a_process_that_is_gone_is_freed(tmp_path, boards):
         child.join(60)
     assert a.wait_turn(max_wait_s=30) < 30      # the dead peer (load 0) is not waited for
     assert a.peer_loads() == {}
+
+
+def test_an_instance_that_takes_a_slot_clears_what_the_slots_last_engine_held(boards):
+    """Prefix routing's table: the bits of a slot's last instance would be wrong hints for
+    the next one's engine, which starts empty."""
+    a, b = boards(), boards()
+    bit_a, bit_b = int(slot_bit(a.slot)), int(slot_bit(b.slot))
+    a.prefix_keys[:3] = (11, 12, 13)
+    a.prefix_holders[:3] = (bit_a, bit_a | bit_b, bit_b)
+    old = a.slot
+    a.close()
+    c = boards()
+    assert c.slot == old
+    assert c.prefix_holders[:3].tolist() == [0, bit_b, bit_b]
+    assert c.prefix_keys[:3].tolist() == [11, 12, 13]
 
 
 def test_aborts_posted_by_one_instance_reach_the_others(boards):

@@ -12,7 +12,7 @@ import pytest
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.instance_board import InstanceBoard
 from engine.prefix_routing import (MIN_SHARED_BLOCKS, PrefixRouter, block_keys, core_address,
-                                   owner_id, position_weights)
+                                   position_weights)
 from engine.sampling_params import SamplingParams
 from scripts.make_tiny_model import make_tiny_model
 
@@ -100,26 +100,60 @@ def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instance
 
 
 def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_instances):
-    """The engines' loads stay within max_num_seqs / 8 (here 16 / 8 = 2) of each other."""
+    """A prefix only the peer's engine holds goes there while its load is within
+    max_num_seqs / 8 (here 16 / 8 = 2) of ours; past that it runs here, and then both hold it."""
     router, engine, peer_slot, peer_pid = two_instances
     own = router.board.slot
     engine.connected.append(core_address(router.board, peer_pid, peer_slot))
     rng = np.random.default_rng(3)
-    prefix = rng.integers(0, 32000, 8 * BS)
     here, there = (own, None), (peer_slot, core_address(router.board, peer_pid, peer_slot))
 
     def ask():
+        """A prompt whose 8-block prefix only the peer's engine has taken."""
+        prefix = rng.integers(0, 32000, 8 * BS)
         router.claim(prefix, peer_slot)
-        return router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)]))
+        return prefix, router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)]))
     router.board._placed[peer_slot, peer_slot] = 1          # 1 < 0 + 2: there
-    assert ask() == there
+    assert ask()[1] == there
     router.board._placed[peer_slot, peer_slot] = 2          # 2 >= 0 + 2: here
-    assert ask() == here
+    prefix, choice = ask()
+    assert choice == here
     router.placed(own, 1)                                   # 2 < 1 + 2: there again
     assert router.board.engine_loads()[own] == 1
-    assert ask() == there
+    assert ask()[1] == there
+    # The prefix that ran here is held by both engines now: the less loaded one takes it.
+    assert router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)])) == here
     router.placed(own, -1)
     assert router.board.engine_loads()[own] == 0
+
+
+def test_a_prefix_both_engines_hold_goes_to_the_less_loaded_ours_on_a_tie(two_instances):
+    """A system prompt every engine has cached: no request moves but to even the loads (the
+    last engine to take it does not draw them, as a single owner per prefix would)."""
+    router, engine, peer_slot, peer_pid = two_instances
+    own = router.board.slot
+    engine.connected.append(core_address(router.board, peer_pid, peer_slot))
+    rng = np.random.default_rng(4)
+    prefix = rng.integers(0, 32000, 6 * BS)
+    here, there = (own, None), (peer_slot, core_address(router.board, peer_pid, peer_slot))
+
+    def ask(last_taker):
+        router.claim(np.concatenate([prefix, rng.integers(0, 32000, 3 * BS)]), last_taker)
+        return router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)]))
+    router.claim(prefix, own)
+    assert ask(peer_slot) == here                           # loads 0 and 0
+    router.board._placed[peer_slot, peer_slot] = 3
+    assert ask(peer_slot) == here
+    router.placed(own, 5)                                   # 5 against 3: the peer's
+    assert ask(own) == there
+    router.placed(own, -2)                                  # 3 and 3: ours
+    assert ask(peer_slot) == here
+    # Deeper blocks that only the peer holds win over the shared prefix, within the slack.
+    deeper = np.concatenate([prefix, rng.integers(0, 32000, 4 * BS)])
+    router.claim(deeper, peer_slot)
+    assert router.choose(np.concatenate([deeper, [5] * 7])) == there
+    router.placed(own, -3)
+    router.board._placed[peer_slot, peer_slot] = 0
 
 
 # ---------------------------------------------------------------------------- real cores
