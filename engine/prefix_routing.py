@@ -5,7 +5,7 @@ the requests of a group that share a long prefix (a document, few-shot examples,
 prompt) land on every GPU: each GPU computes the prefix and keeps it cached, and cascade
 attention reads it once per GPU instead of once for the group. On two H200s, 512 streams in
 groups of 16 sharing 2,000 tokens were served at 77.6% of the same engines given whole groups;
-with this routing at 83.6-93.4% (benchmarks/h200x2/served_shared_prefix.md).
+with this routing 10-12% faster than without (benchmarks/h200x2/served_shared_prefix.md).
 
 So an instance that takes a request looks up its prompt's prefix in a table on the instance
 board (engine/instance_board.py) and, where another instance's engine took the longest part of
@@ -23,9 +23,10 @@ metrics, its cancellation.
   claims its keys for the engine it runs on.
 - The choice: at the deepest key (at least MIN_SHARED_BLOCKS deep: a chat template's common
   start is not worth it) that a reachable engine holds (ours, or a connected instance's), the
-  least loaded of the engines that hold it, ours on a tie. So a prefix that every engine
-  holds (a system prompt) moves no request except to even the loads, and a group whose
-  members run on two engines goes on by load, not to whichever took it last. Where only other engines
+  least loaded of the engines that hold it, ours on a tie. So a prefix that every engine holds
+  (a system prompt) moves no request except to even the loads, and a group whose members run
+  on two engines goes on by load, not to whichever took it last (as a single owner per key
+  did; this rule gave 1.4-5.9% more tokens a second on two H200s). Where only other engines
   hold it, the least loaded of them, unless it has max_num_seqs / 8 requests or more over
   ours: then here (and the prefix is claimed here, so both engines hold it). The GPUs' loads
   stay that close: on two H200s, letting an engine fill up to max_num_seqs while the other
