@@ -10,6 +10,7 @@ import json
 import mmap
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
@@ -228,6 +229,36 @@ def test_stop_kills_the_group_when_the_server_hangs(tmp_path):
     assert s.returncode() == -9  # it did hang, so it was the SIGKILL that ended it
     assert stub_pids(repo) == [] and not any(pid_alive(p) for p in stubs)
     assert s.group_pids() == []
+
+
+def test_a_process_ended_by_sigterm_stops_its_servers_first(tmp_path):
+    """`timeout` SIGTERMs a benchmark; its server, in a session of its own, would outlive it
+    (Python's default SIGTERM runs no atexit) and keep the GPU's memory."""
+    repo = tmp_path / "repo"
+    write_model(repo, "echo", ECHO_CONFIG, ECHO_MODEL)
+    code = ("import sys, time; from tests.tritonserver import start_server;"
+            "s = start_server(sys.argv[1], log_dir=sys.argv[2]); print(s.pid, flush=True);"
+            "time.sleep(600)")
+    child = subprocess.Popen([sys.executable, "-c", code, str(repo), str(tmp_path)], cwd=ROOT,
+                             stdout=subprocess.PIPE, text=True)
+    server_pid, regions_before = 0, shm_regions()
+    try:
+        server_pid = int(child.stdout.readline())
+        stubs = stub_pids(repo)
+        assert pid_alive(server_pid) and stubs
+        child.send_signal(signal.SIGTERM)
+        assert child.wait(60) == -signal.SIGTERM        # it still ends by the signal
+        assert not pid_alive(server_pid)
+        assert stub_pids(repo) == [] and not any(pid_alive(p) for p in stubs)
+    finally:
+        child.kill()
+        child.wait()
+        if server_pid and pid_alive(server_pid):        # what the test found: not left behind
+            os.killpg(server_pid, signal.SIGKILL)
+            deadline = time.monotonic() + 10
+            while tritonserver._live_pids_in_group(server_pid) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            remove_orphan_regions(shm_regions() - regions_before)
 
 
 def test_broken_repository_fails_fast_with_log_tail(tmp_path):

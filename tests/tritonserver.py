@@ -19,7 +19,11 @@ stub exits once its server is gone, but not while the dead server is unreaped, n
 stub itself is stuck. The engine's own processes (core, tokenizer) run in sessions of their
 own, outside the group: they exit when their stub is gone, and `stop()` waits for that (and
 kills any still there after 10 s). Servers still running when the interpreter exits are
-stopped too.
+stopped too, and so are they when the process gets SIGTERM (`timeout`, a CI job's limit) while
+SIGTERM has its default action: the servers are stopped, then the process ends by the signal
+as it would have (a server runs in a session of its own, so the signal does not reach it, and
+Python's default SIGTERM runs no atexit: a benchmark cut by `timeout` left a server holding
+the GPU's memory).
 
 A server that stops cleanly removes the shared-memory regions it made for its Python models
 (`/dev/shm/triton_python_backend_shm_region_*`, ~1.6 MB each); one whose stub was killed, or
@@ -38,6 +42,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -177,6 +182,7 @@ def start_server(model_repository: str | os.PathLike, extra_args: Sequence[str] 
     """
     log_dir = str(log_dir) if log_dir is not None else tempfile.mkdtemp(prefix="tritonserver-")
     os.makedirs(log_dir, exist_ok=True)
+    _stop_servers_on_sigterm()
     for attempt in range(_MAX_PORT_ATTEMPTS):
         server = _launch(os.path.abspath(model_repository), list(extra_args), log_dir)
         try:
@@ -320,3 +326,19 @@ class Processes:
 def _stop_live_servers() -> None:
     for server in list(_live_servers):
         server.stop(timeout_s=10.0)
+
+
+def _stop_servers_on_sigterm() -> None:
+    """While SIGTERM has its default action (and from the main thread, where handlers are
+    set): on SIGTERM, stop the live servers, then end by SIGTERM."""
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
+        signal.signal(signal.SIGTERM, _on_sigterm)
+
+
+def _on_sigterm(signum, frame) -> None:
+    try:
+        _stop_live_servers()
+    finally:
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
