@@ -42,7 +42,7 @@ import time
 
 import numpy as np
 
-from engine.instance_board import NUM_SLOTS, PREFIX_TABLE_BITS, InstanceBoard, slot_bit
+from engine.instance_board import PREFIX_TABLE_BITS, InstanceBoard, slot_bit
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +100,15 @@ class PrefixRouter:
         keys, index = self._keys(ids)
         pids = self.board.slot_pids()
         target = own
-        hits = np.flatnonzero(self.board.prefix_keys[index] == keys)
+        same = self.board.prefix_keys[index] == keys
+        hits = np.flatnonzero(same)
         hits = hits[hits + 1 >= MIN_SHARED_BLOCKS]
         if len(hits):
             holders = self.board.prefix_holders[index[hits]] & self._reachable(pids, connected)
             held = np.flatnonzero(holders)
             if len(held):                   # the deepest block a reachable engine holds
                 target = self._least_loaded(int(holders[held[-1]]), own)
-        self._claim(keys, index, target)
+        self._claim(keys, index, target, same)
         if target == own:
             return own, None
         return target, core_address(self.board, int(pids[target]), target)
@@ -116,7 +117,7 @@ class PrefixRouter:
         """Of the engines whose slots are set in `holders`, the least loaded (ours on a tie);
         ours if it holds none of them and theirs is loaded by the slack over ours."""
         loads = self.board.engine_loads()
-        slots = [slot for slot in range(NUM_SLOTS) if holders >> slot & 1]
+        slots = _set_bits(holders)
         best = min(slots, key=lambda slot: (loads[slot], slot != own))
         if own not in slots and loads[best] >= loads[own] + self.slack:
             return own
@@ -132,9 +133,12 @@ class PrefixRouter:
         keys = block_keys(ids, self.block_size, self._weights)
         return keys, ((keys * _MIX) >> self._shift).astype(np.int64)
 
-    def _claim(self, keys: np.ndarray, index: np.ndarray, slot: int) -> None:
-        """Sets the slot's bit on the keys' entries (an entry of another key is taken over)."""
-        same = self.board.prefix_keys[index] == keys
+    def _claim(self, keys: np.ndarray, index: np.ndarray, slot: int,
+               same: np.ndarray | None = None) -> None:
+        """Sets the slot's bit on the keys' entries (an entry of another key is taken over).
+        `same`: which entries hold the keys now, if the caller has just read them."""
+        if same is None:
+            same = self.board.prefix_keys[index] == keys
         held = np.where(same, self.board.prefix_holders[index], np.uint64(0))
         self.board.prefix_keys[index] = keys
         self.board.prefix_holders[index] = held | slot_bit(slot)
@@ -189,6 +193,16 @@ class PrefixRouter:
             except (OSError, RuntimeError) as e:    # not up yet, or gone
                 self._failed[address] = now
                 logger.debug("prefix routing: no engine at %s yet: %s", address, e)
+
+
+def _set_bits(mask: int) -> list[int]:
+    """The slots whose bits are set in `mask`."""
+    slots = []
+    while mask:
+        low = mask & -mask
+        slots.append(low.bit_length() - 1)
+        mask ^= low
+    return slots
 
 
 def core_address(board: InstanceBoard, pid: int, slot: int) -> str:
