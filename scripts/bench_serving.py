@@ -142,9 +142,10 @@ def direct_worker(spec: dict) -> None:
                 _closed_loop(engine, prompts[first:first + n], params, c, n, tag, groups,
                              stagger_s))
             after = engine.get_stats()
-            print(json.dumps({"times": times, "steps": after.num_steps - before.num_steps,
-                              "graph_steps": after.num_graph_steps - before.num_graph_steps}),
-                  flush=True)
+            print(json.dumps({"times": times, **{
+                k: getattr(after, "num_" + k) - getattr(before, "num_" + k)
+                for k in ("steps", "graph_steps", "prompt_tokens", "cached_prompt_tokens",
+                          "cascade_rows")}}), flush=True)
     finally:
         engine.shutdown()
         loop.close()
@@ -177,7 +178,9 @@ class DirectEngines:
             os.remove(spec_path)
 
     def run(self, c: int, n: int, tag: str, first: int) -> tuple[list, dict]:
-        """Per-request times, and the share of the engines' steps that ran as a CUDA graph.
+        """Per-request times, and of the engines together: the share of steps that ran as a
+        CUDA graph, the query rows that read a shared prefix once per group (cascade_rows) and
+        the share of prompt tokens found in the prefix cache (as the server reports them).
         The n requests send prompts first, first + 1, ..."""
         k = len(self.procs)
         start = first
@@ -188,13 +191,19 @@ class DirectEngines:
                           f"{self.groups} {self.stagger_s}\n")
             start += max(ni, 1)
             p.stdin.flush()
-        times, steps, graph_steps = [], 0, 0
+        times, sums = [], {}
         for p in self.procs:
             answer = json.loads(p.stdout.readline())
-            times += answer["times"]
-            steps += answer["steps"]
-            graph_steps += answer["graph_steps"]
-        return times, ({"graph_step_fraction": round(graph_steps / steps, 3)} if steps else {})
+            times += answer.pop("times")
+            for k, v in answer.items():
+                sums[k] = sums.get(k, 0) + v
+        stats = {"cascade_rows": sums["cascade_rows"]}
+        if sums["steps"]:
+            stats["graph_step_fraction"] = round(sums["graph_steps"] / sums["steps"], 3)
+        if sums["prompt_tokens"]:
+            stats["prefix_cache_hit_ratio"] = round(
+                sums["cached_prompt_tokens"] / sums["prompt_tokens"], 3)
+        return times, stats
 
     def close(self) -> None:
         for p in self.procs:

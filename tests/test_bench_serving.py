@@ -58,6 +58,9 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     for r in rows:                   # on CPU no step runs as a CUDA graph
         if r["path"].startswith("direct") or r["path"].startswith("llm"):
             assert r["graph_step_fraction"] == 0.0, r
+    for r in rows:                   # both paths say how much prefill the prefix cache saved
+        if r["path"] in ("direct", "llm"):
+            assert 0 <= r["prefix_cache_hit_ratio"] <= 1 and r["cascade_rows"] >= 0, r
     assert (tmp_path / "serving.server.log").exists()
     # Saved after every round (a run cut off keeps what it measured), then once at the end.
     assert saved == list(range(1, len(rows) + 1)) + [len(rows)]
