@@ -113,6 +113,10 @@ class EngineConfig:
     # it and have max_num_seqs / 8 more requests than this one's (engine/prefix_routing.py).
     # Needs prefix caching.
     prefix_routing: bool = True
+    # Prefix routing: how many requests more than this instance's engine another engine may
+    # have and still take a prefix that only it holds (a group kept whole on one GPU against
+    # the GPUs' loads kept even). None: max_num_seqs / 8, at least 1.
+    prefix_routing_slack: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -197,6 +201,8 @@ class EngineConfig:
                      "decode_late_merge", "prefix_routing"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
+        if self.prefix_routing_slack is not None:
+            _int_at_least("prefix_routing_slack", self.prefix_routing_slack, 0)
         _one_of("load_format", self.load_format, LOAD_FORMATS)
         _one_of("skinny_gemm", self.skinny_gemm, SKINNY_GEMM)
         _one_of("capacity_scheduler_policy", self.capacity_scheduler_policy, CAPACITY_POLICIES)

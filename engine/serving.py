@@ -217,7 +217,8 @@ class ServingEngine:
                 peer_address=core_address(board, os.getpid(), board.slot) if routing else None)
             if routing:
                 self._router = PrefixRouter(board, self.engine, config.block_size,
-                                            config.max_num_seqs, self.engine.info.max_model_len)
+                                            config.max_num_seqs, self.engine.info.max_model_len,
+                                            config.prefix_routing_slack)
         except BaseException:
             self.outbox.close()
             if self._trace is not None:

@@ -36,6 +36,8 @@ def test_defaults_are_valid(model_dir):
     ("tokenizer_process_priority", 10, "normal"),
     ("response_senders", 0, ">= 1"),
     ("gil_switch_interval_us", 0, ">= 1"),
+    ("prefix_routing_slack", -1, ">= 0"),
+    ("prefix_routing_slack", 2.5, ">= 0"),
     ("kv_cache_dtype", "int8", "fp8_e4m3"),
 ])
 def test_bad_setting_names_field_and_range(model_dir, field, value, allowed):
@@ -59,6 +61,16 @@ def test_kv_cache_dtype_from_a_triton_parameter(model_dir):
     """The served model's config.pbtxt parameters arrive as strings (settings_from_triton)."""
     assert EngineConfig.from_strings({"model": model_dir, "kv_cache_dtype": "fp8"}).kv_cache_dtype == "fp8"
     assert EngineConfig(model=model_dir).kv_cache_dtype == "auto"
+
+
+def test_prefix_routing_slack_from_a_triton_parameter(model_dir):
+    """An integer from config.pbtxt's strings; unset (None) is max_num_seqs / 8, the router's
+    default (tests/test_prefix_routing.py)."""
+    assert EngineConfig.from_strings({"model": model_dir, "prefix_routing_slack": "48"}
+                                     ).prefix_routing_slack == 48
+    assert EngineConfig(model=model_dir).prefix_routing_slack is None
+    with pytest.raises(ValueError, match="prefix_routing_slack must be of type int"):
+        EngineConfig.from_strings({"model": model_dir, "prefix_routing_slack": "lots"})
 
 
 def _pbtxt(**params):

@@ -127,6 +127,27 @@ def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_inst
     assert router.board.engine_loads()[own] == 0
 
 
+def test_the_slack_setting_replaces_max_num_seqs_over_8(two_instances):
+    """prefix_routing_slack: a prefix only the peer holds goes there while the peer's load is
+    under ours plus the slack given (here 5, where max_num_seqs / 8 would be 2)."""
+    router, engine, peer_slot, peer_pid = two_instances
+    own = router.board.slot
+    engine.connected.append(core_address(router.board, peer_pid, peer_slot))
+    router = PrefixRouter(router.board, engine, BS, max_num_seqs=16, max_model_len=4096,
+                          slack=5)
+    rng = np.random.default_rng(5)
+    there = (peer_slot, core_address(router.board, peer_pid, peer_slot))
+
+    def ask():
+        prefix = rng.integers(0, 32000, 8 * BS)
+        router.claim(prefix, peer_slot)
+        return router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)]))
+    router.board._placed[peer_slot, peer_slot] = 4          # 4 < 0 + 5: there
+    assert ask() == there
+    router.board._placed[peer_slot, peer_slot] = 5          # 5 >= 0 + 5: here
+    assert ask() == (own, None)
+
+
 def test_a_prefix_both_engines_hold_goes_to_the_less_loaded_ours_on_a_tie(two_instances):
     """A system prompt every engine has cached: no request moves but to even the loads (the
     last engine to take it does not draw them, as a single owner per prefix would)."""
