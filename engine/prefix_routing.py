@@ -28,9 +28,9 @@ metrics, its cancellation.
   on two engines goes on by load, not to whichever took it last (as a single owner per key
   did; this rule gave 1.4-5.9% more tokens a second on two H200s). Where only other engines
   hold it, the least loaded of them, unless it has max_num_seqs / 8 requests (the
-  prefix_routing_slack setting) or more over ours: then here (and the prefix is claimed here, so both engines hold it). The GPUs' loads
-  stay that close: on two H200s, letting an engine fill up to max_num_seqs while the other
-  had room left one GPU short of work (benchmarks/h200x2/served_shared_prefix.md). Loads are
+  prefix_routing_slack setting) or more over ours: then here (and the prefix is claimed here,
+  so both engines hold it). The GPUs' loads stay that close: on two H200s, letting an engine
+  fill up to max_num_seqs while the other had room left one GPU short of work (benchmarks/h200x2/served_shared_prefix.md). Loads are
   what the instances placed on each engine (the board's `placed` rows), counted as requests
   are routed and answered.
 """
