@@ -30,9 +30,9 @@ metrics, its cancellation.
   hold it, the least loaded of them, unless it has max_num_seqs / 8 requests (the
   prefix_routing_slack setting) or more over ours: then here (and the prefix is claimed here,
   so both engines hold it). The GPUs' loads stay that close: on two H200s, letting an engine
-  fill up to max_num_seqs while the other had room left one GPU short of work (benchmarks/h200x2/served_shared_prefix.md). Loads are
-  what the instances placed on each engine (the board's `placed` rows), counted as requests
-  are routed and answered.
+  fill up to max_num_seqs while the other had room left one GPU short of work
+  (benchmarks/h200x2/served_shared_prefix.md). Loads are what the instances placed on each
+  engine (the board's `placed` rows), counted as requests are routed and answered.
 """
 from __future__ import annotations
 
