@@ -236,9 +236,13 @@ def test_a_process_ended_by_sigterm_stops_its_servers_first(tmp_path):
     (Python's default SIGTERM runs no atexit) and keep the GPU's memory."""
     repo = tmp_path / "repo"
     write_model(repo, "echo", ECHO_CONFIG, ECHO_MODEL)
+    # The child waits in short sleeps: Python runs a signal's handler between bytecodes, so a
+    # SIGTERM caught after the last check and before a sleep's system call began (the child
+    # preempted there, on a loaded CI machine) waits for that sleep to end. One sleep(600) made
+    # this test time out once in CI.
     code = ("import sys, time; from tests.tritonserver import start_server;"
-            "s = start_server(sys.argv[1], log_dir=sys.argv[2]); print(s.pid, flush=True);"
-            "time.sleep(600)")
+            "s = start_server(sys.argv[1], log_dir=sys.argv[2]); print(s.pid, flush=True);\n"
+            "while True: time.sleep(0.1)")
     child = subprocess.Popen([sys.executable, "-c", code, str(repo), str(tmp_path)], cwd=ROOT,
                              stdout=subprocess.PIPE, text=True)
     server_pid, regions_before = 0, shm_regions()
