@@ -1,0 +1,35 @@
+"""scripts/sim_prefix_routing.py: the real schedulers and prefix routers on a simulated clock.
+Whole groups per engine compute each prefix once; without routing each engine computes it; the
+router keeps groups whole as far as its slack lets it."""
+from scripts import sim_prefix_routing as sim
+
+ARGS = dict(engines=2, c=32, num_requests=32 * 4, group_size=8, shared=128, own=32, output=8,
+            max_num_seqs=16, budget=256, num_blocks=4000, base_ms=2.0, per_row_us=34.0,
+            per_token_us=24.0, eager_ms=2.5, send_ms=1.0, reply_ms=1.0)
+PROMPT = 128 + 32
+
+
+def test_whole_groups_compute_a_prefix_once_and_split_ones_once_per_engine():
+    direct = sim.simulate("direct", None, **ARGS)
+    none = sim.simulate("none", None, **ARGS)
+    assert direct["hit_ratio"] == round(1 - (128 + 8 * 32) / (8 * PROMPT), 3)      # 0.7
+    assert none["hit_ratio"] == round(1 - (2 * 128 + 8 * 32) / (8 * PROMPT), 3)    # 0.6
+    assert direct["output_tok_s"] > none["output_tok_s"]
+
+
+def test_the_router_keeps_groups_whole_as_far_as_its_slack_lets_it():
+    none = sim.simulate("none", None, **ARGS)
+    whole = sim.simulate("routing", 10 ** 6, **ARGS)
+    some = sim.simulate("routing", 4, **ARGS)
+    assert whole["hit_ratio"] == sim.simulate("direct", None, **ARGS)["hit_ratio"]
+    assert none["hit_ratio"] < some["hit_ratio"] < whole["hit_ratio"]
+    assert some["output_tok_s"] > none["output_tok_s"]
+
+
+def test_main_prints_a_row_per_mode_and_slack(capsys):
+    rows = sim.main(["--concurrency", "16", "--max-num-seqs", "8", "--waves", "2",
+                     "--group-size", "4", "--shared", "64", "--own", "16", "--output", "4",
+                     "--num-blocks", "2000", "--slack", "2", "8"])
+    assert [(r["mode"], r["slack"]) for r in rows] == [
+        ("direct", None), ("none", None), ("routing", 2), ("routing", 8)]
+    assert capsys.readouterr().out.count("\n| routing | ") == 2
