@@ -14,13 +14,20 @@ PrefixRouter (engine/prefix_routing.py) over a board held in this process. What 
   tokens takes ~19.4 ms, of which ~10.3 the projections, which take about half at 256 rows
   (~10.7 ms a step there); prompt steps ~25 us a token;
 - clients: `concurrency` closed-loop streams; prompt i belongs to group i // group_size (a
-  shared prefix of `shared` tokens, then `own` tokens of its own), sent in order as streams
-  come free (as bench_serving.py's clients send them); `reply_ms` from a step's end to the
-  client hearing its tokens, `send_ms` from a client's send to the server's router.
+  shared prefix of `shared` tokens, then `own` tokens of its own). With `--clients k` (as
+  bench_serving.py's perf_analyzer processes) client j has c / k of the streams and sends
+  prompts j, j + k, ... in turn until the run's prompts are used up, so a client whose
+  requests wait on a loaded engine finishes late while the others' streams are done; with 1,
+  every stream takes the next prompt. `reply_ms` from a step's end to the client hearing its
+  tokens, `send_ms` from a client's send to the server's router.
 
 Modes: `routing` (the PrefixRouter with each --slack), `none` (each instance runs its requests
 on its own engine), `direct` (whole groups per engine, as bench_serving.py's direct rows).
-The figures are the steady part of the run: from the end of the first wave to the last send.
+`out tok/s` is the steady part of the run (from the end of the first wave to the last send);
+`run tok/s` the whole run, ramp and drain included, as bench_serving.py's rounds count it (a
+GPU left with queued requests when the sends stop drains them alone); `in flight` the
+requests out on average from the c-th send to the last (bench_serving.py's "in flight at
+full load").
 
     python scripts/sim_prefix_routing.py --slack 8 32 64 128 100000
 """
@@ -114,7 +121,7 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
              group_size: int, shared: int, own: int, output: int, max_num_seqs: int,
              budget: int, num_blocks: int, base_ms: float, per_row_us: float,
              per_token_us: float, eager_ms: float, send_ms: float, reply_ms: float,
-             seed: int = 0) -> dict:
+             clients: int = 1, seed: int = 0) -> dict:
     rng = random.Random(seed)
     max_len = shared + own + output + 1
     eng = [SimEngine(num_blocks, max_num_seqs, budget, max_len) for _ in range(engines)]
@@ -126,19 +133,19 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
     events: list[tuple[float, int, str, int]] = []   # (time, tie-break, kind, engine/request)
     seq = 0
     sent, first, last, where = {}, {}, {}, {}
-    next_id = 0
+    next_of = list(range(clients))          # each client's next prompt
 
     def push(at: float, kind: str, x: int) -> None:
         nonlocal seq
         seq += 1
         heapq.heappush(events, (at, seq, kind, x))
 
-    def send(at: float) -> None:
-        nonlocal next_id
-        if next_id < num_requests:
-            sent[next_id] = at
-            push(at + send_ms / 1e3, "arrive", next_id)
-            next_id += 1
+    def send(at: float, client: int) -> None:
+        n = next_of[client]
+        if n < num_requests:
+            sent[n] = at
+            push(at + send_ms / 1e3, "arrive", n)
+            next_of[client] += clients
 
     def arrive(at: float, n: int) -> None:
         ids = prompt_ids(n, group_size, shared, own)
@@ -192,11 +199,11 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
                 inst, target = where.pop(n)
                 inst_load[inst] -= 1
                 routers[inst].placed(target, -1)
-                send(heard)
+                send(heard, n % clients)
         push(end, "step", k)
 
-    for _ in range(c):
-        send(0.0)
+    for i in range(c):
+        send(0.0, i % clients)
     imbalance = []
     while events:
         at, _, kind, x = heapq.heappop(events)
@@ -210,14 +217,20 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
     assert len(last) == num_requests, "requests left unfinished"
     ends = sorted(last.values())
     start, stop = ends[c - 1], max(sent.values())       # after the first wave, to the last send
+    sends = sorted(sent.values())
+    full0 = sends[c - 1]
+    out_s = sum(max(0.0, min(last[n], stop) - max(sent[n], full0)) for n in sent)
     steady = [n for n, t in last.items() if start < t <= stop]
-    later = [n for n in sent if sent[n] >= start and n in first]
+    ttft = sorted(first[n] - sent[n] for n in sent if sent[n] >= start and n in first)
     prompt_tokens = sum(e.sched.stats.num_cached_prompt_tokens for e in eng)
     total_prompt = num_requests * (shared + own)
     return {"mode": mode, "slack": slack if mode == "routing" else None,
             "output_tok_s": round(len(steady) * output / max(stop - start, 1e-9), 1),
+            "run_tok_s": round(num_requests * output / ends[-1], 1),
+            "in_flight": round(out_s / max(stop - full0, 1e-9), 1),
             "hit_ratio": round(prompt_tokens / total_prompt, 3),
-            "ttft_p50_ms": round(1e3 * statistics.median(first[n] - sent[n] for n in later), 1),
+            "ttft_p50_ms": round(1e3 * statistics.median(ttft), 1),
+            "ttft_p99_ms": round(1e3 * ttft[int(0.99 * (len(ttft) - 1))], 1),
             "prompt_steps": sum(e.prompt_steps for e in eng),
             "steps": sum(e.steps for e in eng),
             "imbalance_p50": statistics.median(imbalance) if imbalance else 0,
@@ -247,13 +260,16 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="more for a step with prompt tokens (~500 kernels launched eagerly)")
     ap.add_argument("--send-ms", type=float, default=1.0)
     ap.add_argument("--reply-ms", type=float, default=1.0)
+    ap.add_argument("--clients", type=int, default=1,
+                    help="clients sharing the streams, each with its own prompts (as "
+                         "bench_serving.py's --clients)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--out", help="also write the rows here (JSON)")
     args = ap.parse_args(argv)
     rows = []
-    print("| mode | slack | seed | out tok/s | hit ratio | TTFT p50 ms | prompt steps | steps "
-          "| load gap p50 | p90 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| mode | slack | seed | out tok/s | run tok/s | in flight | hit ratio | TTFT p50 / p99 ms "
+          "| prompt steps | steps | load gap p50 | p90 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     runs = [(m, s) for m in args.modes for s in (args.slack if m == "routing" else [None])]
     for mode, slack in runs:
         for seed in args.seeds:
@@ -261,11 +277,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          args.waves * args.concurrency, args.group_size, args.shared, args.own,
                          args.output, args.max_num_seqs, args.budget, args.num_blocks,
                          args.base_ms, args.per_row_us, args.per_token_us, args.eager_ms,
-                         args.send_ms, args.reply_ms, seed)
+                         args.send_ms, args.reply_ms, args.clients, seed)
             r["seed"] = seed
             rows.append(r)
             print(f"| {mode} | {'' if slack is None else slack} | {seed} | {r['output_tok_s']} "
-                  f"| {r['hit_ratio']} | {r['ttft_p50_ms']} | {r['prompt_steps']} "
+                  f"| {r['run_tok_s']} | {r['in_flight']} | {r['hit_ratio']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['prompt_steps']} "
                   f"| {r['steps']} | {r['imbalance_p50']} | {r['imbalance_p90']} |", flush=True)
     dump_rows(args.out, rows)
     return rows

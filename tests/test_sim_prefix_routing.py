@@ -15,6 +15,8 @@ def test_whole_groups_compute_a_prefix_once_and_split_ones_once_per_engine():
     assert direct["hit_ratio"] == round(1 - (128 + 8 * 32) / (8 * PROMPT), 3)      # 0.7
     assert none["hit_ratio"] == round(1 - (2 * 128 + 8 * 32) / (8 * PROMPT), 3)    # 0.6
     assert direct["output_tok_s"] > none["output_tok_s"]
+    # Four clients, each sending its own prompts (i, i + 4, ...): every prompt is sent once.
+    assert sim.simulate("direct", None, clients=4, **ARGS)["hit_ratio"] == direct["hit_ratio"]
 
 
 def test_the_router_keeps_groups_whole_as_far_as_its_slack_lets_it():
