@@ -341,10 +341,12 @@ def table(rows: list[dict]) -> list[str]:
         return {r["concurrency"]: r.get(key) for r in rows
                 if r["path"] == "direct" and r["round"] == "steady"}
     direct, direct_full = base("output_tok_s"), base("full_load_tok_s")
+    # The gap from a request's end to its slot's next send: the client's slots left idle
+    # (serving_clients.reissue_gaps). The hit ratio: prompt tokens the prefix cache served.
     out = ["| path | round | concurrency | output tok/s (vs direct) | at full load (vs direct) "
-           "| in flight at full load | TTFT p50 / p99 ms | ITL p50 / p99 ms | "
-           "responses / request |",
-           "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| in flight at full load | reissue gap p50 / p90 ms | TTFT p50 / p99 ms "
+           "| ITL p50 / p99 ms | responses / request | prefix hit ratio |",
+           "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def f(v):
         return "-" if v is None else f"{v:.2f}"
@@ -360,9 +362,11 @@ def table(rows: list[dict]) -> list[str]:
         out.append(f"| {r['path']} | {r['round']} | {r['concurrency']} | "
                    f"{vs(r, 'output_tok_s', direct)} | {vs(r, 'full_load_tok_s', direct_full)} | "
                    f"{r.get('full_load_in_flight', '-')} | "
+                   f"{f(r.get('reissue_gap_p50_ms'))} / {f(r.get('reissue_gap_p90_ms'))} | "
                    f"{f(r.get('ttft_p50_ms'))} / {f(r.get('ttft_p99_ms'))} | "
                    f"{f(r.get('itl_p50_ms'))} / {f(r.get('itl_p99_ms'))} | "
-                   f"{r.get('responses_per_request', '-')} |")
+                   f"{r.get('responses_per_request', '-')} | "
+                   f"{r.get('prefix_cache_hit_ratio', '-')} |")
     return out
 
 

@@ -51,7 +51,13 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     assert streamed["clients"] == 2 and streamed["responses_per_request"] >= 1
     py = next(r for r in rows if r["path"] == "llm (python client)")
     assert py["clients"] == 2 and py["server_tokens_per_response"] > 0
-    assert "| llm_bls | steady | 2 |" in (tmp_path / "serving.md").read_text()
+    md = (tmp_path / "serving.md").read_text()
+    assert "| llm_bls | steady | 2 |" in md
+    # The table has the slots' idle gaps and the prefix cache's share beside the rates.
+    assert "| reissue gap p50 / p90 ms |" in md and md.rstrip().endswith("|")
+    row = next(line for line in md.splitlines() if line.startswith("| llm | steady |"))
+    assert row.endswith(f"| {streamed['prefix_cache_hit_ratio']} |"), row
+    assert f"| {streamed['reissue_gap_p50_ms']:.2f} / {streamed['reissue_gap_p90_ms']:.2f} |" in row
     for r in rows:                   # the run fills its slots and drains: a full-load window
         assert r["full_load_tok_s"] > 0 and r["full_load_in_flight"] > 0, r
     assert all(v >= 0 for v in streamed["cpu_cores"].values()) and "tritonserver" in streamed["cpu_cores"]
