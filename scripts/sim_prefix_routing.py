@@ -222,13 +222,13 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
     out_s = sum(max(0.0, min(last[n], stop) - max(sent[n], full0)) for n in sent)
     steady = [n for n, t in last.items() if start < t <= stop]
     ttft = sorted(first[n] - sent[n] for n in sent if sent[n] >= start and n in first)
-    prompt_tokens = sum(e.sched.stats.num_cached_prompt_tokens for e in eng)
+    cached_tokens = sum(e.sched.stats.num_cached_prompt_tokens for e in eng)
     total_prompt = num_requests * (shared + own)
     return {"mode": mode, "slack": slack if mode == "routing" else None,
             "output_tok_s": round(len(steady) * output / max(stop - start, 1e-9), 1),
             "run_tok_s": round(num_requests * output / ends[-1], 1),
             "in_flight": round(out_s / max(stop - full0, 1e-9), 1),
-            "hit_ratio": round(prompt_tokens / total_prompt, 3),
+            "hit_ratio": round(cached_tokens / total_prompt, 3),
             "ttft_p50_ms": round(1e3 * statistics.median(ttft), 1),
             "ttft_p99_ms": round(1e3 * ttft[int(0.99 * (len(ttft) - 1))], 1),
             "prompt_steps": sum(e.prompt_steps for e in eng),
