@@ -54,7 +54,7 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     md = (tmp_path / "serving.md").read_text()
     assert "| llm_bls | steady | 2 |" in md
     # The table has the slots' idle gaps and the prefix cache's share beside the rates.
-    assert "| reissue gap p50 / p90 ms |" in md and md.rstrip().endswith("|")
+    assert "| reissue gap p50 / p90 ms |" in md and "| prefix hit ratio |" in md
     row = next(line for line in md.splitlines() if line.startswith("| llm | steady |"))
     assert row.endswith(f"| {streamed['prefix_cache_hit_ratio']} |"), row
     assert f"| {streamed['reissue_gap_p50_ms']:.2f} / {streamed['reissue_gap_p90_ms']:.2f} |" in row
