@@ -195,8 +195,8 @@ class DirectEngines:
         for p in self.procs:
             answer = json.loads(p.stdout.readline())
             times += answer.pop("times")
-            for k, v in answer.items():
-                sums[k] = sums.get(k, 0) + v
+            for key, v in answer.items():
+                sums[key] = sums.get(key, 0) + v
         stats = {"cascade_rows": sums["cascade_rows"]}
         if sums["steps"]:
             stats["graph_step_fraction"] = round(sums["graph_steps"] / sums["steps"], 3)

@@ -108,7 +108,6 @@ class SimEngine:
                                max_model_len=max_len)
         self.busy = False
         self.steps = self.prompt_steps = 0
-        self.busy_s = 0.0
 
 
 def prompt_ids(i: int, group_size: int, shared: int, own: int) -> list[int]:
@@ -187,7 +186,6 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
                 + (eager_ms if prompt else 0.0)) / 1e3
         e.steps += 1
         e.prompt_steps += prompt > 0
-        e.busy_s += took
         end = at + took
         heard = end + reply_ms / 1e3
         for o in e.sched.update_from_output(out, ModelRunnerOutput(rids, toks)):
