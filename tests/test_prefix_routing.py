@@ -101,7 +101,7 @@ def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instance
 
 def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_instances):
     """A prefix only the peer's engine holds goes there while its load is within
-    max_num_seqs / 8 (here 16 / 8 = 2) of ours; past that it runs here, and then both hold it."""
+    max_num_seqs / 4 (here 16 / 4 = 4) of ours; past that it runs here, and then both hold it."""
     router, engine, peer_slot, peer_pid = two_instances
     own = router.board.slot
     engine.connected.append(core_address(router.board, peer_pid, peer_slot))
@@ -113,12 +113,12 @@ def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_inst
         prefix = rng.integers(0, 32000, 8 * BS)
         router.claim(prefix, peer_slot)
         return prefix, router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)]))
-    router.board._placed[peer_slot, peer_slot] = 1          # 1 < 0 + 2: there
+    router.board._placed[peer_slot, peer_slot] = 3          # 3 < 0 + 4: there
     assert ask()[1] == there
-    router.board._placed[peer_slot, peer_slot] = 2          # 2 >= 0 + 2: here
+    router.board._placed[peer_slot, peer_slot] = 4          # 4 >= 0 + 4: here
     prefix, choice = ask()
     assert choice == here
-    router.placed(own, 1)                                   # 2 < 1 + 2: there again
+    router.placed(own, 1)                                   # 4 < 1 + 4: there again
     assert router.board.engine_loads()[own] == 1
     assert ask()[1] == there
     # The prefix that ran here is held by both engines now: the less loaded one takes it.
@@ -127,9 +127,9 @@ def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_inst
     assert router.board.engine_loads()[own] == 0
 
 
-def test_the_slack_setting_replaces_max_num_seqs_over_8(two_instances):
+def test_the_slack_setting_replaces_max_num_seqs_over_4(two_instances):
     """prefix_routing_slack: a prefix only the peer holds goes there while the peer's load is
-    under ours plus the slack given (here 5, where max_num_seqs / 8 would be 2)."""
+    under ours plus the slack given (here 5, where max_num_seqs / 4 would be 4)."""
     router, engine, peer_slot, peer_pid = two_instances
     own = router.board.slot
     engine.connected.append(core_address(router.board, peer_pid, peer_slot))

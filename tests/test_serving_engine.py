@@ -1,5 +1,6 @@
 """engine/serving.py's ServingEngine without a server: what reaches `send`. Through a real
 tritonserver: tests/test_serving.py."""
+import dataclasses
 import json
 import os
 import threading
@@ -337,12 +338,14 @@ def test_open_requests_are_counted_on_the_board_until_their_final_answer(model_d
 def test_an_abort_reaching_the_wrong_instance_is_passed_on_to_the_right_one(model_dir,
                                                                            tmp_path):
     """Two instances of a model (two engines, one board): llm_bls's abort of a request that
-    instance B runs reaches instance A, as Triton may route it; B aborts it."""
+    instance B runs reaches instance A, as Triton may route it; B aborts it. (Each instance's
+    prefix router takes the prefix_routing_slack setting, or max_num_seqs / 4.)"""
     config = EngineConfig(model=model_dir, dtype="float32", device="cpu", **LONG_SETTINGS)
     boards = [InstanceBoard(os.getpid(), "llm", directory=str(tmp_path)) for _ in range(2)]
     a = ServingEngine(config, board=boards[0])
-    b = ServingEngine(config, board=boards[1])
+    b = ServingEngine(dataclasses.replace(config, prefix_routing_slack=3), board=boards[1])
     try:
+        assert (a._router.slack, b._router.slack) == (config.max_num_seqs // 4, 3) == (4, 3)
         running = Recorder()
         b.submit(_inputs("on b", LONG) | {"return_finish_reason": np.array([True])}, running,
                  request_id="bls-on-b")
