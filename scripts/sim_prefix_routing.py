@@ -222,7 +222,8 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
     ttft = sorted(first[n] - sent[n] for n in sent if sent[n] >= start and n in first)
     cached_tokens = sum(e.sched.stats.num_cached_prompt_tokens for e in eng)
     total_prompt = num_requests * (shared + own)
-    return {"mode": mode, "slack": slack if mode == "routing" else None,
+    return {"mode": mode, "slack": routers[0].slack if mode == "routing" else None,
+            "max_num_seqs": max_num_seqs,
             "output_tok_s": round(len(steady) * output / max(stop - start, 1e-9), 1),
             "run_tok_s": round(num_requests * output / ends[-1], 1),
             "in_flight": round(out_s / max(stop - full0, 1e-9), 1),
@@ -239,8 +240,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--modes", nargs="+", default=["direct", "none", "routing"],
                     choices=["direct", "none", "routing"])
-    ap.add_argument("--slack", type=int, nargs="+", default=[32],
-                    help="prefix_routing_slack values for the routing mode")
+    ap.add_argument("--slack", type=int, nargs="+", default=[None],
+                    help="prefix_routing_slack values for the routing mode (default: the "
+                         "router's, max_num_seqs / 4)")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=512)
     ap.add_argument("--waves", type=int, default=10)
@@ -248,7 +250,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--shared", type=int, default=2000)
     ap.add_argument("--own", type=int, default=200)
     ap.add_argument("--output", type=int, default=100)
-    ap.add_argument("--max-num-seqs", type=int, default=256)
+    ap.add_argument("--max-num-seqs", type=int, default=None,
+                    help="per engine (default: the concurrency, as bench_serving.py sets it)")
     ap.add_argument("--budget", type=int, default=2048, help="max_num_batched_tokens")
     ap.add_argument("--num-blocks", type=int, default=40000, help="KV blocks per engine")
     ap.add_argument("--base-ms", type=float, default=2.0)
@@ -264,6 +267,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--out", help="also write the rows here (JSON)")
     args = ap.parse_args(argv)
+    if args.max_num_seqs is None:
+        args.max_num_seqs = args.concurrency
     rows = []
     print("| mode | slack | seed | out tok/s | run tok/s | in flight | hit ratio | TTFT p50 / p99 ms "
           "| prompt steps | steps | load gap p50 | p90 |")
@@ -278,7 +283,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          args.send_ms, args.reply_ms, args.clients, seed)
             r["seed"] = seed
             rows.append(r)
-            print(f"| {mode} | {'' if slack is None else slack} | {seed} | {r['output_tok_s']} "
+            print(f"| {mode} | {'' if r['slack'] is None else r['slack']} | {seed} | {r['output_tok_s']} "
                   f"| {r['run_tok_s']} | {r['in_flight']} | {r['hit_ratio']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['prompt_steps']} "
                   f"| {r['steps']} | {r['imbalance_p50']} | {r['imbalance_p90']} |", flush=True)
     dump_rows(args.out, rows)

@@ -35,3 +35,12 @@ def test_main_prints_a_row_per_mode_and_slack(capsys):
     assert [(r["mode"], r["slack"]) for r in rows] == [
         ("direct", None), ("none", None), ("routing", 2), ("routing", 8)]
     assert capsys.readouterr().out.count("\n| routing | ") == 2
+
+
+def test_by_default_each_engine_may_run_every_stream_and_the_router_keeps_its_slack():
+    """As bench_serving.py sets it: max_num_seqs is the concurrency; the slack the router's own
+    default, max_num_seqs / 4."""
+    rows = sim.main(["--concurrency", "16", "--waves", "2", "--group-size", "4", "--shared", "64",
+                     "--own", "16", "--output", "4", "--num-blocks", "2000",
+                     "--modes", "routing"])
+    assert [(r["mode"], r["slack"], r["max_num_seqs"]) for r in rows] == [("routing", 4, 16)]
