@@ -56,8 +56,8 @@ if ROOT not in sys.path:
 
 from scripts.bench_common import (PRESETS, git_commit, hardware, preset_dir,  # noqa: E402
                                   write_results)
-from scripts.server_probe import (children_cpu, cpu_times, cpu_use, scrape,  # noqa: E402
-                                  scrape_published, server_side, triton_queue_us)
+from scripts.server_probe import (LoadPoller, children_cpu, cpu_times, cpu_use,  # noqa: E402
+                                  scrape, scrape_published, server_side, triton_queue_us)
 from scripts.serving_clients import (request_params, run_perf_analyzer, run_py_client,  # noqa: E402
                                      summarize)
 from scripts.serving_workload import PromptRounds, make_prompts, num_requests  # noqa: E402
@@ -297,13 +297,20 @@ def run_served(args, repo, prompts, rounds: PromptRounds, gpus, work, on_row) ->
                     these = prompts[first:first + n]
                     m0, q0 = scrape(server.metrics_url), triton_queue_us(server.metrics_url)
                     cpu0, w0, ch0 = cpu_times(), time.monotonic(), children_cpu()
-                    if driver == "python":
-                        r = run_py_client(server, model, c, n, these, args.output_tokens,
-                                          args.py_clients, args.sampling)
-                    else:
-                        r = run_perf_analyzer(server, model, c, n, these, work,
-                                              args.output_tokens, args.clients, args.sampling)
-                    wall = time.monotonic() - w0
+                    loads = LoadPoller(server.metrics_url)      # the engines' loads
+                    loads.start()
+                    try:
+                        if driver == "python":
+                            r = run_py_client(server, model, c, n, these, args.output_tokens,
+                                              args.py_clients, args.sampling)
+                        else:
+                            r = run_perf_analyzer(server, model, c, n, these, work,
+                                                  args.output_tokens, args.clients, args.sampling)
+                    finally:
+                        wall = time.monotonic() - w0
+                        loads.stop.set()
+                        loads.join()
+                    r.update(loads.summary())
                     r["cpu_cores"] = cpu_use(cpu0, cpu_times(), wall)
                     r["cpu_cores"]["load generator"] = round((children_cpu() - ch0) / wall, 2)
                     m1 = scrape_published(server.metrics_url, m0, r["requests"])
@@ -342,11 +349,14 @@ def table(rows: list[dict]) -> list[str]:
                 if r["path"] == "direct" and r["round"] == "steady"}
     direct, direct_full = base("output_tok_s"), base("full_load_tok_s")
     # The gap from a request's end to its slot's next send: the client's slots left idle
-    # (serving_clients.reissue_gaps). The hit ratio: prompt tokens the prefix cache served.
+    # (serving_clients.reissue_gaps). The engine load gap: with several instances, how far
+    # apart their engines' requests ran (server_probe.LoadPoller). The hit ratio: prompt
+    # tokens the prefix cache served.
     out = ["| path | round | concurrency | output tok/s (vs direct) | at full load (vs direct) "
            "| in flight at full load | reissue gap p50 / p90 ms | TTFT p50 / p99 ms "
-           "| ITL p50 / p99 ms | responses / request | prefix hit ratio |",
-           "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+           "| ITL p50 / p99 ms | responses / request | engine load gap p50 / p90 "
+           "| prefix hit ratio |",
+           "| :--- | :--- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
 
     def f(v):
         return "-" if v is None else f"{v:.2f}"
@@ -366,6 +376,7 @@ def table(rows: list[dict]) -> list[str]:
                    f"{f(r.get('ttft_p50_ms'))} / {f(r.get('ttft_p99_ms'))} | "
                    f"{f(r.get('itl_p50_ms'))} / {f(r.get('itl_p99_ms'))} | "
                    f"{r.get('responses_per_request', '-')} | "
+                   f"{r.get('engine_load_gap_p50', '-')} / {r.get('engine_load_gap_p90', '-')} | "
                    f"{r.get('prefix_cache_hit_ratio', '-')} |")
     return out
 

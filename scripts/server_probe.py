@@ -84,8 +84,27 @@ def gauge(values: dict[str, float], name: str) -> float:
     return max((v for k, v in values.items() if k.startswith(name + "{")), default=0.0)
 
 
+def per_instance(values: dict[str, float], name: str) -> dict[str, float]:
+    """Series `name` by llm instance (its `instance` label), summed over the other labels."""
+    out: dict[str, float] = {}
+    for key, v in values.items():
+        if key.startswith(name + "{") and 'instance="' in key:
+            instance = key.split('instance="', 1)[1].split('"', 1)[0]
+            out[instance] = out.get(instance, 0.0) + v
+    return out
+
+
+def engine_loads(values: dict[str, float]) -> dict[str, float]:
+    """Each llm instance's engine: the requests it runs or has waiting (those another
+    instance routed to it included: prefix routing), as last published."""
+    running = per_instance(values, "llm_num_requests_running")
+    waiting = per_instance(values, "llm_num_requests_waiting")
+    return {k: running[k] + waiting.get(k, 0.0) for k in sorted(running)}
+
+
 class GaugePoller(threading.Thread):
-    """Reads gauge `name` every `interval_s`; `samples`: [(perf_counter time, value)]."""
+    """Reads gauge `name` every `interval_s`; `samples`: [(perf_counter time, value)]. A
+    subclass may read something else from the scrape (`read`)."""
 
     def __init__(self, metrics_url: str, name: str, interval_s: float) -> None:
         super().__init__(name="gauge-poller", daemon=True)
@@ -96,14 +115,44 @@ class GaugePoller(threading.Thread):
     def run(self) -> None:
         while not self.stop.wait(self.interval_s):
             try:
-                value = gauge(scrape(self.metrics_url), self.gauge_name)
+                value = self.read(scrape(self.metrics_url))
             except OSError:             # a scrape that timed out: the next one will do
                 continue
             self.samples.append((time.perf_counter(), value))
 
+    def read(self, values: dict[str, float]):
+        return gauge(values, self.gauge_name)
+
     def max_between(self, start: float, end: float) -> float | None:
         values = [v for t, v in self.samples if start <= t <= end]
         return max(values) if values else None
+
+
+class LoadPoller(GaugePoller):
+    """Every llm engine's load (engine_loads) every `interval_s`: how far apart the engines of
+    several instances run (prefix routing keeps a group on one engine while the loads stay
+    within its slack)."""
+
+    def __init__(self, metrics_url: str, interval_s: float = 0.5) -> None:
+        super().__init__(metrics_url, "llm_num_requests_running", interval_s)
+
+    def read(self, values: dict[str, float]) -> dict[str, float]:
+        return engine_loads(values)
+
+    def summary(self) -> dict:
+        """Each engine's mean load and, with two or more, the gap between the most and the
+        least loaded (p50 / p90 over the samples): {} before the first sample."""
+        loads = [v for _, v in self.samples if v]
+        if not loads:
+            return {}
+        names = sorted(loads[-1])
+        out = {"engine_loads_mean": {k: round(sum(s.get(k, 0.0) for s in loads) / len(loads), 1)
+                                     for k in names}}
+        if len(names) > 1:
+            gaps = sorted(max(s.values()) - min(s.values()) for s in loads)
+            out["engine_load_gap_p50"] = gaps[len(gaps) // 2]
+            out["engine_load_gap_p90"] = gaps[int(0.9 * (len(gaps) - 1))]
+        return out
 
 
 # ---------------------------------------------------------------------------- CPU

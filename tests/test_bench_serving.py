@@ -58,6 +58,9 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     row = next(line for line in md.splitlines() if line.startswith("| llm | steady |"))
     assert row.endswith(f"| {streamed['prefix_cache_hit_ratio']} |"), row
     assert f"| {streamed['reissue_gap_p50_ms']:.2f} / {streamed['reissue_gap_p90_ms']:.2f} |" in row
+    # One llm instance: no gap between engines' loads (server_probe.LoadPoller).
+    assert "| engine load gap p50 / p90 |" in md and "| - / - |" in row
+    assert "engine_load_gap_p50" not in streamed
     for r in rows:                   # the run fills its slots and drains: a full-load window
         assert r["full_load_tok_s"] > 0 and r["full_load_in_flight"] > 0, r
     assert all(v >= 0 for v in streamed["cpu_cores"].values()) and "tritonserver" in streamed["cpu_cores"]

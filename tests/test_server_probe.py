@@ -1,7 +1,8 @@
 """scripts/server_probe.py: histogram deltas and CPU accounting, on hand-made inputs."""
 import pytest
 
-from scripts.server_probe import cpu_delta, cpu_use, gauge, hist_delta, server_side
+from scripts.server_probe import (LoadPoller, cpu_delta, cpu_use, engine_loads, gauge,
+                                  hist_delta, server_side)
 
 LAG = "llm_event_loop_lag_seconds"
 
@@ -55,6 +56,34 @@ def test_gauge_takes_the_largest_label_set():
               'llm_event_loop_lag_max_seconds{model="b"}': 0.7}
     assert gauge(values, "llm_event_loop_lag_max_seconds") == 0.7
     assert gauge({}, "llm_event_loop_lag_max_seconds") == 0.0
+
+
+def _loads(running, waiting):
+    """A scrape of two llm instances' engines: requests running and waiting on each."""
+    values = {}
+    for i, (r, w) in enumerate(zip(running, waiting)):
+        labels = f'model="llm",version="1",instance="llm_0_{i}"'
+        values[f"llm_num_requests_running{{{labels}}}"] = float(r)
+        values[f"llm_num_requests_waiting{{{labels}}}"] = float(w)
+    values['llm_kv_blocks_free{model="llm",version="1",instance="llm_0_0"}'] = 99.0
+    return values
+
+
+def test_engine_loads_per_instance_and_the_gap_between_them():
+    """Each engine's requests (running + waiting) by instance; the poller's summary gives each
+    one's mean and the gap between the busiest and the idlest, p50 / p90 over its samples."""
+    assert engine_loads(_loads([250, 262], [0, 6])) == {"llm_0_0": 250.0, "llm_0_1": 268.0}
+    poller = LoadPoller("unused:0")                 # not started: samples given by hand
+    assert poller.summary() == {}
+    gaps = [0, 4, 10, 20, 30, 40, 50, 60, 70, 100]
+    poller.samples = [(float(t), engine_loads(_loads([256 + g, 256], [0, 0])))
+                      for t, g in enumerate(gaps)] + [(10.0, {})]     # a scrape of no llm
+    s = poller.summary()
+    assert s["engine_loads_mean"] == {"llm_0_0": 256 + sum(gaps) / 10, "llm_0_1": 256.0}
+    assert (s["engine_load_gap_p50"], s["engine_load_gap_p90"]) == (40.0, 70.0)
+    one = LoadPoller("unused:0")                    # one instance: no gap to speak of
+    one.samples = [(0.0, {"llm_0_0": 3.0})]
+    assert one.summary() == {"engine_loads_mean": {"llm_0_0": 3.0}}
 
 
 def test_server_side_counts_a_runs_cascade_rows_and_prefix_hits():

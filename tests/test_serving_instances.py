@@ -8,6 +8,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from engine import LLM, SamplingParams
+from scripts import server_probe
 from scripts.make_tiny_model import make_tiny_model
 from scripts.tritonserver_env import copy_repository
 from tests.test_serving import (SETTINGS, endless, finished, greedy, grpc_inputs,
@@ -46,12 +47,7 @@ def server(model_dir, tmp_path_factory):
 
 def per_instance(server, name, values=None):
     """{instance label: value} of one llm_* family."""
-    out = {}
-    for key, v in (values if values is not None else metrics(server)).items():
-        if key.startswith(name + "{"):
-            instance = key.split('instance="', 1)[1].split('"', 1)[0]
-            out[instance] = out.get(instance, 0.0) + v
-    return out
+    return server_probe.per_instance(values if values is not None else metrics(server), name)
 
 
 def test_each_instance_publishes_its_own_series(server):
