@@ -283,7 +283,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          args.send_ms, args.reply_ms, args.clients, seed)
             r["seed"] = seed
             rows.append(r)
-            print(f"| {mode} | {'' if r['slack'] is None else r['slack']} | {seed} | {r['output_tok_s']} "
+            shown = '' if r['slack'] is None else r['slack']
+            print(f"| {mode} | {shown} | {seed} | {r['output_tok_s']} "
                   f"| {r['run_tok_s']} | {r['in_flight']} | {r['hit_ratio']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['prompt_steps']} "
                   f"| {r['steps']} | {r['imbalance_p50']} | {r['imbalance_p90']} |", flush=True)
     dump_rows(args.out, rows)
