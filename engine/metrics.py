@@ -142,6 +142,16 @@ class ServingMetrics:
         return counters, {key: getattr(self, key).snapshot() for key in HISTOGRAMS}
 
 
+def instance_labels(model: str, version: str, instance: str, device: str) -> dict[str, str]:
+    """The labels of one llm instance's series: Triton's instance name and the engine's device.
+
+    Triton names instances per GPU: with `count: 1` on two GPUs both are `llm_0_0` (seen on the
+    H200 pair). Two stubs asking for a metric of the same name and labels get one shared
+    series, so without the device each gauge showed whichever engine wrote last and each
+    counter the engines' sum. The pair (instance, device) names one engine."""
+    return {"model": model, "version": version, "instance": instance, "device": device}
+
+
 class TritonMetrics:
     """Publishes a ServingMetrics to Triton's /metrics (call `publish` from one thread)."""
 

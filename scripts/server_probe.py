@@ -84,13 +84,23 @@ def gauge(values: dict[str, float], name: str) -> float:
     return max((v for k, v in values.items() if k.startswith(name + "{")), default=0.0)
 
 
+def _label(key: str, label: str) -> str | None:
+    start = key.find(f',{label}="') + 1 or key.find(f'{{{label}="') + 1
+    if not start:
+        return None
+    return key[start + len(label) + 2:].split('"', 1)[0]
+
+
 def per_instance(values: dict[str, float], name: str) -> dict[str, float]:
-    """Series `name` by llm instance (its `instance` label), summed over the other labels."""
+    """Series `name` by llm engine, summed over the other labels: keyed "instance@device"
+    (engine/metrics.py instance_labels: on GPUs Triton gives each GPU's instance one name),
+    or by instance alone where a series has no device label."""
     out: dict[str, float] = {}
     for key, v in values.items():
-        if key.startswith(name + "{") and 'instance="' in key:
-            instance = key.split('instance="', 1)[1].split('"', 1)[0]
-            out[instance] = out.get(instance, 0.0) + v
+        if key.startswith(name + "{") and (instance := _label(key, "instance")) is not None:
+            device = _label(key, "device")
+            engine = instance if device is None else f"{instance}@{device}"
+            out[engine] = out.get(engine, 0.0) + v
     return out
 
 

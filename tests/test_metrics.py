@@ -2,7 +2,7 @@
 each increment (the real one is exercised through tritonserver in tests/test_serving.py)."""
 import pytest
 
-from engine.metrics import ServingMetrics, TritonMetrics
+from engine.metrics import ServingMetrics, TritonMetrics, instance_labels
 from engine.outputs import EngineStats
 
 
@@ -133,3 +133,12 @@ def test_whole_requests_are_bucketed_up_to_hours():
     buckets = m.e2e.buckets
     assert n == 3 and total == pytest.approx(645.2) and buckets[-1] >= 7680
     assert cumulative[buckets.index(60.0)] == 2 and cumulative[buckets.index(960.0)] == 3
+
+
+def test_two_gpus_instances_of_one_name_get_series_of_their_own():
+    """Triton names the instance on each GPU llm_0_0: the device label keeps their series
+    apart (the same labels would give both stubs one shared series)."""
+    a = instance_labels("llm", "1", "llm_0_0", "cuda:0")
+    b = instance_labels("llm", "1", "llm_0_0", "cuda:1")
+    assert a != b and a["instance"] == b["instance"] == "llm_0_0"
+    assert (a["device"], b["device"]) == ("cuda:0", "cuda:1")

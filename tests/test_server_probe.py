@@ -2,7 +2,7 @@
 import pytest
 
 from scripts.server_probe import (LoadPoller, cpu_delta, cpu_use, engine_loads, gauge,
-                                  hist_delta, server_side)
+                                  hist_delta, per_instance, server_side)
 
 LAG = "llm_event_loop_lag_seconds"
 
@@ -62,24 +62,39 @@ def _loads(running, waiting):
     """A scrape of two llm instances' engines: requests running and waiting on each."""
     values = {}
     for i, (r, w) in enumerate(zip(running, waiting)):
-        labels = f'model="llm",version="1",instance="llm_0_{i}"'
+        labels = f'model="llm",version="1",instance="llm_0_0",device="cuda:{i}"'
         values[f"llm_num_requests_running{{{labels}}}"] = float(r)
         values[f"llm_num_requests_waiting{{{labels}}}"] = float(w)
-    values['llm_kv_blocks_free{model="llm",version="1",instance="llm_0_0"}'] = 99.0
+    values['llm_kv_blocks_free{model="llm",version="1",instance="llm_0_0",device="cuda:0"}'] = 99.0
     return values
+
+
+def test_engines_are_told_apart_by_instance_and_device():
+    """On GPUs Triton names each GPU's instance alike (llm_0_0): the device label tells their
+    engines apart; CPU instances differ by name; a series without a device keys by name."""
+    m = 'model="llm",version="1"'
+    values = {f'llm_kv_blocks_total{{{m},instance="llm_0_0",device="cuda:0"}}': 5,
+              f'llm_kv_blocks_total{{device="cuda:1",instance="llm_0_0",{m}}}': 7,
+              f'llm_kv_blocks_total{{{m},instance="llm_0_1",device="cpu"}}': 9,
+              f'llm_kv_blocks_total{{{m},instance="llm_1_0"}}': 11,
+              f'llm_kv_blocks_free{{{m},instance="llm_0_0",device="cuda:0"}}': 1}
+    assert per_instance(values, "llm_kv_blocks_total") == {
+        "llm_0_0@cuda:0": 5, "llm_0_0@cuda:1": 7, "llm_0_1@cpu": 9, "llm_1_0": 11}
 
 
 def test_engine_loads_per_instance_and_the_gap_between_them():
     """Each engine's requests (running + waiting) by instance; the poller's summary gives each
     one's mean and the gap between the busiest and the idlest, p50 / p90 over its samples."""
-    assert engine_loads(_loads([250, 262], [0, 6])) == {"llm_0_0": 250.0, "llm_0_1": 268.0}
+    assert engine_loads(_loads([250, 262], [0, 6])) == {"llm_0_0@cuda:0": 250.0,
+                                                        "llm_0_0@cuda:1": 268.0}
     poller = LoadPoller("unused:0")                 # not started: samples given by hand
     assert poller.summary() == {}
     gaps = [0, 4, 10, 20, 30, 40, 50, 60, 70, 100]
     poller.samples = [(float(t), engine_loads(_loads([256 + g, 256], [0, 0])))
                       for t, g in enumerate(gaps)] + [(10.0, {})]     # a scrape of no llm
     s = poller.summary()
-    assert s["engine_loads_mean"] == {"llm_0_0": 256 + sum(gaps) / 10, "llm_0_1": 256.0}
+    assert s["engine_loads_mean"] == {"llm_0_0@cuda:0": 256 + sum(gaps) / 10,
+                                      "llm_0_0@cuda:1": 256.0}
     assert (s["engine_load_gap_p50"], s["engine_load_gap_p90"]) == (40.0, 70.0)
     one = LoadPoller("unused:0")                    # one instance: no gap to speak of
     one.samples = [(0.0, {"llm_0_0": 3.0})]

@@ -46,14 +46,14 @@ def server(model_dir, tmp_path_factory):
 
 
 def per_instance(server, name, values=None):
-    """{instance label: value} of one llm_* family."""
+    """{"instance@device": value} of one llm_* family."""
     return server_probe.per_instance(values if values is not None else metrics(server), name)
 
 
 def test_each_instance_publishes_its_own_series(server):
     wait_pool_whole(server)
     total = per_instance(server, "llm_kv_blocks_total")
-    assert sorted(total) == ["llm_0_0", "llm_0_1"]
+    assert sorted(total) == ["llm_0_0@cpu", "llm_0_1@cpu"]
     assert set(total.values()) == {INSTANCE_SETTINGS["num_kv_blocks"]}
 
 
@@ -149,7 +149,7 @@ def test_requests_sharing_a_long_prefix_run_on_the_engine_that_has_it(server, mo
     on_peer = lambda: sum(per_instance(server, "llm_requests_run_on_peer_total").values())  # noqa
     # Every instance connects to the others' cores once they are up (checked every 0.5 s).
     wait_for(lambda: per_instance(server, "llm_prefix_routing_peers") == {
-        "llm_0_0": 1, "llm_0_1": 1}, "each instance connected to the other's engine",
+        "llm_0_0@cpu": 1, "llm_0_1@cpu": 1}, "each instance connected to the other's engine",
         timeout_s=30)
     q0, h0, p0 = queries(), hits(), on_peer()
     first = text_of(stream_request(server, prompts[0], greedy(32)))   # takes the prefix

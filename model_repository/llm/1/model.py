@@ -8,7 +8,7 @@ import triton_python_backend_utils as pb_utils
 
 from engine.config import EngineConfig, settings_from_triton
 from engine.instance_board import InstanceBoard
-from engine.metrics import TritonMetrics
+from engine.metrics import TritonMetrics, instance_labels
 from engine.protocol import (BLS_REQUEST_ID_PREFIX, CONTROL_INPUT_NAMES, INPUT_NAMES,
                              error_code, tag_error_kind, with_request_parameters)
 from engine.signal_watch import SignalWatch
@@ -31,8 +31,8 @@ class TritonPythonModel:
         repository = os.path.dirname(args["model_repository"].rstrip("/"))
         config = EngineConfig.from_strings(settings_from_triton(model_config, repository, device))
         # Each instance publishes its own series (one instance per GPU): sum them by model.
-        labels = {"model": args["model_name"], "version": args["model_version"],
-                  "instance": args["model_instance_name"]}
+        labels = instance_labels(args["model_name"], args["model_version"],
+                                 args["model_instance_name"], device)
         self.model_name = args["model_name"]
         self.board = _open_board(args["model_name"])
         try:
