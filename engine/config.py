@@ -27,6 +27,10 @@ class EngineConfig:
     # pool runs out (vLLM); guaranteed_no_evict: admit only with room for every running request
     # to reach its max_tokens, never preempt (TensorRT-LLM's names; engine/scheduler.py).
     capacity_scheduler_policy: str = "max_utilization"
+    # A step of decode rows alone may keep new prompts waiting up to this many steps (while
+    # their tokens would not fill the step), so prompts that arrive one by one share fewer,
+    # fuller steps outside the decode CUDA graph (engine/scheduler.py). 0: admit at once (vLLM).
+    prefill_hold_steps: int = 0
     block_size: int = 16
     # auto: the KV cache holds the model's dtype; fp8 (= fp8_e4m3): one byte a value, so twice the
     # tokens fit and decode attention reads half the bytes. Keys and values are stored clamped to
@@ -189,6 +193,7 @@ class EngineConfig:
             _int_at_least("max_model_len", self.max_model_len, 1)
         _int_at_least("max_num_seqs", self.max_num_seqs, 1)
         _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
+        _int_at_least("prefill_hold_steps", self.prefill_hold_steps, 0)
         _int_at_least("block_size", self.block_size, 1)
         if self.num_kv_blocks is not None:
             _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)

@@ -76,7 +76,8 @@ class EngineCore:
         self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.capacity_scheduler_policy)
+                                   self.max_model_len, config.capacity_scheduler_policy,
+                                   config.prefill_hold_steps)
         self._in_flight = None       # (SchedulerOutput, launched step): async scheduling
         # Start-up objects live forever; keeping them out of the collector's scans keeps
         # collections short while the step loop allocates.

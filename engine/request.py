@@ -84,6 +84,7 @@ class Request:
         self.block_hashes: list[bytes] = []
         self.num_cached_tokens = -1           # prefix-cache hit at first schedule; -1 = not yet
         self.num_preemptions = 0
+        self.arrival_step = 0                 # the scheduler's step count when it came in
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,14 @@ at the price of fewer requests running while outputs are still short. Where outp
 their max_tokens (benchmarks with ignore_eos, long generations) and max_num_seqs is larger
 than the pool holds at full length, max_utilization preempts and recomputes over and over.
 
+Prefill hold (`prefill_hold_steps`, off by default): a step that would run decode rows alone
+may keep new prompts waiting, so that prompts arriving one by one share fewer, fuller steps. A
+step carrying a prompt runs outside the decode CUDA graph and costs more than its tokens: on the
+H200, ~7 ms over a decode step's ~10.5 for the 8B model at 256 rows (served two-GPU step logs,
+benchmarks/h200x2/served_shared_prefix.md). Prompts are held while the tokens they would
+compute (after prefix-cache hits) leave the step's budget unfilled and the oldest of them came
+in fewer than `prefill_hold_steps` steps ago; never when nothing else runs.
+
 Prefix groups (`add_group`, from LLM.generate): requests known to share a prefix of whole blocks.
 The first member is admitted like any request and computes the prefix; the others are held back
 until it has been scheduled through the prefix. Then the group pins the prefix's blocks (its own
@@ -25,6 +33,7 @@ pinned prefixes ever leave no room to admit anything while nothing runs, they ar
 """
 from __future__ import annotations
 
+import itertools
 import logging
 from collections import deque
 from dataclasses import dataclass, field
@@ -125,10 +134,12 @@ class _Group:
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, capacity_policy: str = "max_utilization") -> None:
+                 max_model_len: int, capacity_policy: str = "max_utilization",
+                 prefill_hold_steps: int = 0) -> None:
         if capacity_policy not in CAPACITY_POLICIES:
             raise ValueError(f"capacity_policy must be one of {CAPACITY_POLICIES}, "
                              f"got {capacity_policy!r}")
+        self.prefill_hold_steps = prefill_hold_steps
         self.no_evict = capacity_policy == "guaranteed_no_evict"
         self.kv = kv
         self.max_num_seqs = max_num_seqs
@@ -150,6 +161,7 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request_id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        request.arrival_step = self.stats.num_steps
         self.waiting.append(request)
 
     def add_group(self, requests: list[Request], prefix_len: int) -> None:
@@ -176,6 +188,7 @@ class Scheduler:
         for req in requests:
             self.requests[req.request_id] = req
             self._group_of[req.request_id] = group
+            req.arrival_step = self.stats.num_steps
         self._leaders[leader.request_id] = group
         self._num_held += len(requests) - 1
         self.waiting.append(leader)
@@ -302,7 +315,7 @@ class Scheduler:
             i += 1
 
         # Admitting new work while evicting running work would just thrash.
-        if not preempted:
+        if not preempted and not self._hold_prompts(budget, len(num_scheduled)):
             budget = self._admit(budget, num_scheduled, new_reqs)
             if not num_scheduled and not self.running and self._release_pins():
                 budget = self._admit(budget, num_scheduled, new_reqs)
@@ -311,6 +324,25 @@ class Scheduler:
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.max_num_batched_tokens - budget, finished)
+
+    def _hold_prompts(self, budget: int, num_decodes: int) -> bool:
+        """Whether this step keeps the waiting prompts back (prefill_hold_steps): it runs
+        decode rows alone so far (one token each), the oldest waiting prompt came in fewer
+        than prefill_hold_steps steps ago, and the waiting prompts' tokens to compute would
+        not fill the budget left."""
+        queue = self._ready or self.waiting
+        if (not self.prefill_hold_steps or not queue or not num_decodes
+                or budget != self.max_num_batched_tokens - num_decodes
+                or self.stats.num_steps - queue[0].arrival_step >= self.prefill_hold_steps):
+            return False
+        to_compute = 0
+        for req in itertools.chain(self._ready, self.waiting):
+            group = self._group_of.get(req.request_id) if self._group_of else None
+            prefix = group.blocks if group is not None and group.blocks is not None else ()
+            to_compute += req.num_tokens - self.kv.get_computed_blocks(req, prefix)[1]
+            if to_compute >= budget:
+                return False
+        return True
 
     def _admit(self, budget: int, num_scheduled: dict[str, int],
                new_reqs: list[NewRequestData]) -> int:

@@ -19,6 +19,8 @@ def test_defaults_are_valid(model_dir):
     ("max_model_len", 0, ">= 1"),
     ("max_num_seqs", -1, ">= 1"),
     ("max_num_batched_tokens", 0, ">= 1"),
+    ("prefill_hold_steps", -1, ">= 0"),
+    ("prefill_hold_steps", 1.5, ">= 0"),
     ("block_size", 0, ">= 1"),
     ("block_size", 1.5, ">= 1"),
     ("num_kv_blocks", 0, ">= 1"),

@@ -116,6 +116,23 @@ def test_greedy_matches_hf_with_guaranteed_no_evict_in_a_small_pool(tiny_models,
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_greedy_matches_hf_with_prompts_held_for_fuller_steps(tiny_models, hf_outputs):
+    """prefill_hold_steps: prompts that come in one a step while others decode wait for more
+    prompts or their steps; the same tokens as HF, in more steps than without holding."""
+    prompts, expected = hf_outputs("llama")
+    steps = {}
+    for hold in (0, 3):
+        llm = LLM(tiny_models["llama"], dtype="float32", device="cpu",
+                  max_num_batched_tokens=512, prefill_hold_steps=hold)
+        got = staggered_tokens(llm.core, prompts, [GREEDY] * len(prompts))
+        for i, (g, e) in enumerate(zip(got, expected)):
+            assert g == e, f"hold {hold}: prompt {i} (len {len(prompts[i])}) differs"
+        stats = llm.get_stats()
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        steps[hold] = stats.num_steps
+    assert steps[3] > steps[0]                  # the prompts did wait
+
+
 def test_prefix_caching_skips_shared_prefix_with_identical_output(tiny_models):
     model = tiny_models["llama"]
     rng = random.Random(5)

@@ -70,9 +70,9 @@ class FakeRunner:
 
 
 def make(num_blocks=1000, block_size=4, max_num_seqs=64, max_tokens_step=512,
-         max_model_len=4096, caching=True, policy="max_utilization"):
+         max_model_len=4096, caching=True, policy="max_utilization", hold=0):
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, max_num_seqs, max_tokens_step, max_model_len, policy)
+    return Scheduler(kv, max_num_seqs, max_tokens_step, max_model_len, policy, hold)
 
 
 def run_all(sched, prompts, max_tokens=8, min_tokens=0):
@@ -306,3 +306,84 @@ def test_duplicate_request_id_rejected():
     sched.add_request(Request("a", [1], SamplingParams(), []))
     with pytest.raises(ValueError, match="request_id"):
         sched.add_request(Request("a", [1], SamplingParams(), []))
+
+
+# ---------------------------------------------------------------------- prefill hold
+def _decoding(sched, runner, n=2):
+    """n requests admitted and decoding (one token a step from now on)."""
+    for i in range(n):
+        sched.add_request(Request(f"d{i}", [i + 1] * 8, SamplingParams(max_tokens=100), []))
+    runner.step()
+
+
+def _admitted(out):
+    return [new.request_id for new in out.new_requests]
+
+
+def test_prefill_hold_keeps_a_short_prompt_back_until_its_steps_are_up():
+    """Beside decode rows, a prompt that would not fill the step waits prefill_hold_steps
+    steps (counted from its arrival), then goes in; off, it goes in at once."""
+    for hold in (0, 1, 3):
+        sched = make(max_tokens_step=64, hold=hold)
+        runner = FakeRunner(sched)
+        _decoding(sched, runner)
+        sched.add_request(Request("p", [9] * 20, SamplingParams(max_tokens=2), []))
+        steps = [_admitted(runner.step()[0]) for _ in range(hold + 1)]
+        assert steps == [[]] * hold + [["p"]], hold
+
+
+def test_prefill_hold_lets_prompts_in_once_they_fill_the_step():
+    """Held prompts go in as soon as their tokens to compute fill what the decode rows leave."""
+    sched = make(max_tokens_step=64, hold=10)
+    runner = FakeRunner(sched)
+    _decoding(sched, runner)                    # 2 decode rows: 62 tokens left
+    sched.add_request(Request("a", [9] * 30, SamplingParams(max_tokens=2), []))
+    assert _admitted(runner.step()[0]) == []
+    sched.add_request(Request("b", [8] * 31, SamplingParams(max_tokens=2), []))
+    assert _admitted(runner.step()[0]) == []        # 61 tokens: one short of the step
+    sched.add_request(Request("c", [7] * 5, SamplingParams(max_tokens=2), []))
+    out, _ = runner.step()
+    assert _admitted(out) == ["a", "b", "c"]        # c is chunked to what is left
+    assert out.total_num_scheduled_tokens == 64
+
+
+def test_prefill_hold_counts_only_tokens_the_prefix_cache_does_not_have():
+    """A long prompt whose prefix is cached is short to compute: it is held like one."""
+    shared = list(range(64))
+    sched = make(max_tokens_step=64, hold=2)
+    runner = FakeRunner(sched)
+    sched.add_request(Request("first", shared + [1], SamplingParams(max_tokens=100), []))
+    runner.step()
+    runner.step()                                   # first's prompt is done and cached
+    sched.add_request(Request("same", shared + [2], SamplingParams(max_tokens=2), []))
+    steps = [_admitted(runner.step()[0]) for _ in range(3)]
+    assert steps == [[], [], ["same"]]              # 1 token to compute of 65: held
+    assert sched.requests["same"].num_cached_tokens == 64
+    other = make(max_tokens_step=64, hold=2)        # the same prompt, nothing cached:
+    runner = FakeRunner(other)
+    _decoding(other, runner, n=1)
+    other.add_request(Request("same", shared + [2], SamplingParams(max_tokens=2), []))
+    assert _admitted(runner.step()[0]) == ["same"]  # 65 tokens fill the step: in at once
+
+
+def test_prefill_hold_never_holds_when_the_step_has_no_decode_rows_or_already_a_prompt():
+    sched = make(max_tokens_step=16, hold=5)
+    runner = FakeRunner(sched)
+    sched.add_request(Request("alone", [3] * 4, SamplingParams(max_tokens=50), []))
+    assert _admitted(runner.step()[0]) == ["alone"]     # nothing else runs: at once
+    sched.add_request(Request("long", [4] * 20, SamplingParams(max_tokens=50), []))
+    assert _admitted(runner.step()[0]) == ["long"]      # 20 tokens fill the step
+    sched.add_request(Request("short", [5] * 3, SamplingParams(max_tokens=2), []))
+    out, _ = runner.step()                              # long's chunk is still running:
+    assert out.num_scheduled_tokens["long"] == 5        # the step carries a prompt anyway,
+    assert _admitted(out) == ["short"]                  # so short goes with it
+
+
+def test_prefill_hold_gives_the_same_outputs():
+    """Holding changes when prompts run, not what they produce; the pool ends whole."""
+    ps = prompts(30, seed=3)
+    want = [expected(p, 8) for p in ps]
+    for hold in (0, 2, 6):
+        sched = make(max_tokens_step=48, max_num_seqs=8, hold=hold)
+        outs, _ = run_all(sched, ps)
+        assert outs == want, hold
