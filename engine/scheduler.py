@@ -17,10 +17,10 @@ than the pool holds at full length, max_utilization preempts and recomputes over
 Prefill hold (`prefill_hold_steps`, off by default): a step that would run decode rows alone
 may keep new prompts waiting, so that prompts arriving one by one share fewer, fuller steps. A
 step carrying a prompt runs outside the decode CUDA graph and costs more than its tokens: on the
-H200, ~7 ms over a decode step's ~10.5 for the 8B model at 256 rows (served two-GPU step logs,
-benchmarks/h200x2/served_shared_prefix.md). Prompts are held while the tokens they would
-compute (after prefix-cache hits) leave the step's budget unfilled and the oldest of them came
-in fewer than `prefill_hold_steps` steps ago; never when nothing else runs.
+H200 (8B, ~230 rows) ~9 ms over the decode step's ~10.5, plus ~0.018 ms a prompt token (served
+two-GPU step logs, benchmarks/h200x2/served_shared_prefix.md). Prompts are held while the tokens
+they would compute (after prefix-cache hits) leave the step's budget unfilled and the oldest of
+them came in fewer than `prefill_hold_steps` steps ago; never when nothing else runs.
 
 Prefix groups (`add_group`, from LLM.generate): requests known to share a prefix of whole blocks.
 The first member is admitted like any request and computes the prefix; the others are held back
