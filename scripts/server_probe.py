@@ -114,9 +114,9 @@ def engine_loads(values: dict[str, float]) -> dict[str, float]:
 
 class GaugePoller(threading.Thread):
     """Reads gauge `name` every `interval_s`; `samples`: [(perf_counter time, value)]. A
-    subclass may read something else from the scrape (`read`)."""
+    subclass may read something else from the scrape (`read`; its `name` is then None)."""
 
-    def __init__(self, metrics_url: str, name: str, interval_s: float) -> None:
+    def __init__(self, metrics_url: str, name: str | None, interval_s: float) -> None:
         super().__init__(name="gauge-poller", daemon=True)
         self.metrics_url, self.gauge_name, self.interval_s = metrics_url, name, interval_s
         self.samples: list[tuple[float, float]] = []
@@ -144,7 +144,7 @@ class LoadPoller(GaugePoller):
     within its slack)."""
 
     def __init__(self, metrics_url: str, interval_s: float = 0.5) -> None:
-        super().__init__(metrics_url, "llm_num_requests_running", interval_s)
+        super().__init__(metrics_url, None, interval_s)
 
     def read(self, values: dict[str, float]) -> dict[str, float]:
         return engine_loads(values)
