@@ -330,19 +330,25 @@ class Scheduler:
         decode rows alone so far (one token each), the oldest waiting prompt came in fewer
         than prefill_hold_steps steps ago, and the waiting prompts' tokens to compute would
         not fill the budget left."""
+        if not self.prefill_hold_steps:
+            return False
         queue = self._ready or self.waiting
-        if (not self.prefill_hold_steps or not queue or not num_decodes
-                or budget != self.max_num_batched_tokens - num_decodes
+        if (not queue or not num_decodes or budget != self.max_num_batched_tokens - num_decodes
                 or self.stats.num_steps - queue[0].arrival_step >= self.prefill_hold_steps):
             return False
         to_compute = 0
         for req in itertools.chain(self._ready, self.waiting):
-            group = self._group_of.get(req.request_id) if self._group_of else None
-            prefix = group.blocks if group is not None and group.blocks is not None else ()
-            to_compute += req.num_tokens - self.kv.get_computed_blocks(req, prefix)[1]
+            to_compute += req.num_tokens - self._computed_blocks(req)[1]
             if to_compute >= budget:
                 return False
         return True
+
+    def _computed_blocks(self, req: Request) -> tuple[list, int]:
+        """The request's blocks found computed (its group's pinned prefix, then the prefix
+        cache) and their tokens."""
+        group = self._group_of.get(req.request_id) if self._group_of else None
+        prefix = group.blocks if group is not None and group.blocks is not None else ()
+        return self.kv.get_computed_blocks(req, prefix)
 
     def _admit(self, budget: int, num_scheduled: dict[str, int],
                new_reqs: list[NewRequestData]) -> int:
@@ -356,9 +362,7 @@ class Scheduler:
             req = queue[0]
             # A request preempted while its token was sampled is back only after the token.
             assert not req.num_output_placeholders, req.request_id
-            group = self._group_of.get(req.request_id) if self._group_of else None
-            prefix = group.blocks if group is not None and group.blocks is not None else ()
-            computed_blocks, num_cached = self.kv.get_computed_blocks(req, prefix)
+            computed_blocks, num_cached = self._computed_blocks(req)
             if self.no_evict:
                 if reserved is None:    # summed once a request is in line, not every step
                     reserved = sum(map(self._blocks_to_finish, self.running))
