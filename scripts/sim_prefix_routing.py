@@ -102,10 +102,11 @@ class _Peers:
 
 
 class SimEngine:
-    def __init__(self, num_blocks: int, max_num_seqs: int, budget: int, max_len: int) -> None:
+    def __init__(self, num_blocks: int, max_num_seqs: int, budget: int, max_len: int,
+                 hold: int = 0) -> None:
         self.sched = Scheduler(KVCacheManager(num_blocks, BLOCK_SIZE, enable_caching=True),
                                max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                               max_model_len=max_len)
+                               max_model_len=max_len, prefill_hold_steps=hold)
         self.busy = False
         self.steps = self.prompt_steps = 0
 
@@ -120,10 +121,10 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
              group_size: int, shared: int, own: int, output: int, max_num_seqs: int,
              budget: int, num_blocks: int, base_ms: float, per_row_us: float,
              per_token_us: float, eager_ms: float, send_ms: float, reply_ms: float,
-             clients: int = 1, seed: int = 0) -> dict:
+             clients: int = 1, seed: int = 0, hold: int = 0) -> dict:
     rng = random.Random(seed)
     max_len = shared + own + output + 1
-    eng = [SimEngine(num_blocks, max_num_seqs, budget, max_len) for _ in range(engines)]
+    eng = [SimEngine(num_blocks, max_num_seqs, budget, max_len, hold) for _ in range(engines)]
     board = SimBoard(engines)
     routers = [PrefixRouter(board.view(s), _Peers(board, s), BLOCK_SIZE, max_num_seqs, max_len,
                             slack=slack) for s in range(engines)]
@@ -223,7 +224,7 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
     cached_tokens = sum(e.sched.stats.num_cached_prompt_tokens for e in eng)
     total_prompt = num_requests * (shared + own)
     return {"mode": mode, "slack": routers[0].slack if mode == "routing" else None,
-            "max_num_seqs": max_num_seqs,
+            "max_num_seqs": max_num_seqs, "prefill_hold_steps": hold,
             "output_tok_s": round(len(steady) * output / max(stop - start, 1e-9), 1),
             "run_tok_s": round(num_requests * output / ends[-1], 1),
             "in_flight": round(out_s / max(stop - full0, 1e-9), 1),
@@ -264,27 +265,31 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--clients", type=int, default=1,
                     help="clients sharing the streams, each with its own prompts (as "
                          "bench_serving.py's --clients)")
+    ap.add_argument("--hold", type=int, nargs="+", default=[0],
+                    help="prefill_hold_steps values (the engines' scheduler), each with every mode")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--out", help="also write the rows here (JSON)")
     args = ap.parse_args(argv)
     if args.max_num_seqs is None:
         args.max_num_seqs = args.concurrency
     rows = []
-    print("| mode | slack | seed | out tok/s | run tok/s | in flight | hit ratio | TTFT p50 / p99 ms "
-          "| prompt steps | steps | load gap p50 | p90 |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    runs = [(m, s) for m in args.modes for s in (args.slack if m == "routing" else [None])]
-    for mode, slack in runs:
+    print("| mode | slack | hold | seed | out tok/s | run tok/s | in flight | hit ratio "
+          "| TTFT p50 / p99 ms | prompt steps | steps | load gap p50 | p90 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
+          "| ---: |")
+    runs = [(m, s, h) for h in args.hold for m in args.modes
+            for s in (args.slack if m == "routing" else [None])]
+    for mode, slack, hold in runs:
         for seed in args.seeds:
             r = simulate(mode, slack, args.engines, args.concurrency,
                          args.waves * args.concurrency, args.group_size, args.shared, args.own,
                          args.output, args.max_num_seqs, args.budget, args.num_blocks,
                          args.base_ms, args.per_row_us, args.per_token_us, args.eager_ms,
-                         args.send_ms, args.reply_ms, args.clients, seed)
+                         args.send_ms, args.reply_ms, args.clients, seed, hold)
             r["seed"] = seed
             rows.append(r)
             shown = '' if r['slack'] is None else r['slack']
-            print(f"| {mode} | {shown} | {seed} | {r['output_tok_s']} "
+            print(f"| {mode} | {shown} | {hold} | {seed} | {r['output_tok_s']} "
                   f"| {r['run_tok_s']} | {r['in_flight']} | {r['hit_ratio']} | {r['ttft_p50_ms']} / {r['ttft_p99_ms']} | {r['prompt_steps']} "
                   f"| {r['steps']} | {r['imbalance_p50']} | {r['imbalance_p90']} |", flush=True)
     dump_rows(args.out, rows)

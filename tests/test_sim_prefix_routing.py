@@ -44,3 +44,13 @@ def test_by_default_each_engine_may_run_every_stream_and_the_router_keeps_its_sl
                      "--own", "16", "--output", "4", "--num-blocks", "2000",
                      "--modes", "routing"])
     assert [(r["mode"], r["slack"], r["max_num_seqs"]) for r in rows] == [("routing", 4, 16)]
+
+
+def test_the_engines_schedulers_take_the_prefill_hold():
+    """--hold reaches each engine's Scheduler: held prompts start later (a longer TTFT) and
+    the row says the setting."""
+    off = sim.simulate("direct", None, **ARGS)
+    held = sim.simulate("direct", None, hold=4, **ARGS)
+    assert (off["prefill_hold_steps"], held["prefill_hold_steps"]) == (0, 4)
+    assert held["ttft_p50_ms"] > off["ttft_p50_ms"]
+    assert held["hit_ratio"] == off["hit_ratio"]
