@@ -163,7 +163,7 @@ class DirectEngines:
         try:
             with os.fdopen(fd, "w") as f:
                 json.dump(spec, f)
-            for gpu in range(max(gpus, 1)):
+            for gpu in range(max(gpus, args.cpu_instances)):
                 env = dict(os.environ)
                 if gpus:
                     env["CUDA_VISIBLE_DEVICES"] = str(gpu)
@@ -252,11 +252,11 @@ def run_direct(args, settings, prompts, rounds: PromptRounds, gpus, on_row) -> l
 PERF_ANALYZER_UNSAFE_OUTPUTS = ("cumulative_logprob",)
 
 
-def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: int
-                    ) -> dict[str, str]:
-    """The repository copy the server runs (llm KIND_GPU with GPUs; without the outputs
-    perf_analyzer cannot export, PERF_ANALYZER_UNSAFE_OUTPUTS); returns llm's parameters,
-    which the direct engine takes too."""
+def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: int,
+                    cpu_instances: int = 1) -> dict[str, str]:
+    """The repository copy the server runs (llm KIND_GPU with GPUs, else `cpu_instances` of
+    it; without the outputs perf_analyzer cannot export, PERF_ANALYZER_UNSAFE_OUTPUTS);
+    returns llm's parameters, which the direct engine takes too."""
     from scripts.tritonserver_env import copy_repository
     params = copy_repository(repo, model_dir, settings)
     for model in ("llm", "llm_bls"):
@@ -267,6 +267,11 @@ def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: i
             cfg = re.sub(r',?\s*\{\s*name:\s*"%s"[^}]*\}' % name, "", cfg)
         if gpus and model == "llm":
             cfg = cfg.replace("kind: KIND_CPU", "kind: KIND_GPU")
+        elif model == "llm" and cpu_instances > 1:
+            if "count: 1 kind: KIND_CPU" not in cfg:
+                raise SystemExit(f"{cfg_path}: no 'count: 1 kind: KIND_CPU' to give "
+                                 f"{cpu_instances} instances")
+            cfg = cfg.replace("count: 1 kind: KIND_CPU", f"count: {cpu_instances} kind: KIND_CPU")
         with open(cfg_path, "w") as f:
             f.write(cfg)
     return params
@@ -310,7 +315,7 @@ def run_served(args, repo, prompts, rounds: PromptRounds, gpus, work, on_row) ->
                         wall = time.monotonic() - w0
                         loads.stop.set()
                         loads.join()
-                    r.update(loads.summary())
+                    r.update(loads.summary(r.pop("full_load_window", None)))
                     r["cpu_cores"] = cpu_use(cpu0, cpu_times(), wall)
                     r["cpu_cores"]["load generator"] = round((children_cpu() - ch0) / wall, 2)
                     m1 = scrape_published(server.metrics_url, m0, r["requests"])
@@ -389,6 +394,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--model", help="a local model folder (default on CPU: the tiny model)")
     ap.add_argument("--gpus", type=int, default=None,
                     help="GPUs to use, one llm instance each (default: 1 with CUDA, 0 without)")
+    ap.add_argument("--cpu-instances", type=int, default=1,
+                    help="without GPUs: llm instances on CPU, each with its engine (and as many "
+                         "direct engines), as one per GPU")
     ap.add_argument("--concurrency", type=int, nargs="+", default=None,
                     help="default: 1 64 256 on GPU, 32 on CPU")
     ap.add_argument("--prompt-tokens", type=int, default=215)
@@ -441,6 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
     gpus = args.gpus if args.gpus is not None else (1 if on_gpu else 0)
     if gpus and not on_gpu:
         raise SystemExit("--gpus needs CUDA")
+    if args.cpu_instances < 1 or gpus and args.cpu_instances > 1:
+        raise SystemExit("--cpu-instances must be at least 1, and 1 with GPUs")
     if args.model is None and args.preset is None and on_gpu:
         args.preset = "llama-3.1-8b"
     if args.preset:
@@ -453,19 +463,21 @@ def main(argv: list[str] | None = None) -> dict:
     args.concurrency = args.concurrency or ([1, 64, 256] if on_gpu else [32])
     work = tempfile.mkdtemp(prefix="bench-serving-")
     repo = os.path.join(work, "repo")
-    settings = make_repository(repo, model_dir, engine_settings(args, on_gpu), gpus)
+    settings = make_repository(repo, model_dir, engine_settings(args, on_gpu), gpus,
+                               args.cpu_instances)
     rounds = PromptRounds(args)
     prompts = make_prompts(model_dir, rounds.total, args.prompt_tokens,
                            args.shared_prefix_tokens, args.group_size)
     name = args.preset or os.path.basename(model_dir)
-    meta = {"title": f"Served vs direct: {name}, {gpus or 'no'} GPU(s), "
+    where = f"{gpus} GPU(s)" if gpus else f"no GPU, {args.cpu_instances} CPU instance(s)"
+    meta = {"title": f"Served vs direct: {name}, {where}, "
                      + (f"{args.shared_prefix_tokens} shared (groups of {args.group_size}) + "
                         if args.shared_prefix_tokens else "")
                      + f"{args.prompt_tokens} prompt / {args.output_tokens} output tokens",
             "hardware": hardware(), "commit": git_commit(),
             "command": " ".join(["python"] + [os.path.relpath(sys.argv[0], ROOT)] + sys.argv[1:]),
             "settings": {k: v for k, v in settings.items() if k != "model"},
-            "gpus": gpus, "reuse_prompts": args.reuse_prompts,
+            "gpus": gpus, "cpu_instances": args.cpu_instances, "reuse_prompts": args.reuse_prompts,
             "shared_prefix_tokens": args.shared_prefix_tokens, "group_size": args.group_size,
             "sampling": request_params(args.output_tokens, args.sampling), "targets": "c=256: llm >= 90% of direct, llm_bls >= 85%, served TTFT "
                                      "p50 <= 1.2x direct; c=1: ms/token within 3%"}

@@ -83,6 +83,16 @@ def arrival_spread(starts, c: int) -> dict:
             "arrivals_in_busiest_fifth": round(float(busiest.sum() / counts.sum()), 3)}
 
 
+def full_load_window(starts, c: int) -> tuple[float, float] | None:
+    """From the c-th send (every slot filled once) to the last send, in the sends' clock (epoch
+    seconds: perf_analyzer's and the python client's); None for a run too short to have one."""
+    if c <= 0 or len(starts) <= c:
+        return None
+    sends = np.sort(np.asarray(starts, dtype=np.float64))
+    t0, t1 = float(sends[c - 1]), float(sends[-1])
+    return (t0, t1) if t1 > t0 else None
+
+
 def full_load(starts, firsts, lasts, output_tokens: int, c: int) -> dict:
     """Output tok/s while the client has all its slots in use: from the c-th send (every slot
     filled once) to the last send (after it, slots empty as the run drains). The whole-run
@@ -90,12 +100,10 @@ def full_load(starts, firsts, lasts, output_tokens: int, c: int) -> dict:
     threads start over seconds) and the drain. A request's tokens are counted where they
     came: the first at its first response, the rest spread evenly to its last response (one
     response: over the time it was out)."""
-    if c <= 0 or len(starts) <= c:
+    window = full_load_window(starts, c)
+    if window is None:
         return {}
-    sends = np.sort(starts)
-    t0, t1 = sends[c - 1], sends[-1]
-    if t1 <= t0:
-        return {}
+    t0, t1 = window
     single = (lasts - firsts) < 1e-6
     # one response (llm_bls): its tokens were made while it was out, spread over that time
     begin = np.where(single, starts, firsts)
@@ -208,6 +216,7 @@ def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], wo
     out["responses_per_request"] = round(
         sum(len(r["response_timestamps"]) for r in reqs) / max(len(reqs), 1), 2)
     out["clients"] = clients
+    out["full_load_window"] = full_load_window(starts, c)
     return out
 
 
@@ -309,6 +318,7 @@ def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output
     starts, firsts, lasts = zip(*times)
     out = summarize(starts, firsts, lasts, lasts, output_tokens, c)
     out["clients"] = procs
+    out["full_load_window"] = full_load_window(starts, c)
     return out
 
 

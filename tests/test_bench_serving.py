@@ -230,3 +230,14 @@ def test_the_benchs_repository_declares_no_output_perf_analyzer_cannot_export(tm
         copied = _outputs(tmp_path / "r" / m / "config.pbtxt")
         assert copied == {k: v for k, v in outs.items() if v != "TYPE_FP32"}
     assert "kind: KIND_GPU" in (tmp_path / "r" / "llm" / "config.pbtxt").read_text()
+
+
+def test_cpu_instances_give_llm_that_many_instances_and_bls_one(tmp_path):
+    """--cpu-instances: llm gets that many CPU instances (each its engine, as one per GPU);
+    llm_bls keeps its own count."""
+    bench_serving.make_repository(str(tmp_path / "r"), str(tmp_path / "m"), {}, gpus=0,
+                                  cpu_instances=3)
+    llm = (tmp_path / "r" / "llm" / "config.pbtxt").read_text()
+    bls = (tmp_path / "r" / "llm_bls" / "config.pbtxt").read_text()
+    assert "instance_group [ { count: 3 kind: KIND_CPU } ]" in llm
+    assert "instance_group [ { count: 8 kind: KIND_CPU } ]" in bls

@@ -1,8 +1,11 @@
 """scripts/server_probe.py: histogram deltas and CPU accounting, on hand-made inputs."""
+import time
+
 import pytest
 
 from scripts.server_probe import (LoadPoller, cpu_delta, cpu_use, engine_loads, gauge,
                                   hist_delta, per_instance, server_side)
+from scripts.serving_clients import full_load_window
 
 LAG = "llm_event_loop_lag_seconds"
 
@@ -99,6 +102,27 @@ def test_engine_loads_per_instance_and_the_gap_between_them():
     one = LoadPoller("unused:0")                    # one instance: no gap to speak of
     one.samples = [(0.0, {"llm_0_0": 3.0})]
     assert one.summary() == {"engine_loads_mean": {"llm_0_0": 3.0}}
+
+
+def test_engine_loads_over_the_clients_full_load_only():
+    """Given the clients' full-load window (wall-clock seconds, as the sends), the samples
+    before and after it, idle engines while the clients start and stop, do not count."""
+    idle, busy = engine_loads(_loads([0, 0], [0, 0])), engine_loads(_loads([250, 240], [2, 0]))
+    poller = LoadPoller("unused:0")
+    assert poller.clock is time.time                # the clients' clock, not perf_counter
+    poller.samples = ([(100.0 + t, idle) for t in range(3)] + [(103.0 + t, busy) for t in range(6)]
+                      + [(109.0 + t, idle) for t in range(3)])
+    assert poller.summary()["engine_loads_mean"] == {"llm_0_0@cuda:0": 126.0,
+                                                     "llm_0_0@cuda:1": 120.0}
+    s = poller.summary((103.0, 108.5))
+    assert s["engine_loads_mean"] == {"llm_0_0@cuda:0": 252.0, "llm_0_0@cuda:1": 240.0}
+    assert s["engine_load_gap_p50"] == 12.0
+    assert poller.summary((200.0, 201.0)) == poller.summary()   # no sample in it: all of them
+
+
+def test_the_full_load_window_runs_from_the_cth_send_to_the_last():
+    assert full_load_window([5.0, 1.0, 2.0, 9.0, 3.0], 3) == (3.0, 9.0)
+    assert full_load_window([1.0, 2.0], 2) is None          # no send after every slot filled
 
 
 def test_server_side_counts_a_runs_cascade_rows_and_prefix_hits():
