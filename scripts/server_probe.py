@@ -85,10 +85,9 @@ def gauge(values: dict[str, float], name: str) -> float:
 
 
 def _label(key: str, label: str) -> str | None:
-    start = key.find(f',{label}="') + 1 or key.find(f'{{{label}="') + 1
-    if not start:
-        return None
-    return key[start + len(label) + 2:].split('"', 1)[0]
+    """Label `label`'s value in a series key 'name{a="x",b="y"}' (None without it)."""
+    m = re.search(r'[{,]%s="([^"]*)"' % re.escape(label), key)
+    return m.group(1) if m else None
 
 
 def per_instance(values: dict[str, float], name: str) -> dict[str, float]:
@@ -157,8 +156,9 @@ class LoadPoller(GaugePoller):
         """Each engine's mean load and, with two or more, the gap between the most and the
         least loaded (p50 / p90 over the samples): {} before the first sample. With a window
         (the clients' full load: serving_clients.full_load_window), over the samples in it:
-        those before the clients start and after they stop count idle engines (two CPU
-        instances, 32 streams: 25.3 over the whole poll, 28 in the window, 31.8 in flight)."""
+        those before the clients start and after they stop count idle engines, and put the
+        mean load well under the requests in flight (benchmarks/h200x2/
+        served_shared_prefix.md, fifty-first session)."""
         loads = [v for t, v in self.samples
                  if v and (window is None or window[0] <= t <= window[1])]
         if not loads:                       # no window, or none of the samples in it
