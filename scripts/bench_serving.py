@@ -277,6 +277,30 @@ def make_repository(repo: str, model_dir: str, settings: dict[str, str], gpus: i
     return params
 
 
+def cpu_list(text: str) -> set[int]:
+    """'0-3,8' -> {0, 1, 2, 3, 8}: CPUs this process may run on, and not all of them."""
+    cpus = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    allowed = os.sched_getaffinity(0)
+    if not cpus <= allowed or cpus == allowed:
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: CPUs to give the clients must be some, not all, of {sorted(allowed)}")
+    return cpus
+
+
+def cpu_text(cpus: set[int]) -> str:
+    """{0, 1, 2, 5} -> '0-2,5'."""
+    runs, cpus = [], sorted(cpus)
+    for c in cpus:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
 def run_served(args, repo, prompts, rounds: PromptRounds, gpus, work, on_row) -> list[dict]:
     """The served rounds, each model and driver; `on_row(row)` as each ends."""
     from tests.tritonserver import start_server
@@ -288,8 +312,10 @@ def run_served(args, repo, prompts, rounds: PromptRounds, gpus, work, on_row) ->
     try:
         # The log goes beside the results from the start: it is there even if this is killed.
         log_dir = os.path.dirname(os.path.abspath(args.out)) if args.out else work
+        server_cpus = (os.sched_getaffinity(0) - args.client_cpus if args.client_cpus
+                       else None)
         with start_server(repo, extra_args=args.server_arg, timeout_s=SERVER_START_S,
-                          log_dir=log_dir) as server:
+                          log_dir=log_dir, cpus=server_cpus) as server:
             c_max = max(args.concurrency)
             for model in args.models:
                 runs = [(c_max, "first", args.drivers[0])] + [
@@ -307,10 +333,11 @@ def run_served(args, repo, prompts, rounds: PromptRounds, gpus, work, on_row) ->
                     try:
                         if driver == "python":
                             r = run_py_client(server, model, c, n, these, args.output_tokens,
-                                              args.py_clients, args.sampling)
+                                              args.py_clients, args.sampling, args.client_cpus)
                         else:
                             r = run_perf_analyzer(server, model, c, n, these, work,
-                                                  args.output_tokens, args.clients, args.sampling)
+                                                  args.output_tokens, args.clients, args.sampling,
+                                                  args.client_cpus)
                     finally:
                         wall = time.monotonic() - w0
                         loads.stop.set()
@@ -318,6 +345,9 @@ def run_served(args, repo, prompts, rounds: PromptRounds, gpus, work, on_row) ->
                     r.update(loads.summary(r.pop("full_load_window", None)))
                     r["cpu_cores"] = cpu_use(cpu0, cpu_times(), wall)
                     r["cpu_cores"]["load generator"] = round((children_cpu() - ch0) / wall, 2)
+                    if args.client_cpus:        # where each side ran (the server: as it runs)
+                        r["cpus"] = {"server": cpu_text(os.sched_getaffinity(server.pid)),
+                                     "clients": cpu_text(args.client_cpus)}
                     m1 = scrape_published(server.metrics_url, m0, r["requests"])
                     q1 = triton_queue_us(server.metrics_url)
                     r.update(server_side(m0, m1))
@@ -433,6 +463,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help='SamplingParams fields for every request of both paths, over greedy '
                          '(e.g. \'{"temperature": 0.8, "top_p": 0.95}\'); max_tokens and '
                          'ignore_eos come from --output-tokens')
+    ap.add_argument("--client-cpus", type=cpu_list, default=None, metavar="LIST",
+                    help="served runs: the load generators run on these CPUs (e.g. 24-31) and "
+                         "the server on the others, as if the clients were on another host")
     ap.add_argument("--skip-direct", action="store_true")
     ap.add_argument("--skip-served", action="store_true")
     ap.add_argument("--out", default=None, help="results prefix (.json and .md)")

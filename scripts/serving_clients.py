@@ -170,14 +170,17 @@ def client_prompts(prompts: list[str], n: int, clients: int) -> list[list[str]]:
 
 
 def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], work: str,
-                      output_tokens: int, clients: int = 1, sampling: dict | None = None) -> dict:
+                      output_tokens: int, clients: int = 1, sampling: dict | None = None,
+                      cpus: set[int] | None = None) -> dict:
     """`clients` perf_analyzer processes at once, c and n shared among them: one process
     handles about 5,000 streamed responses/s (seen on the H200 host: beyond that it lets its
     requests in flight drop), so a fast server needs several to be kept busy. Client k sends
     prompts k, k + clients, ... of the first n: together the n prompts the direct engine and
     the python client send. (Each used to read the whole list from its start: 4 clients sent
     the first quarter 4 times, so a later round with all n prompts found 3/4 of them outside
-    the prefix cache, and prefilled them, where the direct engine's steady round did not.)"""
+    the prefix cache, and prefilled them, where the direct engine's steady round did not.)
+    `cpus`: the CPUs the clients may run on (bench_serving --client-cpus); None: ours."""
+    from tests.tritonserver import on_cpus
     clients = max(1, min(clients, c))
     procs, exports = [], []
     for k in range(clients):
@@ -195,7 +198,7 @@ def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], wo
         if model == "llm":
             cmd.append("--streaming")
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True))
+                                      text=True, preexec_fn=on_cpus(cpus)))
     reqs = []
     for proc, export in zip(procs, exports):
         out, _ = proc.communicate(timeout=3600)
@@ -289,8 +292,9 @@ def py_client_worker(spec: dict) -> None:
 
 
 def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output_tokens: int,
-                  procs: int, sampling: dict | None = None) -> dict:
-    """`procs` processes of py_client_worker share c and n."""
+                  procs: int, sampling: dict | None = None, cpus: set[int] | None = None) -> dict:
+    """`procs` processes of py_client_worker share c and n (on `cpus`: see run_perf_analyzer)."""
+    from tests.tritonserver import on_cpus
     procs = max(1, min(procs, c))
     workers, first = [], 0
     for k in range(procs):
@@ -302,7 +306,8 @@ def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output
         first += nk
         workers.append(subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "--py-client-worker", spec_path],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT))
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+            preexec_fn=on_cpus(cpus)))
     for w in workers:
         if w.stdout.readline().strip() != "ready":
             raise RuntimeError("python client did not start")

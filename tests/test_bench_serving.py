@@ -1,19 +1,27 @@
 """scripts/bench_serving.py end to end on CPU with the tiny model: a short run that shows it
 works (direct engine, tritonserver, perf_analyzer and the python client, both models,
 two clients each), not a timing."""
+import argparse
 import json
 import os
 import re
+import subprocess
+import sys
 
 import numpy as np
+import pytest
 
 from scripts import bench_serving, serving_clients, serving_workload
 from scripts.make_tiny_model import make_tiny_model
+from tests.tritonserver import on_cpus
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
+    allowed = sorted(os.sched_getaffinity(0))
+    assert len(allowed) >= 2, "the test command needs 2 CPUs (CI has 2)"
+    client_cpu = allowed[-1]         # the clients on one CPU, the server on the others
     model = make_tiny_model(tmp_path / "m", arch="llama", seed=2)
     out = tmp_path / "serving"
     saved = []                       # rows in the results each time they are written
@@ -29,7 +37,8 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     bench_serving.main(["--model", str(model), "--concurrency", "2", "--output-tokens", "6",
                         "--prompt-tokens", "20", "--waves", "1", "--clients", "2",
                         "--drivers", "perf_analyzer", "python", "--py-clients", "2",
-                        "--sampling", '{"temperature": 0.7, "top_p": 0.9, "seed": 5}', "--out", str(out)])
+                        "--sampling", '{"temperature": 0.7, "top_p": 0.9, "seed": 5}', "--out", str(out)]
+                       + ["--client-cpus", str(client_cpu)])
     saved_run = json.loads((tmp_path / "serving.json").read_text())
     rows = saved_run["results"]
     assert saved_run["meta"]["sampling"] == {"max_tokens": 6, "temperature": 0.7, "ignore_eos": True,
@@ -47,6 +56,10 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
         assert ("ttft_after_first_wave_p50_ms" in r) == (not r["path"].startswith("llm_bls")), r
         assert len(r["timeline_ms"]) == r["requests"]
         assert all(send <= first <= last for send, first, last in r["timeline_ms"])
+    servers = bench_serving.cpu_text(set(allowed) - {client_cpu})
+    for r in rows:                   # served: the server ran on the CPUs the clients did not
+        if not r["path"].startswith("direct"):
+            assert r["cpus"] == {"server": servers, "clients": str(client_cpu)}, r
     streamed = next(r for r in rows if r["path"] == "llm" and r["round"] == "steady")
     assert streamed["clients"] == 2 and streamed["responses_per_request"] >= 1
     py = next(r for r in rows if r["path"] == "llm (python client)")
@@ -73,6 +86,21 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     assert (tmp_path / "serving.server.log").exists()
     # Saved after every round (a run cut off keeps what it measured), then once at the end.
     assert saved == list(range(1, len(rows) + 1)) + [len(rows)]
+
+
+def test_cpu_lists_read_and_write_ranges_and_confine_a_child():
+    allowed = os.sched_getaffinity(0)
+    last = max(allowed)
+    assert bench_serving.cpu_list(str(last)) == {last}
+    assert bench_serving.cpu_text({0, 1, 2, 5, 7, 8}) == "0-2,5,7-8"
+    assert bench_serving.cpu_text({3}) == "3"
+    for bad in (bench_serving.cpu_text(allowed), str(max(allowed) + 1)):   # all, or not ours
+        with pytest.raises(argparse.ArgumentTypeError, match="some, not all"):
+            bench_serving.cpu_list(bad)
+    out = subprocess.run([sys.executable, "-c", "import os; print(sorted(os.sched_getaffinity(0)))"],
+                         capture_output=True, text=True, check=True, preexec_fn=on_cpus({last}))
+    assert out.stdout.strip() == f"[{last}]"
+    assert on_cpus(None) is None
 
 
 def test_requests_carry_the_sampling_over_greedy(tmp_path):

@@ -173,18 +173,19 @@ class TritonServer:
 
 def start_server(model_repository: str | os.PathLike, extra_args: Sequence[str] = (),
                  timeout_s: float = 120.0, log_dir: str | os.PathLike | None = None,
-                 ) -> TritonServer:
+                 cpus: set[int] | None = None) -> TritonServer:
     """Starts tritonserver on free localhost ports and waits until /v2/health/ready answers.
 
     Raises RuntimeError with the log's tail if the server exits first (e.g. a model fails to
     load), TimeoutError (server stopped) if it is not ready within `timeout_s`. The log goes
-    to `log_dir` (default: a new temporary directory), see `TritonServer.log_path`.
+    to `log_dir` (default: a new temporary directory), see `TritonServer.log_path`. `cpus`:
+    the CPUs the server and every process it starts may run on (default: this process's).
     """
     log_dir = str(log_dir) if log_dir is not None else tempfile.mkdtemp(prefix="tritonserver-")
     os.makedirs(log_dir, exist_ok=True)
     _stop_servers_on_sigterm()
     for attempt in range(_MAX_PORT_ATTEMPTS):
-        server = _launch(os.path.abspath(model_repository), list(extra_args), log_dir)
+        server = _launch(os.path.abspath(model_repository), list(extra_args), log_dir, cpus)
         try:
             _wait_ready(server, timeout_s)
             return server
@@ -200,7 +201,13 @@ def start_server(model_repository: str | os.PathLike, extra_args: Sequence[str] 
     raise AssertionError("unreachable")
 
 
-def _launch(model_repository: str, extra_args: list[str], log_dir: str) -> TritonServer:
+def on_cpus(cpus: set[int] | None):
+    """A Popen preexec_fn that confines the child (and all it starts) to `cpus`; None: none."""
+    return None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+
+
+def _launch(model_repository: str, extra_args: list[str], log_dir: str,
+            cpus: set[int] | None = None) -> TritonServer:
     log_path = tempfile.mkstemp(prefix="tritonserver-", suffix=".log", dir=log_dir)[1]
     http_port, grpc_port, metrics_port = _free_ports(3)
     cmd = server_command(model_repository, http_port, grpc_port, metrics_port, extra_args)
@@ -209,7 +216,8 @@ def _launch(model_repository: str, extra_args: list[str], log_dir: str) -> Trito
         # stdin closed, output to a file: the stubs inherit these, and a pipe held open by
         # a stub would outlive the server.
         proc = subprocess.Popen(cmd, env=server_env(), stdin=subprocess.DEVNULL, stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+                                stderr=subprocess.STDOUT, start_new_session=True,
+                                preexec_fn=on_cpus(cpus))
     return TritonServer(proc, http_port, grpc_port, metrics_port, log_path,
                         metrics="--allow-metrics=false" not in extra_args, shm_before=shm_before)
 

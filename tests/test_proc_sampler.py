@@ -1,0 +1,37 @@
+"""scripts/proc_sampler.py: what it samples of a real process, and its summary."""
+import json
+import subprocess
+import sys
+import time
+
+from scripts import proc_sampler
+
+# A busy process whose command line names the engine core, as the sampler finds cores.
+BUSY = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
+
+
+def test_a_busy_core_process_is_seen_running_its_whole_time(tmp_path):
+    proc = subprocess.Popen([sys.executable, "-c", BUSY, "engine.core_process"])
+    try:
+        out = tmp_path / "cpu.jsonl"
+        proc_sampler.record(str(out), interval=0.25, seconds=1.6)
+    finally:
+        proc.kill()
+        proc.wait()
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(samples) >= 4
+    summary = proc_sampler.summarize(samples)
+    core = summary["engine_cores"][str(proc.pid)]
+    # It never sleeps: run on a CPU most of the wall time (CPU seconds counted the same way),
+    # and what it did not run it spent waiting for a CPU.
+    assert core["run"] > 0.5 and core["cpu"] > 0.5, summary
+    assert core["run"] + core["waiting_for_cpu"] <= 1.1, summary
+    assert summary["machine_busy_cpus"] >= core["run"] - 0.1, summary
+    assert summary["seconds"] >= 1.0
+
+
+def test_a_window_with_fewer_than_two_samples_says_nothing():
+    now = time.time()
+    samples = [dict(proc_sampler.sample(), t=now), dict(proc_sampler.sample(), t=now + 1)]
+    assert proc_sampler.summarize(samples, (now + 0.5, now + 2)) == {}
+    assert proc_sampler.summarize(samples)["seconds"] == 1.0
