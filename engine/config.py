@@ -64,6 +64,10 @@ class EngineConfig:
     seed: int = 0
     skip_tokenizer_init: bool = False     # token ids in and out only (benchmarks, no text)
     enforce_eager: bool = False           # no CUDA graphs / padded decode path
+    # Steps holding prompt chunks of up to this many tokens (in all) replay CUDA graphs cut at
+    # attention (engine/piecewise_graphs.py), larger ones launch eagerly; 0: every such step
+    # eagerly. Capped at max_num_batched_tokens. CUDA only.
+    piecewise_graph_max_tokens: int = 2048
     # GPU: rotary embedding and the KV-cache write as one kernel (kernels/rotary_write_kv.py);
     # false: the two kernels (kernels/rotary.py, kernels/kv_cache.py). Same numbers either way.
     fuse_rope_kv_write: bool = True
@@ -194,6 +198,7 @@ class EngineConfig:
         _int_at_least("max_num_seqs", self.max_num_seqs, 1)
         _int_at_least("max_num_batched_tokens", self.max_num_batched_tokens, 1)
         _int_at_least("prefill_hold_steps", self.prefill_hold_steps, 0)
+        _int_at_least("piecewise_graph_max_tokens", self.piecewise_graph_max_tokens, 0)
         _int_at_least("block_size", self.block_size, 1)
         if self.num_kv_blocks is not None:
             _int_at_least("num_kv_blocks", self.num_kv_blocks, 1)

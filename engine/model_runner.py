@@ -266,9 +266,11 @@ class ModelRunner:
                 kv_merge_in_kernel=self.config.fuse_kv_split_merge,
                 pdl=self.config.decode_pdl and pdl_supported(self.device))
             self.decode_graphs.capture()
-            if self.device.type == "cuda":
+            piecewise_tokens = min(self.config.max_num_batched_tokens,
+                                   self.config.piecewise_graph_max_tokens)
+            if self.device.type == "cuda" and piecewise_tokens > 0:
                 self.piecewise = PiecewiseGraphs(
-                    self.model, self.kv_caches, self.config.max_num_batched_tokens, self.device,
+                    self.model, self.kv_caches, piecewise_tokens, self.device,
                     self.model.layers[0].self_attn.attn.backend)
                 self.piecewise.capture()
         if self.device.type == "cuda":
@@ -490,7 +492,7 @@ class ModelRunner:
         events = self._gpu_events()
         if events:
             events[0].record()
-        piecewise = (x.cascade is None and self.piecewise is not None
+        piecewise = (self.piecewise is not None
                      and self.piecewise.padded_size(len(x.input_ids)) is not None)
         batch = len(x.q_lens)
         decode_only = len(x.input_ids) == batch and len(x.sampled_rows) == batch

@@ -15,8 +15,11 @@ lengths), and the next piece starts from attention's output buffer. The cut is m
 model runs once under capture: each layer's attention backend is swapped for one that ends the
 current graph and begins the next, so the model's code knows nothing of it.
 
+A step with shared-prefix groups (engine/cascade_plan.py) runs through the same pieces: its
+attention, eager, is cascade attention, into the same output buffer.
+
 Padding tokens (up to the captured size) write no KV (slot -1) and are past cu_seqlens_q[-1],
-where attention writes zeros; their logits are never read. Without CUDA (or with
+where attention (plain or cascade) writes zeros; their logits are never read. Without CUDA (or with
 `enforce_eager`) there are no pieces: the runner runs such steps eagerly.
 """
 from __future__ import annotations
@@ -32,11 +35,13 @@ from engine.models.attention import AttentionBackend, AttentionMetadata
 logger = logging.getLogger(__name__)
 
 
-def token_sizes(max_tokens: int, limit: int = 1024) -> list[int]:
-    """Captured token counts up to min(max_tokens, limit): every 32 to 512, every 64 after.
-    Larger steps run eagerly: their GPU time (> 15 ms for an 8B model) hides the launches,
-    and padding them would cost more than it saves."""
-    top = min(max_tokens, limit)
+def token_sizes(max_tokens: int) -> list[int]:
+    """Captured token counts up to max_tokens (EngineConfig.piecewise_graph_max_tokens, at most
+    the step budget): every 32 to 512, every 64 after. (Steps over 1,024 tokens used to run
+    eagerly, on the thought that their GPU time hid the launches. It did not once a step
+    carried shared-prefix groups: ~37 ms of host launching for ~50 ms of GPU a step, served,
+    benchmarks/h200x2/served_shared_prefix.md.)"""
+    top = max_tokens
     sizes = [s for s in range(32, min(top, 512) + 1, 32)]
     sizes += [s for s in range(576, top + 1, 64)]
     if not sizes or sizes[-1] < top:
@@ -69,6 +74,7 @@ class PiecewiseGraphs:
         self._pool = None
         self._capturing: list[torch.cuda.CUDAGraph] | None = None
         self.num_runs = 0
+        self.num_cascade_runs = 0              # of them, steps with shared-prefix groups
 
     def padded_size(self, num_tokens: int) -> int | None:
         return next((s for s in self.sizes if s >= num_tokens), None)
@@ -166,4 +172,5 @@ class PiecewiseGraphs:
             self.backend.paged_attention(q, k_cache, v_cache, meta, scale, window, out=out)
         pieces[-1].replay()
         self.num_runs += 1
+        self.num_cascade_runs += meta.is_cascade
         return self.hidden[size][:n]

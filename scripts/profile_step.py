@@ -12,6 +12,10 @@ and host ops of a few steps (torch.profiler).
 
   python scripts/profile_step.py --scenarios 1x128x128 256x215x128 256x215x128j
     (CONCURRENCYxPROMPTxOUTPUT, a trailing j: output lengths uniform in [OUT/2, 3*OUT/2])
+
+With `--shared-prefix-tokens N` each `--group-size` requests in turn start with the same N
+tokens (prefix caching, groups and cascade attention on), as bench_serving's shared-prefix
+workload sends them: a served engine's steps, in process.
 """
 from __future__ import annotations
 
@@ -36,16 +40,26 @@ def parse_scenario(text: str) -> dict:
 
 
 def closed_loop(core: EngineCore, sc: dict, vocab: int, num_steps: int, warm_steps: int,
-                rng: random.Random, profile_steps: int = 0) -> dict:
-    """Runs warm_steps, then num_steps measured (the last profile_steps of them profiled)."""
+                rng: random.Random, profile_steps: int = 0, shared_prefix: int = 0,
+                group_size: int = 16) -> dict:
+    """Runs warm_steps, then num_steps measured (the last profile_steps of them profiled).
+    shared_prefix: each group_size requests in turn start with the same that many tokens (a
+    new prefix per group), before their own prompt_len."""
     c, p, o = sc["concurrency"], sc["prompt_len"], sc["output_len"]
     ids = iter(range(10**9))
+    prefixes: dict[int, list[int]] = {}
 
     def submit() -> None:
         out_len = rng.randint(max(1, o // 2), o * 3 // 2) if sc["jitter"] else o
-        prompt = [rng.randrange(vocab) for _ in range(p)]
+        k = next(ids)
+        prompt = []
+        if shared_prefix:
+            prefixes.pop(k // group_size - 2, None)         # groups long done
+            prompt = prefixes.setdefault(k // group_size,
+                                         [rng.randrange(vocab) for _ in range(shared_prefix)])
+        prompt = prompt + [rng.randrange(vocab) for _ in range(p)]
         params = SamplingParams(max_tokens=out_len, temperature=0.0, ignore_eos=True)
-        core.add_request(core.make_request(f"r{next(ids)}", prompt, params))
+        core.add_request(core.make_request(f"r{k}", prompt, params))
 
     for _ in range(c):
         submit()
@@ -89,6 +103,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="profile the last N measured steps (torch.profiler; GPU only)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--enforce-eager", action="store_true")
+    ap.add_argument("--shared-prefix-tokens", type=int, default=0,
+                    help="each --group-size requests in turn share a prefix this long (prefix "
+                         "caching, groups and cascade on), before their own prompt")
+    ap.add_argument("--group-size", type=int, default=16)
+    ap.add_argument("--piecewise-graph-max-tokens", type=int, default=None,
+                    help="EngineConfig.piecewise_graph_max_tokens (default: the engine's)")
     add_scheduling_arg(ap)
     add_pdl_arg(ap)
     ap.add_argument("--out", default="benchmarks/profile_step")
@@ -97,9 +117,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     model_dir, cfg = model_and_config(args.preset, args.model)
     scenarios = [parse_scenario(s) for s in args.scenarios]
     max_len = max(s["prompt_len"] + s["output_len"] * 3 // 2 for s in scenarios)
+    max_len += args.shared_prefix_tokens
+    piecewise = ({} if args.piecewise_graph_max_tokens is None
+                 else {"piecewise_graph_max_tokens": args.piecewise_graph_max_tokens})
     config = EngineConfig(model=model_dir, load_format="dummy", dtype=args.dtype,
                           skip_tokenizer_init=True, max_num_seqs=args.max_num_seqs,
-                          max_model_len=max_len, enable_prefix_caching=False,
+                          max_model_len=max_len,
+                          enable_prefix_caching=args.shared_prefix_tokens > 0, **piecewise,
                           enforce_eager=args.enforce_eager,
                           async_scheduling=not args.sync_scheduling,
                           kv_cache_dtype=args.kv_cache_dtype, **pdl_setting(args))
@@ -108,7 +132,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for sc in scenarios:
         row = closed_loop(core, sc, cfg["vocab_size"], args.steps, args.warm_steps, rng,
-                          args.profile_steps if core.device.type == "cuda" else 0)
+                          args.profile_steps if core.device.type == "cuda" else 0,
+                          args.shared_prefix_tokens, args.group_size)
         core.abort_requests([r for r in list(core.scheduler.requests)])
         while core.has_unfinished_requests():
             core.step()

@@ -21,6 +21,7 @@ def test_defaults_are_valid(model_dir):
     ("max_num_batched_tokens", 0, ">= 1"),
     ("prefill_hold_steps", -1, ">= 0"),
     ("prefill_hold_steps", 1.5, ">= 0"),
+    ("piecewise_graph_max_tokens", -1, ">= 0"),
     ("block_size", 0, ">= 1"),
     ("block_size", 1.5, ">= 1"),
     ("num_kv_blocks", 0, ">= 1"),

@@ -306,9 +306,9 @@ def _cascade_vs_plain(model, prompts, params, dtype, **settings):
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_cascade_engine_equals_plain_engine_fp32(tiny_models, arch):
-    """Triton kernels on the GPU in fp32: groups, cascade graphs (decode) and eager cascade
-    steps (prompt chunks beside decodes), preemption: token for token what the plain engine
-    gives."""
+    """Triton kernels on the GPU in fp32: groups, cascade graphs (decode) and cascade steps
+    with prompt chunks beside decodes (through the graphs cut at attention: piecewise_graphs),
+    preemption: token for token what the plain engine gives."""
     prompts = shared_prefix_workload(seed=ARCHS.index(arch))
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     want, got, llm = _cascade_vs_plain(tiny_models[arch], prompts, params, "float32",
@@ -318,7 +318,8 @@ def test_cascade_engine_equals_plain_engine_fp32(tiny_models, arch):
     graphs = runner.decode_graphs
     assert sorted({b for b, _ in graphs.cascade_graphs}) == [b for b in graphs.sizes if b >= 2]
     assert runner.decode_graphs.num_cascade_runs > 0, "no decode step replayed a cascade graph"
-    assert runner.cascade.num_eager_steps > 0, "no eager step ran cascade"
+    assert runner.cascade.num_eager_steps > 0, "no step with prompt chunks ran cascade"
+    assert runner.piecewise.num_cascade_runs > 0, "no cascade step replayed the cut graphs"
     assert stats.num_cascade_rows > 0 and stats.num_preemptions > 0
     for i, (g, w) in enumerate(zip(got, want)):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids, f"prompt {i} differs"

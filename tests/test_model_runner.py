@@ -62,15 +62,16 @@ def test_a_mixed_step_puts_decode_rows_first_and_answers_in_the_scheduler_order(
 
 
 def test_piecewise_token_sizes():
-    """The token counts captured for steps with prompt chunks: every 32 to 512, every 64 to
-    1024, the largest step size when it is smaller; bigger steps run eagerly."""
+    """The token counts captured for steps with prompt chunks: every 32 to 512, every 64 after,
+    up to the largest step size (which need not be a multiple)."""
     from engine.piecewise_graphs import token_sizes
     sizes = token_sizes(2048)
-    assert sizes[:3] == [32, 64, 96] and 512 in sizes and sizes[-1] == 1024
+    assert sizes[:3] == [32, 64, 96] and 512 in sizes and 1024 in sizes and sizes[-1] == 2048
     assert all(b - a == (32 if b <= 512 else 64) for a, b in zip(sizes, sizes[1:]))
     assert token_sizes(64) == [32, 64]
     assert token_sizes(100) == [32, 64, 96, 100]
     assert token_sizes(16) == [16]
+    assert token_sizes(1000)[-2:] == [960, 1000]
 
 
 def test_block_tables_keep_rows_between_steps_and_gather_a_steps_rows():

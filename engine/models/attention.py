@@ -128,14 +128,13 @@ def triton_backend() -> AttentionBackend:
     def run(q, k_cache, v_cache, attn: AttentionMetadata, scale, sliding_window, out=None):
         if attn.is_cascade:
             assert sliding_window is None, "cascade attention has no sliding window"
-            assert out is None, "cascade attention writes a buffer of its own"
             return cascade_attention(
                 q, k_cache, v_cache, attn.block_table, attn.cu_seqlens_q, attn.seq_lens,
                 attn.prefix_lens, attn.cu_group_seqs, scale, max_seqlen_q=attn.max_seqlen_q,
                 max_group_rows=attn.max_group_rows, max_prefix_len=attn.max_prefix_len,
                 num_prefix_splits=attn.num_prefix_splits, own_decode_seqs=attn.own_decode_seqs,
                 own_prompt_seqs=attn.own_prompt_seqs, prompt_prefixes=attn.prompt_prefixes,
-                side_by_side=CASCADE_SIDE_BY_SIDE)
+                side_by_side=CASCADE_SIDE_BY_SIDE, out=out)
         nd = attn.num_decodes
         if attn.max_seqlen_q > 1 and 0 < nd < attn.seq_lens.shape[0]:
             return _mixed_paged_attention(paged_attention, q, k_cache, v_cache, attn, scale,
