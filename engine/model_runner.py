@@ -76,7 +76,8 @@ class _InFlight:
     events: tuple | None                # (start, end) CUDA events when timing the GPU
     prev_events: tuple | None           # the step before's (start, end), if timed
     num_cascade_rows: int
-    graph: bool
+    graph: bool                         # CUDA graphs: the decode graph or the cut ones
+    piecewise: bool = False             # the cut ones (prompt chunks in the step)
     output: ModelRunnerOutput | None = None
 
 
@@ -543,7 +544,7 @@ class ModelRunner:
                            num_cascade_rows,
                            # On CPU the decode path pads and runs the same code without
                            # capturing: not a graph.
-                           (graph and self.decode_graphs.use_graphs) or piecewise)
+                           (graph and self.decode_graphs.use_graphs) or piecewise, piecewise)
         self._last_events = events
         self._uncollected = handle
         times.launch += time.perf_counter() - t1
@@ -565,6 +566,9 @@ class ModelRunner:
             times.gpu += gpu
             if handle.graph:
                 times.graph_gpu += gpu
+            if handle.piecewise:
+                times.piecewise_gpu += gpu
+        times.piecewise_steps += handle.piecewise
         if self._uncollected is handle:
             self._uncollected = None
         x, states = handle.x, handle.states

@@ -29,7 +29,8 @@ PHASES = ("schedule", "prepare", "launch", "wait", "post", "update")
 @dataclass
 class StepTimes:
     steps: int = 0
-    graph_steps: int = 0
+    graph_steps: int = 0        # run as CUDA graphs: the decode graph, or cut at attention
+    piecewise_steps: int = 0    # of them, cut at attention (steps with prompt chunks)
     schedule: float = 0.0       # seconds, summed over the steps
     prepare: float = 0.0
     launch: float = 0.0
@@ -38,6 +39,7 @@ class StepTimes:
     update: float = 0.0
     gpu: float = 0.0
     graph_gpu: float = 0.0
+    piecewise_gpu: float = 0.0
     gpu_events: bool = False    # time the GPU too (CUDA events); off by default
 
     def copy(self) -> StepTimes:
@@ -54,17 +56,23 @@ class StepTimes:
         return sum(getattr(self, p) for p in PHASES)
 
     def per_step_ms(self) -> dict[str, float]:
-        """Mean milliseconds per step of each phase, the wall time, the GPU's time (in all, and
-        per graph step and per other step) and the share of steps that ran as a CUDA graph."""
+        """Mean milliseconds per step of each phase, the wall time, the GPU's time (in all, per
+        decode graph step, per step cut at attention (piecewise) and per other (eager) step),
+        the share of steps that ran as CUDA graphs (either kind) and of those cut at attention."""
         n = max(self.steps, 1)
         out = {p: round(1e3 * getattr(self, p) / n, 4) for p in PHASES}
         out["wall"] = round(sum(out[p] for p in PHASES), 4)
         if self.gpu_events and self.gpu > 0:    # CPU, or not asked: no GPU figure
             out["gpu"] = round(1e3 * self.gpu / n, 4)
-            if self.graph_steps:
-                out["gpu_graph_step"] = round(1e3 * self.graph_gpu / self.graph_steps, 4)
+            decode_graphs = self.graph_steps - self.piecewise_steps
+            if decode_graphs:
+                out["gpu_graph_step"] = round(1e3 * (self.graph_gpu - self.piecewise_gpu)
+                                              / decode_graphs, 4)
+            if self.piecewise_steps:
+                out["gpu_piecewise_step"] = round(1e3 * self.piecewise_gpu / self.piecewise_steps, 4)
             if self.steps > self.graph_steps:
                 out["gpu_other_step"] = round(1e3 * (self.gpu - self.graph_gpu)
                                               / (self.steps - self.graph_steps), 4)
         out["graph_step_share"] = round(self.graph_steps / n, 4)
+        out["piecewise_step_share"] = round(self.piecewise_steps / n, 4)
         return out

@@ -292,12 +292,15 @@ def write_results(out_prefix: str, meta: dict, rows: list[dict], table: list[str
 def step_table(rows: list[dict], label_keys: list[str]) -> list[str]:
     """Markdown: where a step's time went (each row's "step_ms", StepTimes.per_step_ms), per
     row labelled by `label_keys`. Host phases are back to back; wall - gpu is roughly what the
-    GPU waited for the host. GPU ms per graph step and per other (eager) step where timed."""
+    GPU waited for the host. Graph steps: the decode graph's and those cut at attention (steps
+    with prompt chunks; their share in brackets). GPU ms per decode graph step, per step cut at
+    attention and per other (eager) step, where timed."""
     from engine.step_timing import PHASES
     head = (["| " + " | ".join(label_keys) + " | " + " | ".join(PHASES)
-             + " | wall ms | GPU ms | GPU idle | graph steps | GPU ms a graph step | GPU ms an other step |"],
+             + " | wall ms | GPU ms | GPU idle | graph steps (cut) | GPU ms a decode graph step "
+               "| GPU ms a cut step | GPU ms an eager step |"],
             ["| " + " | ".join("---" for _ in label_keys) + " | "
-             + " | ".join("---:" for _ in PHASES) + " | ---: | ---: | ---: | ---: | ---: | ---: |"])
+             + " | ".join("---:" for _ in PHASES) + " | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"])
     out = head[0] + head[1]
     for r in rows:
         ms = r["step_ms"]
@@ -306,8 +309,10 @@ def step_table(rows: list[dict], label_keys: list[str]) -> list[str]:
         out.append("| " + " | ".join(str(r[k]) for k in label_keys) + " | "
                    + " | ".join(f"{ms[p]:.3f}" for p in PHASES)
                    + f" | {ms['wall']:.3f} | {'-' if gpu is None else f'{gpu:.3f}'} | {idle} | "
-                   + f"{100 * ms['graph_step_share']:.0f}% | "
-                   + " | ".join(f"{ms[k]:.3f}" if k in ms else "-" for k in ("gpu_graph_step", "gpu_other_step"))
+                   + f"{100 * ms['graph_step_share']:.0f}% "
+                   + f"({100 * ms.get('piecewise_step_share', 0.0):.0f}%) | "
+                   + " | ".join(f"{ms[k]:.3f}" if k in ms else "-"
+                                for k in ("gpu_graph_step", "gpu_piecewise_step", "gpu_other_step"))
                    + " |")
     return out
 

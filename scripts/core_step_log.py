@@ -1,12 +1,15 @@
 """What the engine cores' step logs (ENGINE_STEP_LOG_S, engine/core_process.py) add up to.
 
-Each core logs, every ENGINE_STEP_LOG_S seconds, its steps' phases and GPU time, the share of
-steps that replayed the decode CUDA graph, and the prompt tokens it computed and the tokens it
-generated since its last line. Over a run's busy lines (at least --min-generated tokens) this
-sums, per log file (a server's log, or a direct bench's output, both cores' lines together):
+Each core logs, every ENGINE_STEP_LOG_S seconds, its steps' phases and GPU time, the shares of
+steps that replayed CUDA graphs (the decode graph, or graphs cut at attention), and the prompt
+tokens it computed and the tokens it generated since its last line. Over a run's busy lines (at
+least --min-generated tokens) this sums, per log file (a server's log, or a direct bench's
+output, both cores' lines together):
 
-  graph steps x GPU ms     decode-only steps, replayed from the CUDA graph
-  other steps x GPU ms     steps carrying prompt tokens (mixed), and their prompt tokens each
+  graph steps x GPU ms     decode-only steps, replayed from the decode CUDA graph
+  other steps x GPU ms     steps carrying prompt tokens (mixed), their prompt tokens each, and
+                           how many of them replayed the graphs cut at attention (the rest ran
+                           eagerly)
   GPU ms / generated token the GPU's time over the tokens generated
   prompt tokens / generated token
 
@@ -47,17 +50,23 @@ def summarize(cores: dict[str, list[dict]], min_generated: int = 5000) -> dict:
             if d["steps"] and d["generated"] >= min_generated and "gpu" in d["phases"]]
     if not busy:
         return {}
-    graph = sum(d["steps"] * d["phases"]["graph_step_share"] for d in busy)
+    def steps(d, share):
+        return d["steps"] * d["phases"].get(share, 0.0)
+    # Decode graph steps: graph steps not cut at attention (older logs have no piecewise share).
+    graph = sum(steps(d, "graph_step_share") - steps(d, "piecewise_step_share") for d in busy)
+    piecewise = sum(steps(d, "piecewise_step_share") for d in busy)
     other = sum(d["steps"] for d in busy) - graph
-    graph_ms = sum(d["steps"] * d["phases"]["graph_step_share"]
+    graph_ms = sum((steps(d, "graph_step_share") - steps(d, "piecewise_step_share"))
                    * d["phases"].get("gpu_graph_step", 0.0) for d in busy)
-    other_ms = sum(d["steps"] * (1 - d["phases"]["graph_step_share"])
+    other_ms = sum(steps(d, "piecewise_step_share") * d["phases"].get("gpu_piecewise_step", 0.0)
+                   + (d["steps"] - steps(d, "graph_step_share"))
                    * d["phases"].get("gpu_other_step", 0.0) for d in busy)
     prompt = sum(d["prompt"] for d in busy)
     generated = sum(d["generated"] for d in busy)
     return {"cores": len(cores), "lines": len(busy),
             "graph_steps": round(graph), "graph_step_ms": round(graph_ms / max(graph, 1), 2),
             "other_steps": round(other), "other_step_ms": round(other_ms / max(other, 1), 2),
+            "other_steps_piecewise": round(piecewise),
             "prompt_tokens_per_other_step": round(prompt / max(other, 1)),
             "graph_share": round(graph / (graph + other), 3),
             "gpu_ms_per_generated_token": round((graph_ms + other_ms) / generated, 4),
@@ -65,12 +74,14 @@ def summarize(cores: dict[str, list[dict]], min_generated: int = 5000) -> dict:
 
 
 def table(rows: list[tuple[str, dict]]) -> str:
-    out = ["| log | graph steps x GPU ms | other steps x GPU ms (prompt tokens each) | graph share "
-           "| GPU ms / generated token | prompt tokens / generated token |",
+    out = ["| log | decode graph steps x GPU ms | other steps x GPU ms (prompt tokens each; of "
+           "them cut at attention) | graph share | GPU ms / generated token | prompt tokens / "
+           "generated token |",
            "| --- | --- | --- | ---: | ---: | ---: |"]
     for name, s in rows:
         out.append(f"| {name} | {s['graph_steps']} x {s['graph_step_ms']} | {s['other_steps']} x "
-                   f"{s['other_step_ms']} ({s['prompt_tokens_per_other_step']}) | "
+                   f"{s['other_step_ms']} ({s['prompt_tokens_per_other_step']}; "
+                   f"{s['other_steps_piecewise']}) | "
                    f"{s['graph_share']} | {s['gpu_ms_per_generated_token']} | "
                    f"{s['prompt_tokens_per_generated_token']} |")
     return "\n".join(out)
@@ -86,6 +97,9 @@ def main() -> None:
     for path in args.logs:
         with open(path, errors="replace") as f:
             s = summarize(parse(f), args.min_generated)
+        if s and s["other_steps"] < 1 and s["prompt_tokens_per_generated_token"] > 0:
+            print(f"{path}: prompt tokens but no step carrying them: a log written before the "
+                  f"cores told steps cut at attention from decode graphs (piecewise_step_share)")
         if s:
             rows.append((path, s))
         else:

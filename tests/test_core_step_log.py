@@ -8,13 +8,15 @@ from engine.step_timing import StepTimes
 from scripts.core_step_log import parse, summarize
 
 
-def _core_lines(pid, steps, graph_steps, gpu_s, graph_gpu_s, prompt, generated):
+def _core_lines(pid, steps, graph_steps, gpu_s, graph_gpu_s, prompt, generated,
+                piecewise_steps=0, piecewise_gpu_s=0.0):
     """One line of a core's step log, as the core process formats it."""
     core = SimpleNamespace(times=StepTimes(), scheduler=SimpleNamespace(
         stats=SchedulerStats(), num_running=250, num_waiting=3))
     log = _StepLog(core, 1e-9)                  # a line at every add
     core.times = StepTimes(steps=steps, graph_steps=graph_steps, schedule=0.01, launch=0.05,
-                           wait=0.1, gpu=gpu_s, graph_gpu=graph_gpu_s, gpu_events=True)
+                           wait=0.1, gpu=gpu_s, graph_gpu=graph_gpu_s, gpu_events=True,
+                           piecewise_steps=piecewise_steps, piecewise_gpu=piecewise_gpu_s)
     core.scheduler.stats.num_computed_prompt_tokens = prompt
     core.scheduler.stats.num_cached_prompt_tokens = 5 * prompt
     core.scheduler.stats.num_generated_tokens = generated
@@ -47,10 +49,23 @@ def test_step_log_lines_add_up_per_kind_of_step():
     s = summarize(cores)
     assert s == {"cores": 2, "lines": 2, "graph_steps": 16, "graph_step_ms": 10.0,
                  "other_steps": 14, "other_step_ms": round((140 + 400) / 14, 2),
+                 "other_steps_piecewise": 0,
                  "prompt_tokens_per_other_step": round(8000 / 14), "graph_share": 0.533,
                  "gpu_ms_per_generated_token": round(700 / 20000, 4),
                  "prompt_tokens_per_generated_token": 0.4}
     assert summarize(cores, min_generated=10)["lines"] == 3
+
+
+def test_steps_cut_at_attention_count_with_the_steps_carrying_prompts():
+    """Graph steps cut at attention carry prompt chunks: they are summed with the eager steps,
+    not with the decode graphs."""
+    # 10 steps: 4 decode graphs x 10 ms, 5 cut at attention x 30 ms, 1 eager x 50 ms.
+    cores = parse(_core_lines(11, 10, 9, 0.24, 0.19, 6000, 9000, piecewise_steps=5,
+                              piecewise_gpu_s=0.15))
+    s = summarize(cores)
+    assert (s["graph_steps"], s["graph_step_ms"]) == (4, 10.0)
+    assert (s["other_steps"], s["other_steps_piecewise"], s["other_step_ms"]) == (6, 5, 33.33)
+    assert s["prompt_tokens_per_other_step"] == 1000 and s["graph_share"] == 0.4
 
 
 def test_lines_without_gpu_times_give_nothing():

@@ -32,7 +32,8 @@ def test_the_phases_add_up_to_the_steps_wall_time(tmp_path, async_scheduling):
     assert all(getattr(t, p) > 0 for p in PHASES), t
     assert phases <= wall                          # disjoint parts of the steps' wall time
     ms = t.per_step_ms()
-    assert set(ms) == {*PHASES, "wall", "graph_step_share"}
+    assert set(ms) == {*PHASES, "wall", "graph_step_share", "piecewise_step_share"}
+    assert t.piecewise_steps == 0 and ms["piecewise_step_share"] == 0.0
 
 
 def test_since_and_per_step_ms_with_gpu_time():
@@ -46,6 +47,20 @@ def test_since_and_per_step_ms_with_gpu_time():
     assert b.since(a).wall_s() == pytest.approx(0.040)     # 5 steps of 8 ms, the GPU's not added
     # 4 graph steps took 20 ms of the GPU's 35; the one eager step took the other 15.
     assert ms["gpu_graph_step"] == 5.0 and ms["gpu_other_step"] == 15.0
+    assert "gpu_piecewise_step" not in ms and ms["piecewise_step_share"] == 0.0
+
+
+def test_steps_cut_at_attention_are_graph_steps_timed_apart():
+    """Steps with prompt chunks replayed as graphs cut at attention count among the graph
+    steps (the served metric) and have a GPU time of their own, apart from decode graphs'."""
+    a = StepTimes(gpu_events=True)
+    b = StepTimes(steps=10, graph_steps=8, piecewise_steps=3, schedule=0.01, gpu=0.150,
+                  graph_gpu=0.110, piecewise_gpu=0.090, gpu_events=True)
+    ms = b.since(a).per_step_ms()
+    assert ms["graph_step_share"] == 0.8 and ms["piecewise_step_share"] == 0.3
+    # 5 decode graph steps: 20 ms of GPU; 3 cut ones: 90 ms; 2 eager: the other 40 ms.
+    assert ms["gpu_graph_step"] == 4.0 and ms["gpu_piecewise_step"] == 30.0
+    assert ms["gpu_other_step"] == 20.0
 
 
 class _FakeEvent:
@@ -98,16 +113,21 @@ def test_graph_steps_are_counted_once_from_the_runners_report(tmp_path):
 
 
 def test_step_table_shows_graph_and_other_steps_gpu_time_where_timed():
-    """scripts/bench_common.step_table: the GPU's ms per graph step and per other step beside
-    the phases; '-' where a run timed no GPU (CPU) or had no step of that kind."""
+    """scripts/bench_common.step_table: the GPU's ms per decode graph step, per step cut at
+    attention and per eager step beside the phases; '-' where a run timed no GPU (CPU) or had
+    no step of that kind."""
     from scripts.bench_common import step_table
     timed = StepTimes(steps=5, graph_steps=4, schedule=0.005, launch=0.025, wait=0.010, gpu=0.035,
                       graph_gpu=0.020, gpu_events=True).per_step_ms()
+    cut = StepTimes(steps=5, graph_steps=4, piecewise_steps=1, schedule=0.005, gpu=0.050,
+                    graph_gpu=0.035, piecewise_gpu=0.020, gpu_events=True).per_step_ms()
     untimed = StepTimes(steps=2, schedule=0.002, launch=0.002, wait=0.002).per_step_ms()
-    head, rule, a, b = step_table([{"run": "gpu", "step_ms": timed}, {"run": "cpu", "step_ms": untimed}],
-                                  ["run"])
-    assert head.endswith("| GPU ms a graph step | GPU ms an other step |")
+    head, rule, a, c, b = step_table([{"run": "gpu", "step_ms": timed},
+                                      {"run": "cut", "step_ms": cut},
+                                      {"run": "cpu", "step_ms": untimed}], ["run"])
+    assert head.endswith("| GPU ms a decode graph step | GPU ms a cut step | GPU ms an eager step |")
     assert rule.count("|") == head.count("|")
-    assert a.endswith("| 80% | 5.000 | 15.000 |"), a
-    assert b.endswith("| 0% | - | - |"), b
-    assert a.count("|") == b.count("|") == head.count("|")
+    assert a.endswith("| 80% (0%) | 5.000 | - | 15.000 |"), a
+    assert c.endswith("| 80% (20%) | 5.000 | 20.000 | 15.000 |"), c
+    assert b.endswith("| 0% (0%) | - | - | - |"), b
+    assert a.count("|") == b.count("|") == c.count("|") == head.count("|")
