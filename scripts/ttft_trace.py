@@ -47,11 +47,15 @@ def _quantile(values: list[float], p: float) -> float:
 
 
 def summarize(rows: list[dict]) -> dict[str, dict[str, float]]:
+    """Per stage, over the rows that have both its times (a request that ended without its
+    last step's output, e.g. cancelled, has no final_output): quantiles, mean, rows left out."""
     out = {}
     for name, a, b in STAGES:
-        ms = [(r[b] - r[a]) * 1e3 for r in rows]
+        ms = [(r[b] - r[a]) * 1e3 for r in rows if r.get(a) is not None and r.get(b) is not None]
+        if not ms:
+            continue
         out[name] = {"p50_ms": round(_quantile(ms, 0.5), 2), "p90_ms": round(_quantile(ms, 0.9), 2),
-                     "mean_ms": round(statistics.fmean(ms), 2)}
+                     "mean_ms": round(statistics.fmean(ms), 2), "left_out": len(rows) - len(ms)}
     return out
 
 
@@ -72,7 +76,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"round {i + 1}: {len(part)} requests")
         for name, q in summarize(part).items():
             print(f"  {name:22s} p50 {q['p50_ms']:8.1f}  p90 {q['p90_ms']:8.1f}  "
-                  f"mean {q['mean_ms']:8.1f} ms")
+                  f"mean {q['mean_ms']:8.1f} ms"
+                  + (f"  ({q['left_out']} without these times)" if q["left_out"] else ""))
         turns = [t for t in around[i * per:(i + 1) * per] if t is not None]
         if turns:
             print(f"  {'client turn-around':22s} p50 {_quantile(turns, 0.5):8.1f}  "

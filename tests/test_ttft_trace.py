@@ -18,10 +18,21 @@ def test_summary_splits_the_time_to_first_token_into_its_stages():
             _row(2.0, 0.002, 0.002, 0.200, 0.002)]
     s = summarize(rows)
     assert s["execute -> loop"]["p50_ms"] == 2.0
-    assert s["engine"] == {"p50_ms": 200.0, "p90_ms": 200.0, "mean_ms": 200.0}
+    assert s["engine"] == {"p50_ms": 200.0, "p90_ms": 200.0, "mean_ms": 200.0, "left_out": 0}
     assert s["outbox + send"]["mean_ms"] == 2.0
     assert s["execute -> first sent"]["p50_ms"] == 206.0
     assert s["final: outbox + send"]["mean_ms"] == 4.0
+
+
+def test_a_request_without_a_stages_times_is_left_out_of_that_stage_only():
+    """Seen once in 10,240 served requests: a final response sent with no last step's output
+    timed. It counts in every other stage."""
+    rows = [_row(0.0, 0.001, 0.002, 0.100, 0.003), _row(1.0, 0.003, 0.002, 0.300, 0.001)]
+    rows[1]["final_output"] = None
+    s = summarize(rows)
+    assert s["final: outbox + send"] == {"p50_ms": 4.0, "p90_ms": 4.0, "mean_ms": 4.0,
+                                         "left_out": 1}
+    assert s["engine"]["left_out"] == 0 and s["engine"]["mean_ms"] == 200.0
 
 
 def test_turn_around_pairs_each_final_response_with_the_request_after_the_first_c():
