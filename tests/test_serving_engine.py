@@ -297,6 +297,23 @@ def test_trace_file_has_each_streams_timeline_in_order(model_dir, tmp_path, monk
         assert t["first_output"] < t["final_output"] <= t["final_sent"], t   # 4 steps
 
 
+def test_trace_of_a_final_response_sent_before_the_reader_noted_its_step(tmp_path):
+    """A streamed request's outputs are one handle the sender renders: the last step's tokens
+    can go out before the reader thread notes final_output. The line then has final_output at
+    final_sent (the step was back by then), not null."""
+    from types import SimpleNamespace
+    from engine.serving_trace import RequestTrace
+    trace = RequestTrace(str(tmp_path / "t.jsonl"))
+    r = SimpleNamespace(rid="x", submitted=1.0, start=1.1, in_engine=None, first_output=1.5,
+                        first_sent=1.6, final_output=None, final_sent=None)
+    trace.in_engine(r, 1.2)
+    trace.final_sent(r, 3.0)
+    trace.close()
+    (line,) = (tmp_path / "t.jsonl").read_text().splitlines()
+    t = json.loads(line)
+    assert t["final_output"] == t["final_sent"] == 3.0 and t["in_engine"] == 1.2, t
+
+
 def _wait_open(serving, n):
     """num_open drops just after a final answer's send returns."""
     deadline = time.monotonic() + WAIT_S
