@@ -430,3 +430,28 @@ def test_side_by_side_in_a_cuda_graph_gives_the_same_bits():
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, cascade_attention(*args, 0.125, **limits))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_backend_writes_a_cascade_step_into_the_buffer_it_is_given(dtype):
+    """The engine's Triton backend, as the graphs cut at attention call it
+    (engine/piecewise_graphs.py): a cascade step's attention into their output buffer, padded
+    past the step's rows; the kernel's values in that very buffer, the padding rows zeroed."""
+    from engine.models.attention import AttentionMetadata, triton_backend
+    args, limits = make_batch(MIXED_GROUPS, MIXED_LONE, 8, 2, 32, dtype, seed=23)
+    q, k_cache, v_cache, table, cu, seq_lens, prefix_lens, cu_groups = args
+    decodes, prompts = own_lists(args)
+    meta = AttentionMetadata(
+        slot_mapping=None, block_table=table, cu_seqlens_q=cu, seq_lens=seq_lens,
+        max_seqlen_q=limits["max_seqlen_q"], max_seqlen_k=int(seq_lens.max()),
+        prefix_lens=prefix_lens, cu_group_seqs=cu_groups, max_group_rows=limits["max_group_rows"],
+        max_prefix_len=limits["max_prefix_len"], num_prefix_splits=2,
+        own_decode_seqs=decodes, own_prompt_seqs=prompts)
+    assert meta.is_cascade
+    out = torch.full(q.shape, float("nan"), dtype=q.dtype, device=q.device)
+    got = triton_backend().paged_attention(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5, None,
+                                           out=out)
+    assert got is out and not got.isnan().any()
+    want = run(args, limits, 2, own_decode_seqs=decodes, own_prompt_seqs=prompts)
+    assert torch.equal(got, want)
+    assert not got[-3:].any()                                # the padding rows
