@@ -4,24 +4,30 @@ import os
 import random
 import sys
 
+import pytest
+
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore
+from scripts.make_tiny_model import make_tiny_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "scripts"))       # the script imports bench_common so
 import profile_step  # noqa: E402
 
-TINY = os.path.join(ROOT, "models", "tiny-llama")
 
 
-def make_core(caching: bool) -> EngineCore:
-    return EngineCore(EngineConfig(model=TINY, dtype="float32", device="cpu",
-                                   max_num_seqs=8, max_model_len=128,
-                                   enable_prefix_caching=caching))
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    return str(make_tiny_model(tmp_path_factory.mktemp("m") / "tiny", arch="llama", seed=3))
 
 
-def test_requests_in_a_group_share_their_prefix_from_the_cache():
-    core = make_core(caching=True)
+def make_core(model: str) -> EngineCore:
+    return EngineCore(EngineConfig(model=model, dtype="float32", device="cpu",
+                                   max_num_seqs=8, max_model_len=128))
+
+
+def test_requests_in_a_group_share_their_prefix_from_the_cache(tiny):
+    core = make_core(tiny)
     sc = profile_step.parse_scenario("8x10x4j")
     row = profile_step.closed_loop(core, sc, vocab=1000, num_steps=30, warm_steps=10,
                                    rng=random.Random(0), shared_prefix=32, group_size=4)
@@ -34,8 +40,8 @@ def test_requests_in_a_group_share_their_prefix_from_the_cache():
     assert stats.num_cascade_rows > 0, stats
 
 
-def test_without_a_shared_prefix_nothing_is_found_in_the_cache():
-    core = make_core(caching=True)
+def test_without_a_shared_prefix_nothing_is_found_in_the_cache(tiny):
+    core = make_core(tiny)
     profile_step.closed_loop(core, profile_step.parse_scenario("8x40x4"), vocab=1000,
                              num_steps=20, warm_steps=5, rng=random.Random(0))
     assert core.get_stats().num_cached_prompt_tokens == 0
