@@ -22,10 +22,12 @@ def test_a_busy_core_process_is_seen_running_its_whole_time(tmp_path):
     assert len(samples) >= 4
     summary = proc_sampler.summarize(samples)
     core = summary["engine_cores"][str(proc.pid)]
-    # It never sleeps: run on a CPU most of the wall time (CPU seconds counted the same way),
-    # and what it did not run it spent waiting for a CPU.
-    assert core["run"] > 0.5 and core["cpu"] > 0.5, summary
-    assert core["run"] + core["waiting_for_cpu"] <= 1.1, summary
+    # It never sleeps, so it is always runnable: on a CPU or waiting for one, the two adding
+    # up to the wall time however busy the machine is (alone on CI's 2 cores it runs ~1.0;
+    # beside two test workers, seen 0.40 run and 0.60 waiting). Its CPU seconds say the same
+    # as its run time.
+    assert 0.85 <= core["run"] + core["waiting_for_cpu"] <= 1.1, summary
+    assert core["run"] > 0.05 and abs(core["cpu"] - core["run"]) < 0.1, summary
     assert summary["machine_busy_cpus"] >= core["run"] - 0.1, summary
     assert summary["seconds"] >= 1.0
 
