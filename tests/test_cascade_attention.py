@@ -452,6 +452,10 @@ def test_backend_writes_a_cascade_step_into_the_buffer_it_is_given(dtype):
     got = triton_backend().paged_attention(q, k_cache, v_cache, meta, q.shape[-1] ** -0.5, None,
                                            out=out)
     assert got is out and not got.isnan().any()
+    atol, rtol = TOLS[dtype]                                 # the reference's values
+    torch.testing.assert_close(got, cascade_attention_ref(*args, q.shape[-1] ** -0.5),
+                               atol=atol, rtol=rtol)
+    # and the very bits of the kernel called with the metadata's fields by hand
     want = run(args, limits, 2, own_decode_seqs=decodes, own_prompt_seqs=prompts)
     assert torch.equal(got, want)
     assert not got[-3:].any()                                # the padding rows
