@@ -173,6 +173,14 @@ class AsyncEngine:
             core = self._peers.get(address) if address is not None else None
         self._send_to_core(channel, request_id, text, ids, packed, params, stream, pull, core)
 
+    def core_key(self, request_id: str) -> tuple[int, int] | None:
+        """(the core's pid, the request's index there) for a request in the engine: its key in
+        the core's ENGINE_REQUEST_LOG (engine/core_process.py). None once it has ended."""
+        channel = self._streams.get(request_id)
+        if channel is None or channel.index is None:
+            return None
+        return channel.core.pid, channel.index
+
     def render(self, handle: PullOutput) -> RequestOutput | None:
         """A pull request's output since its last render (see submit). Any thread, one at a
         time per request."""

@@ -268,6 +268,7 @@ class PeerCoreClient(CoreClient):
             sock.close()
             raise
         try:
+            self._core_pid = child_process.peer_credentials(sock)[0]
             self._connected(sock, on_outputs, on_dead)
         except socket.timeout:
             sock.close()
@@ -279,7 +280,8 @@ class PeerCoreClient(CoreClient):
 
     @property
     def pid(self) -> int:
-        return -1
+        """The core's process (another front end's child)."""
+        return self._core_pid
 
     def request_stats(self) -> Future:
         raise RuntimeError("a peer's stats are its owner's to report")

@@ -15,6 +15,12 @@ and then send ADD and ABORT frames of their own, numbered in their own space; ea
 outputs of its own requests. A peer that goes away has its requests aborted; a peer that sends
 anything else is told why (ERROR) and dropped. Peers never stop the core. An abstract socket
 has no file permissions: a peer whose process runs as another user is refused.
+
+With `ENGINE_REQUEST_LOG=<file>` in its environment it appends to that file, once each request
+ends, a JSON line of when (time.monotonic(), one clock for the machine's processes) it took the
+request in and sent its first and final outputs, keyed by the core's and the front end's pids
+and the front end's request index: joined with the front end's LLM_SERVING_TRACE, it tells a
+request's time in the core from its time on the way there and back (scripts/ttft_trace.py).
 """
 from __future__ import annotations
 
@@ -26,7 +32,6 @@ import logging
 import os
 import select
 import socket
-import struct
 import sys
 import time
 
@@ -40,6 +45,7 @@ STALLED_FRAME_S = 30.0      # a frame begun and not finished this long: the peer
 # Set (seconds) to log, that often, where the core's time went: its steps' phases and GPU time
 # (engine/step_timing.py), the time taking frames in and sending outputs, running / waiting.
 STEP_LOG_ENV = "ENGINE_STEP_LOG_S"
+REQUEST_LOG_ENV = "ENGINE_REQUEST_LOG"
 
 
 # A peer's request k is the core's PEER_SPACE * peer + k (the parent's are below PEER_SPACE).
@@ -53,8 +59,9 @@ class _Exit(Exception):
 class _Peer:
     """A front end other than the parent, connected through the peer address."""
 
-    def __init__(self, sock: socket.socket, number: int) -> None:
+    def __init__(self, sock: socket.socket, number: int, pid: int) -> None:
         self.sock = sock
+        self.pid = pid                      # its process (the request log's key)
         self.base = PEER_SPACE * number
         self.reader = wire.FrameReader()
         self.encoder = wire.OutputsEncoder()
@@ -72,6 +79,8 @@ class CoreServer:
         self.listener = listener            # peers connect here (--peer-address)
         self.peers: dict[socket.socket, _Peer] = {}
         self._peer_numbers = itertools.count(1)
+        self.request_log = _RequestLog.from_env()
+        self._front_pid = child_process.peer_credentials(sock)[0] if self.request_log else 0
 
     def serve(self) -> None:
         pending = []            # outputs of aborts, sent with the next step's
@@ -101,10 +110,13 @@ class CoreServer:
             if pending:
                 outputs, pending = pending + outputs, []
             if outputs:
+                sent, stamp = outputs, time.monotonic()
                 if self.peers:
                     outputs = self._send_to_peers(outputs)
                 if outputs:
                     self.sock.sendall(self.encoder.encode(outputs))
+                if self.request_log is not None:
+                    self.request_log.sent(sent, stamp)
             log.add("send", busy)
 
     def _watched(self) -> list[socket.socket]:
@@ -128,7 +140,8 @@ class CoreServer:
         except OSError:
             sock.close()
             return
-        self.peers[sock] = _Peer(sock, next(self._peer_numbers))
+        self.peers[sock] = _Peer(sock, next(self._peer_numbers),
+                                 child_process.peer_credentials(sock)[0])
 
     def _from_peer(self, peer: _Peer) -> list:
         try:
@@ -143,6 +156,8 @@ class CoreServer:
                     request = self.core.make_request(peer.base + index, ids, params)
                     self.core.add_request(request)
                     peer.live.add(request.request_id)
+                    if self.request_log is not None:
+                        self.request_log.taken(request.request_id, peer.pid, index)
                 elif kind == wire.ABORT:
                     ids = [peer.base + i for i in wire.decode_abort(payload)]
                     outputs.extend(self.core.abort_requests([i for i in ids if i in peer.live]))
@@ -163,7 +178,9 @@ class CoreServer:
             _send_error(peer.sock, error)
         peer.sock.close()
         if peer.live:
-            self.core.abort_requests(sorted(peer.live))
+            outputs = self.core.abort_requests(sorted(peer.live))
+            if self.request_log is not None:
+                self.request_log.sent(outputs, time.monotonic())
         return []
 
     def _send_to_peers(self, outputs: list) -> list:
@@ -196,6 +213,8 @@ class CoreServer:
                 self.core.add_request(request)
             except ValueError as e:     # the front end checks first: this is a protocol bug
                 raise wire.FrameError(f"ADD for request {index}: {e}") from None
+            if self.request_log is not None:
+                self.request_log.taken(index, self._front_pid, index)
             return []
         if kind == wire.ABORT:
             return self.core.abort_requests(wire.decode_abort(payload))
@@ -207,6 +226,42 @@ class CoreServer:
             wire.decode_empty(kind, payload)
             raise _Exit("shutdown requested")
         raise wire.FrameError(f"the core does not take {wire.KIND_NAMES[kind]} frames")
+
+
+class _RequestLog:
+    """ENGINE_REQUEST_LOG: per request, when the core took it and sent its first and final
+    outputs (see the module's docstring). One write per line to a file opened for appending,
+    so the cores of several engines can share one file."""
+
+    def __init__(self, path: str) -> None:
+        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._core = os.getpid()
+        self._open: dict[int, list] = {}    # the core's id: [front pid, index, taken, first]
+
+    @classmethod
+    def from_env(cls) -> _RequestLog | None:
+        path = os.environ.get(REQUEST_LOG_ENV)
+        return cls(path) if path else None
+
+    def taken(self, request_id: int, front_pid: int, index: int) -> None:
+        self._open[request_id] = [front_pid, index, time.monotonic(), None]
+
+    def sent(self, outputs: list, now: float) -> None:
+        """After `outputs` went out (or were dropped with their front end); `now` is from
+        before the send, so a front end never sees them before this time."""
+        for o in outputs:
+            times = self._open.get(o.request_id)
+            if times is None:
+                continue
+            if times[3] is None:
+                times[3] = now
+            if o.finish_reason is not None:
+                del self._open[o.request_id]
+                front, index, taken, first = times
+                os.write(self._fd, (json.dumps({
+                    "core": self._core, "front": front, "index": index, "taken": taken,
+                    "first_sent": first, "final_sent": now, "finish": o.finish_reason})
+                    + "\n").encode())
 
 
 _LOGGED_STATS = ("num_computed_prompt_tokens", "num_cached_prompt_tokens",
@@ -257,9 +312,7 @@ class _StepLog:
 
 def same_user(sock: socket.socket) -> bool:
     """Whether the process at the other end of a Unix socket runs as this process's user."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    _, uid, _ = struct.unpack("3i", creds)
-    return uid == os.getuid()
+    return child_process.peer_credentials(sock)[1] == os.getuid()
 
 
 def _listen(name: str) -> socket.socket:

@@ -148,6 +148,7 @@ class _Request:
     first_sent: float | None = None     # when its first tokens went to the server
     final_output: float | None = None   # when its last step's output came back
     final_sent: float | None = None     # when its final response went to the server
+    core_key: tuple[int, int] | None = None     # its core's pid and its index there
     num_out: int = 0                    # its tokens in the responses so far
     num_prompt: int = 0                 # its prompt tokens, once it has had an output
     counted: bool = False               # counted finished in the metrics
@@ -484,6 +485,7 @@ class ServingEngine:
                                      lambda out: self._on_output(r, out), stream=r.req.stream,
                                      pull=True, route=self._route(r))
             if self._trace is not None:
+                r.core_key = self.engine.core_key(rid)
                 self._trace.in_engine(r, time.monotonic())
         except Exception as e:  # noqa: BLE001 - the client must always get a final answer
             self._fail(r.stream, _submission_error(e, rid))

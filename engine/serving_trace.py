@@ -4,7 +4,10 @@ seconds): submitted (Triton's execute), serving (the loop took it), in_engine (t
 to the core), first_output (its first step came back), first_sent (its first tokens handed to
 the server), final_output (its last step came back), final_sent (its final response handed to
 the server). For finding where time to first token goes, and how long a closed-loop client
-takes from one request's end to its next (scripts/ttft_trace.py reads it).
+takes from one request's end to its next (scripts/ttft_trace.py reads it). Each line also names
+the front end's pid (`front`) and, for a request with one completion, its core's pid and its
+index there (`core`, `index`): the key of the core's ENGINE_REQUEST_LOG line
+(engine/core_process.py).
 """
 from __future__ import annotations
 
@@ -18,7 +21,7 @@ TRACE_ENV = "LLM_SERVING_TRACE"
 class RequestTrace:
     """The trace file; the request records passed in carry the times (`rid`, `submitted`,
     `start` for serving, `in_engine`, `first_output`, `first_sent`, `final_output`,
-    `final_sent`)."""
+    `final_sent`) and `core_key` ((core pid, index) or None)."""
 
     def __init__(self, path: str) -> None:
         self._file = open(path, "a")
@@ -52,11 +55,13 @@ class RequestTrace:
     def _write(self, r) -> None:
         """Under the lock."""
         if self._file is not None:
+            core, index = r.core_key or (None, None)
             self._file.write(json.dumps({
                 "rid": r.rid, "submitted": r.submitted, "serving": r.start,
                 "in_engine": r.in_engine, "first_output": r.first_output,
                 "first_sent": r.first_sent, "final_output": r.final_output,
-                "final_sent": r.final_sent}) + "\n")
+                "final_sent": r.final_sent, "front": os.getpid(), "core": core,
+                "index": index}) + "\n")
             self._file.flush()
 
     def close(self) -> None:

@@ -13,6 +13,12 @@ replaced it (gRPC both ways, the client, Triton's queue). A closed loop of c cli
 requests submitted before the first final response; the i-th final response (in time) is
 paired with the (c + i)-th request submitted. `--rounds N` splits the requests, by arrival,
 into N equal rounds (e.g. bench_serving's warm-up and steady round at one concurrency: 2).
+
+`--core-log FILE` (the engine cores' ENGINE_REQUEST_LOG, engine/core_process.py, same run)
+splits the engine's part: to the core (the front end's sender, the socket, the core's loop
+until it takes the request), in the core, and back (the core's send to the front end's reader);
+and counts, over each round's middle half, how many requests were in each part on average
+(Little's law, over every request, whatever its round).
 """
 from __future__ import annotations
 
@@ -27,6 +33,48 @@ STAGES = (("execute -> loop", "submitted", "serving"),
           ("outbox + send", "first_output", "first_sent"),
           ("execute -> first sent", "submitted", "first_sent"),
           ("final: outbox + send", "final_output", "final_sent"))
+
+
+CORE_STAGES = (("to core", "in_engine", "core_taken"),
+               ("core: to first sent", "core_taken", "core_first_sent"),
+               ("back: first", "core_first_sent", "first_output"),
+               ("core: to final sent", "core_taken", "core_final_sent"),
+               ("back: final", "core_final_sent", "final_output"))
+# What the in-flight counts cover (with --core-log).
+SPANS = (("front end: in_engine -> final_output", "in_engine", "final_output"),
+         ("on the way to the core", "in_engine", "core_taken"),
+         ("in the core: taken -> final sent", "core_taken", "core_final_sent"),
+         ("on the way back", "core_final_sent", "final_output"))
+
+
+def join_core_log(rows: list[dict], core_rows: list[dict]) -> int:
+    """Adds core_taken, core_first_sent and core_final_sent to each row whose core's line
+    is there (keyed by front end pid, core pid, index); returns how many rows got them."""
+    by_key = {(c["front"], c["core"], c["index"]): c for c in core_rows}
+    joined = 0
+    for r in rows:
+        c = by_key.get((r.get("front"), r.get("core"), r.get("index")))
+        if c is None:
+            continue
+        r["core_taken"], r["core_first_sent"], r["core_final_sent"] = (
+            c["taken"], c["first_sent"], c["final_sent"])
+        joined += 1
+    return joined
+
+
+def in_flight(rows: list[dict], a: str, b: str, t0: float, t1: float) -> float:
+    """The mean number of rows between their times a and b over [t0, t1] (Little's law)."""
+    total = sum(max(0.0, min(r[b], t1) - max(r[a], t0))
+                for r in rows if r.get(a) is not None and r.get(b) is not None)
+    return total / (t1 - t0)
+
+
+def middle_half(part: list[dict]) -> tuple[float, float]:
+    """The middle half of a round's span, from its first request's submit to its last final
+    response (the steady part of a closed loop's round)."""
+    start = min(r["submitted"] for r in part)
+    end = max(r["final_sent"] for r in part)
+    return start + 0.25 * (end - start), start + 0.75 * (end - start)
 
 
 def turnarounds(rows: list[dict]) -> list[float | None]:
@@ -46,12 +94,12 @@ def _quantile(values: list[float], p: float) -> float:
     return s[int(p * (len(s) - 1))]
 
 
-def summarize(rows: list[dict]) -> dict[str, dict[str, float]]:
+def summarize(rows: list[dict], stages=STAGES) -> dict[str, dict[str, float]]:
     """Per stage, over the rows that have both its times (traces written before the server
     noted a final response sent ahead of the reader's final_output have a null there, one in
     10,240 requests): quantiles, mean, rows left out."""
     out = {}
-    for name, a, b in STAGES:
+    for name, a, b in stages:
         ms = [(r[b] - r[a]) * 1e3 for r in rows if r.get(a) is not None and r.get(b) is not None]
         if not ms:
             continue
@@ -64,10 +112,14 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("trace")
     ap.add_argument("--rounds", type=int, default=1)
+    ap.add_argument("--core-log", default=None, help="the cores' ENGINE_REQUEST_LOG file")
     args = ap.parse_args(argv)
-    with (gzip.open(args.trace, "rt") if args.trace.endswith(".gz") else open(args.trace)) as f:
-        rows = sorted((json.loads(line) for line in f if line.strip()),
-                      key=lambda r: r["submitted"])
+    rows = sorted(_read_lines(args.trace), key=lambda r: r["submitted"])
+    stages = STAGES
+    if args.core_log:
+        joined = join_core_log(rows, _read_lines(args.core_log))
+        print(f"core log: {joined} of {len(rows)} requests joined")
+        stages = STAGES + CORE_STAGES
     around = turnarounds(rows)
     per = -(-len(rows) // args.rounds)
     for i in range(args.rounds):
@@ -75,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
         if not part:
             continue
         print(f"round {i + 1}: {len(part)} requests")
-        for name, q in summarize(part).items():
+        for name, q in summarize(part, stages).items():
             print(f"  {name:22s} p50 {q['p50_ms']:8.1f}  p90 {q['p90_ms']:8.1f}  "
                   f"mean {q['mean_ms']:8.1f} ms"
                   + (f"  ({q['left_out']} without these times)" if q["left_out"] else ""))
@@ -83,6 +135,16 @@ def main(argv: list[str] | None = None) -> None:
         if turns:
             print(f"  {'client turn-around':22s} p50 {_quantile(turns, 0.5):8.1f}  "
                   f"p90 {_quantile(turns, 0.9):8.1f}  mean {statistics.fmean(turns):8.1f} ms")
+        if args.core_log:
+            t0, t1 = middle_half(part)
+            print(f"  in flight over the round's middle half ({t1 - t0:.1f} s), mean requests:")
+            for name, a, b in SPANS:
+                print(f"    {name:38s} {in_flight(rows, a, b, t0, t1):8.1f}")
+
+
+def _read_lines(path: str) -> list[dict]:
+    with (gzip.open(path, "rt") if path.endswith(".gz") else open(path)) as f:
+        return [json.loads(line) for line in f if line.strip()]
 
 
 if __name__ == "__main__":

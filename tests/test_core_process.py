@@ -1,5 +1,6 @@
 """engine/core_process.py: the real core process, fed bad frames through its socket."""
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -220,6 +221,40 @@ def test_a_peer_that_goes_away_has_its_requests_aborted_and_the_core_carries_on(
         stats = _assert_pool_whole(client)
         assert stats.num_generated_tokens < 2 * 500
         assert not owner.died and client.process.poll() is None
+
+
+def test_request_log_says_when_the_core_took_and_answered_each_request(model_dir, tmp_path,
+                                                                       monkeypatch):
+    """ENGINE_REQUEST_LOG: one line per request, its owner's and a peer's, keyed by the front
+    end's pid, the core's pid and the front end's index (what the front end's trace carries),
+    with its times in order; a peer's request cut off by the peer going away is logged as
+    aborted."""
+    log = tmp_path / "requests.jsonl"
+    monkeypatch.setenv("ENGINE_REQUEST_LOG", str(log))
+    with _with_peer(model_dir) as (client, owner, peer_client, peer):
+        assert peer_client.pid == client.pid != os.getpid()
+        short = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+        before = time.monotonic()
+        client.add(0, [5, 6, 7], short)
+        peer_client.add(3, [5, 6, 8], short)
+        peer_client.add(4, [5, 6, 9], SamplingParams(max_tokens=500, ignore_eos=True))
+        owner.wait(lambda: 0 in owner.finished)
+        peer.wait(lambda: 3 in peer.finished and peer.tokens.get(4))
+        answered = time.monotonic()
+        peer_client.shutdown()                  # request 4 mid-generation
+        client.add(7, [1, 2, 3], short)
+        owner.wait(lambda: 7 in owner.finished)
+        _assert_pool_whole(client)      # a loop after request 7's line was written
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    by_key = {(t["front"], t["core"], t["index"]): t for t in lines}
+    me, core = os.getpid(), client.pid
+    assert len(lines) == 4 and set(by_key) == {(me, core, i) for i in (0, 3, 4, 7)}
+    for i in (0, 3):
+        t = by_key[(me, core, i)]
+        assert before <= t["taken"] <= t["first_sent"] < t["final_sent"] <= answered, t
+        assert t["finish"] == "length"
+    cut = by_key[(me, core, 4)]
+    assert cut["finish"] == "abort" and cut["first_sent"] <= answered < cut["final_sent"], cut
 
 
 def test_a_peer_may_not_stop_the_core(model_dir):

@@ -270,10 +270,12 @@ def test_shutdown_answers_requests_submitted_but_not_yet_started(model_dir):
 def test_trace_file_has_each_streams_timeline_in_order(model_dir, tmp_path, monkeypatch):
     """Three streams of one completion and one of two (n 2: its timeline spans both, from
     the first's first output to the last's final response)."""
-    trace = tmp_path / "trace.jsonl"
+    trace, core_log = tmp_path / "trace.jsonl", tmp_path / "core.jsonl"
     monkeypatch.setenv("LLM_SERVING_TRACE", str(trace))
+    monkeypatch.setenv("ENGINE_REQUEST_LOG", str(core_log))
     serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
                                          **SETTINGS))
+    core_pid = serving.engine.core.pid
     try:
         recs = [Recorder() for _ in range(4)]
         for i, rec in enumerate(recs[:3]):
@@ -295,6 +297,18 @@ def test_trace_file_has_each_streams_timeline_in_order(model_dir, tmp_path, monk
         assert t["submitted"] <= t["serving"] <= t["in_engine"], t
         assert t["serving"] <= t["first_output"] <= t["first_sent"] <= t["final_sent"], t
         assert t["first_output"] < t["final_output"] <= t["final_sent"], t   # 4 steps
+    # Joined with the core's request log (its lines are written by the time it exits): the
+    # three requests of one completion; the n 2 request's completions have no single key.
+    from scripts.ttft_trace import join_core_log
+    assert join_core_log(lines, [json.loads(x) for x in core_log.read_text().splitlines()]) == 3
+    for t in lines:
+        assert t["front"] == os.getpid(), t
+        if t["core"] is None:
+            assert t["index"] is None and "core_taken" not in t, t
+            continue
+        assert t["core"] == core_pid, t
+        assert t["serving"] <= t["core_taken"] <= t["core_first_sent"] <= t["first_output"], t
+        assert t["core_first_sent"] < t["core_final_sent"] <= t["final_output"], t
 
 
 def test_trace_of_a_final_response_sent_before_the_reader_noted_its_step(tmp_path):
@@ -305,7 +319,7 @@ def test_trace_of_a_final_response_sent_before_the_reader_noted_its_step(tmp_pat
     from engine.serving_trace import RequestTrace
     trace = RequestTrace(str(tmp_path / "t.jsonl"))
     r = SimpleNamespace(rid="x", submitted=1.0, start=1.1, in_engine=None, first_output=1.5,
-                        first_sent=1.6, final_output=None, final_sent=None)
+                        first_sent=1.6, final_output=None, final_sent=None, core_key=None)
     trace.in_engine(r, 1.2)
     trace.final_sent(r, 3.0)
     trace.close()

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from scripts.ttft_trace import main, summarize, turnarounds
+from scripts.ttft_trace import in_flight, join_core_log, main, summarize, turnarounds
 
 
 def _row(t0, loop, tok, engine, send, decode=0.5, final_send=0.004):
@@ -63,3 +63,46 @@ def test_main_prints_each_round(tmp_path, capsys, name):
     main([str(path), "--rounds", "2"])
     out = capsys.readouterr().out
     assert "round 1: 2 requests" in out and "round 2: 2 requests" in out
+
+
+def _core_line(row, index, to_core, first_back, final_back):
+    """The core's line for a traced row: taken `to_core` s after in_engine, its outputs sent
+    `first_back` / `final_back` s before the front end's reader had them."""
+    return {"front": 10, "core": 20, "index": index, "taken": row["in_engine"] + to_core,
+            "first_sent": row["first_output"] - first_back,
+            "final_sent": row["final_output"] - final_back, "finish": "length"}
+
+
+def test_the_core_log_splits_the_engines_part_and_counts_requests_in_each():
+    rows = [_row(float(i), 0.001, 0.002, 0.100, 0.003, decode=1.0) for i in range(3)]
+    for i, r in enumerate(rows):
+        r.update(front=10, core=20, index=i)
+    rows.append(_row(5.0, 0.001, 0.002, 0.1, 0.003) | {"front": 10, "core": None, "index": None})
+    core = [_core_line(r, i, 0.010, 0.002, 0.030) for i, r in enumerate(rows[:3])]
+    core.append(_core_line(rows[0], 0, 0.0, 0.0, 0.0) | {"front": 11})   # another front end's
+    assert join_core_log(rows, core) == 3
+    assert "core_taken" not in rows[3]
+    s = summarize(rows[:3], [("to core", "in_engine", "core_taken"),
+                             ("back: final", "core_final_sent", "final_output")])
+    assert s["to core"]["mean_ms"] == 10.0 and s["back: final"]["p50_ms"] == 30.0
+    # Over [0.5, 2.5] s: rows 0-2 are in the engine 0.003-1.103 s after their start; 30 ms of
+    # each is on the way back, within the window for rows 0 and 1 (row 2's falls after it).
+    window = (0.5, 2.5)
+    engine = in_flight(rows, "in_engine", "final_output", *window)
+    assert engine == pytest.approx((0.603 + 1.1 + 0.497) / 2.0)
+    back = in_flight(rows, "core_final_sent", "final_output", *window)
+    assert back == pytest.approx(0.060 / 2.0)
+
+
+def test_main_with_the_core_log_prints_the_parts_and_the_counts(tmp_path, capsys):
+    rows = [_row(float(i), 0.001, 0.002, 0.100, 0.003) | {"front": 1, "core": 2, "index": i}
+            for i in range(4)]
+    trace, core = tmp_path / "t.jsonl", tmp_path / "c.jsonl"
+    trace.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    core.write_text("".join(json.dumps(_core_line(r, i, 0.01, 0.001, 0.001) | {
+        "front": 1, "core": 2}) + "\n" for i, r in enumerate(rows)))
+    main([str(trace), "--rounds", "2", "--core-log", str(core)])
+    out = capsys.readouterr().out
+    assert "core log: 4 of 4 requests joined" in out
+    assert out.count("\n  to core ") == 2 and out.count("on the way back") == 2
+    assert "in the core: taken -> final sent" in out
