@@ -32,12 +32,8 @@ metrics, its cancellation.
   so both engines hold it). The GPUs' loads stay that close: on two H200s, letting an engine
   fill up to max_num_seqs while the other had room left one GPU short of work, and
   max_num_seqs / 4 served 4.6% more tokens a second than / 8, which split more groups
-  (benchmarks/h200x2/served_shared_prefix.md). Where no reachable engine holds any of it (a
-  group's first member), the least loaded engine, ours on a tie: the first member places its
-  whole group. Sent to the instance Triton chose, new groups left the engines' loads 99
-  requests apart at the median (512 streams on two H200s), one GPU with ~320 rows while the
-  other had ~190, and more groups split by the slack. Loads are what the instances placed on
-  each engine (the board's `placed` rows), counted as requests are routed and answered.
+  (benchmarks/h200x2/served_shared_prefix.md). Loads are what the instances placed on each
+  engine (the board's `placed` rows), counted as requests are routed and answered.
 """
 from __future__ import annotations
 
@@ -105,18 +101,15 @@ class PrefixRouter:
             return own, None                # nothing to share, or nobody to share it with
         keys, index = self._keys(ids)
         pids = self.board.slot_pids()
-        reachable = self._reachable(pids, connected)
-        target = None
+        target = own
         same = self.board.prefix_keys[index] == keys
         hits = np.flatnonzero(same)
         hits = hits[hits + 1 >= MIN_SHARED_BLOCKS]
         if len(hits):
-            holders = self.board.prefix_holders[index[hits]] & reachable
+            holders = self.board.prefix_holders[index[hits]] & self._reachable(pids, connected)
             held = np.flatnonzero(holders)
             if len(held):                   # the deepest block a reachable engine holds
                 target = self._least_loaded(int(holders[held[-1]]), own)
-        if target is None:                  # a prefix new to every engine
-            target = self._least_loaded(int(reachable), own)
         self._claim(keys, index, target, same)
         if target == own:
             return own, None

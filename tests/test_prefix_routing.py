@@ -99,34 +99,6 @@ def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instance
     assert router.choose(second) == here
 
 
-def test_a_prefix_new_to_every_engine_goes_to_the_least_loaded_and_its_group_follows(
-        two_instances):
-    """A group's first member places the whole group: where no engine holds its prefix, it
-    goes to the least loaded engine (ours on a tie), not to the instance Triton gave it to;
-    the others then find the prefix there. Prompts too short to share stay here."""
-    router, engine, peer_slot, peer_pid = two_instances
-    own = router.board.slot
-    engine.connected.append(core_address(router.board, peer_pid, peer_slot))
-    rng = np.random.default_rng(4)
-    here, there = (own, None), (peer_slot, core_address(router.board, peer_pid, peer_slot))
-
-    def member(prefix):
-        return np.concatenate([prefix, rng.integers(0, 32000, 20)])
-    router.placed(own, 3)                                   # ours 3, the peer's 0
-    group = rng.integers(0, 32000, 8 * BS)
-    assert router.choose(member(group)) == there
-    router.placed(own, -3)
-    router.board._placed[peer_slot, peer_slot] = 1          # ours 0, the peer's 1
-    assert router.choose(member(group)) == there            # the group follows its prefix
-    assert router.choose(member(rng.integers(0, 32000, 8 * BS))) == here    # a new one here
-    router.board._placed[peer_slot, peer_slot] = 0          # a tie: here
-    assert router.choose(member(rng.integers(0, 32000, 8 * BS))) == here
-    router.placed(own, 3)
-    short = rng.integers(0, 32000, (MIN_SHARED_BLOCKS - 1) * BS)
-    assert router.choose(short) == here
-    router.placed(own, -3)
-
-
 def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_instances):
     """A prefix only the peer's engine holds goes there while its load is within
     max_num_seqs / 4 (here 16 / 4 = 4) of ours; past that it runs here, and then both hold it."""
