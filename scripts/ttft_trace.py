@@ -18,7 +18,9 @@ into N equal rounds (e.g. bench_serving's warm-up and steady round at one concur
 splits the engine's part: to the core (the front end's sender, the socket, the core's loop
 until it takes the request), in the core, and back (the core's send to the front end's reader);
 and counts, over each round's middle half, how many requests were in each part on average
-(Little's law, over every request, whatever its round).
+(Little's law, over every request, whatever its round). With `--core-log` and no trace (an
+engine driven directly, as bench_serving.py's direct rows), the same for the core's part alone,
+the requests taken in order.
 """
 from __future__ import annotations
 
@@ -44,7 +46,10 @@ CORE_STAGES = (("to core", "in_engine", "core_taken"),
 SPANS = (("front end: in_engine -> final_output", "in_engine", "final_output"),
          ("on the way to the core", "in_engine", "core_taken"),
          ("in the core: taken -> final sent", "core_taken", "core_final_sent"),
+         ("  of them before their first output", "core_taken", "core_first_sent"),
          ("on the way back", "core_final_sent", "final_output"))
+CORE_ONLY = ("core: to first sent", "core: to final sent", "in the core: taken -> final sent",
+             "  of them before their first output")
 
 
 def join_core_log(rows: list[dict], core_rows: list[dict]) -> int:
@@ -75,6 +80,14 @@ def middle_half(part: list[dict]) -> tuple[float, float]:
     start = min(r["submitted"] for r in part)
     end = max(r["final_sent"] for r in part)
     return start + 0.25 * (end - start), start + 0.75 * (end - start)
+
+
+def core_rows(core: list[dict]) -> list[dict]:
+    """The core log's lines as rows of their own (no trace): a request's span is its time in
+    the core, from taken to its final output sent."""
+    return [{"submitted": c["taken"], "final_sent": c["final_sent"], "core_taken": c["taken"],
+             "core_first_sent": c["first_sent"], "core_final_sent": c["final_sent"]}
+            for c in core]
 
 
 def turnarounds(rows: list[dict]) -> list[float | None]:
@@ -110,17 +123,26 @@ def summarize(rows: list[dict], stages=STAGES) -> dict[str, dict[str, float]]:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("trace")
+    ap.add_argument("trace", nargs="?", help="the LLM_SERVING_TRACE file")
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--core-log", default=None, help="the cores' ENGINE_REQUEST_LOG file")
     args = ap.parse_args(argv)
-    rows = sorted(_read_lines(args.trace), key=lambda r: r["submitted"])
-    stages = STAGES
-    if args.core_log:
-        joined = join_core_log(rows, _read_lines(args.core_log))
-        print(f"core log: {joined} of {len(rows)} requests joined")
-        stages = STAGES + CORE_STAGES
-    around = turnarounds(rows)
+    if args.trace is None and args.core_log is None:
+        ap.error("give a trace, a --core-log, or both")
+    spans = SPANS
+    if args.trace is None:
+        rows = sorted(core_rows(_read_lines(args.core_log)), key=lambda r: r["submitted"])
+        stages = [s for s in CORE_STAGES if s[0] in CORE_ONLY]
+        spans = [s for s in SPANS if s[0] in CORE_ONLY]
+        print(f"core log alone: {len(rows)} requests")
+    else:
+        rows = sorted(_read_lines(args.trace), key=lambda r: r["submitted"])
+        stages = STAGES
+        if args.core_log:
+            joined = join_core_log(rows, _read_lines(args.core_log))
+            print(f"core log: {joined} of {len(rows)} requests joined")
+            stages = STAGES + CORE_STAGES
+    around = turnarounds(rows) if args.trace else [None] * len(rows)
     per = -(-len(rows) // args.rounds)
     for i in range(args.rounds):
         part = rows[i * per:(i + 1) * per]
@@ -138,7 +160,7 @@ def main(argv: list[str] | None = None) -> None:
         if args.core_log:
             t0, t1 = middle_half(part)
             print(f"  in flight over the round's middle half ({t1 - t0:.1f} s), mean requests:")
-            for name, a, b in SPANS:
+            for name, a, b in spans:
                 print(f"    {name:38s} {in_flight(rows, a, b, t0, t1):8.1f}")
 
 

@@ -106,3 +106,24 @@ def test_main_with_the_core_log_prints_the_parts_and_the_counts(tmp_path, capsys
     assert "core log: 4 of 4 requests joined" in out
     assert out.count("\n  to core ") == 2 and out.count("on the way back") == 2
     assert "in the core: taken -> final sent" in out
+
+
+def test_main_with_the_core_log_alone_counts_the_requests_in_the_core(tmp_path, capsys):
+    """A directly driven engine has no trace: its core's part alone. Two requests 1 s apart,
+    each 2 s in the core, its first output sent after 0.5 s."""
+    core = tmp_path / "c.jsonl"
+    core.write_text("".join(json.dumps({"front": 1, "core": 2, "index": i, "taken": float(i),
+                                        "first_sent": i + 0.5, "final_sent": i + 2.0,
+                                        "finish": "length"}) + "\n" for i in range(2)))
+    main(["--core-log", str(core)])
+    out = capsys.readouterr().out
+    assert "core log alone: 2 requests" in out and "client turn-around" not in out
+    assert "core: to final sent    p50   2000.0" in out
+    # The middle half of [0, 3] is [0.75, 2.25]: request 0 is in the core through 0.75-2.0,
+    # request 1 through 1.0-2.25; before a first output: 0 none of it, 1 from 1.0 to 1.5.
+    counts = {line.rsplit(None, 1)[0].strip(): float(line.rsplit(None, 1)[1])
+              for line in out.splitlines() if line.startswith("    ")}
+    assert counts == {"in the core: taken -> final sent": 1.7,
+                      "of them before their first output": 0.3}
+    with pytest.raises(SystemExit):
+        main([])
