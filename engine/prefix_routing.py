@@ -34,6 +34,17 @@ metrics, its cancellation.
   max_num_seqs / 4 served 4.6% more tokens a second than / 8, which split more groups
   (benchmarks/h200x2/served_shared_prefix.md). Loads are what the instances placed on each
   engine (the board's `placed` rows), counted as requests are routed and answered.
+- A prefix no reachable engine holds: where most prompts lately found their prefix held (the
+  follow rate, FOLLOW_RATE_FOR_TURNS), it is a group's first member, which its group then
+  follows, and it goes to the reachable engines in turn, ours first (a count per instance),
+  whatever the loads. On two H200s (512 streams, groups of 16 sharing 2,000 tokens) this served
+  6.1% more tokens a second than running it where Triton put it (95.5% of whole groups per
+  engine, against 90.0%): new groups left there put the engines' loads ~90 requests apart at
+  the median. Sending it to the least loaded engine lost 4.3% instead: the new groups of a
+  moment all went to the engine that was lighter before their members arrived. Where few
+  prompts share (plain traffic), each is its own load, which Triton's choice of instance
+  already evens (instance_board's wait_turn), so it runs here: in turn, two CPU instances
+  served 17% less and one hop more.
 """
 from __future__ import annotations
 
@@ -48,6 +59,8 @@ from engine.instance_board import PREFIX_TABLE_BITS, InstanceBoard, slot_bit
 logger = logging.getLogger(__name__)
 
 MIN_SHARED_BLOCKS = 4           # blocks a prefix must share with another engine's to go there
+FOLLOW_WINDOW = 64              # prompts the follow rate averages over (a moving average)
+FOLLOW_RATE_FOR_TURNS = 0.5     # from this follow rate on, new prefixes go to engines in turn
 CONNECT_EVERY_S = 0.5           # how often the board is checked for cores to connect to
 CONNECT_TIMEOUT_S = 5.0
 _MIX = np.uint64(0x9E3779B97F4A7C15)    # spreads keys over the table (Fibonacci hashing)
@@ -89,6 +102,9 @@ class PrefixRouter:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._failed: dict[str, float] = {}     # address -> when connecting last failed
+        self._new_prefixes = 0                  # new prefixes placed in turn
+        self.follow_rate = 0.0                  # of the prompts routed lately, those that
+                                                # found their prefix on a reachable engine
 
     # ------------------------------------------------------------------ the loop's
     def choose(self, ids: np.ndarray) -> tuple[int, str | None]:
@@ -101,15 +117,23 @@ class PrefixRouter:
             return own, None                # nothing to share, or nobody to share it with
         keys, index = self._keys(ids)
         pids = self.board.slot_pids()
-        target = own
+        reachable = self._reachable(pids, connected)
+        target = None
         same = self.board.prefix_keys[index] == keys
         hits = np.flatnonzero(same)
         hits = hits[hits + 1 >= MIN_SHARED_BLOCKS]
         if len(hits):
-            holders = self.board.prefix_holders[index[hits]] & self._reachable(pids, connected)
+            holders = self.board.prefix_holders[index[hits]] & reachable
             held = np.flatnonzero(holders)
             if len(held):                   # the deepest block a reachable engine holds
                 target = self._least_loaded(int(holders[held[-1]]), own)
+        self.follow_rate += ((target is not None) - self.follow_rate) / FOLLOW_WINDOW
+        if target is None:                  # a prefix new to every engine
+            target = own
+            if self.follow_rate >= FOLLOW_RATE_FOR_TURNS:   # it will have followers
+                slots = _set_bits(int(reachable))
+                target = slots[(slots.index(own) + self._new_prefixes) % len(slots)]
+                self._new_prefixes += 1
         self._claim(keys, index, target, same)
         if target == own:
             return own, None

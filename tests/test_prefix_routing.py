@@ -11,7 +11,8 @@ import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.instance_board import InstanceBoard
-from engine.prefix_routing import (MIN_SHARED_BLOCKS, PrefixRouter, block_keys, core_address,
+from engine.prefix_routing import (FOLLOW_RATE_FOR_TURNS, FOLLOW_WINDOW, MIN_SHARED_BLOCKS,
+                                   PrefixRouter, block_keys, core_address,
                                    position_weights)
 from engine.sampling_params import SamplingParams
 from scripts.make_tiny_model import make_tiny_model
@@ -97,6 +98,41 @@ def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instance
     # A peer that is no longer connected is not chosen.
     engine.connected.clear()
     assert router.choose(second) == here
+
+
+def test_new_prefixes_go_to_the_engines_in_turn_once_most_prompts_follow_one(two_instances):
+    """Plain traffic (no prompt finds its prefix held) runs here, as Triton placed it. Once
+    most prompts lately found theirs held (the follow rate), a new prefix is a group's first
+    member: new prefixes go to the reachable engines in turn (ours first), whatever the loads,
+    and their groups follow them. Prompts too short to share take no turn."""
+    router, engine, peer_slot, peer_pid = two_instances
+    own = router.board.slot
+    engine.connected.append(core_address(router.board, peer_pid, peer_slot))
+    rng = np.random.default_rng(4)
+    here, there = (own, None), (peer_slot, core_address(router.board, peer_pid, peer_slot))
+
+    def member(prefix):
+        return np.concatenate([prefix, rng.integers(0, 32000, 20)])
+    for _ in range(3 * FOLLOW_WINDOW):                          # plain traffic
+        assert router.choose(rng.integers(0, 32000, 10 * BS)) == here
+    assert router.follow_rate == 0
+    first = rng.integers(0, 32000, 8 * BS)
+    assert router.choose(member(first)) == here
+    for _ in range(2 * FOLLOW_WINDOW):                          # its group follows
+        assert router.choose(member(first)) == here
+    assert router.follow_rate > 0.8
+    router.placed(own, 5)                                       # ours busier: no matter
+    groups = [rng.integers(0, 32000, 8 * BS) for _ in range(4)]
+    assert [router.choose(member(g)) for g in groups] == [here, there, here, there]
+    router.placed(own, -5)
+    for g, at in zip(groups, [here, there, here, there]):       # the groups follow
+        assert router.choose(member(g)) == at
+    assert router.choose(rng.integers(0, 32000, (MIN_SHARED_BLOCKS - 1) * BS)) == here
+    assert router.choose(member(rng.integers(0, 32000, 8 * BS))) == here   # ours' turn again
+    while router.follow_rate >= FOLLOW_RATE_FOR_TURNS:          # plain traffic again: here
+        assert router.choose(rng.integers(0, 32000, 10 * BS)) in (here, there)
+    assert router.choose(rng.integers(0, 32000, 10 * BS)) == here
+    assert router.choose(rng.integers(0, 32000, 10 * BS)) == here
 
 
 def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_instances):

@@ -172,6 +172,31 @@ def test_requests_sharing_a_long_prefix_run_on_the_engine_that_has_it(server, mo
     assert texts == expected
 
 
+def test_prompts_that_share_nothing_run_where_triton_put_them(server, model_dir):
+    """Long prompts with no prefix in common (plain traffic) each start a prefix no engine
+    holds; while few prompts find theirs held, prefix routing moves none of them to the other
+    instance's engine (Triton's choice, held even by the board, already balances them), and
+    each answers as the direct engine."""
+    wait_pool_whole(server)
+    wait_for(lambda: per_instance(server, "llm_prefix_routing_peers") == {
+        "llm_0_0@cpu": 1, "llm_0_1@cpu": 1}, "each instance connected to the other's engine",
+        timeout_s=30)
+    on_peer = lambda: sum(per_instance(server, "llm_requests_run_on_peer_total").values())  # noqa
+    finished_ = lambda: per_instance(server, "llm_requests_finished_total")  # noqa: E731
+    words = ["ships", "clouds", "bread", "rivers", "lamps", "maps", "salt", "wool"]
+    prompts = [f"{w} " + " ".join(f"{w} line {i} counts {i * 3} {w}." for i in range(20))
+               for w in words]
+    p0, f0 = on_peer(), finished_()
+    texts = _stream_at_once(server, prompts, greedy(8))
+    wait_for(lambda: sum(finished_().values()) >= sum(f0.values()) + len(prompts),
+             "the finishes to be published")
+    after = finished_()
+    assert all(after[k] > f0.get(k, 0) for k in after), (f0, after)    # both instances ran
+    assert on_peer() == p0
+    llm = LLM(model_dir, dtype="float32", device="cpu", **INSTANCE_SETTINGS)
+    assert texts == [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(**greedy(8)))]
+
+
 def _stream_at_once(server, prompts, params):
     """Sends every prompt on one gRPC stream without waiting; returns their texts in order."""
     results: queue.Queue = queue.Queue()
