@@ -297,7 +297,8 @@ def children_cpu() -> float:
 
 def server_side(before: dict, after: dict) -> dict:
     """What the server's metrics say of a run between two scrapes: its TTFT, ITL and loop lag
-    histograms, the share of steps run as CUDA graphs, the tokens per response."""
+    histograms, the share of steps run as CUDA graphs, the tokens per response, the prefix
+    cache's share, the requests prefix routing ran on another instance's engine."""
     out = {}
     for name, key in (("llm_time_to_first_token_seconds", "server_ttft"),
                       ("llm_inter_token_latency_seconds", "server_itl"),
@@ -318,6 +319,8 @@ def server_side(before: dict, after: dict) -> dict:
     # prefix cache's hits over the run's prompt tokens (counters), and since the server
     # started (a gauge).
     out["cascade_rows"] = int(delta("llm_cascade_rows_total"))
+    # Prefix routing: the requests an instance ran on another instance's engine.
+    out["requests_run_on_peer"] = int(delta("llm_requests_run_on_peer_total"))
     queries = delta("llm_prefix_cache_queries_total")
     if queries:
         out["prefix_cache_hit_ratio"] = round(delta("llm_prefix_cache_hits_total") / queries, 3)

@@ -74,6 +74,7 @@ def test_a_short_run_reports_every_path(tmp_path, monkeypatch):
     # One llm instance: no gap between engines' loads (server_probe.LoadPoller).
     assert "| engine load gap p50 / p90 |" in md and "| - / - |" in row
     assert "engine_load_gap_p50" not in streamed
+    assert streamed["requests_run_on_peer"] == 0        # no other instance to route to
     for r in rows:                   # the run fills its slots and drains: a full-load window
         assert r["full_load_tok_s"] > 0 and r["full_load_in_flight"] > 0, r
     assert all(v >= 0 for v in streamed["cpu_cores"].values()) and "tritonserver" in streamed["cpu_cores"]
