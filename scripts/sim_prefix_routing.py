@@ -18,8 +18,15 @@ PrefixRouter (engine/prefix_routing.py) over a board held in this process. What 
   bench_serving.py's perf_analyzer processes) client j has c / k of the streams and sends
   prompts j, j + k, ... in turn until the run's prompts are used up, so a client whose
   requests wait on a loaded engine finishes late while the others' streams are done; with 1,
-  every stream takes the next prompt. `reply_ms` from a step's end to the client hearing its
-  tokens, `send_ms` from a client's send to the server's router.
+  every stream takes the next prompt. With `--per-stream`, as perf_analyzer runs in
+  bench_serving.py (a thread per request in flight, each stepping through its client's
+  prompts on its own), stream s of a client with k streams sends the client's prompts s,
+  s + k, s + 2k, ...: a group's members then come from streams that drift apart as the run
+  goes on, so they reach the server spread out, not together. Only with it did the
+  simulation have a new group sent to the least loaded engine lose, as on the GPUs
+  (benchmarks/sim_new_prefix_rules.md). `reply_ms` from a step's end to the client hearing
+  its tokens, `send_ms` (plus, with `--send-jitter-ms`, an exponential delay of that mean)
+  from a client's send to the server's router.
 
 Modes: `routing` (the PrefixRouter with each --slack), `none` (each instance runs its requests
 on its own engine), `direct` (whole groups per engine, as bench_serving.py's direct rows).
@@ -121,7 +128,8 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
              group_size: int, shared: int, own: int, output: int, max_num_seqs: int,
              budget: int, num_blocks: int, base_ms: float, per_row_us: float,
              per_token_us: float, eager_ms: float, send_ms: float, reply_ms: float,
-             clients: int = 1, seed: int = 0, hold: int = 0) -> dict:
+             clients: int = 1, seed: int = 0, hold: int = 0,
+             per_stream: bool = False, send_jitter_ms: float = 0.0) -> dict:
     rng = random.Random(seed)
     max_len = shared + own + output + 1
     eng = [SimEngine(num_blocks, max_num_seqs, budget, max_len, hold) for _ in range(engines)]
@@ -133,19 +141,30 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
     events: list[tuple[float, int, str, int]] = []   # (time, tie-break, kind, engine/request)
     seq = 0
     sent, first, last, where = {}, {}, {}, {}
-    next_of = list(range(clients))          # each client's next prompt
+    # Streams: (client, the client's first prompt index, the step to its next). Shared: a
+    # client's streams take its prompts in turn; per stream: stream s of a client with k
+    # streams sends the client's prompts s, s + k, s + 2k, ... (perf_analyzer, a thread per
+    # request in flight, each thread stepping through the input data on its own).
+    if per_stream:
+        streams = [(k, k + clients * s, clients * ck) for k in range(clients)
+                   for ck in [c // clients + (k < c % clients)] for s in range(ck)]
+    else:
+        streams = [(k, k, clients) for k in range(clients)]
+    next_of = [first for _, first, _ in streams]    # each stream's (or client's) next prompt
+    stream_of = {}
 
     def push(at: float, kind: str, x: int) -> None:
         nonlocal seq
         seq += 1
         heapq.heappush(events, (at, seq, kind, x))
 
-    def send(at: float, client: int) -> None:
-        n = next_of[client]
+    def send(at: float, stream: int) -> None:
+        n = next_of[stream]
         if n < num_requests:
-            sent[n] = at
-            push(at + send_ms / 1e3, "arrive", n)
-            next_of[client] += clients
+            sent[n], stream_of[n] = at, stream
+            jitter = rng.expovariate(1e3 / send_jitter_ms) if send_jitter_ms else 0.0
+            push(at + send_ms / 1e3 + jitter, "arrive", n)
+            next_of[stream] += streams[stream][2]
 
     def arrive(at: float, n: int) -> None:
         ids = prompt_ids(n, group_size, shared, own)
@@ -198,11 +217,11 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
                 inst, target = where.pop(n)
                 inst_load[inst] -= 1
                 routers[inst].placed(target, -1)
-                send(heard, n % clients)
+                send(heard, stream_of[n])
         push(end, "step", k)
 
     for i in range(c):
-        send(0.0, i % clients)
+        send(0.0, i if per_stream else i % clients)
     imbalance = []
     while events:
         at, _, kind, x = heapq.heappop(events)
@@ -265,6 +284,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--clients", type=int, default=1,
                     help="clients sharing the streams, each with its own prompts (as "
                          "bench_serving.py's --clients)")
+    ap.add_argument("--per-stream", action="store_true",
+                    help="each stream steps through its client's prompts on its own (as "
+                         "perf_analyzer does with a thread per request in flight), not the "
+                         "client's streams taking them in turn")
+    ap.add_argument("--send-jitter-ms", type=float, default=0.0,
+                    help="mean of an exponential delay added to each send")
     ap.add_argument("--hold", type=int, nargs="+", default=[0],
                     help="prefill_hold_steps values (the engines' scheduler), each with every mode")
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
@@ -285,7 +310,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          args.waves * args.concurrency, args.group_size, args.shared, args.own,
                          args.output, args.max_num_seqs, args.budget, args.num_blocks,
                          args.base_ms, args.per_row_us, args.per_token_us, args.eager_ms,
-                         args.send_ms, args.reply_ms, args.clients, seed, hold)
+                         args.send_ms, args.reply_ms, args.clients, seed, hold,
+                         args.per_stream, args.send_jitter_ms)
             r["seed"] = seed
             rows.append(r)
             shown = '' if r['slack'] is None else r['slack']

@@ -54,3 +54,18 @@ def test_the_engines_schedulers_take_the_prefill_hold():
     assert (off["prefill_hold_steps"], held["prefill_hold_steps"]) == (0, 4)
     assert held["ttft_p50_ms"] > off["ttft_p50_ms"]
     assert held["hit_ratio"] == off["hit_ratio"]
+
+
+def test_streams_stepping_through_their_clients_prompts_on_their_own_send_each_once():
+    """--per-stream (perf_analyzer's order): every prompt is still sent once (simulate checks
+    that every request finished), whole groups still compute each prefix once, and a jittered
+    send still lets the router keep more groups whole than no routing."""
+    direct = sim.simulate("direct", None, **ARGS)
+    for clients in (1, 4):
+        walked = sim.simulate("direct", None, clients=clients, per_stream=True, **ARGS)
+        assert walked["hit_ratio"] == direct["hit_ratio"]
+    none = sim.simulate("none", None, per_stream=True, send_jitter_ms=2.0, **ARGS)
+    routed = sim.simulate("routing", 10 ** 6, per_stream=True, send_jitter_ms=2.0, **ARGS)
+    assert none["hit_ratio"] < routed["hit_ratio"] <= direct["hit_ratio"]
+    late = sim.simulate("routing", 10 ** 6, per_stream=True, send_jitter_ms=50.0, **ARGS)
+    assert late["ttft_p50_ms"] > routed["ttft_p50_ms"] + 20      # a send's delay is in its TTFT
