@@ -9,6 +9,7 @@ router, tried on the GPUs and reverted); `turns` (the committed router: the engi
 once most prompts follow a held prefix).
 
     python benchmarks/sim_new_prefix_rules.py --out benchmarks/sim_new_prefix_rules.json
+    python benchmarks/sim_new_prefix_rules.py --orders per-stream --jitters 10 --slacks 64 128 256 1000000
 """
 import argparse
 import importlib.util
@@ -43,14 +44,15 @@ def least_loaded_router():
     return module.PrefixRouter
 
 
-def run(rule: str, per_stream: bool, jitter: float, seed: int, least) -> dict:
+def run(rule: str, per_stream: bool, jitter: float, seed: int, least,
+        slack: int | None = None) -> dict:
     committed, gate = sim.PrefixRouter, routing.FOLLOW_RATE_FOR_TURNS
     try:
         if rule == "old":
             routing.FOLLOW_RATE_FOR_TURNS = 2.0         # never reached: no turns
         if rule == "least":
             sim.PrefixRouter = least
-        r = sim.simulate("direct" if rule == "direct" else "routing", None,
+        r = sim.simulate("direct" if rule == "direct" else "routing", slack,
                          per_stream=per_stream, send_jitter_ms=jitter, seed=seed, **WORKLOAD)
     finally:
         sim.PrefixRouter, routing.FOLLOW_RATE_FOR_TURNS = committed, gate
@@ -63,13 +65,32 @@ def main() -> None:
     ap.add_argument("--orders", nargs="+", default=["shared", "per-stream"])
     ap.add_argument("--jitters", type=float, nargs="+", default=[0.0, 10.0])
     ap.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    ap.add_argument("--slacks", type=int, nargs="+",
+                    help="instead: the committed rule (turns) at each prefix_routing_slack")
     ap.add_argument("--out")
     args = ap.parse_args()
     least = least_loaded_router()
     rows = []
-    print("| order | jitter ms | seed | rule | out tok/s | of direct | hit ratio "
-          "| TTFT p50 ms | load gap p50 / p90 |")
-    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    if args.slacks:
+        print("| order | jitter ms | seed | slack | out tok/s | run tok/s | in flight "
+              "| hit ratio | TTFT p50 ms | load gap p50 / p90 |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
+        for order in args.orders:
+            for jitter in args.jitters:
+                for slack in args.slacks:
+                    for seed in args.seeds:
+                        r = run("turns", order == "per-stream", jitter, seed, least, slack)
+                        rows.append(r)
+                        print(f"| {order} | {jitter:g} | {seed} | {r['slack']} "
+                              f"| {r['output_tok_s']:,.0f} | {r['run_tok_s']:,.0f} "
+                              f"| {r['in_flight']} | {r['hit_ratio']} "
+                              f"| {r['ttft_p50_ms']} | {r['imbalance_p50']} / "
+                              f"{r['imbalance_p90']} |", flush=True)
+        args.orders = []                    # no rule comparison
+    if args.orders:
+        print("| order | jitter ms | seed | rule | out tok/s | of direct | hit ratio "
+              "| TTFT p50 ms | load gap p50 / p90 |")
+        print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
     for order in args.orders:
         for jitter in args.jitters:
             for seed in args.seeds:
