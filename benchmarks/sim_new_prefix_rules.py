@@ -70,39 +70,26 @@ def main() -> None:
     ap.add_argument("--out")
     args = ap.parse_args()
     least = least_loaded_router()
+    # Each (rule, slack) at each order, jitter and seed; `of direct` where direct ran beside.
+    variants = ([("turns", slack) for slack in args.slacks] if args.slacks else
+                [(rule, None) for rule in ("direct", "old", "least", "turns")])
     rows = []
-    if args.slacks:
-        print("| order | jitter ms | seed | slack | out tok/s | run tok/s | in flight "
-              "| hit ratio | TTFT p50 ms | load gap p50 / p90 |")
-        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
-        for order in args.orders:
-            for jitter in args.jitters:
-                for slack in args.slacks:
-                    for seed in args.seeds:
-                        r = run("turns", order == "per-stream", jitter, seed, least, slack)
-                        rows.append(r)
-                        print(f"| {order} | {jitter:g} | {seed} | {r['slack']} "
-                              f"| {r['output_tok_s']:,.0f} | {r['run_tok_s']:,.0f} "
-                              f"| {r['in_flight']} | {r['hit_ratio']} "
-                              f"| {r['ttft_p50_ms']} | {r['imbalance_p50']} / "
-                              f"{r['imbalance_p90']} |", flush=True)
-        args.orders = []                    # no rule comparison
-    if args.orders:
-        print("| order | jitter ms | seed | rule | out tok/s | of direct | hit ratio "
-              "| TTFT p50 ms | load gap p50 / p90 |")
-        print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | --- |")
+    print("| order | jitter ms | seed | rule | slack | out tok/s | run tok/s | of direct "
+          "| in flight | hit ratio | TTFT p50 ms | load gap p50 / p90 |")
+    print("| --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |")
     for order in args.orders:
         for jitter in args.jitters:
             for seed in args.seeds:
-                base = None
-                for rule in ("direct", "old", "least", "turns"):
-                    r = run(rule, order == "per-stream", jitter, seed, least)
-                    base = base or r["output_tok_s"]
+                direct = None
+                for rule, slack in variants:
+                    r = run(rule, order == "per-stream", jitter, seed, least, slack)
+                    direct = r["output_tok_s"] if rule == "direct" else direct
                     rows.append(r)
-                    print(f"| {order} | {jitter:g} | {seed} | {rule} | {r['output_tok_s']:,.0f} "
-                          f"| {100 * r['output_tok_s'] / base:.1f}% | {r['hit_ratio']} "
-                          f"| {r['ttft_p50_ms']} | {r['imbalance_p50']} / {r['imbalance_p90']} |",
-                          flush=True)
+                    share = f"{100 * r['output_tok_s'] / direct:.1f}%" if direct else "-"
+                    print(f"| {order} | {jitter:g} | {seed} | {rule} | {r['slack'] or ''} "
+                          f"| {r['output_tok_s']:,.0f} | {r['run_tok_s']:,.0f} | {share} "
+                          f"| {r['in_flight']} | {r['hit_ratio']} | {r['ttft_p50_ms']} "
+                          f"| {r['imbalance_p50']} / {r['imbalance_p90']} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)
