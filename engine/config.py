@@ -118,12 +118,12 @@ class EngineConfig:
     # Served with several instances (one per GPU): a request whose prompt shares at least 4 KV
     # blocks of prefix with what other instances' engines took runs on the least loaded of
     # them (this one's if it holds the prefix too and is no busier), unless only others hold
-    # it and have max_num_seqs / 4 (prefix_routing_slack) more requests than this one's
+    # it and have max_num_seqs / 2 (prefix_routing_slack) more requests than this one's
     # (engine/prefix_routing.py). Needs prefix caching.
     prefix_routing: bool = True
     # Prefix routing: how many requests more than this instance's engine another engine may
     # have and still take a prefix that only it holds (a group kept whole on one GPU against
-    # the GPUs' loads kept even). None: max_num_seqs / 4, at least 1.
+    # the GPUs' loads kept even). None: max_num_seqs / 2, at least 1.
     prefix_routing_slack: int | None = None
 
     def __post_init__(self) -> None:

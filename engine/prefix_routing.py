@@ -27,13 +27,16 @@ metrics, its cancellation.
   (a system prompt) moves no request except to even the loads, and a group whose members run
   on two engines goes on by load, not to whichever took it last (as a single owner per key
   did; this rule gave 1.4-5.9% more tokens a second on two H200s). Where only other engines
-  hold it, the least loaded of them, unless it has max_num_seqs / 4 requests (the
+  hold it, the least loaded of them, unless it has max_num_seqs / 2 requests (the
   prefix_routing_slack setting) or more over ours: then here (and the prefix is claimed here,
   so both engines hold it). The GPUs' loads stay that close: on two H200s, letting an engine
-  fill up to max_num_seqs while the other had room left one GPU short of work, and
-  max_num_seqs / 4 served 4.6% more tokens a second than / 8, which split more groups
-  (benchmarks/h200x2/served_shared_prefix.md). Loads are what the instances placed on each
-  engine (the board's `placed` rows), counted as requests are routed and answered.
+  fill up to max_num_seqs while the other had room left one GPU short of work. A slack that
+  splits groups costs their prefill twice: under the old new-prefix rule, max_num_seqs / 4
+  served 4.6% more tokens a second than / 8; with new prefixes placed in turn (below), / 2
+  kept every group whole in 5 runs of 5 (96.2% of whole groups per engine, against 94.2% at
+  / 4, where 3 runs of 4 split some: benchmarks/h200x2/served_shared_prefix.md). Loads are
+  what the instances placed on each engine (the board's `placed` rows), counted as requests
+  are routed and answered.
 - A prefix no reachable engine holds: where most prompts lately found their prefix held (the
   follow rate, FOLLOW_RATE_FOR_TURNS), it is a group's first member, which its group then
   follows, and it goes to the reachable engines in turn, ours first (a count per instance),
@@ -91,13 +94,13 @@ class PrefixRouter:
                  max_model_len: int, slack: int | None = None) -> None:
         """`engine`: the instance's AsyncEngine, whose core takes peers at
         `core_address(board, os.getpid(), board.slot)`. `slack`: the requests more than ours
-        another engine may have and still take a prefix only it holds (None: max_num_seqs / 4,
+        another engine may have and still take a prefix only it holds (None: max_num_seqs / 2,
         at least 1). Call `start()` to connect to the others."""
         self.board = board
         self.engine = engine
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
-        self.slack = max(1, max_num_seqs // 4) if slack is None else slack
+        self.slack = max(1, max_num_seqs // 2) if slack is None else slack
         self._weights = position_weights(max_model_len)
         self._shift = np.uint64(64 - PREFIX_TABLE_BITS)
         self._stop = threading.Event()

@@ -262,7 +262,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     choices=["direct", "none", "routing"])
     ap.add_argument("--slack", type=int, nargs="+", default=[None],
                     help="prefix_routing_slack values for the routing mode (default: the "
-                         "router's, max_num_seqs / 4)")
+                         "router's, max_num_seqs / 2)")
     ap.add_argument("--engines", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=512)
     ap.add_argument("--waves", type=int, default=10)

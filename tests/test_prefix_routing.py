@@ -137,7 +137,7 @@ def test_new_prefixes_go_to_the_engines_in_turn_once_most_prompts_follow_one(two
 
 def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_instances):
     """A prefix only the peer's engine holds goes there while its load is within
-    max_num_seqs / 4 (here 16 / 4 = 4) of ours; past that it runs here, and then both hold it."""
+    max_num_seqs / 2 (here 16 / 2 = 8) of ours; past that it runs here, and then both hold it."""
     router, engine, peer_slot, peer_pid = two_instances
     own = router.board.slot
     engine.connected.append(core_address(router.board, peer_pid, peer_slot))
@@ -149,12 +149,13 @@ def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_inst
         prefix = rng.integers(0, 32000, 8 * BS)
         router.claim(prefix, peer_slot)
         return prefix, router.choose(np.concatenate([prefix, rng.integers(0, 32000, 20)]))
-    router.board._placed[peer_slot, peer_slot] = 3          # 3 < 0 + 4: there
+    assert router.slack == 8
+    router.board._placed[peer_slot, peer_slot] = 7          # 7 < 0 + 8: there
     assert ask()[1] == there
-    router.board._placed[peer_slot, peer_slot] = 4          # 4 >= 0 + 4: here
+    router.board._placed[peer_slot, peer_slot] = 8          # 8 >= 0 + 8: here
     prefix, choice = ask()
     assert choice == here
-    router.placed(own, 1)                                   # 4 < 1 + 4: there again
+    router.placed(own, 1)                                   # 8 < 1 + 8: there again
     assert router.board.engine_loads()[own] == 1
     assert ask()[1] == there
     # The prefix that ran here is held by both engines now: the less loaded one takes it.
@@ -163,9 +164,9 @@ def test_an_engine_busier_than_ours_by_the_slack_keeps_the_request_here(two_inst
     assert router.board.engine_loads()[own] == 0
 
 
-def test_the_slack_setting_replaces_max_num_seqs_over_4(two_instances):
+def test_the_slack_setting_replaces_max_num_seqs_over_2(two_instances):
     """prefix_routing_slack: a prefix only the peer holds goes there while the peer's load is
-    under ours plus the slack given (here 5, where max_num_seqs / 4 would be 4)."""
+    under ours plus the slack given (here 5, where max_num_seqs / 2 would be 8)."""
     router, engine, peer_slot, peer_pid = two_instances
     own = router.board.slot
     engine.connected.append(core_address(router.board, peer_pid, peer_slot))

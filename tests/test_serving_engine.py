@@ -370,13 +370,13 @@ def test_an_abort_reaching_the_wrong_instance_is_passed_on_to_the_right_one(mode
                                                                            tmp_path):
     """Two instances of a model (two engines, one board): llm_bls's abort of a request that
     instance B runs reaches instance A, as Triton may route it; B aborts it. (Each instance's
-    prefix router takes the prefix_routing_slack setting, or max_num_seqs / 4.)"""
+    prefix router takes the prefix_routing_slack setting, or max_num_seqs / 2.)"""
     config = EngineConfig(model=model_dir, dtype="float32", device="cpu", **LONG_SETTINGS)
     boards = [InstanceBoard(os.getpid(), "llm", directory=str(tmp_path)) for _ in range(2)]
     a = ServingEngine(config, board=boards[0])
     b = ServingEngine(dataclasses.replace(config, prefix_routing_slack=3), board=boards[1])
     try:
-        assert (a._router.slack, b._router.slack) == (config.max_num_seqs // 4, 3) == (4, 3)
+        assert (a._router.slack, b._router.slack) == (config.max_num_seqs // 2, 3) == (8, 3)
         running = Recorder()
         b.submit(_inputs("on b", LONG) | {"return_finish_reason": np.array([True])}, running,
                  request_id="bls-on-b")

@@ -39,11 +39,11 @@ def test_main_prints_a_row_per_mode_and_slack(capsys):
 
 def test_by_default_each_engine_may_run_every_stream_and_the_router_keeps_its_slack():
     """As bench_serving.py sets it: max_num_seqs is the concurrency; the slack the router's own
-    default, max_num_seqs / 4."""
+    default, max_num_seqs / 2."""
     rows = sim.main(["--concurrency", "16", "--waves", "2", "--group-size", "4", "--shared", "64",
                      "--own", "16", "--output", "4", "--num-blocks", "2000",
                      "--modes", "routing"])
-    assert [(r["mode"], r["slack"], r["max_num_seqs"]) for r in rows] == [("routing", 4, 16)]
+    assert [(r["mode"], r["slack"], r["max_num_seqs"]) for r in rows] == [("routing", 8, 16)]
 
 
 def test_the_engines_schedulers_take_the_prefill_hold():
