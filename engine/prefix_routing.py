@@ -121,11 +121,14 @@ class PrefixRouter:
             return own, None                # nothing to share, or nobody to share it with
         keys, index = self._keys(ids)
         pids = self.board.slot_pids()
-        reachable = self._reachable(pids, connected)
         target = None
         same = self.board.prefix_keys[index] == keys
         hits = np.flatnonzero(same)
         hits = hits[hits + 1 >= MIN_SHARED_BLOCKS]
+        # Which engines are reachable matters to a prompt with hits, or to one that may take a
+        # turn (a miss only lowers the follow rate): not to plain traffic.
+        reachable = (self._reachable(pids, connected)
+                     if len(hits) or self.follow_rate >= FOLLOW_RATE_FOR_TURNS else 0)
         if len(hits):
             holders = self.board.prefix_holders[index[hits]] & reachable
             held = np.flatnonzero(holders)
