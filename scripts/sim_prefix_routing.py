@@ -141,16 +141,18 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
     events: list[tuple[float, int, str, int]] = []   # (time, tie-break, kind, engine/request)
     seq = 0
     sent, first, last, where = {}, {}, {}, {}
-    # Streams: (client, the client's first prompt index, the step to its next). Shared: a
-    # client's streams take its prompts in turn; per stream: stream s of a client with k
+    # Senders: (the first prompt index, the step to the next). Shared: a client's streams take
+    # its prompts in turn (a sender per client); per stream: stream s of a client with k
     # streams sends the client's prompts s, s + k, s + 2k, ... (perf_analyzer, a thread per
     # request in flight, each thread stepping through the input data on its own).
-    if per_stream:
-        streams = [(k, k + clients * s, clients * ck) for k in range(clients)
-                   for ck in [c // clients + (k < c % clients)] for s in range(ck)]
-    else:
-        streams = [(k, k, clients) for k in range(clients)]
-    next_of = [first for _, first, _ in streams]    # each stream's (or client's) next prompt
+    streams = []
+    for k in range(clients):
+        if per_stream:
+            ck = c // clients + (k < c % clients)           # client k's streams
+            streams += [(k + clients * s, clients * ck) for s in range(ck)]
+        else:
+            streams.append((k, clients))
+    next_of = [first for first, _ in streams]       # each sender's next prompt
     stream_of = {}
 
     def push(at: float, kind: str, x: int) -> None:
@@ -164,7 +166,7 @@ def simulate(mode: str, slack: int | None, engines: int, c: int, num_requests: i
             sent[n], stream_of[n] = at, stream
             jitter = rng.expovariate(1e3 / send_jitter_ms) if send_jitter_ms else 0.0
             push(at + send_ms / 1e3 + jitter, "arrive", n)
-            next_of[stream] += streams[stream][2]
+            next_of[stream] += streams[stream][1]
 
     def arrive(at: float, n: int) -> None:
         ids = prompt_ids(n, group_size, shared, own)
