@@ -493,12 +493,14 @@ class ModelRunner:
         events = self._gpu_events()
         if events:
             events[0].record()
-        piecewise = (self.piecewise is not None
-                     and self.piecewise.padded_size(len(x.input_ids)) is not None)
         batch = len(x.q_lens)
         decode_only = len(x.input_ids) == batch and len(x.sampled_rows) == batch
         graph = (decode_only and self.decode_graphs is not None
                  and self.decode_graphs.can_run(batch))
+        # The graphs cut at attention take the steps the decode graph does not: a decode step
+        # that fits both replays the decode graph and is timed as one.
+        piecewise = (not graph and self.piecewise is not None
+                     and self.piecewise.padded_size(len(x.input_ids)) is not None)
         states = [self.requests[rid] for rid in x.sampled_ids]
         if not states:
             self._forward_eager(x, piecewise)   # prompt chunks only: nothing to sample

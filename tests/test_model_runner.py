@@ -102,3 +102,35 @@ def test_block_tables_keep_rows_between_steps_and_gather_a_steps_rows():
     assert got.dtype == np.int32 and got.flags.c_contiguous
     assert (got == expected).all()
     assert rows[99] == freed[-1]
+
+
+def test_a_decode_step_that_fits_the_cut_graphs_is_timed_as_a_decode_graph_step(tmp_path):
+    """A decode-only step replays the decode graph even where its rows would fit the graphs cut
+    at attention (piecewise_graphs, CUDA only): it must not go through them nor be counted as
+    one of their steps (piecewise_step_share). On CPU the decode path runs without capturing;
+    a stand-in for the cut graphs that takes every size and fails when run shows the choice."""
+    from engine import LLM, SamplingParams
+
+    class CutGraphsThatTakeEverySize:
+        def padded_size(self, num_tokens):
+            return num_tokens
+
+        def run(self, *args, **kwargs):
+            raise AssertionError("a decode step went through the graphs cut at attention")
+
+    model = str(make_tiny_model(tmp_path / "m", arch="llama", seed=3))
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64)
+    core = llm.core
+    params = SamplingParams(max_tokens=5, temperature=0.0, ignore_eos=True)
+    for i in range(3):
+        core.add_request(core.make_request(str(i), [7 + i] * (4 + i), params))
+    core.step()                                  # the prompts: no cut graphs yet
+    runner = core.runner
+    assert runner.decode_graphs is not None and runner.piecewise is None
+    runner.piecewise = CutGraphsThatTakeEverySize()
+    before = runner.times.copy()
+    while core.has_unfinished_requests():
+        core.step()
+    decode = runner.times.since(before)
+    assert decode.steps >= 4
+    assert decode.piecewise_steps == 0 and decode.piecewise_gpu == 0.0
