@@ -73,6 +73,19 @@ def summarize(cores: dict[str, list[dict]], min_generated: int = 5000) -> dict:
             "prompt_tokens_per_generated_token": round(prompt / generated, 3)}
 
 
+def caveats(s: dict) -> list[str]:
+    """What a summary cannot tell apart, from its form: logs of the engine's earlier labels."""
+    out = []
+    if s and s["other_steps"] < 1 and s["prompt_tokens_per_generated_token"] > 0:
+        out.append("prompt tokens but no step carrying them: a log written before the cores "
+                   "told steps cut at attention from decode graphs (piecewise_step_share)")
+    if s and s["graph_steps"] < 1 and s["other_steps_piecewise"] > 0:
+        out.append("no decode graph step, graph steps all cut at attention: every step carried "
+                   "prompt tokens, or a log written from 2592aaa to 7acd8ee, which counted the "
+                   "decode graph's steps as cut when their rows fit the cut graphs (1461ff3)")
+    return out
+
+
 def table(rows: list[tuple[str, dict]]) -> str:
     out = ["| log | decode graph steps x GPU ms | other steps x GPU ms (prompt tokens each; of "
            "them cut at attention) | graph share | GPU ms / generated token | prompt tokens / "
@@ -97,9 +110,8 @@ def main() -> None:
     for path in args.logs:
         with open(path, errors="replace") as f:
             s = summarize(parse(f), args.min_generated)
-        if s and s["other_steps"] < 1 and s["prompt_tokens_per_generated_token"] > 0:
-            print(f"{path}: prompt tokens but no step carrying them: a log written before the "
-                  f"cores told steps cut at attention from decode graphs (piecewise_step_share)")
+        for caveat in caveats(s):
+            print(f"{path}: {caveat}")
         if s:
             rows.append((path, s))
         else:

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 from engine.core_process import _StepLog
 from engine.scheduler import SchedulerStats
 from engine.step_timing import StepTimes
-from scripts.core_step_log import parse, summarize
+from scripts.core_step_log import caveats, parse, summarize
 
 
 def _core_lines(pid, steps, graph_steps, gpu_s, graph_gpu_s, prompt, generated,
@@ -72,3 +72,21 @@ def test_lines_without_gpu_times_give_nothing():
     """On CPU the core's log has no GPU time: nothing to sum."""
     cores = parse(_core_lines(11, 10, 0, 0.0, 0.0, 100, 9000))
     assert cores and summarize(cores) == {}
+
+
+def test_logs_of_the_earlier_labels_are_said_to_be_so():
+    """Logs written before piecewise_step_share (every graph step counted as a decode graph),
+    and from 2592aaa to 7acd8ee (decode graph steps counted as cut when they fit the cut
+    graphs), cannot be split right: the summary says so. A log of today's labels gets no
+    caveat."""
+    today = summarize(parse(_core_lines(11, 10, 9, 0.24, 0.19, 6000, 9000, piecewise_steps=5,
+                                        piecewise_gpu_s=0.15)))
+    assert caveats(today) == [] and caveats({}) == []
+    # Every step counted as a graph step cut at attention: 8 decode steps and 2 with prompts.
+    mislabelled = summarize(parse(_core_lines(11, 10, 10, 0.2, 0.2, 3000, 9000,
+                                              piecewise_steps=10, piecewise_gpu_s=0.2)))
+    assert mislabelled["graph_steps"] == 0
+    assert len(caveats(mislabelled)) == 1 and "2592aaa to 7acd8ee" in caveats(mislabelled)[0]
+    # Before the cut steps were told apart: every step a graph step, no step with prompts.
+    before = summarize(parse(_core_lines(11, 10, 10, 0.2, 0.2, 3000, 9000)))
+    assert len(caveats(before)) == 1 and "before the cores told" in caveats(before)[0]
