@@ -173,6 +173,9 @@ def wait_for(condition, what, timeout_s=10.0):
         time.sleep(0.05)
 
 
+PROBE_PROMPT = "probe"      # wait_pool_whole's one-step request
+
+
 def wait_pool_whole(server, timeout_s=10.0):
     """Waits until the engine is idle with every KV block free, as published after this call
     began, and returns the engine's step count in that publication: every step taken before
@@ -185,7 +188,7 @@ def wait_pool_whole(server, timeout_s=10.0):
     was made, possibly before the probe ran: counters may still lack the probe's step, token,
     finish and prompt tokens (tests allow for that), never what came before this call."""
     steps_before = metric(server, "llm_engine_steps_total")
-    assert text_of(stream_request(server, "probe", greedy(1)))
+    assert text_of(stream_request(server, PROBE_PROMPT, greedy(1)))
     deadline = time.monotonic() + timeout_s
     while True:
         values = metrics(server)
@@ -532,7 +535,7 @@ def test_num_cached_tokens_is_the_prompts_prefix_cache_hit(server, direct, model
     # Published twice a second, hits after queries: wait for both. wait_pool_whole's baseline
     # may lack its probe's prompt (its docstring), which then counts here: its tokens as
     # queries, no hits (shorter than a block).
-    probe = direct.generate("probe", SamplingParams(**greedy(1)))[0].prompt_token_ids
+    probe = direct.generate(PROBE_PROMPT, SamplingParams(**greedy(1)))[0].prompt_token_ids
     assert len(probe) < direct.config.block_size
     want = (2 * num_prompt, sum(got))
     wait_for(lambda: counted() in (want, (want[0] + len(probe), want[1])),
