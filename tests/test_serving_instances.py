@@ -169,7 +169,8 @@ def test_requests_sharing_a_long_prefix_run_on_the_engine_that_has_it(server, mo
     wait_for(lambda: hits() - h0 >= (len(prompts) - 1) * shared_blocks * 16,
              "the prefix's blocks found in the cache by the other 11")
     # Triton gave some of them to the other instance, which ran them there.
-    wait_for(lambda: on_peer() - p0 >= 1, "a request taken by the other instance run here")
+    wait_for(lambda: on_peer() - p0 >= 1,
+             "the other instance to publish a request it ran on the prefix's engine")
     llm = LLM(model_dir, dtype="float32", device="cpu", **INSTANCE_SETTINGS)
     expected = [o.outputs[0].text for o in llm.generate(prompts, SamplingParams(**greedy(32)))]
     assert texts == expected
