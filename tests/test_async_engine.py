@@ -9,6 +9,7 @@ import pytest
 from engine import AsyncEngine, LLM, SamplingParams
 from engine.async_engine import EngineDeadError
 from scripts.make_tiny_model import make_tiny_model
+from tests.waiting import until
 
 
 @pytest.fixture(scope="module")
@@ -218,8 +219,7 @@ def test_requests_queued_for_the_tokenizer_are_dropped_on_abort_and_failed_on_sh
     stopper = None
 
     async def queued(n):
-        while len(engine._batch_tokenizer._pending) < n:
-            await asyncio.sleep(0.001)
+        await until(lambda: len(engine._batch_tokenizer._pending) >= n, f"{n} prompts queued")
 
     async def main():
         nonlocal stopper
@@ -465,11 +465,10 @@ def _tokenize_huge_prompt_beside_streams(model_dir, inline, tokenizer_process=Tr
                     return
 
         streams = [asyncio.create_task(stream(i)) for i in range(2)]
-        while not all(stamps):
-            await asyncio.sleep(0.01)
+        await until(lambda: all(stamps), "both streams' first tokens", timeout_s=30,
+                    poll_s=0.01)
         tick = asyncio.create_task(ticker())
-        while len(gaps) < 5:                            # the ticker is going: a baseline
-            await asyncio.sleep(0.005)
+        await until(lambda: len(gaps) >= 5, "the ticker's first gaps (a baseline)", poll_s=0.005)
         start = time.perf_counter()
         try:
             await _collect(engine, huge, SamplingParams(max_tokens=1), "huge")

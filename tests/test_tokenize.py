@@ -15,6 +15,7 @@ from engine import wire
 from engine.tokenize import (BATCH_MAX_CHARS, BatchTokenizer, PromptDropped, TokenizerClosed,
                              TokenizerProcess)
 from scripts.make_tiny_model import make_tiny_model
+from tests.waiting import until
 
 TEXTS = ["Hello there", "  spaces  and\ttabs\n", "naïve café ☕ 日本語 🙂", "x" * 5000,
          "The end."]
@@ -61,8 +62,8 @@ def test_prompts_arriving_together_share_one_call_and_long_ones_go_alone(tokeniz
         gate = threading.Event()
         pool.submit(gate.wait)                 # hold the thread: all 21 prompts queue up
         tasks = [asyncio.create_task(bt.encode(t)) for t in texts]
-        while len(bt._pending) < len(texts):   # every prompt queued behind the held thread
-            await asyncio.sleep(0)
+        # every prompt queued behind the held thread
+        await until(lambda: len(bt._pending) >= len(texts), "every prompt queued", poll_s=0)
         gate.set()
         return await asyncio.gather(*tasks)
 
@@ -87,8 +88,7 @@ def test_a_prompt_whose_request_was_aborted_while_queued_is_never_tokenized(toke
         pool.submit(gate.wait)                 # hold the thread: both prompts queue up
         kept = asyncio.create_task(bt.encode("kept prompt"))
         dropped = asyncio.create_task(bt.encode("dropped prompt", dropped=aborted.is_set))
-        while len(bt._pending) < 2:
-            await asyncio.sleep(0)
+        await until(lambda: len(bt._pending) >= 2, "both prompts queued", poll_s=0)
         aborted.set()                          # e.g. the client cancelled, from another thread
         gate.set()
         return await asyncio.gather(kept, dropped, return_exceptions=True)
@@ -111,8 +111,7 @@ def test_close_fails_the_queued_prompts_at_once_and_stops_the_process(tokenizer)
     async def main():
         pool.submit(gate.wait)                 # the thread stays busy throughout
         tasks = [asyncio.create_task(bt.encode(t)) for t in ("a b", "c d")]
-        while len(bt._pending) < 2:
-            await asyncio.sleep(0)
+        await until(lambda: len(bt._pending) >= 2, "both prompts queued", poll_s=0)
         await asyncio.get_running_loop().run_in_executor(None, bt.close)   # another thread
         results = await asyncio.gather(*tasks, return_exceptions=True)     # the thread held
         with pytest.raises(TokenizerClosed):

@@ -1,0 +1,12 @@
+"""Polling for a condition on an asyncio loop, with a deadline: a condition that never comes
+true fails the test with what it waited for, instead of hanging the run."""
+import asyncio
+import time
+
+
+async def until(condition, what: str, timeout_s: float = 10.0, poll_s: float = 0.001) -> None:
+    """Yields to the loop (sleeping poll_s) until condition() is true, for at most timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(poll_s)
