@@ -32,6 +32,7 @@ from engine.serving import ServingEngine
 from scripts.make_tiny_model import make_tiny_model
 from scripts.tritonserver_env import copy_repository
 from tests.tritonserver import start_server
+from tests.waiting import wait_for
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The tiny model's max_position_embeddings. A request that runs to it takes ~2 s here (1,000
@@ -164,13 +165,6 @@ def metric(server, name, values=None, **labels):
 
 def finished(server, reason):
     return metric(server, "llm_requests_finished_total", reason=reason)
-
-
-def wait_for(condition, what, timeout_s=10.0):
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
 
 
 PROBE_PROMPT = "probe"      # wait_pool_whole's one-step request

@@ -12,8 +12,9 @@ from scripts import server_probe
 from scripts.make_tiny_model import make_tiny_model
 from scripts.tritonserver_env import copy_repository
 from tests.test_serving import (SETTINGS, endless, finished, greedy, grpc_inputs,
-                                metrics, stream_request, text_of, wait_for, wait_pool_whole)
+                                metrics, stream_request, text_of, wait_pool_whole)
 from tests.tritonserver import start_server
+from tests.waiting import wait_for
 
 NUM_INSTANCES = 2
 # Streams that outlast the tests (until cancelled, without preemption): a context of 16k
