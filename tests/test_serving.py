@@ -424,6 +424,33 @@ def test_request_parameters_are_sampling_parameters_as_in_the_vllm_backend(serve
     _server_carries_on(server)
 
 
+def test_a_scalar_input_beyond_int32_wraps_in_tritons_parse_and_sampling_parameters_do_not(server):
+    """The README's note: on llm_bls's generate endpoint `max_tokens` is the INT32 input, and
+    Triton's JSON parse wraps 3000000000 round to -1294967296 before the model sees it (on
+    infer too), so the refusal names that value; inside sampling_parameters the number is taken
+    as sent."""
+    infer = {"inputs": [
+        {"name": "text_input", "datatype": "BYTES", "shape": [1], "data": ["Wrap"]},
+        {"name": "max_tokens", "datatype": "INT32", "shape": [1], "data": [3_000_000_000]}]}
+    for path, body in (("generate", {"text_input": "Wrap", "max_tokens": 3_000_000_000}),
+                       ("generate", {"text_input": "Wrap",
+                                     "parameters": {"max_tokens": 3_000_000_000}}),
+                       ("infer", infer)):
+        with pytest.raises(urllib.error.HTTPError) as e:
+            http_json(server, f"/v2/models/llm_bls/{path}", body)
+        assert e.value.code == 400
+        assert "max_tokens must be >= 1, got -1294967296" in e.value.read().decode()
+    # As sent: a min_tokens above it shows the max_tokens the engine got (no request runs).
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http_json(server, "/v2/models/llm_bls/generate", {"text_input": "Wrap",
+                  "sampling_parameters": json.dumps({"max_tokens": 3_000_000_000,
+                                                     "min_tokens": 3_000_000_001})})
+    assert e.value.code == 400
+    assert "min_tokens must be <= max_tokens (3000000000), got 3000000001" in \
+        e.value.read().decode()
+    _server_carries_on(server)
+
+
 def test_bls_scalar_inputs_override_json(server, direct):
     prompt = "Scalars win"
     expected = direct.generate(prompt, SamplingParams(**greedy(5)))[0].outputs[0].token_ids
