@@ -61,6 +61,23 @@ def write_kv_ref(
     v_cache[block_ids, offsets] = to_cache_dtype(value[rows], v_cache.dtype)
 
 
+def _shapes(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, ...]:
+    """(T, Hq, D, block_size, Hkv) of q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D]."""
+    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
+            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
+    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
+        raise ValueError(
+            f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of dim "
+            f"{cache_head_dim}: the head dims must match and Hq must be a multiple of Hkv"
+        )
+    return num_tokens, num_heads, head_dim, block_size, num_kv_heads
+
+
 def paged_attention_ref(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -83,18 +100,7 @@ def paged_attention_ref(
     (the window counts the query's own position, as in HF's `kv_idx > q_idx - sliding_window`).
     Computed in fp32, returned in q's dtype. Rows past cu_seqlens_q[-1] (padding) come back zero.
     """
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
-            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of dim "
-            f"{cache_head_dim}: the head dims must match and Hq must be a multiple of Hkv"
-        )
+    num_tokens, num_heads, head_dim, block_size, num_kv_heads = _shapes(q, k_cache, v_cache)
     if sliding_window is not None and sliding_window < 1:
         raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
     group = num_heads // num_kv_heads
@@ -175,18 +181,7 @@ def cascade_attention_ref(
     one plain softmax over all of its visible keys (every prefix key is visible). Computed in
     float64 on CPU and float32 elsewhere, returned in q's dtype; rows past cu_seqlens_q[-1] are 0.
     """
-    if q.dim() != 3 or k_cache.dim() != 4 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"expected q [T, Hq, D] and caches [num_blocks, block_size, Hkv, D], "
-            f"got {tuple(q.shape)}, {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    if cache_head_dim != head_dim or num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"q has {num_heads} heads of dim {head_dim}; the cache has {num_kv_heads} kv heads of dim "
-            f"{cache_head_dim}: the head dims must match and Hq must be a multiple of Hkv"
-        )
+    num_tokens, num_heads, head_dim, block_size, num_kv_heads = _shapes(q, k_cache, v_cache)
     group = num_heads // num_kv_heads
     math_dtype = torch.float64 if q.device.type == "cpu" else torch.float32
     cu_q, kv_lens, prefixes = cu_seqlens_q.tolist(), seq_lens.tolist(), prefix_lens.tolist()
