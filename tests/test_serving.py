@@ -1178,10 +1178,8 @@ def test_unload_lets_in_flight_streams_finish_then_finalizes(model_dir, tmp_path
         client.stop_stream()
         assert num_after_unload > 0, "the stream had ended before the unload began"
         assert int(first.as_numpy("num_input_tokens")[0]) + num_out == MAX_MODEL_LEN
-        deadline = time.monotonic() + 30
-        while "successfully unloaded 'llm'" not in open(server.log_path).read():
-            assert time.monotonic() < deadline, "unload did not finish"
-            time.sleep(0.1)
+        wait_for(lambda: "successfully unloaded 'llm'" in open(server.log_path).read(),
+                 "the unload to finish", timeout_s=30)
         assert "llm: engine stopped" in open(server.log_path).read()   # finalize ran
         assert not client.is_model_ready("llm")
         client.close()
@@ -1253,10 +1251,7 @@ def test_killing_the_core_process_ends_streams_and_makes_llm_not_ready(model_dir
         for delay, message in errors.values():
             assert delay < 1.0, (delay, message)
             assert "engine core" in message and "killed by signal 9" in message, message
-        deadline = time.monotonic() + 10
-        while client.is_model_ready("llm"):
-            assert time.monotonic() < deadline, "llm still reports ready"
-            time.sleep(0.1)
+        wait_for(lambda: not client.is_model_ready("llm"), "llm to stop reporting ready")
         with pytest.raises(Exception, match="llm"):          # and new requests are refused
             stream_request(server, "after", greedy(4))
         client.close()

@@ -14,6 +14,7 @@ from engine.config import EngineConfig
 from engine.instance_board import InstanceBoard
 from engine.serving import ServingEngine
 from scripts.make_tiny_model import make_tiny_model
+from tests.waiting import wait_for
 
 SETTINGS = {"max_num_seqs": 16, "max_num_batched_tokens": 256, "num_kv_blocks": 128,
             "max_model_len": 256, "cpu_threads": 1}
@@ -63,10 +64,8 @@ class Recorder:
 
 
 def _wait_generated(serving, at_least):
-    deadline = time.monotonic() + WAIT_S
-    while serving.stats().num_generated_tokens < at_least:
-        assert time.monotonic() < deadline, "the engine did not get that far"
-        time.sleep(0.02)
+    wait_for(lambda: serving.stats().num_generated_tokens >= at_least,
+             f"the engine to generate {at_least} tokens", timeout_s=WAIT_S)
 
 
 def test_a_stream_whose_sender_was_busy_gets_its_steps_in_one_response(model_dir):
@@ -256,10 +255,8 @@ def test_shutdown_answers_requests_submitted_but_not_yet_started(model_dir):
         serving.submit(_inputs(f"queued {i}", 3), rec)
     stopper = threading.Thread(target=serving.shutdown)
     stopper.start()
-    deadline = time.monotonic() + WAIT_S
-    while serving._stop_reason is None:          # shutdown has begun: nothing new starts
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_for(lambda: serving._stop_reason is not None,
+             "shutdown to begin (from then on nothing new starts)", timeout_s=WAIT_S)
     release.set()
     stopper.join(WAIT_S)
     assert not stopper.is_alive()
@@ -390,10 +387,8 @@ def test_an_abort_reaching_the_wrong_instance_is_passed_on_to_the_right_one(mode
         # Passed on before the request arrived: refused where it lands.
         a.submit({"abort_request_id": _str("bls-not-yet")}, Recorder())
         late = Recorder()
-        deadline = time.monotonic() + WAIT_S
-        while not b._early_aborts:              # B has read the board (a housekeeping round)
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
+        wait_for(lambda: b._early_aborts, "B to read the board (a housekeeping round)",
+                 timeout_s=WAIT_S)
         b.submit(_inputs("too late", 200), late, request_id="bls-not-yet")
         assert late.final.wait(WAIT_S) and late.responses == [(None, "request cancelled", True)]
         _wait_idle(b)
@@ -406,10 +401,7 @@ def test_an_abort_reaching_the_wrong_instance_is_passed_on_to_the_right_one(mode
 
 def _wait_failed_send_dealt_with(serving, failed: threading.Event) -> None:
     assert failed.wait(30)
-    deadline = time.monotonic() + 10
-    while serving.num_open:                     # until the failed send is dealt with
-        assert time.monotonic() < deadline, "the failed send was never dealt with"
-        time.sleep(0.01)
+    wait_for(lambda: not serving.num_open, "the failed send to be dealt with")
 
 
 def test_a_request_whose_final_send_fails_is_counted_once(model_dir):
