@@ -4,7 +4,6 @@ import dataclasses
 import json
 import os
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -122,13 +121,11 @@ def test_stop_serving_ends_every_request_with_the_reason_and_refuses_new_ones(mo
 
 
 def _wait_idle(serving):
-    deadline = time.monotonic() + WAIT_S
-    while True:
+    def idle():
         s = serving.stats()
-        if s.num_running == s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks:
-            return
-        assert time.monotonic() < deadline, s
-        time.sleep(0.02)
+        return s.num_running == s.num_waiting == 0 and s.num_free_kv_blocks == s.num_kv_blocks
+    wait_for(idle, "the engine to be idle with its pool whole", timeout_s=WAIT_S,
+             state=serving.stats)
 
 
 def test_shutdown_answers_what_is_in_flight_and_leaves_no_thread(model_dir):
@@ -327,10 +324,8 @@ def test_trace_of_a_final_response_sent_before_the_reader_noted_its_step(tmp_pat
 
 def _wait_open(serving, n):
     """num_open drops just after a final answer's send returns."""
-    deadline = time.monotonic() + WAIT_S
-    while serving.num_open != n:
-        assert time.monotonic() < deadline, serving.num_open
-        time.sleep(0.01)
+    wait_for(lambda: serving.num_open == n, f"{n} open requests", timeout_s=WAIT_S,
+             state=lambda: f"num_open={serving.num_open}")
 
 
 def test_open_requests_are_counted_on_the_board_until_their_final_answer(model_dir, tmp_path):

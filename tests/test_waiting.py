@@ -16,3 +16,5 @@ def test_both_return_once_the_condition_holds_and_fail_naming_what_never_came():
     assert len(polls) == 2
     with pytest.raises(AssertionError, match="timed out waiting for the impossible"):
         wait_for(lambda: False, "the impossible", timeout_s=0.05)
+    with pytest.raises(AssertionError, match="waiting for the impossible: it was 7"):
+        wait_for(lambda: False, "the impossible", timeout_s=0.05, state=lambda: "it was 7")

@@ -5,11 +5,13 @@ import asyncio
 import time
 
 
-def wait_for(condition, what: str, timeout_s: float = 10.0) -> None:
-    """Sleeps 50 ms at a time until condition() is true, for at most timeout_s."""
+def wait_for(condition, what: str, timeout_s: float = 10.0, state=None) -> None:
+    """Sleeps 50 ms at a time until condition() is true, for at most timeout_s. On timeout the
+    failure names what was awaited, and state() as it was then, if given."""
     deadline = time.monotonic() + timeout_s
     while not condition():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        assert time.monotonic() < deadline, (
+            f"timed out waiting for {what}" + (f": {state()}" if state else ""))
         time.sleep(0.05)
 
 
