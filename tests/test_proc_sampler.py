@@ -5,6 +5,7 @@ import sys
 import time
 
 from scripts import proc_sampler
+from tests.waiting import wait_for
 
 # A busy process whose command line names the engine core, as the sampler finds cores.
 BUSY = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
@@ -13,9 +14,9 @@ BUSY = "import time\nend = time.time() + 30\nwhile time.time() < end: pass"
 def test_a_busy_core_process_is_seen_running_its_whole_time(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", BUSY, "engine.core_process"])
     try:
-        deadline = time.monotonic() + 10     # on a busy machine it may not be seen at once
-        while str(proc.pid) not in proc_sampler.sample()["cores"]:
-            assert time.monotonic() < deadline, "the sampler never saw the process"
+        # On a busy machine it may not be seen at once.
+        wait_for(lambda: str(proc.pid) in proc_sampler.sample()["cores"],
+                 "the sampler to see the process")
         out = tmp_path / "cpu.jsonl"
         proc_sampler.record(str(out), interval=0.25, seconds=1.6)
     finally:
