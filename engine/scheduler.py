@@ -28,8 +28,9 @@ until it has been scheduled through the prefix. Then the group pins the prefix's
 reference: they are never evicted and recomputed, whatever the order of the other traffic) and
 its held members go to a ready queue admitted before any other waiting request, so members run
 together and take the prefix as computed. The pin is dropped when the last member is done. If
-pinned prefixes ever leave no room to admit anything while nothing runs, they are released
-(their groups dissolve into plain requests): slower, never stuck.
+pinned prefixes ever leave no room to admit anything while nothing runs, or to grow the
+oldest running request once every newer one is preempted, they are released (their groups
+dissolve into plain requests): slower, never stuck.
 """
 from __future__ import annotations
 
@@ -298,6 +299,12 @@ class Scheduler:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:
                     break
+                if i == 0 and self.running[-1] is req and self._release_pins():
+                    # Only pinned prefixes stand in the way of the oldest request: preempting
+                    # it would readmit it, a pinned member, ahead of the groups whose pins hold
+                    # the pool, and round again forever (a prompt longer than the budget comes
+                    # back chunk by chunk, so the release below never sees an empty step).
+                    continue
                 victim = self.running.pop()       # newest first
                 self._preempt(victim)
                 preempted = True

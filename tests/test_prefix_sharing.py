@@ -81,6 +81,35 @@ def test_decode_graph_path_with_cascade_equals_eager(tiny_models):
     assert graphed == eager
 
 
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_pinned_prefix_never_keeps_a_long_member_going_round(tiny_models, async_scheduling):
+    """Prefix caching off, the least pool (max_model_len), prompts longer than a step: a member of
+    one group needs more blocks than the other group's pin leaves. The engine once preempted and
+    readmitted it chunk by chunk forever (tests/test_scheduler_groups.py has the scheduler's
+    side); now the pins go, and the tokens are those without groups."""
+    p1, p2 = [11] * 8, [12] * 8
+    prompts = [p1 + [13] * 14, p1 + [14] * 7, p2 + [15] * 14, p2 + [16] * 14]
+    params = [SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True) for m in (1, 3, 1, 2)]
+    outputs = {}
+    for groups in (False, True):
+        llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=6,
+                  block_size=4, max_model_len=24, max_num_batched_tokens=8, max_num_seqs=3,
+                  enable_prefix_caching=False, enable_prefix_groups=groups,
+                  async_scheduling=async_scheduling)
+        step, steps = llm.core.step, []
+
+        def counted(step=step, steps=steps):
+            steps.append(1)
+            assert len(steps) <= 500, f"no end after 500 steps, groups={groups}"
+            return step()
+        llm.core.step = counted
+        outputs[groups] = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+        stats = llm.get_stats()
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    assert [len(t) for t in outputs[True]] == [1, 3, 1, 2]
+    assert outputs[True] == outputs[False]
+
+
 def test_shuffled_order_computes_each_prefix_once(tiny_models):
     """Prefix caching alone, in shuffled order with a small pool, evicts prefixes between the
     members of a group and computes them again; groups compute each one once."""
