@@ -57,7 +57,7 @@ class _Stream:
         self.index: int | None = None      # the core's id for it, once sent
         self.core: CoreClient | None = None     # the core it was sent to: ours or a peer's
         self.finished = False
-        self.abort_requested = False       # abort() came before it was sent
+        self.abort_requested = False       # abort() was asked (sent on once it is in a core)
 
 
 class AsyncEngine:
@@ -191,14 +191,16 @@ class AsyncEngine:
         self.abort_nowait(request_id)
 
     def abort_nowait(self, request_id: str) -> None:
-        """`abort`, from any thread."""
+        """`abort`, from any thread. Another thread's abort can land while the loop sends the
+        request to its core: the flag first here, the index last in `_send_to_core` (after the
+        ADD is queued), so one side or the other sends the ABORT, never before the ADD."""
         channel = self._streams.get(request_id)
         if channel is None:
             return
-        if channel.index is not None:
-            channel.core.abort([channel.index])
-        else:                               # still tokenizing: it will not reach the core
-            channel.abort_requested = True
+        channel.abort_requested = True      # still tokenizing: it will not reach the core
+        index, core = channel.index, channel.core
+        if index is not None:
+            core.abort([index])
 
     async def stats(self) -> EngineStats:
         return await asyncio.wrap_future(self.core.request_stats())
@@ -268,10 +270,12 @@ class AsyncEngine:
                       core: CoreClient | None = None) -> None:
         index = next(self._indices) % 2**32   # the wire's u32; wraps after 4G requests
         self._processor.add_request(index, request_id, text, ids, params, stream, pull)
-        channel.index = index
-        channel.core = core or self.core
         self._ids_by_index[index] = request_id
-        channel.core.add(index, packed, params)
+        (core or self.core).add(index, packed, params)
+        channel.core = core or self.core
+        channel.index = index               # last: see abort_nowait
+        if channel.abort_requested:         # another thread's abort, as it went in
+            channel.core.abort([index])
         if core is not None and core.dead_reason is not None:   # gone as it went in
             self._fail_streams_of(core)
 

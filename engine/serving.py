@@ -155,7 +155,7 @@ class _Request:
     cancelled: bool = False
     stream: Stream | None = None        # its way back
     parts: list[_Part] | None = None    # n above 1: its completions, in index order
-    aborted: bool = False               # n above 1: aborted (its completions still arriving)
+    aborted: bool = False               # aborted (n above 1: its completions still arriving)
     last_out: RequestOutput | None = None   # n above 1: the latest output of any completion
     engine_slot: int | None = None      # prefix routing: the board slot of the engine it runs on
     engine_address: str | None = None   # and where that engine takes it (None: ours)
@@ -164,10 +164,10 @@ class _Request:
 
     def abort(self, engine: AsyncEngine) -> None:
         """Ends its engine request(s), from any thread."""
+        self.aborted = True             # before the loop: _serve checks it after submit
         if self.parts is None:
             engine.abort_nowait(self.rid)
             return
-        self.aborted = True             # before the loop: _submit_parts checks it after each
         for p in self.parts:
             engine.abort_nowait(p.rid)
 
@@ -484,6 +484,8 @@ class ServingEngine:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
                                      lambda out: self._on_output(r, out), stream=r.req.stream,
                                      pull=True, route=self._route(r))
+            if r.aborted:       # before submit opened it in the engine, r.abort found nothing
+                self.engine.abort_nowait(rid)
             if self._trace is not None:
                 r.core_key = self.engine.core_key(rid)
                 self._trace.in_engine(r, time.monotonic())

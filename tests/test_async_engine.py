@@ -371,6 +371,42 @@ def test_submit_refuses_a_bad_request_and_aborts_from_any_thread(model_dir):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+@pytest.mark.parametrize("hook", ["processor_add", "core_add"])
+def test_an_abort_from_another_thread_as_the_request_goes_into_the_core_ends_it(model_dir, hook):
+    """The abort lands on another thread while the loop sends the request to its core: after
+    submit's check of the flag (as the output processor takes it), or while the ADD is queued.
+    It was lost there (the ABORT before the ADD, or the flag set and never read again) and the
+    request ran to max_tokens."""
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256,
+                         max_model_len=1024)
+    owner, name = (engine._processor, "add_request") if hook == "processor_add" else \
+        (engine.core, "add")
+    inner = getattr(owner, name)
+
+    def abort_meanwhile(*args, **kwargs):
+        aborter = threading.Thread(target=engine.abort_nowait, args=("ab",))
+        aborter.start()
+        aborter.join()
+        return inner(*args, **kwargs)
+    setattr(owner, name, abort_meanwhile)
+
+    async def main():
+        sink = _Sink()
+        # ~3-5 s here if the abort is lost, so that it cannot end by itself first.
+        await engine.submit("abort me", SamplingParams(max_tokens=1000, temperature=0,
+                                                       ignore_eos=True), "ab", sink)
+        assert await asyncio.to_thread(sink.done.wait, 30)
+        return sink, await _wait_idle(engine)
+
+    try:
+        sink, stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert sink.items[-1].outputs[0].finish_reason == "abort"
+    assert sum(len(o.outputs[0].token_ids) for o in sink.items) < 1000
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
 def test_submit_sinks_get_the_error_when_the_core_dies(model_dir):
     engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=256)
     params = SamplingParams(max_tokens=2000, temperature=0, ignore_eos=True)

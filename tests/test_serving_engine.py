@@ -626,6 +626,36 @@ def test_n_completions_are_all_aborted_by_a_cancel_an_abort_or_a_stop(model_dir)
         serving.shutdown()
 
 
+@pytest.mark.parametrize("hook", ["engine_open", "processor_add"])
+def test_a_cancel_seen_as_the_request_goes_into_the_engine_ends_it(model_dir, hook):
+    """The housekeeper's round (on its own thread) sees the client's cancel while the loop hands
+    the request to the engine: before the engine has opened it, or as the output processor
+    takes it. The abort was lost there (and never asked again) and the request ran to
+    max_tokens; now it ends within a step or two."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **LONG_SETTINGS))
+    owner, name = (serving.engine, "_open") if hook == "engine_open" else \
+        (serving.engine._processor, "add_request")
+    inner = getattr(owner, name)
+
+    def housekeeper_round_meanwhile(*args, **kwargs):
+        round_ = threading.Thread(target=serving._check_cancellations, args=(0,))
+        round_.start()
+        round_.join()
+        return inner(*args, **kwargs)
+    setattr(owner, name, housekeeper_round_meanwhile)
+    try:
+        rec = Recorder()
+        serving.submit(_inputs("cancel me", LONG), rec, is_cancelled=lambda: True)
+        assert rec.final.wait(WAIT_S)
+        assert rec.responses[-1] == (None, "request cancelled", True)
+        _wait_idle(serving)
+        stats = serving.stats()
+        assert stats.num_generated_tokens < LONG // 2, stats
+    finally:
+        serving.shutdown()
+
+
 def test_n_completions_of_a_bad_request_fail_it_once_and_leave_nothing_running(model_dir):
     """A prompt too long for the model fails the request with the engine's message, once,
     whatever its n."""
