@@ -24,7 +24,8 @@ import numpy as np
 
 from engine.config import EngineConfig
 from engine.core_client import CoreClient, CoreDiedError, PeerCoreClient
-from engine.llm import Prompt, encode_prompt, eos_token_ids, load_tokenizer, unwrap_prompt
+from engine.llm import (Prompt, encode_prompt, eos_token_ids, load_tokenizer, token_array,
+                        unwrap_prompt)
 from engine.output_processor import OutputProcessor, PullOutput
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.request import check_request
@@ -283,7 +284,9 @@ class AsyncEngine:
         prompt = unwrap_prompt(prompt)
         if not isinstance(prompt, str) or self.tokenizer is None:
             _, ids = encode_prompt(self.tokenizer, prompt)    # token ids, or the error
-            return None, ids, np.asarray(ids, dtype=np.int64)
+            packed = token_array(ids)
+            # An id past int64: the list itself, whose check (check_request) names the ids.
+            return None, ids, ids if packed is None else packed
         if self._inline_tokenizer is not None and (
                 len(prompt) <= self.config.tokenize_inline_max_chars):
             result = self._inline_tokenizer.encode_now([prompt], inline=True)[0]

@@ -19,6 +19,7 @@ from engine.output_processor import OutputProcessor
 from engine.outputs import RequestOutput
 from engine.prefix_groups import group_prompts
 from engine.sampling_params import SamplingParams
+from engine.tokenize import not_text_error
 
 # A text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text} and
 # {"prompt_token_ids": ids}.
@@ -66,7 +67,13 @@ def encode_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
         if tokenizer is None:
             raise ValueError("a text prompt needs a tokenizer, and skip_tokenizer_init is set: "
                              "give token ids")
-        return prompt, tokenizer.encode(prompt)
+        try:
+            return prompt, tokenizer.encode(prompt)
+        except TypeError:               # the tokenizers library's word for a str not text
+            error = not_text_error(prompt)
+            if error is None:
+                raise
+            raise error from None
     if isinstance(prompt, (list, tuple)):
         # The element types checked once each, not per token (an offline job's millions of
         # ids took seconds, with the GPU idle, in a per-token isinstance loop).

@@ -18,6 +18,9 @@ GIL: the serving process then spends no CPU on long prompts but the conversion o
 a prompt that fits. A prompt too long comes back as its length alone. If that process dies,
 the thread tokenizes from then on (logged).
 
+A str that is not text (a lone surrogate) fails its own request with a ValueError, not the
+batch call it came in (`_encode_without_non_text`).
+
 A queued prompt whose request was aborted is dropped unread (its caller gets PromptDropped),
 and `close` fails every queued prompt at once and stops the process without waiting for it:
 cancelled clients and a stopping server do not wait behind prompts nobody wants.
@@ -85,20 +88,22 @@ class BatchTokenizer:
         """Tokenizes with special tokens (e.g. BOS), like `encode`. `inline`: on the event loop,
         for short prompts: one plain call each, never the batch call, which hands the work to
         the tokenizers library's thread pool and would wait there behind a long prompt."""
-        if self._backend is None:
-            lists = [self.tokenizer.encode(t) for t in texts]
-        elif inline:
-            lists = [self._backend.encode(t, add_special_tokens=True).ids for t in texts]
-        else:
-            lists = [e.ids for e in self._backend.encode_batch_fast(texts,
-                                                                    add_special_tokens=True)]
         results: list[Encoded | ValueError] = []
-        for ids in lists:
-            if len(ids) > self.max_num_tokens:
+        for ids in _encode_without_non_text(self._id_lists, texts, inline):
+            if isinstance(ids, ValueError):
+                results.append(ids)
+            elif len(ids) > self.max_num_tokens:
                 results.append(self._too_long(len(ids)))
             else:
                 results.append((ids, np.asarray(ids, dtype=np.int32)))
         return results
+
+    def _id_lists(self, texts: list[str], inline: bool) -> list[list[int]]:
+        if self._backend is None:
+            return [self.tokenizer.encode(t) for t in texts]
+        if inline:
+            return [self._backend.encode(t, add_special_tokens=True).ids for t in texts]
+        return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=True)]
 
     def close(self) -> None:
         """Fails every queued prompt (TokenizerClosed) and stops the tokenizer process at once;
@@ -120,7 +125,7 @@ class BatchTokenizer:
 
     def _encode_in_process(self, texts: list[str]) -> list[Encoded | ValueError]:
         try:
-            items = self.process.encode(texts)
+            items = _encode_without_non_text(self.process.encode, texts)
         except RuntimeError as e:
             if self._closed:                 # stopped by close(): not a failure to recover from
                 return [TokenizerClosed("the engine was shut down")] * len(texts)
@@ -130,7 +135,11 @@ class BatchTokenizer:
             self.process = None
             return self.encode_now(texts)
         results: list[Encoded | ValueError] = []
-        for status, value in items:
+        for item in items:
+            if isinstance(item, ValueError):
+                results.append(item)
+                continue
+            status, value = item
             if status == wire.TOKENS_OK:
                 results.append((value.tolist(), value))
             elif status == wire.TOKENS_TOO_LONG:
@@ -189,6 +198,32 @@ class BatchTokenizer:
                 results = [e] * len(group)
             _settle_threadsafe(loop, [f for _, f, _ in group], results)
             del results, group, texts   # a rejected prompt's ids are freed here, not on the loop
+
+
+def not_text_error(text: str) -> ValueError | None:
+    """The error for a str that is not text (a lone surrogate, as json.loads('"\\ud800"') makes):
+    neither UTF-8 nor the tokenizers library take it."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return ValueError(f"the prompt is not valid text: {e.reason} at character {e.start} "
+                          f"({text[e.start:e.end]!r})")
+    return None
+
+
+def _encode_without_non_text(encode: Callable, texts: list[str], *args) -> list:
+    """encode(texts, *args); if that raises and some of the texts are not text (not_text_error),
+    each of those gets its ValueError in its place and the others are encoded without them: a
+    prompt that cannot be tokenized fails its own request, not the batch it came in."""
+    try:
+        return encode(texts, *args)
+    except Exception:
+        errors = [not_text_error(t) for t in texts]
+        if not any(errors):
+            raise
+    good = iter(encode([t for t, e in zip(texts, errors) if e is None], *args)
+                if not all(errors) else [])
+    return [e if e is not None else next(good) for e in errors]
 
 
 class TokenizerProcess:

@@ -126,7 +126,16 @@ def test_bad_request_is_an_error_for_that_request_only(model_dir):
             await _collect(engine, [5] * 40, SamplingParams(max_tokens=3), "bad")
         with pytest.raises(ValueError, match="n must be 1 here, got 2.*send n requests"):
             await _collect(engine, "ok", SamplingParams(max_tokens=3, n=2), "n2")
+        for too_big in (2**63, -2**63 - 1):     # past int64: named as LLM.generate names them
+            with pytest.raises(ValueError, match="token ids"):
+                await _collect(engine, [5, too_big], SamplingParams(max_tokens=3), "big")
+            with pytest.raises(ValueError, match="token ids"):
+                await engine.submit([5, too_big], SamplingParams(max_tokens=3), "big", _Sink())
+        for not_text in ("no \ud800 text", "no \udfff text " * 30):   # inline; the thread
+            with pytest.raises(ValueError, match="not valid text: surrogates not allowed"):
+                await _collect(engine, not_text, SamplingParams(max_tokens=3), "surrogate")
         outs = await _collect(engine, "ok", SamplingParams(max_tokens=3, temperature=0), "good")
+        assert not engine._streams
         return outs
 
     try:

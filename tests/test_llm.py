@@ -262,6 +262,8 @@ def test_prompt_longer_than_max_model_len_is_rejected(tiny_models):
             llm.generate([[5, too_big]], GREEDY)
     with pytest.raises(ValueError, match="empty"):
         llm.generate([[]], GREEDY)
+    with pytest.raises(ValueError, match="not valid text: surrogates not allowed at character 3"):
+        llm.generate(["ok \ud800"], GREEDY)                # a lone surrogate: no text
     # The engine still works afterwards, and the collector paused for the intake is back on.
     assert gc.isenabled()
     assert llm.generate([[5] * 10], GREEDY)[0].outputs[0].finish_reason in ("length", "stop")

@@ -75,6 +75,41 @@ def test_prompts_arriving_together_share_one_call_and_long_ones_go_alone(tokeniz
     assert order == [20, 1, 1]    # the short ones first and together, though a long one came first
 
 
+@pytest.mark.parametrize("path", ["thread", "process", "inline", "no_fast_backend"])
+def test_a_prompt_that_is_not_text_fails_alone_not_the_prompts_beside_it(tokenizer, path):
+    """A str with a lone surrogate (json.loads('"\\ud800"') makes one) is no text: the
+    tokenizers library (a TypeError) and the tokenizer process's frame (UTF-8) refuse it. It
+    once failed every prompt of its batch call with that error; now it gets a ValueError of
+    its own, and the prompts beside it their ids."""
+    texts = ["a good prompt", "a bad prompt \ud800 here", "another good one " * 20]
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=10**6,
+                        process_priority="idle" if path == "process" else None)
+    assert (bt.process is not None) == (path == "process")
+    if path == "no_fast_backend":
+        bt._backend = None
+
+    async def together():
+        gate = threading.Event()
+        pool.submit(gate.wait)                 # hold the thread: the three go in one call
+        tasks = [asyncio.create_task(bt.encode(t)) for t in texts]
+        await until(lambda: len(bt._pending) == len(texts), "every prompt queued", poll_s=0)
+        gate.set()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    try:
+        results = (bt.encode_now(texts, inline=True) if path == "inline" else
+                   bt.encode_now(texts) if path == "no_fast_backend" else asyncio.run(together()))
+    finally:
+        bt.close()
+        pool.shutdown()
+    good, bad, good_too = results
+    assert isinstance(bad, ValueError), bad
+    assert str(bad) == ("the prompt is not valid text: surrogates not allowed at character 13 "
+                        "('\\ud800')")
+    assert good[0] == tokenizer.encode(texts[0]) and good_too[0] == tokenizer.encode(texts[2])
+
+
 def test_a_prompt_whose_request_was_aborted_while_queued_is_never_tokenized(tokenizer):
     pool = ThreadPoolExecutor(1)
     bt = BatchTokenizer(tokenizer, pool, max_num_tokens=10**6)
