@@ -355,10 +355,10 @@ class AsyncEngine:
         peer = holder[0]
         if self._peers.get(peer.address) is peer:
             del self._peers[peer.address]
-        if self._stopped:
-            return
-        logger.info("lost the peer engine core %s: %s", peer.address, reason)
-        self._fail_streams_of(peer)
+        if not self._stopped:
+            logger.info("lost the peer engine core %s: %s", peer.address, reason)
+            self._fail_streams_of(peer)
+        peer.shutdown()     # its other thread and its socket: out of _peers, shutdown() misses it
 
     def _fail_streams_of(self, peer: PeerCoreClient) -> None:
         error = EngineDeadError(f"the engine core of another instance failed: "

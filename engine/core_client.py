@@ -287,11 +287,14 @@ class PeerCoreClient(CoreClient):
         raise RuntimeError("a peer's stats are its owner's to report")
 
     def shutdown(self) -> None:
+        """Also from `on_dead`, on the connection's own reader or sender thread: that one
+        returns once `on_dead` has; the other is joined."""
         self._closing = True
         self._kill()
         self._outbox.put(None)
-        self._sender.join(timeout=5)
-        self._receiver.join(timeout=5)
+        for thread in (self._sender, self._receiver):
+            if thread is not threading.current_thread():
+                thread.join(timeout=5)
         self._sock.close()
 
     def _kill(self) -> None:

@@ -16,6 +16,7 @@ from engine.prefix_routing import (FOLLOW_RATE_FOR_TURNS, FOLLOW_WINDOW, MIN_SHA
                                    position_weights)
 from engine.sampling_params import SamplingParams
 from scripts.make_tiny_model import make_tiny_model
+from tests.waiting import wait_for
 
 BS = 16
 
@@ -283,7 +284,13 @@ def test_requests_routed_to_a_peer_core_answer_as_on_our_own(model_dir):
             ours.connect_peer(address + "-nobody", timeout_s=2)
         ours.connect_peer(address)
         assert ours.peers() == [address]
+        peer = ours._peers[address]
         done = asyncio.run(run(owner, ours))
+        # The connection to the peer that is gone is closed: its threads end, its socket too
+        # (it was dropped from ours' peers and left open, past ours.shutdown()).
+        wait_for(lambda: not (peer._sender.is_alive() or peer._receiver.is_alive()
+                              or peer._sock.fileno() != -1),
+                 "the dead peer's connection to be closed", timeout_s=30)
         tokens = {k: [t for o in v if not isinstance(o, BaseException)
                       for t in o.outputs[0].token_ids] for k, v in done.items()}
         assert tokens["peer"] == tokens["local"] and len(tokens["local"]) == 10
