@@ -344,15 +344,16 @@ def make_response(req: GenerateRequest, out: RequestOutput, text: str,
         comp.cumulative_logprob)])
 
 
-def make_response_n(req: GenerateRequest, out: RequestOutput,
-                    completions: list[Completion]) -> dict[str, np.ndarray]:
+def make_response_n(req: GenerateRequest, out: RequestOutput, completions: list[Completion],
+                    num_cached_tokens: int | None = None) -> dict[str, np.ndarray]:
     """Output tensors for one response, one entry per completion (n of them, in index order),
     the layout of Triton's vLLM backend: `text_output`, `finish_reason`, `num_output_tokens`,
     `cumulative_logprob` and `logprobs` have an entry per completion. As there,
     `num_output_tokens` counts this response's tokens (a stream's add up to the request's) and
     `finish_reason` is in every response ("None" until that completion has finished).
     `output_ids` holds the completions' tokens one after another, each `num_output_tokens` long.
-    `out` gives the prompt (the completions share it)."""
+    `out` gives the prompt (the completions share it), and `num_cached_tokens` unless given
+    (with n completions, the first's, as LLM.generate reports it)."""
     prefix = ""
     if not req.stream and not req.exclude_input_in_output and isinstance(out.prompt, str):
         prefix = out.prompt
@@ -372,7 +373,9 @@ def make_response_n(req: GenerateRequest, out: RequestOutput,
                                                 dtype=np.uint32)
     if req.return_num_cached_tokens:
         # The prompt tokens the prefix cache held (not computed for this request).
-        tensors["num_cached_tokens"] = np.array([out.num_cached_tokens], dtype=np.uint32)
+        tensors["num_cached_tokens"] = np.array(
+            [out.num_cached_tokens if num_cached_tokens is None else num_cached_tokens],
+            dtype=np.uint32)
     if req.return_cumulative_logprob:
         # The completion's sampled tokens' logprobs summed up to this response's last; NaN when
         # the sampling parameters asked for no logprobs (the vLLM backend's None as FP32).

@@ -131,6 +131,7 @@ class _Part:
     text: str = ""                      # pending: not yet in a response
     token_ids: list[int] = field(default_factory=list)
     logprobs: list | None = None
+    num_cached_tokens: int | None = None    # its prompt tokens the prefix cache held
 
 
 @dataclass
@@ -647,7 +648,9 @@ class ServingEngine:
             p.text, p.token_ids = "", []
             if p.logprobs is not None:
                 p.logprobs = []
-        self._timed_send(send, make_response_n(r.req, last, completions), done, num_tokens)
+        # The first completion's cache hit is the request's (its siblings find its prompt).
+        self._timed_send(send, make_response_n(r.req, last, completions,
+                                               r.parts[0].num_cached_tokens), done, num_tokens)
         if done:
             if self._trace is not None and r.req.stream:
                 self._trace.final_sent(r, time.monotonic())
@@ -668,6 +671,7 @@ class ServingEngine:
         if out.prompt_token_ids:        # not an abort made before it reached the engine
             r.num_prompt = len(out.prompt_token_ids)
             r.last_out = out
+            p.num_cached_tokens = out.num_cached_tokens
         elif r.last_out is None:
             r.last_out = out
         if out.finished:

@@ -123,11 +123,13 @@ def text_of(responses):
     return "".join(o["text_output"][0].decode() for o, _ in responses if "text_output" in o)
 
 
-def bls_grpc(server, prompt, params, **flags):
+def bls_grpc(server, prompt, params, outputs=None, **flags):
+    """llm_bls's outputs by name; `outputs`: the names to ask for (else all)."""
     client = grpcclient.InferenceServerClient(server.grpc_url)
     try:
         inputs = grpc_inputs(prompt, params, stream=False, exclude_input_in_output=True, **flags)
-        result = client.infer("llm_bls", inputs)
+        result = client.infer("llm_bls", inputs, outputs=None if outputs is None else
+                              [grpcclient.InferRequestedOutput(n) for n in outputs])
         return {o.name: result.as_numpy(o.name) for o in result.get_response().outputs}
     finally:
         client.close()
@@ -279,6 +281,12 @@ def test_bls_grpc_http_infer_and_generate_equal_streaming(server):
     gen = http_json(server, "/v2/models/llm_bls/generate", {
         "text_input": prompt, "sampling_parameters": json.dumps(greedy(20))})
     assert gen["text_output"] == prompt + streamed
+    # Only an output its return_* flag leaves out: a response without it, as llm (and Triton's
+    # vLLM backend) answer (llm_bls once answered INTERNAL "llm returned no output").
+    assert bls_grpc(server, prompt, greedy(3), outputs=["finish_reason"]) == {}
+    assert bls_grpc(server, prompt, greedy(3), outputs=["finish_reason"],
+                    return_finish_reason=True) == {"finish_reason": np.array([b"length"],
+                                                                             dtype=np.object_)}
 
 
 @pytest.mark.parametrize("model", ["llm", "llm_bls"])

@@ -497,6 +497,10 @@ def test_n_completions_are_the_seeded_requests_each_in_its_entry(model_dir, stre
     sampling = {"max_tokens": 12, "temperature": 1.0, "seed": 11, "ignore_eos": True,
                 "logprobs": 1}
     llm = LLM(model_dir, dtype="float32", device="cpu", **SETTINGS)
+    # The request's num_cached_tokens is the first completion's (its siblings find the prompt
+    # it computed): 0 on a fresh engine, here and served (where it was whichever completion's
+    # output came last).
+    assert llm.generate(prompt, SamplingParams(**sampling, n=n))[0].num_cached_tokens == 0
     alone = [llm.generate(prompt, SamplingParams(**(sampling | {"seed": 11 + k})))[0].outputs[0]
              for k in range(n)]
     assert len({tuple(c.token_ids) for c in alone}) == n       # the seeds make them differ
@@ -506,7 +510,8 @@ def test_n_completions_are_the_seeded_requests_each_in_its_entry(model_dir, stre
         num_prompt = len(serving.engine.tokenizer.encode(prompt))
         before = serving.stats()
         rec = Recorder()
-        serving.submit(_n_inputs(prompt, n, stream, **sampling), rec)
+        serving.submit(_n_inputs(prompt, n, stream, **sampling)
+                       | {"return_num_cached_tokens": np.array([True])}, rec)
         assert rec.final.wait(WAIT_S)
         _wait_idle(serving)
         counters = serving.metrics.snapshot_counters()
@@ -515,6 +520,8 @@ def test_n_completions_are_the_seeded_requests_each_in_its_entry(model_dir, stre
     finally:
         serving.shutdown()
     texts, ids, logprobs, cumulative, reasons = _completions(rec, n)
+    assert [t["num_cached_tokens"].tolist() for t, _, _ in rec.responses] == \
+        [[0]] * len(rec.responses)
     assert texts == [c.text for c in alone]
     assert ids == [c.token_ids for c in alone]
     # Logprobs to float32 rounding: a batch of three rows sums in another order than one.

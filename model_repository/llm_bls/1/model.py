@@ -96,13 +96,15 @@ def _answer_from_llm(request, inner_id):
     call = pb_utils.InferenceRequest(
         model_name="llm", requested_output_names=list(request.requested_output_names()),
         inputs=[pb_utils.Tensor(k, v) for k, v in inner.items()], request_id=inner_id)
-    outputs, error = None, None
+    outputs, error, answered = None, None, False
     # Returns (without the GIL) when llm answers: one response, with the FINAL flag.
     responses = call.exec(decoupled=True)
     for response in responses:
         if response.has_error():
             error = response.error()
-        elif response.output_tensors():
+            continue
+        answered = True
+        if response.output_tensors():
             outputs = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in response.output_tensors()]
     if error is not None:
         # llm's errors carry their kind on the message (BLS drops their code); one without is
@@ -110,8 +112,11 @@ def _answer_from_llm(request, inner_id):
         message, kind = untag_error_kind(error.message())
         code = error.code() if kind is None else error_code(pb_utils.TritonError, kind)
         return _error(message, code), responses
-    if outputs is None:
+    if not answered:
         return _error("llm returned no output"), responses
+    # No tensors: the client asked only for outputs its return_* flags leave out; llm (and
+    # Triton's vLLM backend) answer that with a response without them, and so does this.
+    outputs = outputs or []
     return pb_utils.InferenceResponse(output_tensors=outputs), (responses, outputs)
 
 
