@@ -8,7 +8,8 @@ reaches an arbitrary instance, not the one running its target: with two instance
 llm_bls's cancellations never reached their request.
 
 The board is a small file in shared memory (`/dev/shm`) that every instance of the model in one
-tritonserver maps (the key is the server's pid and the model's name), no syscalls to read it:
+tritonserver maps (the key is the server's pid namespace, pid and start time, and the model's
+name: `server_key`), no syscalls to read it:
 
 - each instance has a slot (its pid, its load: requests it holds). `wait_turn`, called at the end
   of `execute`, keeps the instance busy while it holds more than `margin` requests over the
@@ -21,8 +22,10 @@ tritonserver maps (the key is the server's pid and the model's name), no syscall
   prefixes (block keys) and the instances whose engines took each (a bit per slot).
 
 Slots of processes that are gone are taken back when found; the file of a server that is gone
-is removed by the next board opened on the machine, and the last instance to close a board
-removes its file.
+is removed by the next board opened in its pid namespace, and the last instance to close a board
+removes its file. (The board of a server killed in a container whose /dev/shm outlives it, with
+no other server left in its pid namespace, stays until /dev/shm is cleared: whether a server of
+another namespace is alive cannot be told from here, and removing a live one's board is worse.)
 """
 from __future__ import annotations
 
@@ -78,13 +81,52 @@ def board_dir() -> str:
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
+def _pid_namespace() -> int:
+    """This process's pid namespace (its inode), 0 where there is none to read."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _start_time(pid: int) -> int:
+    """When process `pid` started, in clock ticks after boot (/proc/PID/stat's field 22); 0 if
+    it is gone (or there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()     # from field 3 on: comm may hold ")"
+        return int(fields[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def server_key(server_pid: int) -> str:
+    """A server's part of its boards' file names: its pid namespace, pid and start time. Two
+    servers that are each pid 1 of their own container and share /dev/shm (docker --ipc=host),
+    or a server restarted under its old pid beside the board its killed predecessor left, would
+    otherwise share one board: wait for each other's instances, route requests to each other's
+    engines, remove each other's file."""
+    return f"{_pid_namespace()}-{server_pid}-{_start_time(server_pid)}"
+
+
+def _server_of(name: str) -> tuple[int, int, int] | None:
+    """(pid namespace, pid, start time) of a board's file name; None if it is not one."""
+    if not name.startswith(PREFIX):
+        return None
+    fields = name[len(PREFIX):].split("-", 3)
+    if len(fields) < 4 or not all(f.isdigit() for f in fields[:3]):
+        return None
+    return int(fields[0]), int(fields[1]), int(fields[2])
+
+
 class InstanceBoard:
     def __init__(self, server_pid: int, model_name: str, directory: str | None = None) -> None:
         """Maps the board of `model_name` in the server `server_pid` (creating it) and takes a
         free slot. Raises OSError if the file cannot be made, RuntimeError if no slot is free."""
         directory = directory or board_dir()
         _remove_boards_of_dead_servers(directory)
-        self.path = os.path.join(directory, f"{PREFIX}{server_pid}-{_safe(model_name)}")
+        self.path = os.path.join(directory,
+                                 f"{PREFIX}{server_key(server_pid)}-{_safe(model_name)}")
         self._lock = threading.Lock()       # this process's writers of its load
         self._load = 0
         self._fd = -1
@@ -296,9 +338,13 @@ def _safe(name: str) -> str:
 
 
 def is_board_of_dead_server(name: str) -> bool:
-    """Whether `name` (a file name) is a board whose server process is gone."""
-    pid = name[len(PREFIX):].split("-", 1)[0] if name.startswith(PREFIX) else ""
-    return pid.isdigit() and not _alive(int(pid))
+    """Whether `name` (a file name) is the board of a server of this pid namespace that is gone
+    (no process has its pid, or one started at another time has)."""
+    server = _server_of(name)
+    if server is None or server[0] != _pid_namespace():
+        return False
+    _, pid, start = server
+    return _start_time(pid) != start
 
 
 def _remove_boards_of_dead_servers(directory: str) -> None:
@@ -311,10 +357,13 @@ def _remove_boards_of_dead_servers(directory: str) -> None:
 
 
 def remove_boards_of(server_pid: int, directory: str | None = None) -> list[str]:
-    """Removes the boards of server `server_pid`, which must be gone (e.g. its stubs were
-    killed, so no instance closed its board); returns their paths."""
+    """Removes the boards of server `server_pid` of this pid namespace, which must be gone (e.g.
+    its stubs were killed, so no instance closed its board); returns their paths."""
     removed = []
-    for path in glob.glob(os.path.join(directory or board_dir(), f"{PREFIX}{server_pid}-*")):
+    ours = f"{PREFIX}{_pid_namespace()}-{server_pid}-*"
+    for path in glob.glob(os.path.join(directory or board_dir(), ours)):
+        if _server_of(os.path.basename(path)) is None:
+            continue
         try:
             os.unlink(path)
         except OSError:

@@ -52,6 +52,7 @@ metrics, its cancellation.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import threading
 import time
@@ -238,7 +239,15 @@ def _set_bits(mask: int) -> list[int]:
     return slots
 
 
+# An abstract socket's name: 107 bytes after the leading NUL (sun_path holds 108).
+MAX_ADDRESS_BYTES = 107
+
+
 def core_address(board: InstanceBoard, pid: int, slot: int) -> str:
-    """The abstract socket name where the core of the instance (pid, board slot) takes peers."""
-    return f"{board.name}-core-{pid}-{slot}"
+    """The abstract socket name where the core of the instance (pid, board slot) takes peers;
+    a name too long for a socket (a long model name) goes by its hash."""
+    address = f"{board.name}-core-{pid}-{slot}"
+    if len(address.encode()) > MAX_ADDRESS_BYTES:
+        address = f"tritonllm-core-{hashlib.sha256(address.encode()).hexdigest()}"
+    return address
 

@@ -1,16 +1,20 @@
 """engine/instance_board.py: loads and aborts shared by a model's instances, in one process
 (boards of one key are two instances) and across processes."""
+import json
 import logging
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from engine.instance_board import NUM_ABORTS, PREFIX, InstanceBoard, remove_boards_of, slot_bit
+from engine.instance_board import (NUM_ABORTS, PREFIX, InstanceBoard, remove_boards_of,
+                                   server_key, slot_bit)
 
 SERVER_PID = os.getpid()        # any live pid: the boards' key
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture
@@ -145,22 +149,84 @@ def test_the_last_instance_removes_the_file_and_a_closed_board_does_nothing(boar
 
 
 def test_boards_of_servers_that_are_gone_are_removed(tmp_path, boards):
+    """Of this pid namespace: a server whose pid is gone, and one whose pid a later process
+    has (another start time). Not a live server's, nor one of another pid namespace (another
+    container sharing /dev/shm), whose server may well be alive."""
     dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
-    stale = tmp_path / f"{PREFIX}{int(dead.stdout)}-llm"
-    stale.write_bytes(b"\0" * 64)
-    live = tmp_path / f"{PREFIX}{os.getppid()}-llm"
-    live.write_bytes(b"\0" * 64)
+    ns, parent, start = server_key(os.getppid()).split("-")
+    stale = tmp_path / f"{PREFIX}{ns}-{int(dead.stdout)}-{start}-llm"
+    reused = tmp_path / f"{PREFIX}{ns}-{parent}-{int(start) - 1}-llm"
+    live = tmp_path / f"{PREFIX}{server_key(os.getppid())}-llm"
+    elsewhere = tmp_path / f"{PREFIX}{int(ns) + 1}-{int(dead.stdout)}-{start}-llm"
+    for path in (stale, reused, live, elsewhere):
+        path.write_bytes(b"\0" * 64)
     boards()
-    assert not stale.exists() and live.exists()
-    live.unlink()
+    assert not stale.exists() and not reused.exists()
+    assert live.exists() and elsewhere.exists()
+
+
+def test_a_board_is_keyed_by_the_servers_namespace_pid_and_start_time(boards):
+    ns, pid, start = boards().name[len(PREFIX):].split("-", 3)[:3]
+    assert (int(ns), int(pid)) == (os.stat("/proc/self/ns/pid").st_ino, SERVER_PID)
+    with open(f"/proc/{SERVER_PID}/stat") as f:
+        assert int(start) == int(f.read().rsplit(")", 1)[1].split()[19])
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None or os.geteuid() != 0,
+                    reason="needs unshare(1) and root for pid namespaces")
+def test_servers_that_are_pid_1_of_their_containers_keep_their_boards_apart(tmp_path):
+    """Two servers, each pid 1 of its own pid namespace (containers sharing /dev/shm, as with
+    docker --ipc=host), one still running, the other's instance opening its board: they shared
+    one file (the key was the pid alone), and the second removed the first's as a dead
+    server's. Then the first is killed and a third comes, with the same pids: it meets no
+    ghost of the first on its board."""
+    instance = ("import json, os, sys, time\n"
+                "from engine.instance_board import InstanceBoard\n"
+                "board = InstanceBoard(os.getppid(), 'llm', directory=sys.argv[1])\n"
+                "board.set_load(5)\n"
+                "print(json.dumps({'path': board.path, 'pid': os.getpid(),\n"
+                "                  'peers': board.peer_loads()}), flush=True)\n"
+                "if sys.argv[2] == 'stay':\n"
+                "    sys.stdin.read()\n"         # until its server's test ends
+                "    board.close()\n"
+                "elif sys.argv[2] == 'die':\n"
+                "    os._exit(0)\n"              # killed: its board is left behind
+                "else:\n"
+                "    board.close()\n")
+    server = "import subprocess, sys; subprocess.run([sys.executable, '-c', *sys.argv[1:]])"
+
+    def run(mode, stdin=None):
+        return subprocess.Popen(["unshare", "-pf", "--mount-proc", sys.executable, "-c", server,
+                                 instance, str(tmp_path), mode], stdin=stdin,
+                                stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": ROOT})
+
+    first = run("stay", stdin=subprocess.PIPE)
+    try:
+        one = json.loads(first.stdout.readline())
+        two = json.loads(run("close").communicate(timeout=60)[0])
+        assert one["pid"] == two["pid"] == 2            # the stub of pid 1, in each
+        assert two["path"] != one["path"] and os.path.exists(one["path"])
+        assert two["peers"] == {}
+    finally:
+        first.communicate(timeout=60)
+    assert not os.path.exists(one["path"])              # its last instance removed it
+    ghost = json.loads(run("die").communicate(timeout=60)[0])
+    assert os.path.exists(ghost["path"])
+    three = json.loads(run("close").communicate(timeout=60)[0])
+    assert three["pid"] == ghost["pid"] and three["path"] != ghost["path"]
+    assert three["peers"] == {}                         # no ghost to wait for
+    os.unlink(ghost["path"])
 
 
 def test_remove_boards_of_takes_only_that_servers_boards(tmp_path):
-    mine = [tmp_path / f"{PREFIX}4242-llm", tmp_path / f"{PREFIX}4242-llm_2"]
-    other = tmp_path / f"{PREFIX}42421-llm"           # another pid that starts the same
-    for path in mine + [other]:
+    ns = server_key(os.getpid()).split("-")[0]
+    mine = [tmp_path / f"{PREFIX}{ns}-4242-7-llm", tmp_path / f"{PREFIX}{ns}-4242-9-llm_2"]
+    others = [tmp_path / f"{PREFIX}{ns}-42421-7-llm",  # another pid that starts the same
+              tmp_path / f"{PREFIX}{int(ns) + 1}-4242-7-llm"]      # another pid namespace's
+    for path in mine + others:
         path.write_bytes(b"\0" * 64)
     removed = remove_boards_of(4242, directory=str(tmp_path))
     assert sorted(removed) == sorted(str(p) for p in mine)
-    assert other.exists() and not any(p.exists() for p in mine)
+    assert all(p.exists() for p in others) and not any(p.exists() for p in mine)

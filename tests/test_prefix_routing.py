@@ -56,6 +56,24 @@ class _Engine:
         return list(self.connected)
 
 
+def test_a_core_address_fits_an_abstract_socket_whatever_the_model_name(tmp_path):
+    """A long model name (Triton allows them) made a name past the 107 bytes an abstract
+    socket takes, and the core could not take peers; such a name goes by its hash."""
+    import socket
+    short = InstanceBoard(os.getpid(), "llm", str(tmp_path))
+    long = InstanceBoard(os.getpid(), "m" * 120, str(tmp_path))
+    try:
+        assert core_address(short, 123, 4).startswith(short.name)       # readable when it fits
+        addresses = {core_address(long, pid, slot) for pid in (123, 124) for slot in (0, 1)}
+        assert len(addresses) == 4
+        for address in addresses:
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+                sock.bind("\0" + address)
+    finally:
+        short.close()
+        long.close()
+
+
 @pytest.fixture
 def two_instances(tmp_path):
     """This process's board and router, and a second instance: a live process of its own (a
