@@ -257,6 +257,29 @@ class InstanceBoard:
             if self._fd >= 0:
                 self._placed[self.slot, slot] += delta
 
+    def free_dead_slots(self) -> list[int]:
+        """Frees the slots whose processes are gone (a killed instance never closes its
+        board): its load, and its requests placed on the engines, which dropped them with
+        it, stop counting. A system call per slot: for a thread that looks every so often
+        (prefix routing's); `wait_turn` frees only the slot it would wait for. Returns them."""
+        freed = []
+        with self._lock:
+            if self._fd < 0:
+                return freed
+            fcntl.flock(self._fd, fcntl.LOCK_EX)     # not one that a new instance just took
+            try:
+                for i, pid in enumerate(self._slots[:, 0].tolist()):
+                    if pid and i != self.slot and not _alive(pid):
+                        self._slots[i] = (0, 0)
+                        self._placed[i] = 0
+                        self.prefix_holders &= ~slot_bit(i)
+                        freed.append(i)
+            finally:
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
+        for i in freed:
+            logger.info("instance board: the process of slot %d is gone, freeing its slot", i)
+        return freed
+
     def engine_loads(self) -> np.ndarray:
         """Per slot, the requests every live instance has placed on its engine."""
         with self._lock:

@@ -211,6 +211,7 @@ class PrefixRouter:
             self._stop.wait(CONNECT_EVERY_S)
 
     def connect_new_peers(self) -> None:
+        self.board.free_dead_slots()    # what a killed instance placed stops counting
         connected = set(self.engine.peers())
         now = time.monotonic()
         for slot, pid in enumerate(self.board.slot_pids().tolist()):

@@ -99,6 +99,37 @@ def test_the_slot_of_a_process_that_is_gone_is_freed(tmp_path, boards):
     assert a.peer_loads() == {}
 
 
+def _place_and_die(server_pid, directory, target_slot, placed):
+    board = InstanceBoard(server_pid, "llm", directory=directory)
+    board.set_load(9)                       # 9 open requests...
+    board.add_placed(target_slot, 7)        # ...7 of them run on the other instance's engine
+    placed.set()
+    os._exit(0)                             # killed: no close()
+
+
+def test_what_a_killed_instance_placed_stops_counting_once_its_slot_is_freed(tmp_path, boards):
+    """Loaded above the others, its slot is never the one wait_turn would wait for, so only
+    free_dead_slots (prefix routing's connect loop) frees it; its placed row counted on."""
+    ours = boards()
+    ctx = multiprocessing.get_context("spawn")
+    placed = ctx.Event()
+    child = ctx.Process(target=_place_and_die, args=(SERVER_PID, str(tmp_path), ours.slot,
+                                                     placed))
+    child.start()
+    assert placed.wait(60)
+    child.join(60)
+    assert child.exitcode == 0 and ours.engine_loads()[ours.slot] == 7
+    for load in range(10):
+        ours.set_load(load)
+        ours.wait_turn(max_wait_s=0.001)
+    assert ours.engine_loads()[ours.slot] == 7              # still counted: why this exists
+    other = next(iter(ours.peer_loads()))
+    assert other == child.pid
+    [freed] = ours.free_dead_slots()
+    assert ours.engine_loads()[ours.slot] == 0 and ours.peer_loads() == {}
+    assert ours.free_dead_slots() == [] and freed != ours.slot
+
+
 def test_an_instance_that_takes_a_slot_clears_what_the_slots_last_engine_held(boards):
     """Prefix routing's table: the bits of a slot's last instance would be wrong hints for
     the next one's engine, which starts empty."""

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.instance_board import InstanceBoard
+from engine.instance_board import InstanceBoard, slot_bit
 from engine.prefix_routing import (FOLLOW_RATE_FOR_TURNS, FOLLOW_WINDOW, MIN_SHARED_BLOCKS,
                                    PrefixRouter, block_keys, core_address,
                                    position_weights)
@@ -47,13 +47,19 @@ def test_block_keys_are_the_same_in_every_process():
 
 
 class _Engine:
-    """What the router asks of the engine: the peer cores connected."""
+    """What the router asks of the engine: the peer cores connected, and to connect to one
+    (here nobody takes peers: the sleeper runs no core)."""
 
     def __init__(self) -> None:
         self.connected: list[str] = []
+        self.tried: list[str] = []
 
     def peers(self) -> list[str]:
         return list(self.connected)
+
+    def connect_peer(self, address: str, timeout_s: float) -> None:
+        self.tried.append(address)
+        raise OSError("nobody takes peers there")
 
 
 def test_a_core_address_fits_an_abstract_socket_whatever_the_model_name(tmp_path):
@@ -90,6 +96,23 @@ def two_instances(tmp_path):
         sleeper.kill()
         sleeper.wait()
         board.close()
+
+
+def test_the_connect_loop_frees_the_slot_of_an_instance_that_is_gone(two_instances):
+    """What it placed on our engine stops counting in the engines' loads, and its prefixes'
+    bits go, once the connect loop's look finds its process gone."""
+    router, engine, peer_slot, peer_pid = two_instances
+    board = router.board
+    board._placed[peer_slot, board.slot] = 5
+    board.prefix_holders[7] = slot_bit(peer_slot) | slot_bit(board.slot)
+    router.connect_new_peers()
+    assert engine.tried == [core_address(board, peer_pid, peer_slot)]
+    assert board.engine_loads()[board.slot] == 5                 # alive: it counts
+    os.kill(peer_pid, 9)
+    os.waitpid(peer_pid, 0)
+    router.connect_new_peers()
+    assert board.slot_pids()[peer_slot] == 0 and board.engine_loads()[board.slot] == 0
+    assert board.prefix_holders[7] == slot_bit(board.slot)
 
 
 def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instances):
