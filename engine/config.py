@@ -229,8 +229,9 @@ class EngineConfig:
         _int_at_least("gil_switch_interval_us", self.gil_switch_interval_us, 1)
         _one_of("tokenizer_process_priority", self.tokenizer_process_priority,
                 TOKENIZER_PRIORITIES)
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                or not -2**63 <= self.seed < 2**64):           # what torch.manual_seed takes
+            raise ValueError(f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}")
 
 
 def _is_cuda_index(s: str) -> bool:

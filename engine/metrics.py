@@ -261,10 +261,15 @@ class TritonMetrics:
             self._increment("steps", self._steps, stats.num_steps)
         for key, (buckets, sum_metric, count_metric) in self._hist.items():
             cumulative, total, n = snapshots[key]
-            for i, (metric, value) in enumerate(zip(buckets, cumulative)):
-                self._increment(f"{key}:{i}", metric, value)
-            self._increment(f"{key}:sum", sum_metric, total)
+            # Each increment is a round trip a scrape can fall between: from +Inf down (with
+            # _count beside it), a scrape sees higher buckets new and lower ones old, so the
+            # buckets stay cumulative (lowest first, one could stand above the next).
+            inf = len(buckets) - 1
+            self._increment(f"{key}:{inf}", buckets[inf], cumulative[inf])
             self._increment(f"{key}:count", count_metric, n)
+            for i in range(inf - 1, -1, -1):
+                self._increment(f"{key}:{i}", buckets[i], cumulative[i])
+            self._increment(f"{key}:sum", sum_metric, total)
         for key, value in counters.items():
             self._increment(key, self._counters[key], value)
 

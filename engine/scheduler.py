@@ -112,7 +112,7 @@ class EngineCoreOutput:
 
 @dataclass
 class SchedulerStats:
-    num_steps: int = 0
+    num_steps: int = 0                         # steps that scheduled something
     num_prompt_tokens: int = 0                 # prompt tokens of admitted requests
     num_computed_prompt_tokens: int = 0        # prompt tokens actually run through the model
     num_cached_prompt_tokens: int = 0          # prompt tokens served by the prefix cache
@@ -327,7 +327,7 @@ class Scheduler:
             if not num_scheduled and not self.running and self._release_pins():
                 budget = self._admit(budget, num_scheduled, new_reqs)
 
-        self.stats.num_steps += 1
+        self.stats.num_steps += bool(num_scheduled)   # not async scheduling's empty last collect
         finished, self._finished_ids = self._finished_ids, set()
         return SchedulerOutput(new_reqs, cached_reqs, num_scheduled,
                                self.max_num_batched_tokens - budget, finished)

@@ -148,6 +148,19 @@ def test_no_step_is_spent_past_max_tokens_and_at_most_one_past_a_stop(model):
     assert core.kv.num_free_blocks == core.kv.num_blocks
 
 
+@pytest.mark.parametrize("async_scheduling", [True, False], ids=["async", "sync"])
+def test_the_steps_counted_are_those_that_ran(model, async_scheduling):
+    """num_steps (llm_engine_steps_total, beside llm_engine_graph_steps_total) counts the steps
+    that ran something; async scheduling's last call for a batch only collects the last step's
+    tokens, and was counted as a step."""
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, max_num_seqs=4,
+              async_scheduling=async_scheduling)
+    for _ in range(3):
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=8, temperature=0.0))
+    # 3 requests, each a prompt step and 7 decode steps.
+    assert llm.get_stats().num_steps == llm.core.times.steps == 24
+
+
 def test_aborts_with_a_token_in_flight_free_everything_and_spare_the_rest(model):
     ps = prompts(8, seed=9)
     params = SamplingParams(max_tokens=12, temperature=0.0)

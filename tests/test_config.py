@@ -30,6 +30,8 @@ def test_defaults_are_valid(model_dir):
     ("enable_prefix_caching", "yes", "true or false"),
     ("load_format", "pt", "dummy"),
     ("seed", "1", "integer"),
+    ("seed", 2**64, "[-2**63, 2**64)"),        # torch.manual_seed's range: refused at start-up
+    ("seed", -2**63 - 1, "[-2**63, 2**64)"),
     ("cpu_threads", 0, ">= 1"),
     ("tokenize_inline_max_chars", -1, ">= 0"),
     ("tokenizer_process", "no", "true or false"),

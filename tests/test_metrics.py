@@ -11,6 +11,7 @@ class _FakePbUtils:
 
     def __init__(self):
         log = self.log = []
+        increments = self.increments = []      # (name, labels, value)
 
         class Metric:
             def __init__(self, family, labels):
@@ -18,6 +19,7 @@ class _FakePbUtils:
 
             def increment(self, value):
                 log.append((self.name, self.labels.get("reason"), value))
+                increments.append((self.name, self.labels, value))
 
             def set(self, value):
                 log.append((self.name, None, value))
@@ -56,6 +58,35 @@ def test_a_request_counted_finished_is_published_after_its_latencies():
     pb.log.clear()
     published.publish(m)            # nothing changed: nothing sent again
     assert [e for e in pb.log if e[0] != "llm_event_loop_lag_max_seconds"] == []
+
+
+def test_a_scrape_between_two_increments_sees_cumulative_buckets():
+    """Each increment is a round trip to the server, and a scrape may fall between any two:
+    after every one, the buckets must not fall as le rises, and +Inf and _count may differ by
+    that one increment at most. Buckets raised lowest first broke it whenever a request landed
+    in a bucket whose neighbours held the same count (the usual case)."""
+    pb = _FakePbUtils()
+    published = TritonMetrics(pb, {"model": "llm", "version": "1"})
+    m = ServingMetrics()
+    for value in (0.0005, 0.0005, 0.3, 4.0):       # low buckets level with the ones above
+        m.on_first_token(value)
+        published.publish(m)
+    seen: dict[str, float] = {}
+    bucket = "llm_time_to_first_token_seconds_bucket"
+    checked = 0
+    for name, labels, value in pb.increments:
+        key = labels.get("le", name) if name == bucket else name
+        seen[key] = seen.get(key, 0) + value
+        if not name.startswith("llm_time_to_first_token_seconds"):
+            continue
+        les = sorted((k for k in seen if k[0].isdigit() or k == "+Inf"),
+                     key=lambda le: float("inf") if le == "+Inf" else float(le))
+        counts = [seen[le] for le in les]
+        assert counts == sorted(counts), dict(zip(les, counts))
+        if "+Inf" in seen:
+            assert abs(seen["+Inf"] - seen.get("llm_time_to_first_token_seconds_count", 0)) <= 1
+        checked += 1
+    assert checked > 10 and seen["+Inf"] == seen["llm_time_to_first_token_seconds_count"] == 4
 
 
 def _stats(num_steps: int) -> EngineStats:
