@@ -50,10 +50,25 @@ def unwrap_prompt(prompt: Prompt) -> str | list[int]:
         raise ValueError(f"a prompt dict may hold {list(_PROMPT_KEYS)} (vLLM's TextPrompt / "
                          f"TokensPrompt); {other} are not supported")
     if "prompt_token_ids" in given:         # a TokensPrompt's optional text is not re-encoded
-        return given["prompt_token_ids"]
+        ids = given["prompt_token_ids"]
+        if isinstance(ids, (str, bytes)):
+            raise ValueError("a prompt dict's prompt_token_ids must be token ids (a list of "
+                             "ints), got a string: give text as {'prompt': text}")
+        return ids
     if "prompt" in given:
+        if not isinstance(given["prompt"], str):
+            raise ValueError(f"a prompt dict's prompt must be text, got "
+                             f"{type(given['prompt']).__name__}: give token ids as "
+                             f"{{'prompt_token_ids': ids}}")
         return given["prompt"]
     raise ValueError(f"a prompt dict must hold one of {list(_PROMPT_KEYS)}")
+
+
+def _type_names(value) -> str:
+    """`value`'s type, or for a list or tuple its elements' types: for error messages."""
+    if isinstance(value, (list, tuple)):
+        return f"a {type(value).__name__} of {sorted({type(v).__name__ for v in value})}"
+    return type(value).__name__
 
 
 def encode_prompt(tokenizer, prompt: Prompt) -> tuple[str | None, list[int]]:
@@ -214,6 +229,11 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(p, SamplingParams) for p in sampling_params):
+            # e.g. a dict of settings: SamplingParams(**settings) is what is meant
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them (one "
+                            f"per prompt), got {_type_names(sampling_params)}")
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for "
                              f"{len(prompts)} prompts")

@@ -198,6 +198,19 @@ def test_vllm_prompt_dicts_and_call_forms(tiny_models):
         llm.generate({"prompt": text, "multi_modal_data": {"image": 1}}, GREEDY)
     with pytest.raises(ValueError, match="must hold one of"):
         llm.generate({}, GREEDY)
+    # Each key holds what it names: text was silently tokenized as token ids' stand-in and
+    # ids taken as text's.
+    with pytest.raises(ValueError, match="prompt_token_ids must be token ids"):
+        llm.generate({"prompt_token_ids": text}, GREEDY)
+    with pytest.raises(ValueError, match="prompt must be text, got list"):
+        llm.generate({"prompt": ids}, GREEDY)
+    # Settings as a dict (not SamplingParams(**settings)) failed on `.n` of its keys, or
+    # counted them against the prompts.
+    for prompts, bad in ((text, {"max_tokens": 2}), ([text, text], {"a": 1, "b": 2}),
+                         ([text], [{"max_tokens": 2}]), ([text], "abc")):
+        with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a "
+                                            "list of them"):
+            llm.generate(prompts, bad)
     with pytest.raises(ValueError, match="LoRA"):
         llm.generate(text, GREEDY, lora_request=object())
     assert llm.get_tokenizer() is llm.tokenizer
