@@ -134,3 +134,29 @@ def test_a_decode_step_that_fits_the_cut_graphs_is_timed_as_a_decode_graph_step(
     decode = runner.times.since(before)
     assert decode.steps >= 4
     assert decode.piecewise_steps == 0 and decode.piecewise_gpu == 0.0
+
+
+def test_the_profiling_pass_keeps_its_positions_inside_the_rotary_tables(tmp_path):
+    """The GPU sizes the KV pool after a forward pass of max_num_batched_tokens prompt tokens
+    (on CPU it is skipped at start: run it here). Its positions ran 0..budget-1, past a model's
+    max_position_embeddings when the budget is larger, and the fused rotary kernels index their
+    tables [max_position_embeddings, D/2] by position unchecked."""
+    import torch
+    model = str(make_tiny_model(tmp_path / "m", arch="llama", seed=1,
+                                max_position_embeddings=64))
+    config = EngineConfig(model=model, dtype="float32", device="cpu", num_kv_blocks=16,
+                          max_model_len=64, max_num_batched_tokens=200)
+    runner = ModelRunner(config, torch.device("cpu"), torch.float32, [1])
+    real, seen = runner.model, []
+
+    class Recording:
+        def __call__(self, ids, positions, caches, meta):
+            seen.append(positions.clone())
+            return real(ids, positions, caches, meta)
+
+        def compute_logits(self, hidden):
+            return real.compute_logits(hidden)
+    runner.model = Recording()
+    runner._profile_run()
+    [positions] = seen
+    assert len(positions) == 200 and 0 <= int(positions.min()) and int(positions.max()) < 64
