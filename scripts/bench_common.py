@@ -105,16 +105,29 @@ def kv_note(args) -> str:
 
 
 class WeightCost(NamedTuple):
-    """A model's weights as a roofline counts them: bytes read once a step, and the seconds of
-    FLOPs per token at peak (2 x parameters; the quantized projections at the FP8 peak)."""
+    """A model's weights as a roofline counts them (the quantized projections at a byte a
+    parameter and the FP8 peak):
+    - bytes: read once a decode step: every matrix but the input embedding table, of which a
+      step gathers only its rows (its own lm_head, tied or not, is read whole);
+    - s_per_token: the FLOPs of a decode token at peak, 2 x the parameters it multiplies (the
+      layers and lm_head; an embedding lookup multiplies nothing);
+    - s_per_prompt_token: the same for a prompt token, whose logits are not computed;
+    - s_per_sequence: the lm_head of each sequence's last prompt token (its first output)."""
     bytes: int
     s_per_token: float
+    s_per_prompt_token: float
+    s_per_sequence: float
 
 
 def weight_cost(cfg: dict, elem: int, quantization: str | None = None) -> WeightCost:
     p = param_count(cfg)
     q = projection_param_count(cfg) if quantization == "fp8" else 0
-    return WeightCost(bytes=(p - q) * elem + q, s_per_token=2 * ((p - q) / BF16_DENSE_FLOPS + q / FP8_DENSE_FLOPS))
+    head = cfg["vocab_size"] * cfg["hidden_size"]               # the lm_head's matrix
+    table = 0 if cfg.get("tie_word_embeddings") else head      # an untied embedding table
+    layers_s = 2 * ((p - table - head - q) / BF16_DENSE_FLOPS + q / FP8_DENSE_FLOPS)
+    head_s = 2 * head / BF16_DENSE_FLOPS
+    return WeightCost(bytes=(p - table - q) * elem + q, s_per_token=layers_s + head_s,
+                      s_per_prompt_token=layers_s, s_per_sequence=head_s)
 
 
 def kv_elem_bytes(args) -> int:

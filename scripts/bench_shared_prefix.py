@@ -13,7 +13,8 @@ sweep `g{degree}-p{prefix}` over sharing degrees 4/16/64 and prefixes 500/2000/8
 out). Each run reports requests/s and output tok/s beside the job's compute-and-bytes floor:
 prefill FLOPs with each prefix computed once at the bf16 peak, plus decode steps at full batch
 reading the weights once and each group's prefix once (own and output tokens per request) at the
-HBM peak. Random token ids, dummy weights, greedy, ignore_eos.
+HBM peak (the two phases added: steps mixing prompt chunks with decode rows can beat the sum,
+benchmarks/roofline_correction.md). Random token ids, dummy weights, greedy, ignore_eos.
 
 One GPU call must stay under 10 minutes: pick workloads, modes and orders with flags, write each
 part to its own file, and merge them (`--merge a.json b.json --out benchmarks/h200/shared_prefix`).
@@ -86,12 +87,13 @@ def floor_s(cfg: dict, w: dict, batch: int, elem: int, quantization: str | None 
     attn = 4 * cfg["num_hidden_layers"] * cfg["num_attention_heads"] * d   # FLOPs per (query, key)
     n, prefix, own, out = w["num_requests"], w["prefix"], w["own"], w["out"]
     groups = n / w["degree"]
-    prefill_s = (wc.s_per_token * (groups * prefix + n * own)
+    decode = max(out - 1, 0)        # the first output token comes from the prompt's step
+    prefill_s = (wc.s_per_prompt_token * (groups * prefix + n * own) + n * wc.s_per_sequence
                  + attn * (groups * prefix ** 2 / 2 + n * own * (prefix + own / 2)) / BF16_DENSE_FLOPS)
-    decode_flops_s = n * out * (wc.s_per_token + attn * (prefix + own + out / 2) / BF16_DENSE_FLOPS)
-    steps = -(-n // batch) * out
+    decode_flops_s = n * decode * (wc.s_per_token + attn * (prefix + own + out / 2) / BF16_DENSE_FLOPS)
+    steps = -(-n // batch) * decode
     decode_bytes = (steps * wc.bytes
-                    + kv_bytes_per_token(cfg, elem) * out * (groups * prefix + n * (own + out / 2)))
+                    + kv_bytes_per_token(cfg, elem) * decode * (groups * prefix + n * (own + out / 2)))
     return prefill_s + max(decode_bytes / HBM_BYTES_PER_S, decode_flops_s)
 
 

@@ -35,19 +35,25 @@ STDERR_TAIL_LINES = 20
 
 def roofline_s(cfg: dict, n: int, inp: int, out: int, batch: int, elem: int, kv_elem: int | None = None,
                quantization: str | None = None) -> float:
-    """The job's floor: prefill FLOPs at peak, then decode at the larger of its bytes (weights
+    """The job's roofline: prefill FLOPs at peak, then decode at the larger of its bytes (weights
     once a step, of `elem` bytes a parameter, or one for FP8 projections; each token's KV,
     `kv_elem` bytes a value, default elem) over HBM and its FLOPs at peak (FP8 projections at
-    the FP8 peak: bench_common.weight_cost)."""
+    the FP8 peak: bench_common.weight_cost). The two phases are added: steps that mix prompt
+    chunks with decode rows can hide prefill FLOPs under decode's bytes, so a schedule of such
+    steps may beat it (benchmarks/roofline_correction.md)."""
     w = weight_cost(cfg, elem, quantization)
     layers, hq = cfg["num_hidden_layers"], cfg["num_attention_heads"]
     d = cfg.get("head_dim") or cfg["hidden_size"] // hq
     attn_flops_per_token_ctx = 4 * layers * hq * d          # QK^T and PV, per key
-    prefill_s = n * (w.s_per_token * inp + attn_flops_per_token_ctx * inp * inp / 2 / BF16_DENSE_FLOPS)
-    decode_flops_s = n * (w.s_per_token * out + attn_flops_per_token_ctx * out * (inp + out / 2) / BF16_DENSE_FLOPS)
-    steps = -(-n // batch) * out
+    # The first output token comes from the prompt's step (its logits): out - 1 decode steps.
+    decode = max(out - 1, 0)
+    prefill_s = n * (w.s_per_prompt_token * inp + (w.s_per_sequence if out else 0)
+                     + attn_flops_per_token_ctx * inp * inp / 2 / BF16_DENSE_FLOPS)
+    decode_flops_s = n * (w.s_per_token * decode
+                          + attn_flops_per_token_ctx * decode * (inp + out / 2) / BF16_DENSE_FLOPS)
+    steps = -(-n // batch) * decode
     kv = kv_bytes_per_token(cfg, elem if kv_elem is None else kv_elem)
-    decode_bytes = steps * w.bytes + n * out * kv * (inp + out / 2)
+    decode_bytes = steps * w.bytes + n * decode * kv * (inp + out / 2)
     return prefill_s + max(decode_bytes / HBM_BYTES_PER_S, decode_flops_s)
 
 

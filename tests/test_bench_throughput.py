@@ -112,10 +112,22 @@ def test_the_roofline_counts_fp8_weights():
     cfg = PRESETS["llama-3.1-8b"]
     p, q = param_count(cfg), projection_param_count(cfg)
     assert 6.9e9 < q < 7.0e9 and 8.0e9 < p < 8.1e9
-    assert weight_cost(cfg, 2) == (2 * p, 2 * p / BF16_DENSE_FLOPS)
+    table = cfg["vocab_size"] * cfg["hidden_size"]     # the embedding table; lm_head as big
+    bf16 = weight_cost(cfg, 2)
+    # A decode step reads every matrix but the embedding table (it gathers a row a token) and
+    # multiplies by the layers and lm_head; a prompt token skips lm_head, computed once a
+    # sequence. The table was counted as read every step and as a matmul of every token.
+    assert bf16.bytes == 2 * (p - table)
+    assert bf16.s_per_token == pytest.approx(2 * (p - table) / BF16_DENSE_FLOPS)
+    assert bf16.s_per_prompt_token == pytest.approx(2 * (p - 2 * table) / BF16_DENSE_FLOPS)
+    assert bf16.s_per_sequence == pytest.approx(2 * table / BF16_DENSE_FLOPS)
+    tied = weight_cost(cfg | {"tie_word_embeddings": True}, 2)   # one table: lm_head reads it
+    assert tied.bytes == 2 * param_count(cfg | {"tie_word_embeddings": True})
+    assert tied.s_per_prompt_token == bf16.s_per_prompt_token
     fp8 = weight_cost(cfg, 2, "fp8")
-    assert fp8.bytes == 2 * p - q
-    assert fp8.s_per_token == pytest.approx(2 * (p - q) / BF16_DENSE_FLOPS + 2 * q / FP8_DENSE_FLOPS)
+    assert fp8.bytes == 2 * (p - table) - q
+    assert fp8.s_per_token == pytest.approx(2 * (p - table - q) / BF16_DENSE_FLOPS
+                                            + 2 * q / FP8_DENSE_FLOPS)
     prefill_only = roofline_s(cfg, 1000, 2048, 0, 256, 2)
     assert roofline_s(cfg, 1000, 2048, 0, 256, 2, quantization="fp8") < 0.6 * prefill_only
     assert roofline_s(cfg, 1000, 1000, 1000, 256, 2, quantization="fp8") < roofline_s(cfg, 1000, 1000, 1000, 256, 2)
