@@ -476,7 +476,8 @@ class ServingEngine:
                              logprobs=[] if asked else None) for k in range(params.n)]
             self._count_open(0, params.n - 1)
         if not self._track(r):
-            self._fail(answer, _CANCELLED)
+            stopped = self._stop_reason
+            self._fail(answer, _CANCELLED if stopped is None else _unavailable(stopped))
             return
         if r.parts is not None:
             await self._submit_parts(r)
@@ -733,8 +734,12 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ bookkeeping
     def _track(self, r: _Request) -> bool:
-        """Registers the request; False if its caller aborted it before it arrived."""
+        """Registers the request; False if its caller aborted it before it arrived, or serving
+        stopped since _serve looked (stop_serving reads _inflight under this lock after setting
+        its reason: one or the other sees the request)."""
         with self._lock:
+            if self._stop_reason is not None:
+                return False
             if r.client_id and self._early_aborts.pop(r.client_id, None) is not None:
                 return False
             self._inflight[r.rid] = r

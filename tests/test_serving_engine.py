@@ -120,6 +120,26 @@ def test_stop_serving_ends_every_request_with_the_reason_and_refuses_new_ones(mo
         serving.shutdown()
 
 
+def test_a_stop_while_a_request_is_being_admitted_ends_it_too(model_dir):
+    """The stop (the signal watch's thread) lands after the loop looked at it for this request
+    and before the request was registered in flight (here: as its inputs are read, on the
+    loop). stop_serving, ending what is in flight, missed it, and it ran to max_tokens."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **LONG_SETTINGS))
+    try:
+        def inputs():
+            serving.stop_serving("the server is shutting down")
+            return _inputs("long", LONG)
+        rec = Recorder()
+        serving.submit(inputs, rec)
+        assert rec.final.wait(WAIT_S)
+        assert rec.responses == [(None, "the server is shutting down", True)]
+        wait_for(lambda: serving.num_open == 0, "the request closed", timeout_s=WAIT_S)
+        _wait_idle(serving)
+    finally:
+        serving.shutdown()
+
+
 def _wait_idle(serving):
     def idle():
         s = serving.stats()
