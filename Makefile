@@ -22,7 +22,9 @@ GENAI_PERF_VERSION ?= 0.0.16
 # carries the tritonserver binary; --no-deps because its own requirements are for pytriton's
 # Python API, which we do not use.
 $(VENV)/.done: requirements.txt pyproject.toml scripts/setup_perf_analyzer.sh
-	$(PYTHON) -m venv $(VENV)
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else \
+		f"{sys.executable} is Python {sys.version.split()[0]}: give a 3.11+ one, make test PYTHON=python3.11")'
+	$(PYTHON) -m venv --clear $(VENV)
 	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps nvidia-pytriton==$(PYTRITON_VERSION)
@@ -50,7 +52,7 @@ test: venv
 
 # Foreground; Ctrl-C stops the server (SIGINT: it unloads the models and exits).
 serve: venv tiny-model
-	$(PY) scripts/tritonserver_env.py --model-repository $(abspath $(MODEL_REPOSITORY)) \
+	$(PY) scripts/tritonserver_env.py --model-repository "$(MODEL_REPOSITORY)" \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 $(GENAI_PERF_VENV)/.done: | $(VENV)/.done

@@ -129,6 +129,7 @@ def server_command(model_repository: str, http_port: int, grpc_port: int, metric
             # keeps up to this many - 1 requests of an instance in llm (its config.pbtxt).
             # `extra` may give another: the last one counts.
             f"--backend-config=python,thread-pool-size={PYTHON_THREAD_POOL_SIZE}",
+            f"--backend-config=python,shm-region-prefix-name={SHM_PREFIX}",
             "--log-info=true"] + list(extra or [])
 
 
@@ -158,8 +159,21 @@ def copy_repository(dst: str | os.PathLike, model_dir: str | os.PathLike,
 # The Python backend's shared-memory regions, one per model instance (~1.6 MB each). A server
 # that stops cleanly removes its own; one that was killed (or whose stub was) leaves them, and
 # on a small /dev/shm (Docker's default is 64 MB) they pile up until a server cannot start.
+# Their names carry this pid namespace (the backend's shm-region-prefix-name, server_command):
+# whether a region is in use is told from this namespace's /proc, which does not show the
+# processes of a server in another container sharing /dev/shm (docker --ipc=host), so only
+# this namespace's regions are ever judged.
 SHM_DIR = "/dev/shm"
-SHM_PREFIX = "triton_python_backend_shm_region_"
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+SHM_PREFIX = f"triton_python_backend_shm_region_ns{_pid_namespace()}_"
 
 
 def shm_regions() -> set[str]:
@@ -198,14 +212,19 @@ def shm_names_in_use() -> set[str]:
 
 
 def remove_orphan_regions(candidates: set[str]) -> list[str]:
-    """Removes those of `candidates` that no live process has open or maps; returns them."""
+    """Removes those of `candidates` that are this user's and no live process has open or
+    maps; returns them. Another user's processes cannot be read, so their regions would look
+    orphaned (and cannot be removed: /dev/shm is sticky)."""
     if not candidates:
         return []
     removed = []
     for name in sorted(candidates - shm_names_in_use()):
+        path = os.path.join(SHM_DIR, name)
         try:
-            os.unlink(os.path.join(SHM_DIR, name))
-        except FileNotFoundError:
+            if os.stat(path).st_uid != os.geteuid():
+                continue
+            os.unlink(path)
+        except OSError:                  # gone meanwhile, or not ours to remove
             continue
         removed.append(name)
     return removed
@@ -218,7 +237,7 @@ def main() -> None:
     ap.add_argument("--grpc-port", type=int, default=int(os.environ.get("GRPC_PORT", 8001)))
     ap.add_argument("--metrics-port", type=int, default=int(os.environ.get("METRICS_PORT", 8002)))
     args, extra = ap.parse_known_args()
-    cmd = server_command(args.model_repository, args.http_port, args.grpc_port,
+    cmd = server_command(os.path.abspath(args.model_repository), args.http_port, args.grpc_port,
                          args.metrics_port, extra)
     removed = remove_orphan_regions(shm_regions())
     if removed:

@@ -23,7 +23,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
-from scripts.tritonserver_env import SHM_DIR, SHM_PREFIX, remove_orphan_regions, shm_regions
+from scripts.tritonserver_env import (SHM_DIR, SHM_PREFIX, remove_orphan_regions, server_command,
+                                      shm_regions)
 from tests import tritonserver
 from tests.tritonserver import start_server
 
@@ -318,6 +319,35 @@ def test_orphan_regions_are_removed_and_regions_in_use_kept():
         held.close()
         mapped.close()
         for path in paths.values():
+            if os.path.exists(path):
+                os.unlink(path)
+
+
+def test_only_this_users_regions_of_this_pid_namespace_are_judged():
+    """Another user's processes cannot be read, so its regions looked orphaned, and unlinking
+    one in the sticky /dev/shm raised PermissionError before the server started; and a region
+    of a server in another container sharing /dev/shm (its processes not in this /proc) was
+    removed while in use. Now the servers' regions carry this pid namespace in their names
+    (server_command), and only this user's are removed."""
+    ns = os.stat("/proc/self/ns/pid").st_ino
+    assert SHM_PREFIX.endswith(f"_ns{ns}_")
+    assert f"--backend-config=python,shm-region-prefix-name={SHM_PREFIX}" in \
+        server_command("repo", 1, 2, 3)
+    other_ns = os.path.join(SHM_DIR, f"triton_python_backend_shm_region_ns{ns + 1}_"
+                                     f"test_{uuid.uuid4().hex}")
+    theirs = os.path.join(SHM_DIR, f"{SHM_PREFIX}test_{uuid.uuid4().hex}_theirs")
+    try:
+        for path in (other_ns, theirs):
+            with open(path, "wb") as f:
+                f.write(b"\0" * 4096)
+        assert os.path.basename(other_ns) not in shm_regions()
+        if os.geteuid() != 0:
+            pytest.skip("making a region another user's (chown) needs root")
+        os.chown(theirs, 65534, 65534)
+        assert remove_orphan_regions({os.path.basename(theirs)}) == []
+        assert os.path.exists(theirs)
+    finally:
+        for path in (other_ns, theirs):
             if os.path.exists(path):
                 os.unlink(path)
 
