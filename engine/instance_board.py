@@ -81,7 +81,7 @@ def board_dir() -> str:
     return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
-def _pid_namespace() -> int:
+def pid_namespace() -> int:
     """This process's pid namespace (its inode), 0 where there is none to read."""
     try:
         return os.stat("/proc/self/ns/pid").st_ino
@@ -106,7 +106,7 @@ def server_key(server_pid: int) -> str:
     or a server restarted under its old pid beside the board its killed predecessor left, would
     otherwise share one board: wait for each other's instances, route requests to each other's
     engines, remove each other's file."""
-    return f"{_pid_namespace()}-{server_pid}-{_start_time(server_pid)}"
+    return f"{pid_namespace()}-{server_pid}-{_start_time(server_pid)}"
 
 
 def _server_of(name: str) -> tuple[int, int, int] | None:
@@ -364,7 +364,7 @@ def is_board_of_dead_server(name: str) -> bool:
     """Whether `name` (a file name) is the board of a server of this pid namespace that is gone
     (no process has its pid, or one started at another time has)."""
     server = _server_of(name)
-    if server is None or server[0] != _pid_namespace():
+    if server is None or server[0] != pid_namespace():
         return False
     _, pid, start = server
     return _start_time(pid) != start
@@ -383,7 +383,7 @@ def remove_boards_of(server_pid: int, directory: str | None = None) -> list[str]
     """Removes the boards of server `server_pid` of this pid namespace, which must be gone (e.g.
     its stubs were killed, so no instance closed its board); returns their paths."""
     removed = []
-    ours = f"{PREFIX}{_pid_namespace()}-{server_pid}-*"
+    ours = f"{PREFIX}{pid_namespace()}-{server_pid}-*"
     for path in glob.glob(os.path.join(directory or board_dir(), ours)):
         if _server_of(os.path.basename(path)) is None:
             continue

@@ -26,6 +26,9 @@ import sysconfig
 import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from engine.instance_board import pid_namespace  # noqa: E402 (the boards' key, the regions' too)
+
 BACKEND_DIR = os.path.join(ROOT, ".triton", "backends")
 PYTHON_THREAD_POOL_SIZE = 64
 
@@ -166,14 +169,7 @@ def copy_repository(dst: str | os.PathLike, model_dir: str | os.PathLike,
 SHM_DIR = "/dev/shm"
 
 
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        return 0
-
-
-SHM_PREFIX = f"triton_python_backend_shm_region_ns{_pid_namespace()}_"
+SHM_PREFIX = f"triton_python_backend_shm_region_ns{pid_namespace()}_"
 
 
 def shm_regions() -> set[str]:

@@ -118,6 +118,9 @@ def test_the_roofline_counts_fp8_weights():
     # multiplies by the layers and lm_head; a prompt token skips lm_head, computed once a
     # sequence. The table was counted as read every step and as a matmul of every token.
     assert bf16.bytes == 2 * (p - table)
+    # By hand for the 8B shape: 32 layers of qkv 4096 x 6144, o 4096 x 4096, gate/up/down
+    # 3 x 4096 x 14336 and two norms (218,112,000 each), lm_head 128256 x 4096, the final norm.
+    assert bf16.bytes == 2 * (32 * 218_112_000 + 525_336_576 + 4096) == 15_009_849_344
     assert bf16.s_per_token == pytest.approx(2 * (p - table) / BF16_DENSE_FLOPS)
     assert bf16.s_per_prompt_token == pytest.approx(2 * (p - 2 * table) / BF16_DENSE_FLOPS)
     assert bf16.s_per_sequence == pytest.approx(2 * table / BF16_DENSE_FLOPS)
