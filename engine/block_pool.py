@@ -2,8 +2,8 @@
 
 A block is free when no request holds it (`ref_cnt == 0`). A free block may still carry a
 `block_hash`: its KV is intact and a later request with the same prefix can take it back.
-Free blocks are handed out least-recently-freed first, so cached content is evicted LRU and
-only when nothing else is free.
+Free blocks without cached content are handed out first; then cached ones, least recently
+freed first. So cached content is evicted LRU and only when nothing else is free.
 """
 from __future__ import annotations
 
@@ -29,7 +29,8 @@ class BlockPool:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Insertion order is eviction order: the front is the least recently freed block.
+        # Insertion order is eviction order: blocks without content at the front, then the
+        # cached ones, the least recently freed first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self._cached: dict[bytes, KVBlock] = {}
 
@@ -74,6 +75,8 @@ class BlockPool:
             assert block.ref_cnt >= 0, block
             if block.ref_cnt == 0:
                 self._free[block.block_id] = None
+                if block.block_hash is None:
+                    self._free.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
         """Makes a full block findable by its hash. If the same content is cached already (two

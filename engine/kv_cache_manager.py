@@ -134,6 +134,11 @@ class KVCacheManager:
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, None)
+        if blocks and self.enable_caching:
+            # Blocks its last steps filled: a request ending at its limit is not scheduled
+            # again (async scheduling plans the step after its last before that one is
+            # collected), so allocate_slots never saw its last block full.
+            self._cache_full_blocks(request, blocks, request.num_computed_tokens)
         self._num_cached_blocks.pop(request.request_id, None)
         if blocks:
             self.pool.free(blocks[::-1])

@@ -230,3 +230,18 @@ def test_a_request_preempted_while_its_token_was_sampled_keeps_it_and_may_finish
             list(step.num_scheduled_tokens), [12] * len(step.num_scheduled_tokens)))
     assert a.output_token_ids == [10, 11, 12] and outs[-1].finish_reason == "length"
     assert kv.num_free_blocks == kv.num_blocks
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_next_turn_finds_the_block_the_last_token_filled(model, async_scheduling):
+    """A 15-token prompt and 2 outputs: the first output's KV fills block 0, in the request's
+    last step. Async scheduling allocates that step's slots before the token is on the host and
+    never schedules the request again, so only its end can register the block."""
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=128,
+              async_scheduling=async_scheduling, enable_prefix_groups=False)
+    prompt = list(range(10, 25))
+    [out] = llm.generate(prompt, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    follow = prompt + out.outputs[0].token_ids + [7, 8, 9]
+    [again] = llm.generate(follow, SamplingParams(max_tokens=1, temperature=0.0))
+    assert again.num_cached_tokens == 16
+    assert llm.core.kv.num_free_blocks == 64

@@ -54,6 +54,22 @@ def test_eviction_is_lru_and_only_when_free():
     assert pool.get_cached_block(b"c") is c
 
 
+def test_blocks_without_content_are_handed_out_before_cached_ones():
+    pool = BlockPool(4)
+    a, b, c, d = pool.allocate(4)
+    pool.cache_block(a, b"a")
+    pool.cache_block(b, b"b")
+    pool.free([b, a])                     # cached, freed first
+    pool.free([d, c])                     # no content, freed last
+    first = pool.allocate(2)
+    assert set(first) == {c, d}
+    assert pool.get_cached_block(b"a") is a and pool.get_cached_block(b"b") is b
+    # Then the cached ones, least recently freed first.
+    [x] = pool.allocate(1)
+    assert x is b and pool.get_cached_block(b"b") is None
+    assert pool.get_cached_block(b"a") is a
+
+
 def test_shared_block_refcount():
     pool = BlockPool(2)
     [a] = pool.allocate(1)

@@ -82,3 +82,36 @@ def test_no_caching_when_disabled():
     kv.allocate_slots(a, 9)
     b = _req("b", range(9))
     assert kv.get_computed_blocks(b) == ([], 0)
+
+
+def test_free_registers_the_blocks_the_request_filled():
+    """With async scheduling a step's slots are allocated before the token it computes is on
+    the host (a placeholder), so allocate_slots cannot hash the block that token fills; a
+    request ending at its limit is not scheduled again. Freeing it registers every block its
+    computed tokens filled, so the next turn of a chat finds them."""
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = _req("a", range(3))
+    kv.allocate_slots(a, 3)
+    a.num_computed_tokens = 3
+    kv.allocate_slots(a, 1)                       # its first output's KV, the token in flight
+    a.num_computed_tokens = 4
+    assert kv.pool.num_cached_blocks == 0         # block 0's last token was not known
+    a.append_token(50, max_model_len=64)
+    a.append_token(51, max_model_len=64)          # the last output: no KV of its own
+    [first_block] = kv.block_ids("a")
+    kv.free(a)
+    b = _req("b", [0, 1, 2, 50, 51, 7])
+    blocks, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 4 and [x.block_id for x in blocks] == [first_block]
+    assert kv.num_free_blocks == 8
+
+
+def test_a_request_freed_before_its_block_is_computed_registers_nothing_of_it():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = _req("a", range(6))
+    kv.allocate_slots(a, 4)                       # a chunk: 4 of 6 prompt tokens
+    a.num_computed_tokens = 4
+    kv.free(a)                                    # aborted before the rest was computed
+    assert kv.pool.num_cached_blocks == 1
+    b = _req("b", list(range(6)) + [9, 9, 9])
+    assert kv.get_computed_blocks(b)[1] == 4      # the computed block, not the half-written one
