@@ -13,8 +13,8 @@ step on an H200; this kernel takes 0.25 ms (benchmarks/h200/race_sample.md).
 Here one program owns a row and never needs the whole kept set, only whether the race's winner
 is in it. With e_i = exp(x_i - max x), "ahead of j" meaning before j in the order above:
 - the race: w = argmax e_i / q_i over the candidates (the first on ties);
-- the check: w is kept iff #(ahead of w) < k and mass(ahead of w) / Z < top_p, Z the mass of the
-  k largest: mass(x > t) + (k - #(x > t)) exp(t - max x), t the k-th largest value (`kth`, from
+- the check: w is kept iff #(ahead of w) < k and mass(ahead of w) / Z < top_p, or nothing is
+  ahead of w (a top_p that rounds to 0 in fp32 still keeps the first), Z the mass of the k largest: mass(x > t) + (k - #(x > t)) exp(t - max x), t the k-th largest value (`kth`, from
   torch.topk; top-k off: -inf and Z is the whole row's mass);
 - if w is not kept, neither is anything behind it (both rules only grow along the order), so
   the next race is over what is ahead of w; the row's largest value is always kept, so it ends.
@@ -29,7 +29,7 @@ cumulative sum: a row whose two best ratios lie within rounding, or whose winner
 lies within rounding of top_p, may sample another token. Everything else is exact.
 
 Layouts: logits [B, V] fp32, bf16 or fp16 and noise [B, V] fp32, unit column stride (noise > 0);
-top_k [B] int64 (0 or >= V: off) or None; top_p [B] fp32 in (0, 1] (1: off) or None; temperature
+top_k [B] int64 (0 or >= V: off) or None; top_p [B] fp32 in [0, 1] (1: off) or None; temperature
 [B] fp32 > 0 or None (the race runs on logits.float() / temperature). Returns [B] int64.
 """
 from __future__ import annotations
@@ -154,12 +154,14 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, t_ptr, out_ptr, V, 
     rejected = w < 0                      # false, as a scalar tensor
     if (k < V) | (top_p < 1.0):
         count, mass = _ahead(x_row, V, t, m, wx, w, BLOCK)
-        rejected = ((count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))) & (w < V)
+        rejected = ((count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0) & (count > 0))
+                    ) & (w < V)
     while rejected:
         w = _race(x_row, q_row, V, t, m, kth, wx, w, BLOCK)
         wx = _load_scaled(x_row, w, w < V, t)
         count, mass = _ahead(x_row, V, t, m, wx, w, BLOCK)
-        rejected = ((count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0))) & (w < V)
+        rejected = ((count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0) & (count > 0))
+                    ) & (w < V)
     tl.store(out_ptr + row, tl.where(w < V, w, 0).to(tl.int64))
 
 

@@ -90,6 +90,20 @@ def test_flat_rows_with_a_small_top_p_reject_many_times():
         assert torch.equal(sample(x, q, None, top_p, 512), want)
 
 
+@pytest.mark.parametrize("top_p", [1e-50, 0.0])
+def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(top_p):
+    """A top_p of 1e-50 passes validation (> 0) and reaches the kernel as fp32 0: nothing may be
+    ahead of a kept token then, and the first always is (the reference's rule, and vLLM's)."""
+    x = logit_rows(3, 4, 200, 3.0, False, False, False)
+    x[:, 0] = -20.0                                   # id 0: what a rejected row gave
+    p = torch.tensor([top_p] * 4, dtype=torch.float32)
+    q = noise_like(x, 5)
+    want = x.argmax(dim=1)
+    assert torch.equal(rs.race_sample_ref(x, q, None, p), want)
+    assert torch.equal(sample(x, q, None, p, 64), want)
+    assert torch.equal(sample(x, q, torch.tensor([3] * 4), p, 64), want)
+
+
 def test_ties_at_the_cut_keep_the_lowest_ids():
     # Four equal logits. The noise favours id 4, then 3, then 2, then 1. Top-k 2 keeps ids 1 and
     # 2 (so 2 wins), and so does top-p 0.4 (mass .25 before id 2, .5 before id 3); top-k 3 with
