@@ -368,6 +368,57 @@ def test_config_flags_per_architecture():
     assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias) == (True, True, True)
 
 
+def test_config_reads_absent_keys_as_the_architectures_hf_config_does():
+    """transformers' config class of each architecture fills a key the file leaves out with its
+    own default (Mistral's window 4096, 131,072 positions; Qwen2's 32,768); an explicit null
+    window stays no window. Without `architectures` the class comes from `model_type`."""
+    from transformers import AutoConfig
+    base = {k: v for k, v in BASE_CONFIG.items()
+            if k not in ("architectures", "max_position_embeddings", "head_dim")}
+    for arch, model_type, extra in (("LlamaForCausalLM", "llama", {}),
+                                    ("MistralForCausalLM", "mistral", {}),
+                                    ("Qwen2ForCausalLM", "qwen2", {"use_sliding_window": True})):
+        raw = dict(base, architectures=[arch], **extra)
+        hf = AutoConfig.for_model(model_type, **{k: v for k, v in raw.items() if k != "architectures"})
+        ours = ModelConfig.from_dict(raw)
+        assert (ours.sliding_window, ours.max_position_embeddings, ours.num_key_value_heads) == (
+            getattr(hf, "sliding_window", None), hf.max_position_embeddings, hf.num_key_value_heads), arch
+        assert ModelConfig.from_dict(dict(base, model_type=model_type, **extra)) == ours
+    mistral = dict(base, architectures=["MistralForCausalLM"], sliding_window=None)
+    assert ModelConfig.from_dict(mistral).sliding_window is None
+    assert ModelConfig.from_dict(dict(base, architectures=["MistralForCausalLM"])).num_key_value_heads == 2
+    with pytest.raises(ValueError, match="`architectures` is absent and `model_type` is 'gpt2'.*llama, mistral, qwen2"):
+        ModelConfig.from_dict(dict(base, model_type="gpt2"))
+
+
+@pytest.mark.parametrize("stored", ["distinct lm_head", "lm_head only"])
+def test_a_tied_config_loads_its_checkpoints_head_as_hf_does(tmp_path, stored):
+    """tie_word_embeddings, but the checkpoint ships an lm_head.weight: where it differs from
+    embed_tokens transformers does not tie them (it warns), and where it is the only copy it fills
+    embed_tokens from it. The logits equal HF's either way."""
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    cfg = LlamaConfig(vocab_size=96, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    make_hf_model(cfg).save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    if stored == "distinct lm_head":
+        tensors["lm_head.weight"] = 0.15 * torch.randn(tensors["model.embed_tokens.weight"].shape,
+                                                       generator=torch.Generator().manual_seed(5))
+    else:
+        tensors["lm_head.weight"] = tensors.pop("model.embed_tokens.weight")
+    save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+    ours, config = load_model(tmp_path, torch.float32, torch.device("cpu"))
+    assert config.tie_word_embeddings == (stored == "lm_head only")
+    prompt = list(range(3, 40))
+    (logits,) = run_step(ours, PagedKV(config), [(0, prompt)])
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1.3e-6)
+
+
 def test_config_rejects_unsupported_rope():
     with pytest.raises(ValueError, match="'yarn'.*default, linear, llama3"):
         ModelConfig.from_dict(dict(BASE_CONFIG, rope_scaling={"rope_type": "yarn", "factor": 4.0}))

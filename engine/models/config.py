@@ -11,6 +11,16 @@ from dataclasses import dataclass
 from typing import Any
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# A config.json without `architectures` names its class by `model_type`, as transformers reads it.
+_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# What transformers' config class of each architecture takes for a key the file leaves out (an
+# explicit null is kept: Mistral 7B v0.2 says "sliding_window": null for no window).
+_ABSENT_KEY_DEFAULTS = {
+    "LlamaForCausalLM": {"max_position_embeddings": 2048, "sliding_window": None},
+    "MistralForCausalLM": {"max_position_embeddings": 131072, "sliding_window": 4096,
+                           "num_key_value_heads": 8},
+    "Qwen2ForCausalLM": {"max_position_embeddings": 32768, "sliding_window": 4096},
+}
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 _DEFAULT_ROPE_THETA = 10000.0
@@ -70,11 +80,21 @@ class ModelConfig:
     def from_dict(cls, raw: dict[str, Any], generation_config: dict[str, Any] | None = None) -> "ModelConfig":
         """Build from the parsed config.json (and generation_config.json) dicts."""
         architectures = raw.get("architectures") or []
-        architecture = architectures[0] if architectures else None
-        if architecture not in SUPPORTED_ARCHITECTURES:
-            raise ValueError(
-                f"unsupported architecture {architecture!r}; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
-            )
+        if architectures:
+            architecture = architectures[0]
+            if architecture not in SUPPORTED_ARCHITECTURES:
+                raise ValueError(f"unsupported architecture {architecture!r}; supported: "
+                                 f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+        else:
+            model_type = raw.get("model_type")
+            if model_type not in _MODEL_TYPES:
+                raise ValueError(
+                    f"config.json names no supported architecture: `architectures` is absent and "
+                    f"`model_type` is {model_type!r}; supported model_type values: "
+                    f"{', '.join(_MODEL_TYPES)}")
+            architecture = _MODEL_TYPES[model_type]
+        defaults = _ABSENT_KEY_DEFAULTS[architecture]
+        raw = {**{k: v for k, v in defaults.items() if k not in raw}, **raw}
         missing = [key for key in _REQUIRED_KEYS if raw.get(key) is None]
         if missing:
             raise ValueError(f"config.json lacks required key(s): {', '.join(missing)}")
@@ -87,7 +107,7 @@ class ModelConfig:
         if num_heads % num_kv_heads != 0:
             raise ValueError(f"num_attention_heads ({num_heads}) must be a multiple of num_key_value_heads ({num_kv_heads})")
         num_layers = raw["num_hidden_layers"]
-        max_position_embeddings = raw.get("max_position_embeddings", 2048)
+        max_position_embeddings = raw["max_position_embeddings"] or defaults["max_position_embeddings"]
         rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
 
         is_qwen2 = architecture == "Qwen2ForCausalLM"

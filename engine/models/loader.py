@@ -7,6 +7,7 @@ parameters, so no second copy of the model is ever held.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -48,6 +49,8 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     config = ModelConfig.from_pretrained(model_path)
+    if config.tie_word_embeddings and load_format != "dummy":
+        config = _untie_if_the_checkpoint_does(config, os.fspath(model_path))
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend, fused_kernels, fuse_rope_kv_write)
@@ -107,6 +110,33 @@ def _is_ignored(checkpoint_name: str, config: ModelConfig) -> bool:
     )
 
 
+def _checkpoint_files_by_name(folder: str) -> dict[str, str]:
+    """Tensor name -> the file holding it (reads the files' headers only)."""
+    names = {}
+    for file in _safetensors_files(folder):
+        with safe_open(file, framework="pt", device="cpu") as f:
+            names.update((name, file) for name in f.keys())
+    return names
+
+
+def _untie_if_the_checkpoint_does(config: ModelConfig, folder: str) -> ModelConfig:
+    """A config that ties the embeddings may still ship an lm_head of its own. transformers
+    keeps it where it differs from embed_tokens (it warns and does not tie), so we do too."""
+    files = _checkpoint_files_by_name(folder)
+    head, embed = "lm_head.weight", "model.embed_tokens.weight"
+    if head not in files or embed not in files:
+        return config                   # one copy (the other is filled from it) or none
+    with safe_open(files[head], framework="pt", device="cpu") as f:
+        head_weight = f.get_tensor(head)
+    with safe_open(files[embed], framework="pt", device="cpu") as f:
+        embed_weight = f.get_tensor(embed)
+    if head_weight.shape == embed_weight.shape and torch.equal(head_weight, embed_weight):
+        return config
+    logger.warning("config.json ties the embeddings, but %s holds an lm_head.weight that differs "
+                   "from embed_tokens: it is used untied, as transformers does", folder)
+    return dataclasses.replace(config, tie_word_embeddings=False)
+
+
 def _safetensors_files(folder: str) -> list[str]:
     index_file = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index_file):
@@ -131,6 +161,11 @@ def _safetensors_files(folder: str) -> list[str]:
 
 def _load_safetensors(model: LlamaForCausalLM, folder: str) -> None:
     layout = _checkpoint_layout(model)
+    if model.config.tie_word_embeddings:
+        # The one shared matrix may be stored under either name (transformers reads both).
+        files = _checkpoint_files_by_name(folder)
+        if "model.embed_tokens.weight" not in files and "lm_head.weight" in files:
+            layout["lm_head.weight"] = layout.pop("model.embed_tokens.weight")
     remaining = set(layout)
     for file in _safetensors_files(folder):
         with safe_open(file, framework="pt", device="cpu") as f:
