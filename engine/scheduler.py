@@ -150,6 +150,9 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._finished_ids: set[str] = set()   # to tell the runner at the next step
+        # Ended requests' ids -> their tokens still in flight (async scheduling): the id may be
+        # used again before the step carrying them is collected, and they are not the new one's.
+        self._draining: dict[int | str, int] = {}
         self.stats = SchedulerStats()
         # Prefix groups: members whose prefix is pinned go before `waiting`.
         self._ready: deque[Request] = deque()
@@ -233,6 +236,8 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         self.kv.free(req)
         del self.requests[req.request_id]
+        if req.num_output_placeholders > 0:
+            self._draining[req.request_id] = req.num_output_placeholders
         self._finished_ids.add(req.request_id)
         group = self._group_of.pop(req.request_id, None)
         if group is not None:
@@ -440,10 +445,17 @@ class Scheduler:
                            out: ModelRunnerOutput) -> list[EngineCoreOutput]:
         outputs = []
         self.stats.num_cascade_rows += out.num_cascade_rows
+        draining = self._draining
         for row, (rid, token_id) in enumerate(zip(out.request_ids, out.sampled_token_ids)):
-            req = self.requests.get(rid)
-            if req is None:
-                continue                # finished or aborted after the step was scheduled
+            if draining and rid in draining:
+                # Finished or aborted after the step was scheduled (a new request may hold
+                # its id by now).
+                if draining[rid] == 1:
+                    del draining[rid]
+                else:
+                    draining[rid] -= 1
+                continue
+            req = self.requests[rid]
             req.num_output_placeholders -= 1
             # Preempted by the next step's plan while this token was sampled (async
             # scheduling): the token stands, the request resumes with it.

@@ -245,3 +245,41 @@ def test_the_next_turn_finds_the_block_the_last_token_filled(model, async_schedu
     [again] = llm.generate(follow, SamplingParams(max_tokens=1, temperature=0.0))
     assert again.num_cached_tokens == 16
     assert llm.core.kv.num_free_blocks == 64
+
+
+@pytest.mark.parametrize("how", ["stop", "abort"])
+def test_a_request_id_used_again_gets_only_its_own_tokens(model, how):
+    """An id is free again once its request ends, but with async scheduling the step launched
+    before that end still carries a row for it: its token must not go to a new request that
+    took the id (it got the old one's token and lost its own last one)."""
+    first, second = [5, 6, 7, 8, 9], [40, 41, 42, 43, 44, 45, 46]
+
+    def run(async_scheduling):
+        llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64,
+                  async_scheduling=async_scheduling, enable_prefix_caching=False)
+        core = llm.core
+        if how == "stop":       # its first token stops it: known after the next step launched
+            [out] = llm.generate([first], SamplingParams(max_tokens=1, temperature=0.0))
+            core.add_request(core.make_request("x", first, SamplingParams(
+                max_tokens=20, temperature=0.0, stop_token_ids=out.outputs[0].token_ids)))
+            while "x" in core.scheduler.requests:
+                core.step()
+        else:
+            core.add_request(core.make_request("x", first, SamplingParams(max_tokens=20, temperature=0.0)))
+            core.step()
+            core.step()
+            core.abort_requests(["x"])          # a step for it is in flight (async)
+        core.add_request(core.make_request("x", second, SamplingParams(
+            max_tokens=4, temperature=0.0, ignore_eos=True)))
+        tokens, reasons = [], []
+        while core.has_unfinished_requests():
+            for o in core.step():
+                assert o.request_id == "x"
+                tokens += o.new_token_ids
+                reasons.append(o.finish_reason)
+        assert core.kv.num_free_blocks == core.kv.num_blocks
+        return tokens, reasons[-1]
+
+    want = run(False)
+    assert len(want[0]) == 4 and want[1] == "length"
+    assert run(True) == want
