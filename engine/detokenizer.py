@@ -66,7 +66,14 @@ def batch_decoder(tokenizer) -> DecodeMany:
 class IncrementalDetokenizer:
     """One request's detokenization. Per step: `windows(new ids)` gives the two id lists to
     decode (so that a caller can decode many requests' at once), `complete(texts)` the new
-    text; `step` does both with the tokenizer."""
+    text; `step` does both with the tokenizer.
+
+    The text is the same however the tokens arrive (one a step, many per call, all at the
+    end), which is what a byte that never becomes a character needs care for: a byte-fallback
+    decoder (SentencePiece's <0xNN> tokens) turns a whole run of byte tokens with an invalid
+    one in it into U+FFFD, the characters already sent with it. Such a window is taken one
+    token at a time, the unread tokens' text is read on its own where a token rewrote sent
+    text, and later windows start after the invalid byte (vLLM resets its decoder there)."""
 
     def __init__(self, tokenizer, prompt_token_ids: list[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
@@ -76,38 +83,113 @@ class IncrementalDetokenizer:
         self._prompt_tail = list(prompt_token_ids[-_MAX_PROMPT_CONTEXT:])
         self.prefix_offset = 0
         self.read_offset = 0
+        self._num_new = 0                       # tokens the last `windows` call added
+        self._prompt_end = 0                    # where the output starts in `ids`
 
-    def _prompt_context(self) -> list[int]:
+    def _decode(self, ids: list[int]) -> str:
+        return _decode(self.tokenizer, ids, self.skip_special_tokens)
+
+    def _prompt_context(self) -> tuple[list[int], int]:
+        """The prompt's last tokens to decode the output beside, and where the output starts
+        among them. A token-id prompt may end with a character's first bytes: they are left
+        unread, so that an output completing the character gives it whole (as vLLM does);
+        `complete` reads them as the prompt's again if the output does not."""
         tail = self._prompt_tail
-        for n in range(_PROMPT_CONTEXT, len(tail)):
-            if "\ufffd" not in _decode(self.tokenizer, tail[-n:], self.skip_special_tokens):
-                return tail[-n:]
-        return tail
+        for n in range(min(_PROMPT_CONTEXT, len(tail)), len(tail) + 1):
+            if "\ufffd" not in self._decode(tail[-n:]):
+                return tail[-n:], n
+        if self._decode(tail).endswith("\ufffd"):
+            for num_first_bytes in (1, 2, 3):
+                end = len(tail) - num_first_bytes
+                context = tail[max(0, end - _PROMPT_CONTEXT):end]
+                if end > 0 and "\ufffd" not in self._decode(context):
+                    return context + tail[end:], len(context)
+        return tail, len(tail)
 
     def windows(self, new_token_ids: list[int]) -> tuple[list[int], list[int]]:
         """Adds tokens; returns the ids to decode without and with the unread ones."""
         if self.ids is None:
-            self.ids = self._prompt_context()
-            self.read_offset = len(self.ids)
+            self.ids, self.read_offset = self._prompt_context()
+            self._prompt_end = len(self.ids)
         self.ids.extend(new_token_ids)
+        self._num_new = len(new_token_ids)
         return self.ids[self.prefix_offset:self.read_offset], self.ids[self.prefix_offset:]
 
     def complete(self, prefix_text: str, full_text: str, final: bool = False) -> str:
         """The text the new tokens complete, from the decoded windows; `final` flushes an
         incomplete tail."""
-        if not final and (len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd")):
-            return ""
         new_text = full_text[len(prefix_text):]
+        if "\ufffd" not in full_text or ("\ufffd" not in new_text
+                                         and full_text.startswith(prefix_text)):
+            if not final and len(full_text) <= len(prefix_text):
+                return ""                       # nothing visible yet (a skipped special token)
+            return self._advance(new_text)
+        if self._num_new > 1:
+            return self._one_token_at_a_time(final)
+        if self.read_offset < self._prompt_end:
+            # The prompt's last bytes, unread: while they and the output may still make a
+            # character, wait; once not, they are the prompt's (read, not sent).
+            if not final and full_text.endswith("\ufffd"):
+                return ""
+            self.read_offset = self._prompt_end
+            return self.complete(self._decode(self.ids[self.prefix_offset:self.read_offset]),
+                                 self._decode(self.ids[self.prefix_offset:]), final)
+        if full_text.startswith(prefix_text):
+            if not final and full_text.endswith("\ufffd"):
+                return ""                       # a character's first bytes: wait for the rest
+            return self._read_past_invalid(new_text)
+        # The token rewrote text already sent: an invalid byte joined its run of bytes. The
+        # unread tokens' own text, split after the bytes that can no longer be a character.
+        unread = self.ids[self.read_offset:]
+        whole = self._decode(unread)
+        for j in range(1, len(unread)):
+            rest = self._decode(unread[j:])
+            if "\ufffd" not in rest:
+                dead = self._decode(unread[:j])
+                if whole.startswith(dead) and "\ufffd" not in whole[len(dead):]:
+                    rest = whole[len(dead):]    # with the context of the dead bytes (a space)
+                self.prefix_offset = self.read_offset + j
+                self.read_offset = len(self.ids)
+                return dead + rest
+        if not final and whole.endswith("\ufffd"):
+            return ""
+        return self._read_past_invalid(whole)
+
+    def _read_past_invalid(self, new_text: str) -> str:
+        """Reads the unread tokens as `new_text`; if that holds an invalid byte, later windows
+        start past it, so that it spoils no later run of bytes: at the shortest tail of what
+        was just read that decodes whole (for its leading space), else after it."""
+        start = self.read_offset
+        text = self._advance(new_text)
+        if "\ufffd" in text:
+            self.prefix_offset = self.read_offset
+            for k in range(1, min(4, self.read_offset - start) + 1):
+                if "\ufffd" not in self._decode(self.ids[self.read_offset - k:self.read_offset]):
+                    self.prefix_offset = self.read_offset - k
+                    break
+        return text
+
+    def _advance(self, new_text: str) -> str:
         self.prefix_offset = self.read_offset
         self.read_offset = len(self.ids)
         return new_text
 
+    def _one_token_at_a_time(self, final: bool) -> str:
+        """A window of several tokens with text that is not whole in it: the steps one token
+        each would have taken (rare: only around bytes that are not characters)."""
+        pending = self.ids[-self._num_new:]
+        del self.ids[-self._num_new:]
+        pieces = []
+        for i, token_id in enumerate(pending):
+            prefix, full = self.windows([token_id])
+            pieces.append(self.complete(self._decode(prefix), self._decode(full),
+                                        final and i == len(pending) - 1))
+        return "".join(pieces)
+
     def step(self, new_token_ids: list[int], final: bool = False) -> str:
         """Adds tokens; returns the text they complete. `final` flushes an incomplete tail."""
         prefix, full = self.windows(new_token_ids)
-        skip = self.skip_special_tokens
-        return self.complete(_decode(self.tokenizer, prefix, skip),
-                             _decode(self.tokenizer, full, skip), final)
+        return self.complete(self._decode(prefix), self._decode(full), final)
 
 
 class StopStringMatcher:

@@ -170,3 +170,75 @@ def test_a_tokenizer_that_cleans_up_spaces_loses_no_characters_in_steps():
         steps = [d.complete(*decode_many(list(d.windows(ids[i:i + k])), True),
                             final=i + k >= len(ids)) for i in range(0, len(ids), k)]
         assert "".join(steps) == whole, (k, steps)
+
+
+def _pieces(tok, prompt, out, chunk=1):
+    """The text pieces of `out` given `chunk` tokens at a time, then the final flush."""
+    d = IncrementalDetokenizer(tok, prompt)
+    pieces = [d.step(out[i:i + chunk]) for i in range(0, len(out), chunk)]
+    return pieces + [d.step([], final=True)]
+
+
+def _bytes(tok, text):
+    return [tok.convert_tokens_to_ids(f"<0x{b:02X}>") for b in text.encode()]
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 3, 100])
+def test_a_byte_that_never_becomes_a_character_spoils_no_character_beside_it(chunk):
+    """A byte-fallback decoder turns a whole run of byte tokens with an invalid one in it into
+    U+FFFD: 😀 then the first byte of 界 decoded together is five U+FFFD, the 😀 sent before
+    with them. The output keeps every whole character and one U+FFFD a lone byte, however the
+    tokens arrive (a step each, a pull render of several, all at the end)."""
+    tok = _byte_fallback_tokenizer()
+    prompt = tok.encode("Translate: it", add_special_tokens=False)
+    is_ = tok.convert_tokens_to_ids("\u2581is")
+    cases = [  # (output, its text)
+        (_bytes(tok, "😀") + _bytes(tok, "界")[:1], "😀\ufffd"),                  # cut by max_tokens
+        (_bytes(tok, "😀") + _bytes(tok, "界")[:1] + [is_], "😀\ufffd is"),       # never completed
+        (_bytes(tok, "😀") + _bytes(tok, "界")[:2] + _bytes(tok, "界界") + [is_, is_],
+         "😀\ufffd\ufffd界界 is is"),                                                # then whole ones
+    ]
+    for out, text in cases:
+        assert "".join(_pieces(tok, prompt, out, chunk)) == text, (chunk, out)
+    # A prompt ending in byte characters: the output's lone byte is one U+FFFD, not theirs too.
+    prompt = tok.encode("Translate: 😀", add_special_tokens=False)
+    assert "".join(_pieces(tok, prompt, _bytes(tok, "界")[:1], chunk)) == "\ufffd"
+
+
+@pytest.mark.parametrize("split", [1, 2, 3])
+def test_a_token_id_prompt_ending_inside_a_character_gives_the_output_whole(split):
+    """Token ids cut inside 😀: the output's first bytes complete it, and the text holds the
+    completed character (as vLLM's), then the output's own characters, all of them."""
+    tok = _byte_fallback_tokenizer()
+    is_ = tok.convert_tokens_to_ids("\u2581is")
+    ids = tok.encode("Translate: it", add_special_tokens=False) + _bytes(tok, "😀界界") + [is_]
+    cut = ids.index(_bytes(tok, "😀")[0]) + split
+    for chunk in (1, 2, 100):
+        assert "".join(_pieces(tok, ids[:cut], ids[cut:], chunk)) == "😀界界 is", chunk
+
+
+def test_byte_runs_give_the_same_text_however_the_tokens_arrive():
+    """Random byte-token outputs, whole characters and cut ones among words: every chunking
+    gives the text of one token a step; with whole characters only, what tokenizer.decode
+    adds to the prompt's text (a first word keeps its space, as in vLLM)."""
+    tok = _byte_fallback_tokenizer()
+    is_ = tok.convert_tokens_to_ids("\u2581is")
+    rng = random.Random(0)
+    for trial in range(300):
+        out, whole = [], True
+        for _ in range(rng.randint(1, 8)):
+            if rng.random() < 0.3:
+                out.append(is_)
+                continue
+            b = _bytes(tok, rng.choice("日本語🙂é€𝄞a"))
+            if len(b) > 1 and rng.random() < 0.25:
+                b, whole = b[:rng.randrange(1, len(b))], False
+            out += b
+        prompt = tok.encode(rng.choice(["Translate: it", "it 😀", "日本"]), add_special_tokens=False)
+        one = "".join(_pieces(tok, prompt, out))
+        for chunk in (2, 3, 100):
+            assert "".join(_pieces(tok, prompt, out, chunk)) == one, (trial, chunk, out)
+        if whole:
+            before = tok.decode(prompt, clean_up_tokenization_spaces=False)
+            after = tok.decode(prompt + out, clean_up_tokenization_spaces=False)
+            assert after.startswith(before) and one == after[len(before):], (trial, out)
