@@ -147,14 +147,22 @@ def _flag(arr: np.ndarray, name: str) -> bool:
     raise ValueError(f"{name} must be a boolean (TYPE_BOOL), got {np.asarray(arr).dtype}")
 
 
+def _whole_number(v: float) -> int | float:
+    return int(v) if v.is_integer() else v
+
+
 def _coerce_json_values(d: dict) -> dict:
     """Clients of Triton's vLLM backend often send numbers and booleans as strings
-    ("max_tokens": "64"); accept those where they parse cleanly."""
+    ("max_tokens": "64"), and JSON writers may give a whole number as 64.0 (Python's json
+    for a float); accept those where they parse cleanly (vLLM's OpenAI server and its Triton
+    backend do). A fraction where an integer belongs stays an error naming the field."""
     types = {f.name: f.type for f in fields(SamplingParams)}
     out = {}
     for k, v in d.items():
         t = str(types.get(k, ""))
-        if isinstance(v, str) and k in types and "list" not in t and t != "str":
+        if isinstance(v, float) and "int" in t and "list" not in t:
+            v = _whole_number(v)
+        elif isinstance(v, str) and k in types and "list" not in t and t != "str":
             s = v.strip().lower()
             if "bool" in t and s in ("true", "false"):
                 v = s == "true"
@@ -162,7 +170,10 @@ def _coerce_json_values(d: dict) -> dict:
                 try:
                     v = int(s)
                 except ValueError:
-                    pass
+                    try:
+                        v = _whole_number(float(s))
+                    except ValueError:
+                        pass
             elif "float" in t:
                 try:
                     v = float(s)

@@ -44,6 +44,19 @@ def test_numbers_as_strings_are_accepted():
     assert req.params.ignore_eos is True
 
 
+def test_whole_numbers_written_as_floats_are_integers():
+    """Python's json writes a float max_tokens as 64.0; vLLM's OpenAI server and its Triton
+    backend take it. A fraction stays an error naming the field."""
+    req = parse_request({"text_input": s("x"), "sampling_parameters": s(
+        '{"max_tokens": 8.0, "top_k": "4.0", "seed": 3.0, "n": 2.0, "min_tokens": 1e0}')})
+    p = req.params
+    assert (p.max_tokens, p.top_k, p.seed, p.n, p.min_tokens) == (8, 4, 3, 2, 1)
+    assert all(type(v) is int for v in (p.max_tokens, p.top_k, p.seed, p.n, p.min_tokens))
+    for bad in ('{"max_tokens": 8.5}', '{"top_k": "4.5"}', '{"seed": Infinity}'):
+        with pytest.raises(ValueError, match="must be an integer"):
+            parse_request({"text_input": s("x"), "sampling_parameters": s(bad)})
+
+
 @pytest.mark.parametrize("inputs,needle", [
     ({}, "text_input"),
     ({"text_input": s("")}, "text_input"),
