@@ -1,7 +1,7 @@
 """Row-wise argmax of logits (greedy sampling and the sampler's exponential race), in two launches.
 
 Math, for x [B, V]: out[b] = the first index v of max_v x[b, v], as torch.argmax(x, -1) gives it,
-with NaN counted as larger than any number (a row holding NaN or +inf gives the first of them).
+with NaN counted as larger than any number, +inf too (a row holding NaN gives its first NaN).
 
 Why not torch.argmax: for one row of a 128k vocabulary it is a single block reducing the whole
 row, 37 us on an H200 (1x128x128 decode profile), about 1% of a single stream's step. Here the
@@ -37,11 +37,15 @@ def _chunk_max_kernel(x_ptr, stride_xb, val_ptr, idx_ptr, num_cols, num_chunks, 
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     inside = cols < num_cols
     x = tl.load(x_ptr + row * stride_xb + cols, mask=inside, other=float("-inf")).to(tl.float32)
-    x = tl.where(x != x, float("inf"), x)                 # NaN: the largest
+    is_nan = x != x
+    first_nan = tl.reduce(tl.where(inside & is_nan, cols, num_cols), 0, _MIN)
+    x = tl.where(is_nan, float("-inf"), x)
     top = tl.reduce(x, 0, _MAX)
     first = tl.reduce(tl.where(inside & (x == top), cols, num_cols), 0, _MIN)
-    tl.store(val_ptr + row * num_chunks + chunk, top)
-    tl.store(idx_ptr + row * num_chunks + chunk, first)
+    # A chunk holding NaN: its first NaN, with NaN as its max (the largest, in _pick_kernel).
+    has_nan = first_nan < num_cols
+    tl.store(val_ptr + row * num_chunks + chunk, tl.where(has_nan, float("nan"), top))
+    tl.store(idx_ptr + row * num_chunks + chunk, tl.where(has_nan, first_nan, first))
 
 
 @triton.jit
@@ -51,8 +55,12 @@ def _pick_kernel(val_ptr, idx_ptr, out_ptr, num_cols, num_chunks, BLOCK_C: tl.co
     inside = c < num_chunks
     top_c = tl.load(val_ptr + row * num_chunks + c, mask=inside, other=float("-inf"))
     first_c = tl.load(idx_ptr + row * num_chunks + c, mask=inside, other=num_cols)
+    nan_c = inside & (top_c != top_c)
+    first_nan = tl.reduce(tl.where(nan_c, first_c, num_cols), 0, _MIN)
+    top_c = tl.where(nan_c, float("-inf"), top_c)
     top = tl.reduce(top_c, 0, _MAX)
     first = tl.reduce(tl.where(inside & (top_c == top), first_c, num_cols), 0, _MIN)
+    first = tl.where(first_nan < num_cols, first_nan, first)
     tl.store(out_ptr + row, first.to(tl.int64))
 
 

@@ -51,6 +51,9 @@ def exponential_noise(keys: torch.Tensor, streams: torch.Tensor, num_cols: int, 
     if streams.shape != keys.shape or streams.dtype != torch.int32 or streams.device != keys.device:
         raise ValueError(f"streams must be [{keys.shape[0]}] int32 on {keys.device}, got {streams.dtype} "
                          f"{list(streams.shape)} on {streams.device}")
+    if keys.shape[0] > 1 and (keys.stride(0) != 1 or streams.stride(0) != 1):
+        raise ValueError(f"keys and streams must be contiguous, got strides {keys.stride()} and "
+                         f"{streams.stride()}")
     if num_cols < 1:
         raise ValueError(f"num_cols must be >= 1, got {num_cols}")
     if block < 4 or block & (block - 1):

@@ -659,6 +659,12 @@ def _check_inputs(q, k_cache, v_cache, block_table, cu_seqlens_q, seq_lens, out)
         raise ValueError(
             f"with {num_seqs} sequences, block_table must be [{num_seqs}, max_blocks] and cu_seqlens_q "
             f"[{num_seqs + 1}], got {tuple(block_table.shape)} and {tuple(cu_seqlens_q.shape)}")
+    # The kernel steps through a table row and these vectors one element at a time.
+    if block_table.shape[1] > 1 and block_table.stride(1) != 1:
+        raise ValueError(f"block_table must have unit stride along its blocks, got strides {block_table.stride()}")
+    for name, t in (("cu_seqlens_q", cu_seqlens_q), ("seq_lens", seq_lens)):
+        if t.shape[0] > 1 and t.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
     tensors = (k_cache, v_cache, block_table, cu_seqlens_q, seq_lens) + ((out,) if out is not None else ())
     if any(t.device != q.device for t in tensors):
         raise ValueError("all tensors must be on q's device")

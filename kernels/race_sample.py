@@ -186,8 +186,10 @@ def race_sample(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tensor |
     device = logits.device
     for name, t, dtype in (("top_k", top_k, torch.int64), ("top_p", top_p, torch.float32),
                            ("temperature", temperature, torch.float32)):
-        if t is not None and (t.shape != (num_rows,) or t.dtype != dtype or t.device != device):
-            raise ValueError(f"{name} must be a {dtype} [{num_rows}] tensor on {device}")
+        if t is not None and (t.shape != (num_rows,) or t.dtype != dtype or t.device != device
+                              or (num_rows > 1 and t.stride(0) != 1)):
+            raise ValueError(f"{name} must be a contiguous {dtype} [{num_rows}] tensor on {device}, got "
+                             f"{t.dtype} {list(t.shape)} stride {t.stride()} on {t.device}")
     if top_k is not None and not 0 < max_top_k:
         raise ValueError(f"max_top_k must be the largest k (> 0) when top_k is given, got {max_top_k}")
     out = torch.empty(num_rows, dtype=torch.int64, device=device)

@@ -57,6 +57,22 @@ def test_ties_masks_and_nan_follow_torch(dtype):
     assert torch.equal(got, x.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_nan_beats_inf_wherever_it_lies(dtype):
+    """torch.argmax takes NaN over +inf: the first NaN, before or after an +inf, in its chunk or
+    another (NaN once read as +inf gave the first of them)."""
+    inf, nan = float("inf"), float("nan")
+    x = torch.zeros(4, 40, dtype=dtype)
+    x[0, [0, 1]] = torch.tensor([inf, nan], dtype=dtype)     # one chunk, +inf first
+    x[1, [3, 30]] = torch.tensor([inf, nan], dtype=dtype)    # the NaN in a later chunk
+    x[2, [5, 33]] = torch.tensor([nan, inf], dtype=dtype)    # the NaN first
+    x[3, [20, 35]] = torch.tensor([nan, nan], dtype=dtype)   # two NaN chunks: the first NaN
+    x = x.to(DEVICE)
+    got = am.argmax_rows(x, chunk=16)
+    assert got.tolist() == [1, 30, 5, 20]
+    assert torch.equal(got, x.argmax(-1))
+
+
 def test_strided_rows_and_no_rows():
     gen = torch.Generator().manual_seed(4)
     wide = torch.randn(6, 260, generator=gen).to(DEVICE)

@@ -87,6 +87,12 @@ def test_rejects_what_it_does_not_take():
         en.exponential_noise(keys, streams.long(), 8)
     with pytest.raises(ValueError, match="num_cols"):
         en.exponential_noise(keys, streams, 0)
+    # Views with a row stride (a column of a [B, 2] table) were read as if contiguous.
+    table = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="keys and streams must be contiguous"):
+        en.exponential_noise(table[:, 0], streams, 8)
+    with pytest.raises(ValueError, match="keys and streams must be contiguous"):
+        en.exponential_noise(keys, table.int()[:, 1], 8)
 
 
 def test_a_counter_gives_four_columns():

@@ -236,6 +236,22 @@ def test_rejects_unsupported_shapes(change, match):
         paged_attention(*args, 0.25, max_seqlen_q=1, max_seqlen_k=5)
 
 
+def test_rejects_block_tables_and_vectors_it_would_read_as_contiguous():
+    """A column-major block table (its values right, strides (1, B)) was read as if row-major:
+    every output wrong. Such tables and strided cu_seqlens_q / seq_lens are refused."""
+    q, k, v, table, cu, lens = make_batch([1, 1], [33, 40], 2, 1, 16, 16, torch.float32, seed=0)
+    col_major = table.t().contiguous().t()
+    assert torch.equal(col_major, table) and col_major.stride(1) != 1
+    with pytest.raises(ValueError, match="block_table must have unit stride along its blocks"):
+        paged_attention(q, k, v, col_major, cu, lens, 0.25, max_seqlen_q=1, max_seqlen_k=40)
+    strided = torch.stack([cu, cu], 1)[:, 0]
+    with pytest.raises(ValueError, match="cu_seqlens_q must be contiguous"):
+        paged_attention(q, k, v, table, strided, lens, 0.25, max_seqlen_q=1, max_seqlen_k=40)
+    strided = torch.stack([lens, lens], 1)[:, 0]
+    with pytest.raises(ValueError, match="seq_lens must be contiguous"):
+        paged_attention(q, k, v, table, cu, strided, 0.25, max_seqlen_q=1, max_seqlen_k=40)
+
+
 def test_rejects_more_sequences_than_a_grid_axis_holds():
     n = 65535
     q, k_cache, v_cache = torch.zeros(n, 2, 16), torch.zeros(2, 16, 1, 16), torch.zeros(2, 16, 1, 16)

@@ -211,3 +211,10 @@ def test_rejects_what_it_does_not_take():
         rs.race_sample(x, x, None, torch.ones(2, dtype=torch.float64, device=DEVICE))
     with pytest.raises(ValueError, match="max_top_k"):
         rs.race_sample(x, x, torch.ones(2, dtype=torch.int64, device=DEVICE), None)
+    # A column of a [B, 2] tensor of settings: read as if contiguous, other rows' values.
+    two = torch.ones(2, 2, device=DEVICE)
+    for name, args, kwargs in (("top_k", (two.long()[:, 0], None, 1), {}),
+                               ("top_p", (None, two[:, 0]), {}),
+                               ("temperature", (None, None), {"temperature": two[:, 0]})):
+        with pytest.raises(ValueError, match=f"{name} must be a contiguous"):
+            rs.race_sample(x, x, *args, **kwargs)
