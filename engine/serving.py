@@ -50,7 +50,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -825,6 +825,12 @@ class ServingEngine:
                 self.metrics.on_stats(self.engine.get_stats())
             except EngineDeadError:
                 pass
+        if not self.engine.is_alive and self.metrics.stats is not None:
+            # A dead or stopped engine runs nothing and holds no block: its last stats, from
+            # before, would stand in the gauges for as long as the model stays unloaded.
+            last = self.metrics.stats
+            self.metrics.on_stats(replace(
+                last, num_running=0, num_waiting=0, num_free_kv_blocks=last.num_kv_blocks))
         if self._publisher is not None:
             self._publisher.publish(self.metrics, cut)
 

@@ -1248,6 +1248,7 @@ def test_killing_the_core_process_ends_streams_and_makes_llm_not_ready(model_dir
             _, result, error = results.get(timeout=30)
             assert error is None, error
             seen[result.get_response().id] = True
+        wait_for(lambda: metric(server, "llm_num_requests_running") == 4, "the 4 in the gauges")
         killed_at = time.monotonic()
         os.kill(core_pid, signal.SIGKILL)
         errors = {}
@@ -1264,4 +1265,12 @@ def test_killing_the_core_process_ends_streams_and_makes_llm_not_ready(model_dir
             stream_request(server, "after", greedy(4))
         client.close()
         assert not _core_pids(server)
+        # Its gauges say the engine runs nothing (they showed the 4 streams while llm stayed
+        # unloaded): published once more after the engine stopped, before finalize returned.
+        wait_for(lambda: "llm: engine stopped" in open(server.log_path).read(), "finalize")
+        values = metrics(server)
+        assert metric(server, "llm_num_requests_running", values) == 0
+        assert metric(server, "llm_num_requests_waiting", values) == 0
+        assert (metric(server, "llm_kv_blocks_free", values)
+                == metric(server, "llm_kv_blocks_total", values) > 0)
     assert not server.group_pids()                          # nothing left behind
