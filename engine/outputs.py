@@ -24,8 +24,8 @@ class CompletionOutput:
     # output's last (vLLM's); None unless logprobs were asked for.
     cumulative_logprob: float | None = None
 
-    @property
     def finished(self) -> bool:
+        """A method, as vLLM's (`RequestOutput.finished` is an attribute)."""
         return self.finish_reason is not None
 
 

@@ -194,6 +194,8 @@ def test_vllm_prompt_dicts_and_call_forms(tiny_models):
         assert got.prompt == (text if "prompt" in form else None)
     outs = llm.generate(forms, GREEDY)
     assert [o.outputs[0].token_ids for o in outs] == [want.outputs[0].token_ids] * len(forms)
+    # vLLM's shapes: RequestOutput.finished an attribute, CompletionOutput.finished() a method.
+    assert want.finished is True and want.outputs[0].finished() is True
     with pytest.raises(ValueError, match=r"\['multi_modal_data'\] are not supported"):
         llm.generate({"prompt": text, "multi_modal_data": {"image": 1}}, GREEDY)
     with pytest.raises(ValueError, match="must hold one of"):
