@@ -140,7 +140,7 @@ class _Request:
     req: GenerateRequest | None = None
     is_cancelled: Callable[[], bool] = lambda: False
     client_id: str | None = None
-    start: float = field(default_factory=time.monotonic)
+    start: float = field(default_factory=time.monotonic)     # its latencies count from here
     last_sent: float | None = None      # when its last response with tokens went out
     submitted: float = 0.0              # when submit() took it (Triton's execute)
     # traced (LLM_SERVING_TRACE, engine/serving_trace.py):
@@ -438,7 +438,10 @@ class ServingEngine:
     async def _serve(self, rid: str, inputs: Inputs, send: SendFn,
                      is_cancelled: Callable[[], bool], client_id: str | None,
                      submitted: float) -> None:
-        r = _Request(rid, is_cancelled=is_cancelled, client_id=client_id, submitted=submitted)
+        # Its latencies count from its arrival (execute), not from the loop's start on it,
+        # which a busy loop delays: TTFT and e2e as the client sees them, less Triton's queue.
+        r = _Request(rid, is_cancelled=is_cancelled, client_id=client_id, submitted=submitted,
+                     start=submitted or time.monotonic())
         answer = self.outbox.stream(lambda items: self._send_items(r, send, items),
                                     lambda e: self._send_failed(r, e), context=r)
         r.stream = answer

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -259,6 +260,31 @@ def test_requests_submitted_while_the_loop_is_busy_start_together(model_dir):
             assert rec.responses[-1][1] is None and rec.responses[-1][2]
         assert admits == [12]
         _wait_idle(serving)
+    finally:
+        serving.shutdown()
+
+
+def test_latencies_count_from_arrival_not_from_the_loops_start(model_dir):
+    """A request that waits for a busy loop waits as the client sees it: its time to first
+    token and its end-to-end latency count from submit() (Triton's execute)."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        release = _block_loop(serving)
+        recs = [Recorder(), Recorder()]
+        serving.submit(_inputs("waits for the loop", 2), recs[0])
+        quiet = dict(_inputs("waits too, answered once", 2), stream=np.array([False]))
+        serving.submit(quiet, recs[1])
+        t0 = time.monotonic()                  # after both arrived: each waits at least held_s
+        time.sleep(0.3)                        # the loop busy elsewhere (a delay, not a wait)
+        held_s = time.monotonic() - t0
+        release.set()
+        for rec in recs:
+            assert rec.final.wait(WAIT_S) and rec.responses[-1][1] is None
+        _wait_idle(serving)
+        m = serving.metrics
+        assert m.ttft.count == 2 and m.e2e.count == 2
+        assert m.ttft.sum >= 2 * held_s and m.e2e.sum >= 2 * held_s, (m.ttft.sum, m.e2e.sum)
     finally:
         serving.shutdown()
 
