@@ -49,8 +49,11 @@ def load_model(
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unknown load_format {load_format!r}; valid: {', '.join(LOAD_FORMATS)}")
     config = ModelConfig.from_pretrained(model_path)
-    if config.tie_word_embeddings and load_format != "dummy":
-        config = _untie_if_the_checkpoint_does(config, os.fspath(model_path))
+    # A tied config's checkpoint may store the shared matrix under either name, or both.
+    stored = (_checkpoint_files_by_name(os.fspath(model_path))
+              if config.tie_word_embeddings and load_format != "dummy" else None)
+    if stored is not None:
+        config = _untie_if_the_checkpoint_does(config, stored, os.fspath(model_path))
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config, attention_backend, fused_kernels, fuse_rope_kv_write)
@@ -61,7 +64,7 @@ def load_model(
         if load_format == "dummy":
             _init_dummy(model)
         else:
-            _load_safetensors(model, os.fspath(model_path))
+            _load_safetensors(model, os.fspath(model_path), stored)
         if quantization == "fp8":
             quantize_model(model)
             if device.type == "cuda":
@@ -119,10 +122,11 @@ def _checkpoint_files_by_name(folder: str) -> dict[str, str]:
     return names
 
 
-def _untie_if_the_checkpoint_does(config: ModelConfig, folder: str) -> ModelConfig:
+def _untie_if_the_checkpoint_does(config: ModelConfig, files: dict[str, str],
+                                  folder: str) -> ModelConfig:
     """A config that ties the embeddings may still ship an lm_head of its own. transformers
-    keeps it where it differs from embed_tokens (it warns and does not tie), so we do too."""
-    files = _checkpoint_files_by_name(folder)
+    keeps it where it differs from embed_tokens (it warns and does not tie), so we do too.
+    files: _checkpoint_files_by_name(folder)."""
     head, embed = "lm_head.weight", "model.embed_tokens.weight"
     if head not in files or embed not in files:
         return config                   # one copy (the other is filled from it) or none
@@ -159,13 +163,14 @@ def _safetensors_files(folder: str) -> list[str]:
     return files
 
 
-def _load_safetensors(model: LlamaForCausalLM, folder: str) -> None:
+def _load_safetensors(model: LlamaForCausalLM, folder: str,
+                      stored: dict[str, str] | None = None) -> None:
+    """stored: the checkpoint's tensor names (_checkpoint_files_by_name) where the model is tied."""
     layout = _checkpoint_layout(model)
-    if model.config.tie_word_embeddings:
-        # The one shared matrix may be stored under either name (transformers reads both).
-        files = _checkpoint_files_by_name(folder)
-        if "model.embed_tokens.weight" not in files and "lm_head.weight" in files:
-            layout["lm_head.weight"] = layout.pop("model.embed_tokens.weight")
+    if (model.config.tie_word_embeddings and stored is not None
+            and "model.embed_tokens.weight" not in stored and "lm_head.weight" in stored):
+        # The one shared matrix stored as lm_head only (transformers reads it so too).
+        layout["lm_head.weight"] = layout.pop("model.embed_tokens.weight")
     remaining = set(layout)
     for file in _safetensors_files(folder):
         with safe_open(file, framework="pt", device="cpu") as f:
