@@ -13,7 +13,10 @@ With `--peer-address NAME` it also takes peers: other front ends (the served mod
 instances, engine/prefix_routing.py) that connect to the abstract Unix socket NAME, get READY,
 and then send ADD and ABORT frames of their own, numbered in their own space; each gets the
 outputs of its own requests. A peer that goes away has its requests aborted; a peer that sends
-anything else is told why (ERROR) and dropped. Peers never stop the core. An abstract socket
+anything else is told why (ERROR) and dropped. Peers never stop the core: their outputs wait in
+a backlog of their own that is written as their sockets take it, and a peer that takes none of
+it for PEER_STALL_S (its process stopped, its reader stuck; ENGINE_PEER_STALL_S sets it) is
+dropped as one that went away. An abstract socket
 has no file permissions: a peer whose process runs as another user is refused.
 
 With `ENGINE_REQUEST_LOG=<file>` in its environment it appends to that file, once each request
@@ -42,6 +45,8 @@ logger = logging.getLogger("engine.core_process")
 
 RECV_BYTES = 1 << 20
 STALLED_FRAME_S = 30.0      # a frame begun and not finished this long: the peer is broken
+PEER_STALL_S = 30.0         # a peer that takes none of its waiting outputs this long is dropped
+PEER_STALL_ENV = "ENGINE_PEER_STALL_S"      # sets PEER_STALL_S (seconds)
 # Set (seconds) to log, that often, where the core's time went: its steps' phases and GPU time
 # (engine/step_timing.py), the time taking frames in and sending outputs, running / waiting.
 STEP_LOG_ENV = "ENGINE_STEP_LOG_S"
@@ -66,6 +71,27 @@ class _Peer:
         self.reader = wire.FrameReader()
         self.encoder = wire.OutputsEncoder()
         self.live: set[int] = set()         # the core's ids of its unfinished requests
+        self.backlog = bytearray()          # its outputs its socket has not taken yet
+        self.waiting_since = 0.0            # when the backlog last grew from empty or shrank
+
+    def send(self, data: bytes) -> None:
+        if not self.backlog:
+            self.waiting_since = time.monotonic()
+        self.backlog += data
+        self.flush()
+
+    def flush(self) -> None:
+        """Writes what the socket takes now, never waiting (OSError: the peer is gone)."""
+        while self.backlog:
+            try:
+                n = self.sock.send(self.backlog)
+            except BlockingIOError:
+                return
+            del self.backlog[:n]
+            self.waiting_since = time.monotonic()
+
+    def stalled(self, now: float, limit_s: float) -> bool:
+        return bool(self.backlog) and now - self.waiting_since > limit_s
 
 
 class CoreServer:
@@ -81,6 +107,7 @@ class CoreServer:
         self._peer_numbers = itertools.count(1)
         self.request_log = _RequestLog.from_env()
         self._front_pid = child_process.peer_credentials(sock)[0] if self.request_log else 0
+        self.peer_stall_s = float(os.environ.get(PEER_STALL_ENV) or PEER_STALL_S)
 
     def serve(self) -> None:
         pending = []            # outputs of aborts, sent with the next step's
@@ -88,8 +115,13 @@ class CoreServer:
         while True:
             busy = self.core.has_unfinished_requests()
             timeout = 0.0 if busy else (STALLED_FRAME_S if self.reader.mid_frame else None)
+            backlogged = [p.sock for p in self.peers.values() if p.backlog]
+            if backlogged and timeout is None:
+                timeout = self.peer_stall_s
             log.mark()
-            readable, _, _ = select.select(self._watched(), [], [], timeout)
+            readable, writable, _ = select.select(self._watched(), backlogged, [], timeout)
+            if backlogged:
+                self._flush_peers(writable)
             for sock in readable:
                 if sock is self.sock:
                     data = self.sock.recv(RECV_BYTES)
@@ -100,7 +132,7 @@ class CoreServer:
                         pending.extend(self._handle(kind, payload))
                 elif sock is self.listener:
                     self._accept_peer()
-                else:
+                elif sock in self.peers:        # (not one dropped for a stall just now)
                     pending.extend(self._from_peer(self.peers[sock]))
             if not readable and not busy and self.reader.mid_frame:
                 raise wire.FrameError(f"a frame stalled for {STALLED_FRAME_S:.0f} s")
@@ -137,6 +169,7 @@ class CoreServer:
         try:
             sock.setblocking(True)
             sock.sendall(wire.encode_ready(self.info))
+            sock.setblocking(False)             # from now on: Peer.send, never waiting
         except OSError:
             sock.close()
             return
@@ -145,7 +178,10 @@ class CoreServer:
 
     def _from_peer(self, peer: _Peer) -> list:
         try:
-            data = peer.sock.recv(RECV_BYTES)
+            try:
+                data = peer.sock.recv(RECV_BYTES)
+            except BlockingIOError:
+                return []
             if not data:
                 peer.reader.eof()
                 return self._drop_peer(peer, None)
@@ -175,7 +211,10 @@ class CoreServer:
         del self.peers[peer.sock]
         if error is not None:
             logger.warning("%s", error)
-            _send_error(peer.sock, error)
+            try:
+                peer.send(wire.encode_error(error))     # after its outputs: whole frames
+            except OSError:
+                pass
         peer.sock.close()
         if peer.live:
             outputs = self.core.abort_requests(sorted(peer.live))
@@ -199,11 +238,26 @@ class CoreServer:
                 if o.finish_reason is not None:
                     peer.live.discard(o.request_id)
             try:
-                peer.sock.sendall(peer.encoder.encode(
+                peer.send(peer.encoder.encode(
                     [dataclasses.replace(o, request_id=o.request_id - peer.base) for o in mine]))
             except OSError:
                 self._drop_peer(peer, None)
         return own
+
+    def _flush_peers(self, writable: list[socket.socket]) -> None:
+        now = time.monotonic()
+        for peer in list(self.peers.values()):
+            try:
+                if peer.sock in writable:
+                    peer.flush()
+            except OSError:
+                self._drop_peer(peer, None)
+                continue
+            if peer.stalled(now, self.peer_stall_s):
+                logger.warning("engine core: dropped a peer (pid %d) that took none of its %d "
+                               "bytes of outputs in %.0f s", peer.pid, len(peer.backlog),
+                               self.peer_stall_s)
+                self._drop_peer(peer, None)
 
     def _handle(self, kind: int, payload) -> list:
         if kind == wire.ADD:

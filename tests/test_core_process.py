@@ -98,6 +98,43 @@ def test_a_core_killed_with_frames_unread_is_reported_with_its_signal(model_dir)
         client.shutdown()
 
 
+def test_a_core_killed_in_the_middle_of_a_frame_is_reported_with_its_signal():
+    """The core killed (the OOM killer) with one of its frames half written: the front end
+    says it was killed, as for a death between frames, not that it sent a malformed frame.
+    The core's end is a socket pair and a stand-in process (a real core cannot be stopped
+    half-way through a write on cue)."""
+    import subprocess
+    from engine.outputs import EngineStats
+
+    ours, core_end = socket.socketpair()
+    stand_in = subprocess.Popen(["sleep", "120"])
+    died, event = [], threading.Event()
+    client = CoreClient.__new__(CoreClient)
+    client.process = stand_in
+    core_end.sendall(wire.encode_ready(wire.CoreInfo(1024, 100, 64, 16, [])))
+    client._connected(ours, lambda outputs: None,
+                      lambda reason: (died.append(reason), event.set()))
+    try:
+        stats = wire.encode_stats(EngineStats(*([0] * len(wire._STATS_FIELDS))))
+        core_end.sendall(stats[:len(stats) // 2])
+        stand_in.kill()
+        stand_in.wait()
+        core_end.close()
+        assert event.wait(10)
+        assert died == [f"the engine core process {stand_in.pid} killed by signal 9 in the "
+                        f"middle of a frame"], died
+    finally:
+        client.shutdown()
+
+
+def test_shutdown_closes_the_clients_socket(model_dir):
+    client, died, _ = _start(model_dir)
+    fd = client._sock.fileno()
+    client.shutdown()
+    assert client.process.returncode is not None
+    assert client._sock.fileno() == -1, f"fd {fd} left open: {os.readlink(f'/proc/self/fd/{fd}')}"
+
+
 def test_step_log_says_where_the_busy_loops_time_went(model_dir, caplog):
     """ENGINE_STEP_LOG_S: the core logs its steps' phases, the time taking frames in and
     sending outputs, and the running / waiting counts; set to 0 it logs nothing."""
@@ -221,6 +258,45 @@ def test_a_peer_that_goes_away_has_its_requests_aborted_and_the_core_carries_on(
         stats = _assert_pool_whole(client)
         assert stats.num_generated_tokens < 2 * 500
         assert not owner.died and client.process.poll() is None
+
+
+def test_a_peer_that_stops_reading_does_not_stop_the_core_and_is_dropped(model_dir,
+                                                                          monkeypatch):
+    """A peer connected but not reading (its process stopped, its reader thread starved): the
+    core keeps stepping for its owner (a blocking write to the peer used to freeze it once the
+    socket's buffer filled, ~300 small frames), and drops the peer once it has taken none of
+    its outputs for ENGINE_PEER_STALL_S, aborting its requests."""
+    monkeypatch.setenv("ENGINE_PEER_STALL_S", "1")
+    address = _peer_address()
+    owner = _Collector()
+    client = CoreClient(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                     num_kv_blocks=1024, cpu_threads=1),
+                        [], owner.on_outputs, owner.on_dead, peer_address=address)
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        peer.settimeout(60)
+        peer.connect("\0" + address)
+        frames, reader = [], wire.FrameReader()
+        while not frames:
+            frames = reader.feed(peer.recv(1 << 16))
+        assert frames[0][0] == wire.READY
+        long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
+        for i in range(8):                      # and never reads again
+            peer.sendall(wire.encode_add(i, [5, 6, 7, 8], long))
+        client.add(1, [9, 10, 11], long)        # 900 steps: far past a full socket buffer
+        owner.wait(lambda: 1 in owner.finished or owner.died)
+        assert owner.finished == {1: "length"} and len(owner.tokens[1]) == 900, owner.died
+        deadline = time.monotonic() + 60        # the peer dropped: its requests aborted
+        while (stats := client.request_stats().result(timeout=10)).num_running:
+            assert time.monotonic() < deadline, stats
+        _assert_pool_whole(client)
+        assert stats.num_generated_tokens < 900 + 8 * 900
+        while peer.recv(1 << 16):               # what it had taken in, then the end
+            pass
+        assert not owner.died and client.process.poll() is None
+    finally:
+        peer.close()
+        client.shutdown()
 
 
 def test_request_log_says_when_the_core_took_and_answered_each_request(model_dir, tmp_path,
