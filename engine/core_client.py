@@ -130,6 +130,7 @@ class CoreClient:
         self._outbox.put(None)
         self._sender.join(timeout=5)
         self._receiver.join(timeout=5)
+        self._sock.close()
 
     # ------------------------------------------------------------------ start-up
     def _wait_ready(self) -> wire.CoreInfo:
@@ -194,9 +195,10 @@ class CoreClient:
                     data = self._sock.recv(RECV_BYTES)
                 except ConnectionResetError:    # it died with frames of ours unread
                     data = b""
-                if not data:
-                    self._reader.eof()
-                    self._die(self._exit_message())
+                if not data:            # its death, not a malformed frame, even mid-frame
+                    cut = (" in the middle of a frame"
+                           if self._reader.mid_frame and not self._closing else "")
+                    self._die(self._exit_message() + cut)
                     return
                 for kind, payload in self._reader.feed(data):
                     if kind == wire.OUTPUTS:
