@@ -160,13 +160,16 @@ class AsyncEngine:
         channel = self._open(request_id, sink)
         try:
             text, ids, packed = await self._prepare(prompt, params, channel, tokenized)
-        except BaseException:
-            self._streams.pop(request_id, None)
+        except BaseException as e:
+            if self._streams.get(request_id) is channel:
+                del self._streams[request_id]
+            elif isinstance(e, Exception):  # the engine failed meanwhile: _fail_all told sink
+                return
             raise
         if channel.abort_requested:
-            self._streams.pop(request_id, None)
-            sink(RequestOutput(request_id, text, ids, [CompletionOutput(0, "", [], "abort")],
-                               True))
+            if self._streams.pop(request_id, None) is channel:     # (else told: failed)
+                sink(RequestOutput(request_id, text, ids,
+                                   [CompletionOutput(0, "", [], "abort")], True))
             return
         core = None
         if route is not None:

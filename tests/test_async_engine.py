@@ -441,6 +441,40 @@ def test_submit_sinks_get_the_error_when_the_core_dies(model_dir):
         assert sum(isinstance(i, BaseException) for i in s.items) == 1
 
 
+@pytest.mark.parametrize("abort", [False, True])
+def test_submit_tells_a_request_waiting_for_the_tokenizer_once_when_the_core_dies(model_dir,
+                                                                               abort):
+    """The core dies while a submitted prompt waits for the tokenizer (aborted meanwhile, or
+    not): the caller hears of it once, through the sink (submit used to raise as well, and an
+    aborted one got the error and then an abort)."""
+    died = threading.Event()
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                         tokenizer_process=False, on_dead=lambda reason: died.set())
+    gate = threading.Event()
+    sink = _Sink()
+
+    async def main():
+        engine._tokenizer_thread.submit(gate.wait)      # the tokenizer thread is busy
+        task = asyncio.create_task(engine.submit("word " * 100, SamplingParams(max_tokens=4),
+                                                 "r", sink))
+        await until(lambda: engine._batch_tokenizer._pending, "the prompt queued")
+        if abort:
+            engine.abort_nowait("r")
+        os.kill(engine.core.pid, signal.SIGKILL)
+        assert await asyncio.to_thread(died.wait, 10)
+        gate.set()
+        return await asyncio.wait_for(task, 10)
+
+    try:
+        returned = asyncio.run(main())
+    finally:
+        gate.set()
+        engine.shutdown()
+    assert returned is None
+    assert len(sink.items) == 1 and isinstance(sink.items[0], EngineDeadError), sink.items
+    assert "killed by signal 9" in str(sink.items[0])
+
+
 def test_core_start_failure_is_raised_with_its_message(model_dir):
     with pytest.raises(RuntimeError, match="cannot hold one sequence"):
         AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=2,
