@@ -152,7 +152,8 @@ def direct_worker(spec: dict) -> None:
 
 
 class DirectEngines:
-    """One direct_worker process per GPU; `run(c, n)` spreads c and n over them at once."""
+    """One direct_worker process per GPU; `run(c, n)` spreads c and n over them at once (over the
+    first c of them when c is fewer)."""
 
     def __init__(self, args, settings: dict, prompts: list[str], gpus: int) -> None:
         self.procs = []
@@ -182,17 +183,19 @@ class DirectEngines:
         CUDA graph, the query rows that read a shared prefix once per group (cascade_rows) and
         the share of prompt tokens found in the prefix cache (as the server reports them).
         The n requests send prompts first, first + 1, ..."""
-        k = len(self.procs)
+        # Fewer concurrent requests than engines: the rest get no work, so c is c streams.
+        busy = self.procs[:min(c, len(self.procs))]
+        k = len(busy)
         start = first
-        for i, p in enumerate(self.procs):
+        for i, p in enumerate(busy):
             ci = c // k + (i < c % k)
             ni = n // k + (i < n % k)
-            p.stdin.write(f"run {max(ci, 1)} {max(ni, 1)} {tag} {start} "
+            p.stdin.write(f"run {ci} {max(ni, 1)} {tag} {start} "
                           f"{self.groups} {self.stagger_s}\n")
             start += max(ni, 1)
             p.stdin.flush()
         times, sums = [], {}
-        for p in self.procs:
+        for p in busy:
             answer = json.loads(p.stdout.readline())
             times += answer.pop("times")
             for key, v in answer.items():

@@ -52,9 +52,9 @@ SWEEP_PREFIXES = (500, 2000, 8000)
 
 
 def parse_workload(name: str, num_requests: int | None, own: int, out: int) -> dict:
-    if name == "rfc":
-        return dict(name="rfc", degree=16, prefix=2000, own=200, out=100,
-                    num_requests=num_requests or 6400)
+    if name == "rfc":                  # whole groups, as the sweep: what make_prompts sends
+        n = max(16, (num_requests or 6400) // 16 * 16)
+        return dict(name="rfc", degree=16, prefix=2000, own=200, out=100, num_requests=n)
     try:
         degree, prefix = name.split("-")
         degree, prefix = int(degree.removeprefix("g")), int(prefix.removeprefix("p"))
@@ -145,8 +145,8 @@ def run_mode(mode: str, workloads: list[dict], orders: list[str], args, model: s
             prof.close()
             step_times = llm.core.times.since(times)
             after = llm.get_stats()
-            assert all(len(o.outputs[0].token_ids) == w["out"] for o in outs)
             n = w["num_requests"]
+            assert len(outs) == n and all(len(o.outputs[0].token_ids) == w["out"] for o in outs)
             floor = floor_s(cfg, w, args.max_num_seqs, elem, args.quantization)
             row = dict(workload=w["name"], degree=w["degree"], prefix_len=w["prefix"],
                        own_len=w["own"], output_len=w["out"], num_requests=n, order=order,

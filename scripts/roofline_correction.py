@@ -44,16 +44,23 @@ def old_modules(commit: str, tmp: str):
         paths[name] = os.path.join(tmp, f"{name}.py")
         with open(paths[name], "w") as f:
             f.write(text)
-    mods, saved = {}, sys.modules["bench_common"]
+    # Old bench_throughput imports `bench_common`, old bench_shared_prefix `scripts.bench_common`:
+    # both names must give the old module while they load, then the new ones again.
+    aliases = ("bench_common", "scripts.bench_common")
+    mods, saved = {}, {alias: sys.modules.get(alias) for alias in aliases}
     try:
         for name in ("bench_common", "bench_throughput", "bench_shared_prefix"):
             spec = importlib.util.spec_from_file_location(name, paths[name])
             mods[name] = importlib.util.module_from_spec(spec)
             if name == "bench_common":
-                sys.modules["bench_common"] = mods[name]    # what the other two import
+                sys.modules.update(dict.fromkeys(aliases, mods[name]))
             spec.loader.exec_module(mods[name])
     finally:
-        sys.modules["bench_common"] = saved
+        for alias, module in saved.items():
+            if module is None:
+                sys.modules.pop(alias, None)
+            else:
+                sys.modules[alias] = module
     return mods
 
 

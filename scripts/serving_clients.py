@@ -148,8 +148,9 @@ def grpc_address(server) -> str:
 
 def request_params(output_tokens: int, sampling: dict | None = None) -> dict:
     """A request's sampling_parameters: exactly output_tokens tokens (ignore_eos), greedy unless
-    `sampling` (SamplingParams fields) says otherwise."""
-    return {"max_tokens": output_tokens, "temperature": 0, "ignore_eos": True, **(sampling or {})}
+    `sampling` (SamplingParams fields) says otherwise; max_tokens and ignore_eos are the run's
+    whatever `sampling` says (the results count output_tokens a request)."""
+    return {"temperature": 0, **(sampling or {}), "max_tokens": output_tokens, "ignore_eos": True}
 
 
 def write_input_data(path: str, prompts: list[str], output_tokens: int, stream: bool,

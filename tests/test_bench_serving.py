@@ -119,6 +119,14 @@ def test_requests_carry_the_sampling_over_greedy(tmp_path):
         "max_tokens": 3, "temperature": 0, "ignore_eos": True}
 
 
+def test_sampling_cannot_change_the_runs_token_count():
+    """--sampling's max_tokens and ignore_eos give way to the run's: every request makes exactly
+    --output-tokens tokens, which the results count."""
+    params = serving_clients.request_params(128, {"temperature": 0.8, "max_tokens": 16,
+                                                  "ignore_eos": False})
+    assert params == {"temperature": 0.8, "max_tokens": 128, "ignore_eos": True}
+
+
 def test_perf_analyzer_clients_share_the_rounds_prompts():
     """Several perf_analyzer processes send, together, the n prompts the direct engine and the
     python client send, each once (they used to send the first n / clients prompts each, so a
@@ -213,6 +221,32 @@ def test_direct_stagger_starts_the_closed_loop_in_groups(tmp_path):
     assert [delays.count(d) for d in (0.0, 1.0, 2.0, 3.0)] == [64, 64, 64, 64]
     assert delays == sorted(delays)
     assert [bench_serving.start_delay_s(w, 5, 2, 1.0) for w in range(5)] == [0, 0, 0, 1, 1]
+
+
+def test_direct_concurrency_below_the_engine_count_runs_c_streams():
+    """c = 1 on 2 direct engines runs one stream, on the first engine; the second gets no
+    command and is not waited for (with max(c_i, 1) each ran one: two streams)."""
+    import io
+
+    class Worker:                    # a direct_worker's pipes: one answer ready
+        def __init__(self):
+            self.stdin = io.StringIO()
+            self.stdout = io.StringIO(json.dumps({"times": [[0.0, 0.1, 0.2]], "steps": 4,
+                                                  "graph_steps": 2, "prompt_tokens": 8,
+                                                  "cached_prompt_tokens": 0,
+                                                  "cascade_rows": 0}) + "\n")
+    engines = bench_serving.DirectEngines.__new__(bench_serving.DirectEngines)
+    engines.procs, engines.groups, engines.stagger_s = [Worker(), Worker()], 1, 0.0
+    times, stats = engines.run(1, 10, "c1", 5)
+    assert engines.procs[0].stdin.getvalue() == "run 1 10 c1 5 1 0.0\n"
+    assert engines.procs[1].stdin.getvalue() == ""
+    assert times == [[0.0, 0.1, 0.2]] and stats["graph_step_fraction"] == 0.5
+    for w in engines.procs:
+        w.stdout.seek(0)
+    engines.procs[0].stdin, engines.procs[1].stdin = io.StringIO(), io.StringIO()
+    engines.run(3, 10, "c3", 0)      # 3 on 2 engines: 2 + 1, 5 requests each
+    assert [w.stdin.getvalue() for w in engines.procs] == ["run 2 5 c3 0 1 0.0\n",
+                                                           "run 1 5 c3 5 1 0.0\n"]
 
 
 def test_ttft_after_the_first_wave_leaves_out_the_first_c_sends():

@@ -98,3 +98,12 @@ def test_step_trace_summary_on_known_rows():
     assert s["steps"] == 3 and s["gpu_busy_ms"] == 9.0
     assert s["host_over_gpu_ms"] == 7.0 and s["between_steps_ms"] == 5.0
     assert [(w["step"], w["over_ms"], w["finished"]) for w in s["worst"]] == [(1, 5.0, 2), (2, 2.0, 6)]
+
+
+def test_rfc_num_requests_is_whole_groups_as_sent():
+    """--num-requests for rfc rounds to whole groups of 16 (at least one), as the sweep does: the
+    rates divide the count that make_prompts sends."""
+    for asked, sent in ((100, 96), (5, 16), (None, 6400)):
+        w = parse_workload("rfc", asked, 200, 100)
+        assert w["num_requests"] == sent
+        assert len(make_prompts(dict(w, prefix=4, own=2), "grouped", 5000)) == sent
