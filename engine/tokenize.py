@@ -21,6 +21,15 @@ the thread tokenizes from then on (logged).
 A str that is not text (a lone surrogate) fails its own request with a ValueError, not the
 batch call it came in (`_encode_without_non_text`).
 
+The process gets the backend's JSON and its `encode_special_tokens` (set by HF's
+`split_special_tokens`, which the JSON does not carry); the probe strings it must agree on
+include the tokenizer's own special and added tokens, so a setting about them that does not
+reach the process sends the work back to the thread. A backend that cannot be written as JSON
+(a custom Python pre-tokenizer) has no process either.
+
+Each prompt's result is settled on its own caller's event loop (a later asyncio.run may queue
+prompts while the thread still works for an earlier one).
+
 A queued prompt whose request was aborted is dropped unread (its caller gets PromptDropped),
 and `close` fails every queued prompt at once and stops the process without waiting for it:
 cancelled clients and a stopping server do not wait behind prompts nobody wants.
@@ -75,14 +84,14 @@ class BatchTokenizer:
         self._backend = _fast_backend(tokenizer)
         self.process: TokenizerProcess | None = None
         if process_priority is not None and self._backend is not None and executor is not None:
+            probes = _PROBES + special_probes(tokenizer)
             self.process = TokenizerProcess.start(self._backend, max_num_tokens, process_priority,
-                                                  [tokenizer.encode(p) for p in _PROBES])
+                                                  probes, [tokenizer.encode(p) for p in probes])
         self._lock = threading.Lock()
         # (text, its future, whether its request was aborted meanwhile)
         self._pending: list[tuple[str, asyncio.Future, Callable[[], bool]]] = []
         self._running = False
         self._closed = False
-        self._loop: asyncio.AbstractEventLoop | None = None
 
     def encode_now(self, texts: list[str], inline: bool = False) -> list[Encoded | ValueError]:
         """Tokenizes with special tokens (e.g. BOS), like `encode`. `inline`: on the event loop,
@@ -111,10 +120,8 @@ class BatchTokenizer:
         with self._lock:
             self._closed = True
             pending, self._pending = self._pending, []
-            loop = self._loop
-        if pending:                          # loop is set once anything was queued
-            _settle_threadsafe(loop, [f for _, f, _ in pending],
-                               [TokenizerClosed("the engine was shut down")] * len(pending))
+        _settle_threadsafe([f for _, f, _ in pending],
+                           [TokenizerClosed("the engine was shut down")] * len(pending))
         process = self.process
         if process is not None:
             process.close(STOP_NOW_S)    # it may be busy with a prompt nobody wants now
@@ -156,16 +163,15 @@ class BatchTokenizer:
         with self._lock:
             if self._closed:
                 raise TokenizerClosed("the engine was shut down")
-            self._loop = loop
             self._pending.append((text, fut, dropped))
             start = not self._running
             self._running = True
         if start:
-            self._executor.submit(self._drain, loop)
+            self._executor.submit(self._drain)
         return await fut
 
     # ------------------------------------------------------------------ tokenizer thread
-    def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+    def _drain(self) -> None:
         """Short prompts first, all of them in one call; then one long prompt; then look again,
         so a short prompt waits behind at most one long one, however many are queued."""
         while True:
@@ -186,7 +192,7 @@ class BatchTokenizer:
                     self._running = False
                     return
             if dropped:
-                _settle_threadsafe(loop, [f for _, f, _ in dropped],
+                _settle_threadsafe([f for _, f, _ in dropped],
                                    [PromptDropped("the request was aborted")] * len(dropped))
             if not group:
                 return
@@ -196,7 +202,7 @@ class BatchTokenizer:
                            else self.encode_now(texts))
             except Exception as e:  # noqa: BLE001 - each caller hears of it
                 results = [e] * len(group)
-            _settle_threadsafe(loop, [f for _, f, _ in group], results)
+            _settle_threadsafe([f for _, f, _ in group], results)
             del results, group, texts   # a rejected prompt's ids are freed here, not on the loop
 
 
@@ -232,13 +238,18 @@ class TokenizerProcess:
     def __init__(self, backend, max_num_tokens: int, priority: str) -> None:
         """Starts the process and waits until it has loaded the tokenizer; raises
         RuntimeError if it cannot."""
+        try:
+            tokenizer_json = backend.to_str()
+        except Exception as e:  # noqa: BLE001 - e.g. "Custom PreTokenizer cannot be serialized"
+            raise RuntimeError(f"the tokenizer cannot be written as JSON: {e}") from None
         self._sock, self.process = child_process.start("engine.tokenizer_process",
                                                        ["--priority", priority])
         self._reader = wire.FrameReader()
         self._frames: list[tuple[int, memoryview]] = []
         try:
             self._sock.settimeout(START_TIMEOUT_S)      # a process that never answers: OSError
-            self._sock.sendall(wire.encode_load_tokenizer(max_num_tokens, backend.to_str()))
+            self._sock.sendall(wire.encode_load_tokenizer(
+                max_num_tokens, tokenizer_json, getattr(backend, "encode_special_tokens", False)))
             kind, payload = self._recv()
             if kind != wire.TOKENIZER_READY:
                 raise RuntimeError(f"the tokenizer process answered {wire.KIND_NAMES[kind]}")
@@ -249,9 +260,9 @@ class TokenizerProcess:
             raise
 
     @classmethod
-    def start(cls, backend, max_num_tokens: int, priority: str,
+    def start(cls, backend, max_num_tokens: int, priority: str, probes: list[str],
               expected_probes: list[list[int]]) -> "TokenizerProcess | None":
-        """A process whose ids on the probe strings are `expected_probes`, or None (logged)."""
+        """A process whose ids on `probes` are `expected_probes`, or None (logged)."""
         try:
             proc = cls(backend, max_num_tokens, priority)
         except (OSError, RuntimeError, wire.FrameError) as e:
@@ -259,7 +270,7 @@ class TokenizerProcess:
             return None
         try:
             # A probe over the limit comes back as its length.
-            got = [v.tolist() if s == wire.TOKENS_OK else v for s, v in proc.encode(_PROBES)]
+            got = [v.tolist() if s == wire.TOKENS_OK else v for s, v in proc.encode(probes)]
         except RuntimeError as e:
             got = str(e)
         if got != [e if len(e) <= max_num_tokens else len(e) for e in expected_probes]:
@@ -317,12 +328,18 @@ class TokenizerProcess:
         return kind, payload
 
 
-def _settle_threadsafe(loop: asyncio.AbstractEventLoop, futures: list[asyncio.Future],
-                       results: list) -> None:
-    try:
-        loop.call_soon_threadsafe(_settle, futures, results)
-    except RuntimeError:                     # the loop is closed: nobody is waiting
-        pass
+def _settle_threadsafe(futures: list[asyncio.Future], results: list) -> None:
+    """Settles each future on its own loop (callers on several loops may share a batch)."""
+    by_loop: dict[asyncio.AbstractEventLoop, tuple[list, list]] = {}
+    for fut, result in zip(futures, results):
+        pair = by_loop.setdefault(fut.get_loop(), ([], []))
+        pair[0].append(fut)
+        pair[1].append(result)
+    for loop, (futs, res) in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle, futs, res)
+        except RuntimeError:                 # that loop is closed: nobody is waiting there
+            pass
 
 
 def _settle(futures: list[asyncio.Future], results: list) -> None:
@@ -333,6 +350,20 @@ def _settle(futures: list[asyncio.Future], results: list) -> None:
             fut.set_exception(result)
         else:
             fut.set_result(result)
+
+
+MAX_SPECIAL_PROBES = 256
+
+
+def special_probes(tokenizer) -> list[str]:
+    """Probe strings of the tokenizer's own special and added tokens, written into text (up to
+    MAX_SPECIAL_PROBES of them): how they tokenize depends on settings (split_special_tokens)
+    that a copy of the tokenizer may not carry."""
+    tokens = list(getattr(tokenizer, "all_special_tokens", None) or [])
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    tokens += [str(getattr(t, "content", t)) for t in added.values()]
+    tokens = list(dict.fromkeys(t for t in tokens if t))[:MAX_SPECIAL_PROBES]
+    return [f"x{' x'.join(tokens)} x"] if tokens else []
 
 
 def _fast_backend(tokenizer):

@@ -67,11 +67,12 @@ def serve(sock: socket.socket) -> None:
             return
         for kind, payload in reader.feed(data):
             if kind == wire.LOAD_TOKENIZER and backend is None:
-                max_num_tokens, tokenizer_json = wire.decode_load_tokenizer(payload)
+                max_num_tokens, tokenizer_json, special = wire.decode_load_tokenizer(payload)
                 try:
                     backend = Tokenizer.from_str(tokenizer_json)
                 except Exception as e:  # noqa: BLE001
                     raise wire.FrameError(f"LOAD_TOKENIZER: not a tokenizer: {e}") from None
+                backend.encode_special_tokens = special     # split_special_tokens
                 sock.sendall(wire.frame(wire.TOKENIZER_READY))
             elif kind == wire.TOKENIZE and backend is not None:
                 texts = wire.decode_tokenize(payload)

@@ -25,7 +25,8 @@ Kinds and payloads (u32 unless said; arrays are packed, no padding):
     STATS      EngineStats fields as i64
     ERROR      utf-8 message
   front end -> tokenizer process (engine/tokenizer_process.py)
-    LOAD_TOKENIZER  max_num_tokens, the Rust tokenizer's JSON as utf-8  (answered by
+    LOAD_TOKENIZER  max_num_tokens, encode_special_tokens u8 (0/1: a setting the JSON does
+                    not carry), the Rust tokenizer's JSON as utf-8  (answered by
                     TOKENIZER_READY, empty, or ERROR)
     TOKENIZE   n, byte lengths[n], utf-8 texts (concatenated)
   tokenizer process -> front end
@@ -329,15 +330,21 @@ def decode_error(payload: memoryview) -> str:
 
 
 # ---------------------------------------------------------------------------- tokenizer process
-def encode_load_tokenizer(max_num_tokens: int, tokenizer_json: str) -> bytes:
+def encode_load_tokenizer(max_num_tokens: int, tokenizer_json: str,
+                          encode_special_tokens: bool = False) -> bytes:
     return frame(LOAD_TOKENIZER, _u32(max_num_tokens, "max_num_tokens")
-                 + tokenizer_json.encode("utf-8"))
+                 + bytes([bool(encode_special_tokens)]) + tokenizer_json.encode("utf-8"))
 
 
-def decode_load_tokenizer(payload: memoryview) -> tuple[int, str]:
+def decode_load_tokenizer(payload: memoryview) -> tuple[int, str, bool]:
+    """(max_num_tokens, the tokenizer's JSON, encode_special_tokens)"""
     cur = _Cursor(payload, "LOAD_TOKENIZER")
     max_num_tokens = cur.u32()
-    return max_num_tokens, _utf8(cur.take(len(payload) - cur.pos), "LOAD_TOKENIZER json")
+    flag = cur.take(1)[0]
+    if flag > 1:
+        raise FrameError(f"LOAD_TOKENIZER: encode_special_tokens is {flag}, not 0 or 1")
+    return (max_num_tokens, _utf8(cur.take(len(payload) - cur.pos), "LOAD_TOKENIZER json"),
+            bool(flag))
 
 
 def encode_tokenize(texts: list[str]) -> bytes:

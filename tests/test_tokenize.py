@@ -12,8 +12,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import wire
-from engine.tokenize import (BATCH_MAX_CHARS, BatchTokenizer, PromptDropped, TokenizerClosed,
-                             TokenizerProcess)
+from engine.tokenize import (_PROBES, BATCH_MAX_CHARS, BatchTokenizer, PromptDropped,
+                             TokenizerClosed, TokenizerProcess)
 from scripts.make_tiny_model import make_tiny_model
 from tests.waiting import until
 
@@ -270,7 +270,7 @@ def test_the_process_answers_a_malformed_frame_with_an_error_and_exits(tokenizer
 
 def test_a_process_that_disagrees_on_the_probes_is_not_used(tokenizer, caplog):
     backend = BatchTokenizer(tokenizer, None, 100)._backend
-    assert TokenizerProcess.start(backend, 100, "normal", [[0]] * 7) is None
+    assert TokenizerProcess.start(backend, 100, "normal", _PROBES, [[0]] * 7) is None
     assert "disagrees with the tokenizer on probe strings" in caplog.text
 
 
@@ -292,6 +292,112 @@ def test_a_process_that_never_gets_ready_is_given_up(tokenizer, monkeypatch, cap
     monkeypatch.setattr("engine.child_process.subprocess.Popen", silent)
     backend = BatchTokenizer(tokenizer, None, 100)._backend
     start = time.monotonic()
-    assert TokenizerProcess.start(backend, 100, "normal", []) is None
+    assert TokenizerProcess.start(backend, 100, "normal", [], []) is None
     assert time.monotonic() - start < 5
     assert "no tokenizer process" in caplog.text
+
+
+@pytest.fixture(scope="module")
+def split_special_tokenizer(tmp_path_factory):
+    """split_special_tokens in tokenizer_config.json: special-token text in a prompt is plain
+    text (a user cannot inject control tokens), as HF's encode and vLLM tokenize it."""
+    import json
+    path = make_tiny_model(tmp_path_factory.mktemp("m") / "llama", arch="llama", seed=1)
+    config_path = os.path.join(str(path), "tokenizer_config.json")
+    with open(config_path) as f:
+        config = json.load(f)
+    with open(config_path, "w") as f:
+        json.dump({**config, "split_special_tokens": True}, f)
+    tok = AutoTokenizer.from_pretrained(path)
+    assert tok.split_special_tokens
+    return tok
+
+
+SPECIAL_TEXT = "<|begin_of_text|>hello <|end_of_text|> world " + "y" * 300
+
+
+def test_the_process_splits_special_tokens_when_the_tokenizer_does(split_special_tokenizer):
+    tok = split_special_tokenizer
+    expected = tok.encode(SPECIAL_TEXT)
+    assert expected.count(tok.bos_token_id) == 1        # only the BOS the tokenizer adds
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(tok, pool, max_num_tokens=10_000, process_priority="idle")
+    try:
+        assert bt.process is not None                   # the process, not the thread
+        [(ids, _)] = _encode_all(bt, [SPECIAL_TEXT])
+    finally:
+        bt.close()
+        pool.shutdown()
+    assert ids == expected
+
+
+def test_a_special_token_setting_the_process_misses_sends_the_work_to_the_thread(
+        split_special_tokenizer, monkeypatch, caplog):
+    """The probes hold the tokenizer's own special tokens: a setting about them that does not
+    reach the process (here: the flag left out of LOAD_TOKENIZER) is caught at start-up."""
+    tok = split_special_tokenizer
+    real = wire.encode_load_tokenizer
+    monkeypatch.setattr(wire, "encode_load_tokenizer",
+                        lambda n, text, special=False: real(n, text))
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(tok, pool, max_num_tokens=10_000, process_priority="idle")
+    try:
+        assert bt.process is None
+        assert "disagrees with the tokenizer on probe strings" in caplog.text
+        [(ids, _)] = _encode_all(bt, [SPECIAL_TEXT])
+    finally:
+        bt.close()
+        pool.shutdown()
+    assert ids == tok.encode(SPECIAL_TEXT)
+
+
+def test_a_tokenizer_that_cannot_be_written_as_json_is_tokenized_on_the_thread(
+        tmp_path_factory, caplog):
+    from tokenizers.pre_tokenizers import PreTokenizer
+
+    class WholeText:                # a custom (Python) pre-tokenizer: to_str() cannot write it
+        def pre_tokenize(self, pretok):
+            pretok.split(lambda i, normalized: [normalized])
+
+    path = make_tiny_model(tmp_path_factory.mktemp("m") / "llama", arch="llama", seed=1)
+    tok = AutoTokenizer.from_pretrained(path)
+    tok._tokenizer.pre_tokenizer = PreTokenizer.custom(WholeText())
+    pool = ThreadPoolExecutor(1)
+    try:
+        bt = BatchTokenizer(tok, pool, max_num_tokens=10_000, process_priority="idle")
+        assert bt._backend is not None and bt.process is None
+        assert "cannot be written as JSON" in caplog.text
+        [(ids, _)] = _encode_all(bt, ["hello there " * 30])
+        bt.close()
+    finally:
+        pool.shutdown()
+    assert ids == tok.encode("hello there " * 30)
+
+
+def test_a_prompt_queued_from_a_later_event_loop_is_answered_on_it(tokenizer):
+    """A caller that gave up on the first loop (which then closed) left its prompt queued; a
+    prompt from a second asyncio.run, queued while the thread still works for the first, is
+    answered on its own loop (it was settled on the closed first one and waited for ever)."""
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=10_000)
+    gate = threading.Event()
+    pool.submit(gate.wait)                              # the thread is busy
+
+    async def first():
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(bt.encode("first loop " * 40), 0.2)
+
+    async def second():
+        task = asyncio.ensure_future(bt.encode("second loop " * 40))
+        await until(lambda: len(bt._pending) == 2, "both prompts queued")
+        gate.set()
+        return await asyncio.wait_for(task, 10)
+
+    try:
+        asyncio.run(first())
+        ids, _ = asyncio.run(second())
+    finally:
+        gate.set()
+        bt.close()
+        pool.shutdown()
+    assert ids == tokenizer.encode("second loop " * 40)

@@ -355,9 +355,14 @@ def test_tokens_refuses_unknown_status_and_token_counts_outside_u32():
 def test_load_tokenizer_round_trip():
     got = wire.decode_load_tokenizer(payload(wire.encode_load_tokenizer(77, "{}"),
                                              wire.LOAD_TOKENIZER))
-    assert got == (77, "{}")
+    assert got == (77, "{}", False)
+    got = wire.decode_load_tokenizer(payload(wire.encode_load_tokenizer(77, "{}", True),
+                                             wire.LOAD_TOKENIZER))
+    assert got == (77, "{}", True)
+    with pytest.raises(wire.FrameError, match="encode_special_tokens is 2, not 0 or 1"):
+        wire.decode_load_tokenizer(memoryview(struct.pack("<IB", 77, 2) + b"{}"))
     body = body_of("LOAD_TOKENIZER")
-    for n in range(4):
+    for n in range(5):
         assert not decodes_or_frame_error(wire.decode_load_tokenizer, body[:n])
     cut = body.index("ü".encode()) + 1                          # inside a 2-byte character
     with pytest.raises(wire.FrameError, match="invalid utf-8"):
