@@ -120,13 +120,17 @@ def _server_of(name: str) -> tuple[int, int, int] | None:
 
 
 class InstanceBoard:
-    def __init__(self, server_pid: int, model_name: str, directory: str | None = None) -> None:
-        """Maps the board of `model_name` in the server `server_pid` (creating it) and takes a
-        free slot. Raises OSError if the file cannot be made, RuntimeError if no slot is free."""
+    def __init__(self, server_pid: int, model_name: str, directory: str | None = None,
+                 model_version: str | None = None) -> None:
+        """Maps the board of `model_name` (of `model_version`: two versions loaded at once are
+        two models to Triton, which never gives one's requests to the other) in the server
+        `server_pid` (creating it) and takes a free slot. Raises OSError if the file cannot be
+        made, RuntimeError if no slot is free."""
         directory = directory or board_dir()
         _remove_boards_of_dead_servers(directory)
+        version = f"-v{_safe(str(model_version))}" if model_version is not None else ""
         self.path = os.path.join(directory,
-                                 f"{PREFIX}{server_key(server_pid)}-{_safe(model_name)}")
+                                 f"{PREFIX}{server_key(server_pid)}-{_safe(model_name)}{version}")
         self._lock = threading.Lock()       # this process's writers of its load
         self._load = 0
         self._fd = -1
@@ -236,9 +240,18 @@ class InstanceBoard:
                 if pid in checked or _alive(pid):
                     checked.add(pid)
                     return load
-                logger.info("instance board: process %d is gone, freeing its slot", pid)
-                self._slots[i] = (0, 0)
-                self._placed[i] = 0
+                checked.add(pid)
+                # Under the file lock, and only if it is still the dead one's: a new instance
+                # may have taken the slot since it was read (_take_slot holds the lock).
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+                try:
+                    if int(self._slots[i, 0]) == pid:
+                        logger.info("instance board: process %d is gone, freeing its slot", pid)
+                        self._slots[i] = (0, 0)
+                        self._placed[i] = 0
+                        self.prefix_holders &= ~slot_bit(i)
+                finally:
+                    fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     # ------------------------------------------------------------------ prefix routing
     @property
@@ -342,7 +355,8 @@ class InstanceBoard:
             try:
                 self._slots[self.slot] = (0, 0)
                 self._placed[self.slot] = 0
-                if not self._slots[:, 0].any():
+                # The last live one (a crashed instance never closes: its pid stays in its slot)
+                if not any(pid and _alive(int(pid)) for pid in self._slots[:, 0]):
                     try:
                         os.unlink(self.path)
                     except FileNotFoundError:

@@ -99,6 +99,90 @@ def test_the_slot_of_a_process_that_is_gone_is_freed(tmp_path, boards):
     assert a.peer_loads() == {}
 
 
+OPENER = ("import sys\n"
+          "from engine.instance_board import InstanceBoard\n"
+          "b = InstanceBoard(int(sys.argv[1]), 'llm', directory=sys.argv[2])\n"
+          "print(b.slot, flush=True)\n"
+          "sys.stdin.readline()\n"
+          "b.close()\n")
+
+
+def test_wait_turn_never_frees_a_slot_a_new_instance_has_just_taken(tmp_path, monkeypatch):
+    """Between wait_turn's look at a dead instance's slot and its freeing it, a new instance
+    (Triton's restarted stub, another process) takes that slot: it must keep it (it was
+    wiped, and the next instance got the same slot as a live one)."""
+    import engine.instance_board as board_module
+    a = InstanceBoard(SERVER_PID, "llm", directory=str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    dead_pid = int(gone.stdout)
+    a._slots[a.slot + 1] = (dead_pid, 0)               # a crashed instance's slot
+    a.set_load(5)
+    real_alive, newcomer = board_module._alive, {}
+
+    def alive(pid):                                     # the moment in between
+        if pid == dead_pid and not newcomer:
+            newcomer["proc"] = subprocess.Popen(
+                [sys.executable, "-c", OPENER, str(SERVER_PID), str(tmp_path)],
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
+                env={**os.environ, "PYTHONPATH": ROOT})
+            newcomer["slot"] = int(newcomer["proc"].stdout.readline())
+        return real_alive(pid)
+
+    monkeypatch.setattr(board_module, "_alive", alive)
+    c = None
+    try:
+        a.wait_turn(max_wait_s=0.05)
+        proc, slot = newcomer["proc"], newcomer["slot"]
+        assert slot == a.slot + 1                        # it took the dead one's slot
+        monkeypatch.setattr(board_module, "_alive", real_alive)
+        assert a.slot_pids()[slot] == proc.pid
+        c = InstanceBoard(SERVER_PID, "llm", directory=str(tmp_path))
+        assert c.slot not in (a.slot, slot)
+    finally:
+        if "proc" in newcomer:
+            newcomer["proc"].communicate("\n", timeout=60)
+        if c is not None:
+            c.close()
+        a.close()
+
+
+def _hold_and_die(server_pid, directory, loaded):
+    board = InstanceBoard(server_pid, "llm", directory=directory)
+    board.set_load(3)
+    loaded.set()
+    os._exit(0)                             # killed: no close()
+
+
+def test_the_last_live_instance_removes_the_file_though_a_crashed_ones_slot_is_left(tmp_path):
+    a = InstanceBoard(SERVER_PID, "llm", directory=str(tmp_path))
+    ctx = multiprocessing.get_context("spawn")
+    loaded = ctx.Event()
+    child = ctx.Process(target=_hold_and_die, args=(SERVER_PID, str(tmp_path), loaded))
+    child.start()
+    assert loaded.wait(60)
+    child.join(60)
+    assert child.exitcode == 0
+    assert a.peer_loads() == {child.pid: 3}            # its slot is still there
+    a.close()                                           # the server's last live instance
+    assert not os.path.exists(a.path)
+
+
+def test_two_versions_of_a_model_have_boards_of_their_own(tmp_path):
+    """Triton never gives one version's requests to the other's instances: sharing a board,
+    they waited for each other and routed requests to each other's engines."""
+    v1 = InstanceBoard(SERVER_PID, "llm", directory=str(tmp_path), model_version="1")
+    v2 = InstanceBoard(SERVER_PID, "llm", directory=str(tmp_path), model_version="2")
+    v1b = InstanceBoard(SERVER_PID, "llm", directory=str(tmp_path), model_version="1")
+    try:
+        assert v1.path == v1b.path != v2.path and v1.slot != v1b.slot
+        v1.set_load(7)
+        assert v2.peer_loads() == {} and v1b.peer_loads() == {os.getpid(): 7}
+    finally:
+        for b in (v1, v2, v1b):
+            b.close()
+
+
 def _place_and_die(server_pid, directory, target_slot, placed):
     board = InstanceBoard(server_pid, "llm", directory=directory)
     board.set_load(9)                       # 9 open requests...

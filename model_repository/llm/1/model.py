@@ -34,7 +34,7 @@ class TritonPythonModel:
         labels = instance_labels(args["model_name"], args["model_version"],
                                  args["model_instance_name"], device)
         self.model_name = args["model_name"]
-        self.board = _open_board(args["model_name"])
+        self.board = _open_board(args["model_name"], args["model_version"])
         try:
             self.serving = ServingEngine(config, publisher=TritonMetrics(pb_utils, labels),
                                          on_dead=self._engine_died, board=self.board)
@@ -100,11 +100,11 @@ class TritonPythonModel:
         self.logger.log_info("llm: engine stopped")
 
 
-def _open_board(model_name):
-    """The board this model's instances in this server share (the stub's parent is the
-    server), or None, with a warning, if there can be none."""
+def _open_board(model_name, model_version):
+    """The board this model version's instances in this server share (the stub's parent is
+    the server), or None, with a warning, if there can be none."""
     try:
-        return InstanceBoard(os.getppid(), model_name)
+        return InstanceBoard(os.getppid(), model_name, model_version=model_version)
     except (OSError, RuntimeError) as e:
         pb_utils.Logger.log_warn(f"llm: no instance board ({e}): each request goes to the "
                                  f"instance Triton picks, and llm_bls's aborts reach only it")
