@@ -337,9 +337,9 @@ class AsyncEngine:
         peer = PeerCoreClient(address, self._process_outputs,
                               lambda reason: self._peer_died(holder, reason), timeout_s)
         holder.append(peer)
-        if peer.info.max_model_len != self.info.max_model_len or (
-                peer.info.vocab_size != self.info.vocab_size):
-            peer.shutdown()
+        if (peer.info.model_key, peer.info.max_model_len, peer.info.vocab_size) != (
+                self.info.model_key, self.info.max_model_len, self.info.vocab_size):
+            peer.shutdown()     # other weights or settings: routing must not change answers
             raise RuntimeError(f"the engine core at {address!r} runs another model")
         if self._stopped or peer.dead_reason is not None:
             peer.shutdown()

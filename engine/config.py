@@ -1,6 +1,8 @@
 """Engine settings (vLLM names). Every value is checked at construction."""
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -277,3 +279,25 @@ def settings_from_triton(model_config: dict, repository: str, device: str) -> di
     params.setdefault("device", device)
     return params
 
+
+
+def model_key(config: EngineConfig) -> str:
+    """What makes two engines give the same answers: the model folder (its config.json and its
+    checkpoint files' names, sizes and modification times), the dtypes and quantization, and
+    for random weights the seed. Engines with other keys must not take each other's requests
+    (prefix routing: engine/prefix_routing.py); a folder whose files are rewritten in place
+    gets a new key."""
+    parts = {name: getattr(config, name)
+             for name in ("dtype", "kv_cache_dtype", "quantization", "load_format")}
+    if config.load_format == "dummy":
+        parts["seed"] = config.seed
+    folder = os.path.realpath(config.model)
+    parts["model"] = folder
+    files = []
+    if os.path.isdir(folder):
+        for name in sorted(os.listdir(folder)):
+            if name == "config.json" or name.endswith((".safetensors", ".safetensors.index.json")):
+                st = os.stat(os.path.join(folder, name))
+                files.append((name, st.st_size, st.st_mtime_ns))
+    parts["files"] = files
+    return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:32]

@@ -39,7 +39,7 @@ import sys
 import time
 
 from engine import child_process, wire
-from engine.config import EngineConfig
+from engine.config import EngineConfig, model_key
 
 logger = logging.getLogger("engine.core_process")
 
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> int:
             config = dataclasses.replace(config, cpu_threads=default_cpu_threads(device_type))
         core = EngineCore(config, json.loads(args.eos_token_ids))
         info = wire.CoreInfo(core.max_model_len, core.vocab_size, core.kv.num_blocks,
-                             config.block_size, core.eos_token_ids)
+                             config.block_size, core.eos_token_ids, model_key(config))
         listener = _listen(args.peer_address) if args.peer_address else None
         sock.sendall(wire.encode_ready(info))
     except BaseException as e:  # noqa: BLE001 - whatever it is, the front end must hear it

@@ -14,7 +14,8 @@ Kinds and payloads (u32 unless said; arrays are packed, no padding):
     STATS_REQ  (empty)                                               (answered by STATS)
     SHUTDOWN   (empty)
   core -> front end
-    READY      max_model_len, vocab_size, num_kv_blocks, block_size, n, eos_ids i32[n]
+    READY      max_model_len, vocab_size, num_kv_blocks, block_size, n, eos_ids i32[n],
+               m, the model's key (engine.config.model_key) as utf-8 [m bytes]
     OUTPUTS    one step: n_rows, flags u8, [indices[n_rows] if ROWS], tokens i32[n_rows],
                [n, rows[n], codes u8[n] if FINISHED], [n, indices[n] if ABORTED],
                [n, rows[n], ranks i32[n], counts u8[n], ids i32[sum], logprobs f32[sum]
@@ -204,6 +205,12 @@ def _u32s(values, what: str) -> bytes:
     return arr.astype("<u4").tobytes()
 
 
+def _text(value: str, what: str) -> bytes:
+    """A length-prefixed utf-8 string."""
+    data = value.encode("utf-8")
+    return _u32(len(data), what) + data
+
+
 def _u32(value: int, what: str) -> bytes:
     if not 0 <= value <= 2**32 - 1:
         raise ValueError(f"{what} must fit in uint32, got {value}")
@@ -292,12 +299,13 @@ class CoreInfo:
     num_kv_blocks: int
     block_size: int
     eos_token_ids: list[int]
+    model_key: str = ""         # engines of one key give the same answers (prefix routing)
 
 
 def encode_ready(info: CoreInfo) -> bytes:
     return frame(READY, _READY.pack(info.max_model_len, info.vocab_size, info.num_kv_blocks,
                                     info.block_size, len(info.eos_token_ids))
-                 + _ids(info.eos_token_ids))
+                 + _ids(info.eos_token_ids) + _text(info.model_key, "model_key"))
 
 
 def decode_ready(payload: memoryview) -> CoreInfo:
@@ -306,8 +314,9 @@ def decode_ready(payload: memoryview) -> CoreInfo:
     if n * 4 > len(cur.buf) - cur.pos:
         raise FrameError(f"READY: {n} eos ids do not fit in the frame")
     eos = cur.array("<i4", n).tolist()
+    key = _utf8(cur.take(cur.count(1)), "READY model key")
     cur.done()
-    return CoreInfo(max_len, vocab, blocks, block_size, eos)
+    return CoreInfo(max_len, vocab, blocks, block_size, eos, key)
 
 
 def encode_stats(stats: EngineStats) -> bytes:

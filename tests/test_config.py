@@ -112,3 +112,25 @@ def test_string_settings_name_what_they_take(model_dir):
             EngineConfig.from_strings({"model": model_dir, key: value})
         assert needle in str(e.value)
     assert EngineConfig.from_strings({"model": model_dir, "max_num_seqs": "10"}).max_num_seqs == 10
+
+
+def test_model_key_tells_engines_that_answer_alike(tmp_path):
+    """engine.config.model_key: one folder and one setting of the numerics give one key; other
+    weights, a rewritten checkpoint, another dtype or a dummy model's seed give another."""
+    import os
+    import shutil
+    from engine.config import model_key
+    from scripts.make_tiny_model import make_tiny_model
+    a = str(make_tiny_model(tmp_path / "a", arch="llama", seed=3))
+    b = str(make_tiny_model(tmp_path / "b", arch="llama", seed=4))
+    base = dict(model=a, dtype="float32", device="cpu")
+    key = model_key(EngineConfig(**base))
+    assert key == model_key(EngineConfig(**base, max_num_seqs=8))       # scheduling: same
+    assert key != model_key(EngineConfig(**{**base, "model": b}))
+    assert key != model_key(EngineConfig(**{**base, "dtype": "bfloat16"}))
+    weights = os.path.join(a, "model.safetensors")
+    shutil.copy(weights, weights + ".tmp")
+    os.replace(weights + ".tmp", weights)                                # rewritten in place
+    assert key != model_key(EngineConfig(**base))
+    dummy = dict(base, load_format="dummy")
+    assert model_key(EngineConfig(**dummy)) != model_key(EngineConfig(**dummy, seed=1))

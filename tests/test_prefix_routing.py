@@ -352,3 +352,25 @@ def test_a_peer_core_of_another_model_is_not_used(model_dir):
         with pytest.raises(RuntimeError, match="runs another model"):
             ours.connect_peer(address)
         assert ours.peers() == []
+
+
+def test_a_peer_core_with_other_weights_of_the_same_shape_is_not_used(model_dir,
+                                                                       tmp_path_factory):
+    """Another checkpoint of the same shape (another version on one server, or new weights
+    loaded while the old instances drain): its core is refused, as routing there would change
+    the answer (it compared the context length and vocabulary only)."""
+    other = str(make_tiny_model(tmp_path_factory.mktemp("o") / "llama", arch="llama", seed=4))
+    address = f"tritonllm-test-weights-{os.getpid()}"
+    owner = _engine(other, 512, peer_address=address)
+    try:
+        ours = _engine(model_dir)
+        try:
+            assert ours.info.max_model_len == owner.info.max_model_len
+            assert ours.info.vocab_size == owner.info.vocab_size
+            with pytest.raises(RuntimeError, match="runs another model"):
+                ours.connect_peer(address)
+            assert ours.peers() == []
+        finally:
+            ours.shutdown()
+    finally:
+        owner.shutdown()

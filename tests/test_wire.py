@@ -219,7 +219,7 @@ VALID = {
     "ADD": (wire.decode_add, wire.encode_add(5, [1, 2, 3, I32_MAX], ADD_PARAMS)),
     "ABORT": (wire.decode_abort, wire.encode_abort([4, 0, U32_MAX])),
     "READY": (wire.decode_ready,
-              wire.encode_ready(wire.CoreInfo(1024, 32000, 900, 16, [2, 32001]))),
+              wire.encode_ready(wire.CoreInfo(1024, 32000, 900, 16, [2, 32001], "k3y"))),
     "STATS": (wire.decode_stats, wire.encode_stats(EngineStats(*range(3, 14)))),
     "STATS_REQ": (lambda p: wire.decode_empty(wire.STATS_REQ, p), wire.frame(wire.STATS_REQ)),
     "ERROR": (wire.decode_error, wire.encode_error("boom: ünïcødé ✓")),
@@ -296,9 +296,10 @@ def test_abort_round_trip(indices):
 
 
 @pytest.mark.parametrize("eos", [[], [2], [2, 32001, I32_MAX]])
-def test_ready_round_trip(eos):
+@pytest.mark.parametrize("key", ["", "3f2a9c", "ключ"])
+def test_ready_round_trip(eos, key):
     info = wire.CoreInfo(max_model_len=131072, vocab_size=151936, num_kv_blocks=U32_MAX,
-                         block_size=16, eos_token_ids=eos)
+                         block_size=16, eos_token_ids=eos, model_key=key)
     assert wire.decode_ready(payload(wire.encode_ready(info), wire.READY)) == info
 
 
