@@ -91,6 +91,9 @@ MAX_TEXT_INPUT_BYTES = 16 << 20
 MAX_INPUT_IDS = 1 << 20
 MAX_SAMPLING_PARAMETERS_BYTES = 1 << 20
 
+# TensorRT-LLM's word-list inputs (llm_bls): stop_words are added to `stop`; bad_words are
+# taken only empty (TensorRT-LLM's README sends both as "").
+TRTLLM_WORD_INPUTS = ("stop_words", "bad_words")
 # TensorRT-LLM-style scalar inputs (llm_bls): they override the JSON sampling parameters.
 SCALAR_OVERRIDES = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
                     "seed": int, "min_tokens": int, "repetition_penalty": float,
@@ -215,18 +218,7 @@ def _only_value_errors(fn: Callable[..., T]) -> Callable[..., T]:
 @_only_value_errors
 def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
     """Validates a request's tensors; raises ValueError naming the offending input."""
-    has_ids = inputs.get("input_ids") is not None
-    if has_ids and inputs.get("text_input") is not None:
-        raise ValueError("give text_input or input_ids, not both")
-    if has_ids:
-        prompt: str | list[int] = _input_ids(inputs["input_ids"])
-    elif inputs.get("text_input") is not None:
-        prompt = _text(inputs["text_input"], "text_input", MAX_TEXT_INPUT_BYTES)
-        if not prompt:
-            raise ValueError("text_input is empty")
-    else:
-        raise ValueError("missing input: give text_input (a string) or input_ids")
-
+    prompt = _prompt(inputs)
     params, flags = _sampling_dict(inputs)
     try:
         sampling = SamplingParams.from_dict(params)
@@ -239,6 +231,22 @@ def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
         raise ValueError("exclude_input_in_output=false is not allowed with stream=true (as in "
                          "Triton's vLLM backend): a stream's responses carry only new text")
     return GenerateRequest(prompt, sampling, **flags)
+
+
+def _prompt(inputs: dict[str, np.ndarray]) -> str | list[int]:
+    """The request's prompt, checked first by llm and llm_bls alike: a request with several
+    faults is told the same one by both."""
+    has_ids = inputs.get("input_ids") is not None
+    if has_ids and inputs.get("text_input") is not None:
+        raise ValueError("give text_input or input_ids, not both")
+    if has_ids:
+        return _input_ids(inputs["input_ids"])
+    if inputs.get("text_input") is None:
+        raise ValueError("missing input: give text_input (a string) or input_ids")
+    prompt = _text(inputs["text_input"], "text_input", MAX_TEXT_INPUT_BYTES)
+    if not prompt:
+        raise ValueError("text_input is empty")
+    return prompt
 
 
 def _sampling_dict(inputs: dict[str, np.ndarray]) -> tuple[dict, dict[str, bool]]:
@@ -298,13 +306,16 @@ def bls_inner_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The llm_bls request turned into an llm request: TensorRT-LLM-style scalar inputs merged
     into `sampling_parameters` (they win), the request parameters folded in as `llm` reads
     them, one response (`stream` false). Raises ValueError for a request `llm` would refuse, so
-    that it is not forwarded."""
+    that it is not forwarded, with the message `llm` would give (the prompt is checked first)."""
+    _prompt(inputs)
     params, flags = _sampling_dict(inputs)
     for name, kind in SCALAR_OVERRIDES.items():
         if inputs.get(name) is not None:
             params[name] = kind(_scalar(inputs[name], name))
     if inputs.get("stop_words") is not None:
         params["stop"] = _stop_words(inputs["stop_words"], params.get("stop"))
+    if inputs.get("bad_words") is not None:
+        _check_no_bad_words(inputs["bad_words"])
     inner = {name: np.array([v]) for name, v in flags.items()}
     inner.update({k: v for k, v in inputs.items() if k in INPUT_NAMES and v is not None})
     inner["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
@@ -316,7 +327,9 @@ def bls_inner_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
 
 
 def _stop_words(arr: np.ndarray, stop: Any) -> list[str]:
-    """TensorRT-LLM's stop_words input, checked by its own name, added to the JSON's stop."""
+    """TensorRT-LLM's stop_words input, checked by its own name, added to the JSON's stop.
+    Empty words are skipped, as TensorRT-LLM's preprocessing skips them (its README's request
+    sends `"stop_words": ""`)."""
     words = np.asarray(arr).reshape(-1)
     if words.size > MAX_STOP_STRINGS:
         raise ValueError(f"stop_words holds {words.size} strings; at most {MAX_STOP_STRINGS} "
@@ -324,15 +337,28 @@ def _stop_words(arr: np.ndarray, stop: Any) -> list[str]:
     out = list(stop) if isinstance(stop, list) else [] if stop is None else [stop]
     for w in words:
         word = _text(np.array([w], dtype=np.object_), "stop_words")
-        if not 1 <= len(word) <= MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop_words must be strings of 1 to {MAX_STOP_STRING_CHARS} "
+        if len(word) > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"stop_words must be strings of at most {MAX_STOP_STRING_CHARS} "
                              f"characters, got one of {len(word)}")
-        if word not in out:
+        if word and word not in out:
             out.append(word)
     if len(out) > MAX_STOP_STRINGS:
         raise ValueError(f"stop and stop_words hold {len(out)} strings together; at most "
                          f"{MAX_STOP_STRINGS} are allowed")
     return out
+
+
+def _check_no_bad_words(arr: np.ndarray) -> None:
+    """TensorRT-LLM's bad_words input: taken only empty (its README's request sends
+    `"bad_words": ""`, which means none); words to ban are refused, not ignored."""
+    words = np.asarray(arr).reshape(-1)
+    if words.size > MAX_STOP_STRINGS:
+        raise ValueError(f"bad_words holds {words.size} strings; at most {MAX_STOP_STRINGS} "
+                         f"are allowed (and only empty ones)")
+    for w in words:
+        if _text(np.array([w], dtype=np.object_), "bad_words"):
+            raise ValueError("bad_words is not supported: only empty words (none) are "
+                             "accepted; leave the input out")
 
 
 class Completion(NamedTuple):

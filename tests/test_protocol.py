@@ -111,7 +111,8 @@ HOSTILE_TENSORS = [
 
 
 @pytest.mark.parametrize("name", ["text_input", "input_ids", "sampling_parameters", "stream",
-                                  "return_logprobs", REQUEST_PARAMETERS])
+                                  "return_logprobs", REQUEST_PARAMETERS, "stop_words",
+                                  "bad_words"])
 def test_any_tensor_in_any_input_is_parsed_or_a_value_error(name):
     """The server answers only ValueErrors with an error response: nothing else may escape."""
     for arr in HOSTILE_TENSORS:
@@ -237,10 +238,8 @@ def test_stop_words_are_checked_by_their_name_and_added_to_stop():
     inner = bls_inner_inputs({"text_input": s("x"), "sampling_parameters": s('{"stop": ["A"]}'),
                               "stop_words": np.array([b"C"], dtype=np.object_)})
     assert parse_request(inner).params.stop == ["A", "C"]
-    for words, needle in (([b""], "stop_words must be strings of 1 to 256 characters, got one "
-                                  "of 0"),
-                          ([b"w" * 300], "stop_words must be strings of 1 to 256 characters, "
-                                         "got one of 300"),
+    for words, needle in (([b"w" * 300], "stop_words must be strings of at most 256 "
+                                         "characters, got one of 300"),
                           ([b"w%d" % i for i in range(MAX_STOP_STRINGS)],
                            f"stop and stop_words hold {MAX_STOP_STRINGS + 1} strings together")):
         with pytest.raises(ValueError, match=needle):
@@ -249,6 +248,53 @@ def test_stop_words_are_checked_by_their_name_and_added_to_stop():
     with pytest.raises(ValueError, match="stop must be a string or a list"):
         bls_inner_inputs({"text_input": s("x"), "sampling_parameters": s('{"stop": 5}'),
                           "stop_words": np.array([b"B"], dtype=np.object_)})
+
+
+@pytest.mark.parametrize("words", [[b""], [b"", b""], np.array(b"")])
+def test_empty_stop_words_are_skipped_as_tensorrt_llm_does(words):
+    """TensorRT-LLM's README sends `"stop_words": ""` and its preprocessing skips empty words."""
+    inner = bls_inner_inputs({"text_input": s("x"), "sampling_parameters": s('{"stop": "A"}'),
+                              "stop_words": np.array(words, dtype=np.object_)})
+    assert parse_request(inner).params.stop == ["A"]
+    inner = bls_inner_inputs({"text_input": s("x"),
+                              "stop_words": np.array([b"", b"B"], dtype=np.object_)})
+    assert parse_request(inner).params.stop == ["B"]
+
+
+def test_bad_words_are_taken_only_empty_and_never_forwarded():
+    """TensorRT-LLM's README request sends `"bad_words": ""` too: empty ones mean none; any
+    other is refused by name, not ignored (there is no such sampling parameter here)."""
+    for words in ([b""], [b"", b""], b""):
+        inner = bls_inner_inputs({"text_input": s("x"), "max_tokens": np.array([20], np.int32),
+                                  "bad_words": np.array(words, dtype=np.object_),
+                                  "stop_words": np.array([b""], dtype=np.object_)})
+        assert "bad_words" not in inner
+        assert parse_request(inner).params.max_tokens == 20
+    for words in ([b"evil"], [b"", b"evil"]):
+        with pytest.raises(ValueError, match="bad_words is not supported"):
+            bls_inner_inputs({"text_input": s("x"),
+                              "bad_words": np.array(words, dtype=np.object_)})
+
+
+@pytest.mark.parametrize("inputs,parameters", [
+    ({"sampling_parameters": s("{oops")}, None),                    # and bad JSON
+    ({"exclude_input_in_output": b(True)}, '{"max_tokenz": 4}'),    # and a misspelt parameter
+    ({"max_tokens": np.array([-5], np.int32)}, None),               # and a bad scalar input
+    ({"stop_words": np.array([b"w" * 300], dtype=np.object_)}, None),
+    ({"bad_words": np.array([b"evil"], dtype=np.object_)}, None),
+    ({"input_ids": np.array([], np.int32), "sampling_parameters": s("{oops")}, None),
+], ids=["bad-json", "unknown-parameter", "bad-scalar", "long-stop-word", "bad-words",
+        "empty-input-ids"])
+def test_a_request_without_a_prompt_gets_llms_error_from_llm_bls(inputs, parameters):
+    """Both check the prompt first: a request with several faults is told the same one."""
+    inputs = with_request_parameters(inputs, parameters)
+    with pytest.raises(ValueError) as llm:
+        parse_request(inputs)
+    with pytest.raises(ValueError) as bls:
+        bls_inner_inputs(inputs)
+    assert str(bls.value) == str(llm.value)
+    assert "missing input: give text_input" in str(llm.value) or "input_ids is empty" in str(
+        llm.value)
 
 
 def test_logprobs_go_out_in_the_vllm_backends_layout():

@@ -471,6 +471,23 @@ def test_bls_scalar_inputs_override_json(server, direct):
     assert result.as_numpy("output_ids").tolist() == expected
 
 
+def test_tensorrt_llms_readme_request_is_served(server):
+    """TensorRT-LLM's README sends this to its generate endpoint: its empty bad_words and
+    stop_words mean none (its preprocessing skips empty words), and so they do here. Words to
+    ban are refused by name: llm has no such sampling parameter."""
+    prompt = "What is machine learning?"
+    body = {"text_input": prompt, "max_tokens": 20, "bad_words": "", "stop_words": ""}
+    text = http_json(server, "/v2/models/llm_bls/generate", body)["text_output"]
+    assert text.startswith(prompt) and len(text) > len(prompt), text
+    greedy_body = {"text_input": prompt, "max_tokens": 20, "temperature": 0}
+    assert (http_json(server, "/v2/models/llm_bls/generate", {**body, **greedy_body})
+            == http_json(server, "/v2/models/llm_bls/generate", greedy_body))
+    with pytest.raises(urllib.error.HTTPError) as e:
+        http_json(server, "/v2/models/llm_bls/generate", {**body, "bad_words": ["", "evil"]})
+    assert e.value.code == 400
+    assert "bad_words is not supported" in e.value.read().decode()
+
+
 def test_32_concurrent_streams_and_32_concurrent_bls(server, direct):
     expected = [o.outputs[0].text for o in direct.generate(PROMPTS, SamplingParams(**greedy(16)))]
     with concurrent.futures.ThreadPoolExecutor(64) as pool:
@@ -1263,6 +1280,17 @@ def test_killing_the_core_process_ends_streams_and_makes_llm_not_ready(model_dir
         wait_for(lambda: not client.is_model_ready("llm"), "llm to stop reporting ready")
         with pytest.raises(Exception, match="llm"):          # and new requests are refused
             stream_request(server, "after", greedy(4))
+        # llm_bls's too, as UNAVAILABLE (HTTP 503: the engine is gone), not as a fault of its
+        # own (INTERNAL, 500): BLS hands Triton's "Model 'llm' is not ready" over as INTERNAL.
+        with pytest.raises(InferenceServerException) as e:
+            client.infer("llm_bls", grpc_inputs("after", greedy(4), stream=False))
+        assert e.value.status() == "StatusCode.UNAVAILABLE", (e.value.status(), str(e.value))
+        assert "llm" in e.value.message()
+        body = {"inputs": [{"name": "text_input", "shape": [1], "datatype": "BYTES",
+                            "data": ["after"]}]}
+        with pytest.raises(urllib.error.HTTPError) as http_error:
+            http_json(server, "/v2/models/llm_bls/infer", body)
+        assert http_error.value.code == 503, http_error.value.read().decode()
         client.close()
         assert not _core_pids(server)
         # Its gauges say the engine runs nothing (they showed the 4 streams while llm stayed

@@ -18,10 +18,11 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from engine.bls_calls import BlsCalls, max_concurrency_from, python_backend_thread_pool_size
-from engine.protocol import (INPUT_NAMES, SCALAR_OVERRIDES, bls_inner_inputs, error_code,
-                             untag_error_kind, with_request_parameters)
+from engine.protocol import (INPUT_NAMES, SCALAR_OVERRIDES, TRTLLM_WORD_INPUTS,
+                             bls_inner_inputs, error_code, untag_error_kind,
+                             with_request_parameters)
 
-_OUTER_INPUTS = frozenset(INPUT_NAMES + tuple(SCALAR_OVERRIDES) + ("stop_words",))
+_OUTER_INPUTS = frozenset(INPUT_NAMES + tuple(SCALAR_OVERRIDES) + TRTLLM_WORD_INPUTS)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 
@@ -107,17 +108,38 @@ def _answer_from_llm(request, inner_id):
         if response.output_tensors():
             outputs = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in response.output_tensors()]
     if error is not None:
-        # llm's errors carry their kind on the message (BLS drops their code); one without is
-        # Triton's own (e.g. llm is not loaded), with its code.
-        message, kind = untag_error_kind(error.message())
-        code = error.code() if kind is None else error_code(pb_utils.TritonError, kind)
-        return _error(message, code), responses
+        return _error(*_message_and_code(error)), responses
     if not answered:
         return _error("llm returned no output"), responses
     # No tensors: the client asked only for outputs its return_* flags leave out; llm (and
     # Triton's vLLM backend) answer that with a response without them, and so does this.
     outputs = outputs or []
     return pb_utils.InferenceResponse(output_tensors=outputs), (responses, outputs)
+
+
+def _message_and_code(error):
+    """The message and code to answer an error of the BLS call with. Triton 2.51's BLS
+    responses carry every error as INTERNAL, so llm's own errors carry their kind on the
+    message. One without is Triton's (its code lost too): when llm cannot take requests (its
+    engine died and it unloaded itself, or it is not loaded: "Model 'llm' is not ready",
+    "unknown model"), it is UNAVAILABLE (HTTP 503), as llm answers when its engine is gone."""
+    message, kind = untag_error_kind(error.message())
+    if kind is not None:
+        return message, error_code(pb_utils.TritonError, kind)
+    code = error.code()
+    if code == pb_utils.TritonError.INTERNAL and not _llm_is_ready(message):
+        code = pb_utils.TritonError.UNAVAILABLE
+    return message, code
+
+
+def _llm_is_ready(message):
+    """Asks the server; should that fail, Triton's words for a model that cannot serve."""
+    try:
+        return pb_utils.is_model_ready("llm")
+    except Exception as e:  # noqa: BLE001 - the answer is only the error's code
+        pb_utils.Logger.log_warn(f"llm_bls: asking whether llm is ready failed: {e!r}")
+        return not any(s in message for s in ("is not ready", "unknown model",
+                                              "has no available versions"))
 
 
 def _abort_in_llm(inner_id):
