@@ -63,6 +63,11 @@ class EngineCore:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be <= the model's "
                              f"max_position_embeddings ({model_config.max_position_embeddings})")
         self.eos_token_ids = list(model_config.eos_token_ids or eos_token_ids or [])
+        # The tokenizer's EOS, where the model's ids hold it, first: the primary one (vLLM's).
+        primary = next((t for t in eos_token_ids or [] if t in self.eos_token_ids), None)
+        if primary is not None:
+            self.eos_token_ids.remove(primary)
+            self.eos_token_ids.insert(0, primary)
         self.vocab_size = model_config.vocab_size
 
         torch.manual_seed(config.seed)

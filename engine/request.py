@@ -76,8 +76,11 @@ class Request:
         self.num_computed_tokens = 0
         self.num_output_placeholders = 0      # tokens sampled in a step not yet collected
         self.status = RequestStatus.WAITING
-        # Stopping: EOS does not stop an ignore_eos request; stop_token_ids always do.
+        # Stopping: EOS does not stop an ignore_eos request; stop_token_ids always do. The
+        # first EOS id is the primary one (stop_reason None); another, as vLLM reads the
+        # generation config's extra EOS ids, is the stop_reason.
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
+        self.primary_eos = eos_token_ids[0] if eos_token_ids else None
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
         self.stop_reason: int | str | None = None
         # Bookkeeping the KV cache manager fills in.
@@ -138,6 +141,8 @@ class Request:
         if num_out >= params.min_tokens:
             if token_id in self.eos_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED
+                if token_id != self.primary_eos:
+                    self.stop_reason = token_id
                 return True
             if token_id in self.stop_token_ids:
                 self.status = RequestStatus.FINISHED_STOPPED

@@ -69,7 +69,7 @@ class SamplingMetadata:
         Top-k / top-p / min-p and seeds only matter for random rows, so greedy rows leave them
         off (a batch whose random rows never use top-k gets `top_k=None`). Penalties apply to
         greedy rows too. While the output is shorter than min_tokens a row masks its
-        stop_token_ids and, unless ignore_eos, the model's EOS ids. `num_output_tokens` may
+        stop_token_ids and the model's EOS ids (also under ignore_eos, as vLLM does). `num_output_tokens` may
         stand in for `output_token_ids` (None) when no row has a presence or frequency
         penalty or a repetition penalty: those read the outputs themselves, or
         `output_counts` and `prompt_seen` where the caller keeps them (engine/penalty_rows.py).
@@ -278,7 +278,7 @@ def _no_stop_token_ids(params: SamplingParams, num_output_tokens: int,
                        eos_token_ids: list[int]) -> list[int]:
     if num_output_tokens >= params.min_tokens:
         return []
-    ids = ([] if params.ignore_eos else list(eos_token_ids)) + params.stop_token_ids
+    ids = list(eos_token_ids) + params.stop_token_ids     # EOS too under ignore_eos, as vLLM
     return list(dict.fromkeys(ids))
 
 

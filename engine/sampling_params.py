@@ -66,6 +66,10 @@ class SamplingParams:
             v = getattr(self, f.name)
             if isinstance(v, np.generic):
                 setattr(self, f.name, v.item())
+        if self.seed == -1 and not isinstance(self.seed, bool):
+            self.seed = None                    # vLLM's "no seed"
+        if self.logprobs is True:
+            self.logprobs = 1                   # vLLM's reading of logprobs=True
         self.stop = _as_list("stop", self.stop, "a string or a list of strings")
         self.stop_token_ids = [t.item() if isinstance(t, np.integer) else t for t in _as_list(
             "stop_token_ids", self.stop_token_ids, "a list of token ids")]

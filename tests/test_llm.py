@@ -472,3 +472,27 @@ def test_token_id_prompts_are_checked_by_type_and_copied():
             encode_prompt(None, bad)
     with pytest.raises(ValueError, match="needs a tokenizer"):
         encode_prompt(None, "hello")
+
+
+def test_an_eos_id_besides_the_tokenizers_ends_with_it_as_stop_reason(tmp_path):
+    """vLLM: the tokenizer's EOS is the primary one (stop_reason None); the generation
+    config's other EOS ids are stop token ids, so ending on one gives stop_reason = that id."""
+    prompt = "Once upon a time, in a quiet town by the sea,"
+    src = make_tiny_model(tmp_path / "llama", arch="llama", seed=2)
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    ref = LLM(str(src), dtype="float32", device="cpu",
+              num_kv_blocks=64).generate(prompt, greedy)[0].outputs[0].token_ids
+    dst = tmp_path / "two_eos"
+    shutil.copytree(src, dst)
+    with open(dst / "generation_config.json") as f:
+        generation = json.load(f)
+    with open(dst / "generation_config.json", "w") as f:
+        json.dump({**generation, "eos_token_id": [ref[2], 1]}, f)    # the tokenizer's: 1
+    llm = LLM(str(dst), dtype="float32", device="cpu", num_kv_blocks=64)
+    assert llm.tokenizer.eos_token_id == 1 and ref[2] != 1
+    out = llm.generate(prompt, SamplingParams(max_tokens=8, temperature=0))[0].outputs[0]
+    assert (out.token_ids, out.finish_reason, out.stop_reason) == (ref[:3], "stop", ref[2])
+    # A min_tokens request masks every EOS id, under ignore_eos as well (vLLM's rule).
+    masked = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, min_tokens=3,
+                                                 ignore_eos=True))[0].outputs[0]
+    assert ref[2] not in masked.token_ids[:3] and 1 not in masked.token_ids[:3]

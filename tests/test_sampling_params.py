@@ -203,3 +203,10 @@ def test_n_completions_are_children_seeded_seed_plus_k():
             SamplingParams(n=bad)
     with pytest.raises(ValueError, match="n must be an integer"):
         SamplingParams(n=1.5)
+
+
+def test_vllms_seed_minus_one_and_logprobs_true_read_as_vllm_reads_them():
+    """vLLM's SamplingParams: seed -1 is no seed; logprobs=True is 1."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-2).seed == -2
+    assert SamplingParams(logprobs=True).logprobs == 1
