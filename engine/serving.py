@@ -144,6 +144,7 @@ class _Request:
     last_sent: float | None = None      # when its last response with tokens went out
     submitted: float = 0.0              # when submit() took it (Triton's execute)
     # traced (LLM_SERVING_TRACE, engine/serving_trace.py):
+    serving: float = field(default_factory=time.monotonic)   # when the loop took it
     in_engine: float | None = None      # when the engine had it (tokenized, sent to the core)
     first_output: float | None = None   # when its first step's output came back
     first_sent: float | None = None     # when its first tokens went to the server

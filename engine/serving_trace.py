@@ -57,7 +57,7 @@ class RequestTrace:
         if self._file is not None:
             core, index = r.core_key or (None, None)
             self._file.write(json.dumps({
-                "rid": r.rid, "submitted": r.submitted, "serving": r.start,
+                "rid": r.rid, "submitted": r.submitted, "serving": r.serving,
                 "in_engine": r.in_engine, "first_output": r.first_output,
                 "first_sent": r.first_sent, "final_output": r.final_output,
                 "final_sent": r.final_sent, "front": os.getpid(), "core": core,

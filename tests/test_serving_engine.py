@@ -289,6 +289,31 @@ def test_latencies_count_from_arrival_not_from_the_loops_start(model_dir):
         serving.shutdown()
 
 
+def test_the_trace_tells_the_wait_for_the_loop_from_the_rest(model_dir, tmp_path,
+                                                             monkeypatch):
+    """LLM_SERVING_TRACE's "serving" is when the loop took the request (scripts/ttft_trace.py's
+    execute -> loop stage): a request that waited for a busy loop shows that wait there (it
+    read as "submitted" once the latencies counted from arrival)."""
+    trace = tmp_path / "trace.jsonl"
+    monkeypatch.setenv("LLM_SERVING_TRACE", str(trace))
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    try:
+        release = _block_loop(serving)
+        rec = Recorder()
+        serving.submit(_inputs("waits for the loop", 2), rec)
+        t0 = time.monotonic()
+        time.sleep(0.3)                        # the loop busy elsewhere (a delay, not a wait)
+        held_s = time.monotonic() - t0
+        release.set()
+        assert rec.final.wait(WAIT_S) and rec.responses[-1][1] is None
+    finally:
+        serving.shutdown()
+    [line] = [json.loads(x) for x in trace.read_text().splitlines()]
+    assert line["serving"] - line["submitted"] >= held_s, line
+    assert line["serving"] <= line["in_engine"], line
+
+
 def test_shutdown_answers_requests_submitted_but_not_yet_started(model_dir):
     serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
                                          **SETTINGS))
@@ -358,7 +383,7 @@ def test_trace_of_a_final_response_sent_before_the_reader_noted_its_step(tmp_pat
     from types import SimpleNamespace
     from engine.serving_trace import RequestTrace
     trace = RequestTrace(str(tmp_path / "t.jsonl"))
-    r = SimpleNamespace(rid="x", submitted=1.0, start=1.1, in_engine=None, first_output=1.5,
+    r = SimpleNamespace(rid="x", submitted=1.0, serving=1.1, in_engine=None, first_output=1.5,
                         first_sent=1.6, final_output=None, final_sent=None, core_key=None)
     trace.in_engine(r, 1.2)
     trace.final_sent(r, 3.0)
