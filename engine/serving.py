@@ -154,6 +154,7 @@ class _Request:
     num_out: int = 0                    # its tokens in the responses so far
     num_prompt: int = 0                 # its prompt tokens, once it has had an output
     counted: bool = False               # counted finished in the metrics
+    in_engine_now: bool = False         # the engine took it (a completion of it, for n > 1)
     cancelled: bool = False
     stream: Stream | None = None        # its way back
     parts: list[_Part] | None = None    # n above 1: its completions, in index order
@@ -490,6 +491,7 @@ class ServingEngine:
             await self.engine.submit(r.req.prompt, r.req.params, rid,
                                      lambda out: self._on_output(r, out), stream=r.req.stream,
                                      pull=True, route=self._route(r))
+            r.in_engine_now = True
             if r.aborted:       # before submit opened it in the engine, r.abort found nothing
                 self.engine.abort_nowait(rid)
             if self._trace is not None:
@@ -515,6 +517,7 @@ class ServingEngine:
                 await self.engine.submit(r.req.prompt, params.child(k), part.rid, sink,
                                          stream=r.req.stream, pull=True, tokenized=tokenized,
                                          route=route)
+                r.in_engine_now = True
                 submitted = k + 1
                 if r.aborted:           # while it went in: r.abort may have missed it
                     self.engine.abort_nowait(part.rid)
@@ -574,6 +577,8 @@ class ServingEngine:
             return True
         failure = next((i for i in items if isinstance(i, _Failure)), None)
         if failure is not None:
+            if r.in_engine_now:         # the server stopping, the engine gone: cut short
+                self._count_cut_short(r)
             send(None, failure.message, True)
             self._forget(r)
             return True
@@ -705,13 +710,23 @@ class ServingEngine:
         """The response could not be sent (the client is gone): stop generating for it."""
         logger.info("request %s: sending failed (%s); aborting it", r.rid, e)
         r.abort(self.engine)
-        if r.req is not None and r.rid in self._inflight and not r.counted:
-            self.metrics.on_request_done(time.monotonic() - r.start)
-            self.metrics.on_tokens(r.num_prompt, r.num_out)
-            for _ in r.parts or (None,):
-                self.metrics.on_finish("abort")
+        if r.rid in self._inflight:
+            self._count_cut_short(r)
         self._forget(r)
         self._close_open(r)
+
+    def _count_cut_short(self, r: _Request) -> None:
+        """A request that ends without its final output (its send failed, the server stopped,
+        the engine died) counts once, as vLLM counts an aborted request: its tokens so far, a
+        completion that had finished under its own reason, the others as aborted."""
+        if r.req is None or r.counted:
+            return
+        r.counted = True
+        self.metrics.on_request_done(time.monotonic() - r.start)
+        self.metrics.on_tokens(r.num_prompt, r.num_out)
+        for p in r.parts or (None,):
+            self.metrics.on_finish(p.finish_reason if p is not None and p.finished
+                                   and p.finish_reason else "abort")
 
     def _count_finished(self, r: _Request, out: RequestOutput, num_out: int,
                         reason: str | None = None) -> None:
@@ -733,8 +748,9 @@ class ServingEngine:
         if r.parts is None:
             self.metrics.on_finish(reason or out.outputs[0].finish_reason)
         else:
-            for p in r.parts:
-                self.metrics.on_finish(reason or p.finish_reason)
+            for p in r.parts:           # one that finished before a cancel: its own reason
+                self.metrics.on_finish(p.finish_reason if p.finished and p.finish_reason
+                                       else reason or p.finish_reason)
 
     # ------------------------------------------------------------------ bookkeeping
     def _track(self, r: _Request) -> bool:

@@ -890,3 +890,97 @@ def test_a_request_of_n_completions_is_n_requests_load_on_the_board(model_dir, t
     finally:
         serving.shutdown()
         board.close()
+
+
+# ---------------------------------------------------------------------------- counted once
+N2_BASE = {"temperature": 1.0, "seed": 3, "ignore_eos": True}
+N2_PROMPT = "Count each"
+
+
+@pytest.fixture(scope="module")
+def early_stop_id(model_dir):
+    """A token the first of two seeded completions samples early (it stops there) and the
+    second never samples in its first 600 (it runs on)."""
+    llm = LLM(model_dir, dtype="float32", device="cpu", **LONG_SETTINGS)
+    outs = llm.generate(N2_PROMPT, SamplingParams(**N2_BASE, max_tokens=600, n=2))[0].outputs
+    a, b = outs[0].token_ids, outs[1].token_ids
+    found = [a[i] for i in range(2, 12) if a[i] not in a[:i] and a[i] not in b]
+    assert found, (a[:12], "no early token of completion 0 that completion 1 never samples")
+    return found[0]
+
+
+def _n2_inputs(stop_id):
+    sampling = {**N2_BASE, "max_tokens": LONG, "n": 2, "stop_token_ids": [stop_id]}
+    return {"text_input": _str(N2_PROMPT), "stream": np.array([True]),
+            "return_finish_reason": np.array([True]),
+            "sampling_parameters": _str(json.dumps(sampling))}
+
+
+def _reasons(tensors):
+    return [r.decode() if isinstance(r, bytes) else str(r)
+            for r in tensors["finish_reason"].tolist()]
+
+
+@pytest.mark.parametrize("how", ["cancel", "failed send"])
+def test_a_completion_that_stopped_before_its_sibling_was_cut_short_counts_as_stopped(
+        model_dir, early_stop_id, how):
+    """n=2: completion 0 stops (the client is told "stop"), then the client cancels, or a
+    send fails, while completion 1 runs: one finish under "stop", one "abort" (both counted
+    "abort" before)."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **LONG_SETTINGS))
+    try:
+        stopped, final, told = threading.Event(), threading.Event(), []
+
+        def send(tensors, error, is_final):
+            if how == "failed send" and stopped.is_set() and not is_final:
+                raise RuntimeError("the client is gone")    # the response after "stop"
+            if tensors is not None and tensors.get("finish_reason") is not None:
+                if _reasons(tensors)[:2] == ["stop", "None"]:
+                    stopped.set()
+            told.append(error)
+            if is_final:
+                final.set()
+
+        serving.submit(_n2_inputs(early_stop_id), send, is_cancelled=(
+            stopped.is_set if how == "cancel" else lambda: False))
+        if how == "cancel":
+            assert final.wait(WAIT_S) and str(told[-1]) == "request cancelled", told
+        wait_for(lambda: sum(serving.metrics.snapshot_counters()[f"finished_{r}"]
+                             for r in ("stop", "length", "abort")) >= 2,
+                 "both completions counted", timeout_s=WAIT_S)
+        _wait_idle(serving)
+        counters = serving.metrics.snapshot_counters()
+    finally:
+        serving.shutdown()
+    assert stopped.is_set()
+    assert (counters["finished_stop"], counters["finished_abort"],
+            counters["finished_length"]) == (1, 1, 0), counters
+
+
+def test_a_stream_the_server_stops_counts_its_tokens(model_dir):
+    """stop_serving ends a stream that had sent tokens: it counts once, as an aborted request
+    (its prompt, its tokens, an "abort" finish), as vLLM counts one; its tokens were sent, so
+    generated >= sent (they were not counted at all)."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **LONG_SETTINGS))
+    try:
+        sent, final = [], threading.Event()
+
+        def send(tensors, error, is_final):
+            if tensors is not None:
+                sent.append(len(tensors["output_ids"]))
+            if is_final:
+                final.set()
+
+        serving.submit(_inputs("stop me", LONG), send)
+        wait_for(lambda: sum(sent) >= 5, "some tokens to reach the client", timeout_s=WAIT_S)
+        serving.stop_serving("the server is shutting down")
+        assert final.wait(WAIT_S)
+        _wait_idle(serving)
+        counters = serving.metrics.snapshot_counters()
+    finally:
+        serving.shutdown()
+    assert counters["response_tokens"] == sum(sent) >= 5
+    assert counters["generation_tokens"] >= counters["response_tokens"], counters
+    assert counters["prompt_tokens"] > 0 and counters["finished_abort"] == 1, counters
