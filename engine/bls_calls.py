@@ -75,9 +75,11 @@ def max_concurrency_from(parameters: dict) -> int:
 
 def python_backend_thread_pool_size(argv: Sequence[str]) -> int:
     """The Python backend's `thread-pool-size` in a tritonserver command line: the last
-    `--backend-config=[python,]thread-pool-size=N` (`=` or a separate argument; the server
-    takes the last one too), else the backend's default."""
-    size = DEFAULT_THREAD_POOL_SIZE
+    `--backend-config=python,thread-pool-size=N` (`=` or a separate argument; the server
+    takes the last one too), else the last one for every backend
+    (`--backend-config=thread-pool-size=N`: a backend's own setting wins over it, wherever
+    it stands), else the backend's default."""
+    sizes: dict[str, int] = {}          # "python" / "" (every backend's): the last of each
     args = iter(argv)
     for arg in args:
         if arg == "--backend-config":
@@ -86,11 +88,11 @@ def python_backend_thread_pool_size(argv: Sequence[str]) -> int:
             value = arg.split("=", 1)[1]
         else:
             continue
-        backend, _, setting = value.rpartition(",")
+        backend, _, setting = value.partition(",") if "," in value else ("", "", value)
         key, _, number = setting.partition("=")
         if backend in ("", "python") and key == "thread-pool-size" and number.isdigit():
-            size = int(number)
-    return size
+            sizes[backend] = int(number)
+    return sizes.get("python", sizes.get("", DEFAULT_THREAD_POOL_SIZE))
 
 
 @dataclass(eq=False)

@@ -20,6 +20,12 @@ from engine.protocol import BLS_REQUEST_ID_PREFIX
     (["tritonserver", "--backend-config=python,thread-pool-size=8",
       "--backend-config=python,thread-pool-size=512"], 512),              # the last counts
     (["tritonserver", "--backend-config=onnxruntime,thread-pool-size=8"], 32),
+    # The backend's own setting wins over every backend's, wherever it stands (Triton's rule;
+    # scripts/tritonserver_env.py passes python,thread-pool-size=64 before a user's own).
+    (["tritonserver", "--backend-config=python,thread-pool-size=64",
+      "--backend-config=thread-pool-size=128"], 64),
+    (["tritonserver", "--backend-config=thread-pool-size=128",
+      "--backend-config=python,thread-pool-size=64"], 64),
     (["tritonserver", "--backend-config=python,shm-default-byte-size=1048576"], 32),
     (["tritonserver", "--backend-config=python,thread-pool-size=many"], 32),
     (["tritonserver", "--backend-config"], 32),
