@@ -19,6 +19,9 @@ from engine.outputs import EngineStats
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                    10.0, 30.0)
+# A first token waits behind a queue that a flood of long prompts makes minutes long (vLLM's
+# TTFT buckets reach 2,560 s): above 30 s it still lands in a finite bucket.
+TTFT_BUCKETS = LATENCY_BUCKETS + (60.0, 120.0, 240.0, 640.0, 2560.0)
 # Whole requests run from a fraction of a second to many minutes (vLLM's e2e buckets).
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                    60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
@@ -26,7 +29,7 @@ LAG_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0
 # ServingMetrics' histograms: attribute -> (Prometheus name, description, bucket bounds).
 HISTOGRAMS = {
     "ttft": ("llm_time_to_first_token_seconds", "Time from arrival to the first generated token",
-             LATENCY_BUCKETS),
+             TTFT_BUCKETS),
     "itl": ("llm_inter_token_latency_seconds", "Time between generated tokens of a request, as sent",
             LATENCY_BUCKETS),
     "e2e": ("llm_e2e_request_latency_seconds",

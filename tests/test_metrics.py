@@ -166,6 +166,19 @@ def test_whole_requests_are_bucketed_up_to_hours():
     assert cumulative[buckets.index(60.0)] == 2 and cumulative[buckets.index(960.0)] == 3
 
 
+def test_a_first_token_minutes_late_is_bucketed():
+    """A TTFT behind a long queue (a flood of long prompts) lands in a finite bucket, as in
+    vLLM's (up to 2,560 s), where quantiles can read it; the sub-second scale is kept."""
+    m = ServingMetrics()
+    for seconds in (0.004, 45.0, 300.0):
+        m.on_first_token(seconds)
+    cumulative, _, n = m.ttft.snapshot()
+    buckets = m.ttft.buckets
+    assert n == 3 and buckets[:3] == (0.001, 0.0025, 0.005) and buckets[-1] >= 2560
+    assert cumulative[buckets.index(0.005)] == 1
+    assert cumulative[buckets.index(60.0)] == 2 and cumulative[buckets.index(640.0)] == 3
+
+
 def test_two_gpus_instances_of_one_name_get_series_of_their_own():
     """Triton names the instance on each GPU llm_0_0: the device label keeps their series
     apart (the same labels would give both stubs one shared series)."""
