@@ -83,7 +83,7 @@ def stream(url: str, model: str, prompt: str, sampling_parameters: dict,
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--url", default="localhost:8001", help="gRPC host:port")
     parser.add_argument("--model", default="llm")
     parser.add_argument("--prompt", default="Hello, my name is")

@@ -20,10 +20,15 @@ import glob
 import json
 import os
 import signal
+import sys
 import time
 
-from scripts.bench_common import process_cmdlines
-from scripts.server_probe import cpu_times
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:        # run as `python scripts/proc_sampler.py`
+    sys.path.insert(0, ROOT)
+
+from scripts.bench_common import process_cmdlines  # noqa: E402
+from scripts.server_probe import cpu_times  # noqa: E402
 
 CGROUP = "/sys/fs/cgroup"
 

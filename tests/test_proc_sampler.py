@@ -1,5 +1,6 @@
 """scripts/proc_sampler.py: what it samples of a real process, and its summary."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -41,3 +42,12 @@ def test_a_window_with_fewer_than_two_samples_says_nothing():
     samples = [dict(proc_sampler.sample(), t=now), dict(proc_sampler.sample(), t=now + 1)]
     assert proc_sampler.summarize(samples, (now + 0.5, now + 2)) == {}
     assert proc_sampler.summarize(samples)["seconds"] == 1.0
+
+
+def test_it_runs_as_its_docstring_says():
+    """`python scripts/proc_sampler.py ...` from the repository root (it imported `scripts.*`
+    without the root on sys.path: ModuleNotFoundError)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "scripts/proc_sampler.py", "--help"], cwd=root,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "--summarize" in r.stdout, r.stderr[-500:]
