@@ -175,11 +175,17 @@ class InstanceBoard:
         pids = self._slots[:, 0]
         for i in range(NUM_SLOTS):
             if pids[i] == 0 or not _alive(int(pids[i])):
-                self._slots[i] = (os.getpid(), 0)
-                self._placed[i] = 0
-                self.prefix_holders &= ~slot_bit(i)     # what the slot's last engine took
+                self._free_slot(i)
+                self._slots[i, 0] = os.getpid()
                 return i
         raise RuntimeError(f"all {NUM_SLOTS} instance slots of {self.path} are taken")
+
+    def _free_slot(self, i: int) -> None:
+        """Under the file lock: slot i's process, load, placed requests and the prefixes its
+        engine took are forgotten."""
+        self._slots[i] = (0, 0)
+        self._placed[i] = 0
+        self.prefix_holders &= ~slot_bit(i)
 
     # ------------------------------------------------------------------ loads
     def set_load(self, num_requests: int) -> None:
@@ -247,9 +253,7 @@ class InstanceBoard:
                 try:
                     if int(self._slots[i, 0]) == pid:
                         logger.info("instance board: process %d is gone, freeing its slot", pid)
-                        self._slots[i] = (0, 0)
-                        self._placed[i] = 0
-                        self.prefix_holders &= ~slot_bit(i)
+                        self._free_slot(i)
                 finally:
                     fcntl.flock(self._fd, fcntl.LOCK_UN)
 
@@ -283,9 +287,7 @@ class InstanceBoard:
             try:
                 for i, pid in enumerate(self._slots[:, 0].tolist()):
                     if pid and i != self.slot and not _alive(pid):
-                        self._slots[i] = (0, 0)
-                        self._placed[i] = 0
-                        self.prefix_holders &= ~slot_bit(i)
+                        self._free_slot(i)
                         freed.append(i)
             finally:
                 fcntl.flock(self._fd, fcntl.LOCK_UN)

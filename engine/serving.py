@@ -133,6 +133,10 @@ class _Part:
     logprobs: list | None = None
     num_cached_tokens: int | None = None    # its prompt tokens the prefix cache held
 
+    def reason_or(self, default: str | None) -> str | None:
+        """Its own finish reason once it has finished, else `default`."""
+        return self.finish_reason if self.finished and self.finish_reason else default
+
 
 @dataclass
 class _Request:
@@ -725,8 +729,7 @@ class ServingEngine:
         self.metrics.on_request_done(time.monotonic() - r.start)
         self.metrics.on_tokens(r.num_prompt, r.num_out)
         for p in r.parts or (None,):
-            self.metrics.on_finish(p.finish_reason if p is not None and p.finished
-                                   and p.finish_reason else "abort")
+            self.metrics.on_finish("abort" if p is None else p.reason_or("abort"))
 
     def _count_finished(self, r: _Request, out: RequestOutput, num_out: int,
                         reason: str | None = None) -> None:
@@ -749,8 +752,7 @@ class ServingEngine:
             self.metrics.on_finish(reason or out.outputs[0].finish_reason)
         else:
             for p in r.parts:           # one that finished before a cancel: its own reason
-                self.metrics.on_finish(p.finish_reason if p.finished and p.finish_reason
-                                       else reason or p.finish_reason)
+                self.metrics.on_finish(p.reason_or(reason or p.finish_reason))
 
     # ------------------------------------------------------------------ bookkeeping
     def _track(self, r: _Request) -> bool:
