@@ -118,6 +118,10 @@ class IncrementalDetokenizer:
     def complete(self, prefix_text: str, full_text: str, final: bool = False) -> str:
         """The text the new tokens complete, from the decoded windows; `final` flushes an
         incomplete tail."""
+        if prefix_text == "" and "\ufffd" in full_text and self.prefix_offset < self.read_offset:
+            widened = self._widened_prefix()
+            if widened is not None:
+                return self.complete(widened, self._decode(self.ids[self.prefix_offset:]), final)
         new_text = full_text[len(prefix_text):]
         if "\ufffd" not in full_text or ("\ufffd" not in new_text
                                          and full_text.startswith(prefix_text)):
@@ -144,7 +148,9 @@ class IncrementalDetokenizer:
         whole = self._decode(unread)
         for j in range(1, len(unread)):
             rest = self._decode(unread[j:])
-            if "\ufffd" not in rest:
+            # A rest that reads as nothing (skipped special tokens) does not end the bytes'
+            # run: decode drops those tokens, and the bytes after them may complete it.
+            if rest and "\ufffd" not in rest:
                 dead = self._decode(unread[:j])
                 if whole.startswith(dead) and "\ufffd" not in whole[len(dead):]:
                     rest = whole[len(dead):]    # with the context of the dead bytes (a space)
@@ -154,6 +160,19 @@ class IncrementalDetokenizer:
         if not final and whole.endswith("\ufffd"):
             return ""
         return self._read_past_invalid(whole)
+
+    def _widened_prefix(self) -> str | None:
+        """The sent tokens of the window read as nothing (a leading space a Strip decoder
+        drops, skipped special tokens), so a new byte that turned them into U+FFFD would not
+        show as rewriting sent text. Starts the window at up to 8 earlier tokens (a character's
+        bytes, skipped tokens among them), the fewest that read as some text without U+FFFD;
+        returns that text (None: no such start)."""
+        for start in range(self.prefix_offset - 1, max(-1, self.prefix_offset - 9), -1):
+            text = self._decode(self.ids[start:self.read_offset])
+            if text and "\ufffd" not in text:
+                self.prefix_offset = start
+                return text
+        return None
 
     def _read_past_invalid(self, new_text: str) -> str:
         """Reads the unread tokens as `new_text`; if that holds an invalid byte, later windows

@@ -242,3 +242,74 @@ def test_byte_runs_give_the_same_text_however_the_tokens_arrive():
             before = tok.decode(prompt, clean_up_tokenization_spaces=False)
             after = tok.decode(prompt + out, clean_up_tokenization_spaces=False)
             assert after.startswith(before) and one == after[len(before):], (trial, out)
+
+
+@pytest.mark.parametrize("skip", [True, False])
+@pytest.mark.parametrize("special", ["<s>", "</s>", "<unk>"])
+def test_a_special_token_inside_a_character_leaves_it_whole_when_skipped(skip, special):
+    """A special token generated between the byte tokens of one character (EOS while
+    min_tokens or ignore_eos holds it back): decode drops a skipped one and the bytes make
+    the character; the text was U+FFFD, because the special token's empty text read as the
+    end of the bytes' run. Kept (skip_special_tokens off), it does end the run, as in decode."""
+    tok = _byte_fallback_tokenizer()
+    prompt = tok.encode("Translate: it", add_special_tokens=False)
+    is_, sid = tok.convert_tokens_to_ids("\u2581is"), tok.convert_tokens_to_ids(special)
+    for cut in (1, 2):
+        out = _bytes(tok, "中") + _bytes(tok, "文")[:cut] + [sid] + _bytes(tok, "文")[cut:] + [is_]
+        whole = tok.decode(out, skip_special_tokens=skip, clean_up_tokenization_spaces=False)
+        assert ("文" in whole) == skip
+        for chunk in (1, 2, 3, 100):
+            d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+            pieces = [d.step(out[i:i + chunk]) for i in range(0, len(out), chunk)]
+            text = "".join(pieces + [d.step([], final=True)])
+            if skip:
+                assert text == whole, (cut, chunk, pieces)
+            else:   # decode makes 中 U+FFFD too; here one U+FFFD a dead byte, 中 kept
+                assert text == "中" + "\ufffd" * cut + special + "\ufffd" * (3 - cut) + " is", text
+
+
+def test_a_space_byte_before_a_byte_that_never_becomes_a_character_is_sent_once():
+    """<0x20> then a lone first byte: a window starting at the <0x20> reads as "" (the Strip
+    decoder drops a leading space), so the byte turning the space into U+FFFD did not show as
+    rewriting sent text and the space came again as U+FFFD, one token a step only."""
+    tok = _byte_fallback_tokenizer()
+    is_ = tok.convert_tokens_to_ids("\u2581is")
+    prompt = tok.encode("Translate: it", add_special_tokens=False)
+    out = [is_] + _bytes(tok, " ") + _bytes(tok, "界")[:1] + [is_]
+    for chunk in (1, 2, 3, 100):
+        assert "".join(_pieces(tok, prompt, out, chunk)) == " is \ufffd is", chunk
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_byte_runs_with_spaces_and_special_tokens_give_the_same_text_however_they_arrive(skip):
+    """As the random test above, with space bytes and special tokens among the bytes."""
+    tok = _byte_fallback_tokenizer()
+    is_ = tok.convert_tokens_to_ids("\u2581is")
+    specials = [tok.bos_token_id, tok.eos_token_id, tok.unk_token_id]
+    rng = random.Random(1)
+    for trial in range(300):
+        out, whole = [], True
+        for _ in range(rng.randint(1, 8)):
+            r = rng.random()
+            if r < 0.2:
+                out.append(is_)
+            elif r < 0.35:
+                out.append(rng.choice(specials))
+            else:
+                b = _bytes(tok, rng.choice("日本🙂é €  a"))
+                if len(b) > 1 and rng.random() < 0.25:
+                    b, whole = b[:rng.randrange(1, len(b))], False
+                out += b
+        prompt = tok.encode(rng.choice(["Translate: it", "it 😀", "日本"]), add_special_tokens=False)
+
+        def text(chunk):
+            d = IncrementalDetokenizer(tok, prompt, skip_special_tokens=skip)
+            pieces = [d.step(out[i:i + chunk]) for i in range(0, len(out), chunk)]
+            return "".join(pieces + [d.step([], final=True)])
+        one = text(1)
+        for chunk in (2, 3, 100):
+            assert text(chunk) == one, (trial, chunk, tok.convert_ids_to_tokens(out))
+        if whole and skip:
+            kw = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)
+            before, after = tok.decode(prompt, **kw), tok.decode(prompt + out, **kw)
+            assert after.startswith(before) and one == after[len(before):], (trial, out)
