@@ -243,48 +243,56 @@ class LLM:
         requests, prompt_ids = [], []
         parents: list[list[str]] = []       # per prompt, its completions' request ids
         finished: dict[str, RequestOutput] = {}
-        with contextlib.ExitStack() as collector:
-            with gc_paused():
-                t_start = time.perf_counter()
-                for prompt, params in zip(prompts, sampling_params):
-                    text, ids = encode_prompt(self.tokenizer, prompt)
-                    arr = token_array(ids)
-                    parent = str(next(self._ids))
-                    # n completions are n requests of the prompt: they share its KV blocks
-                    # (prefix groups or the prefix cache) and run as any others.
-                    children = ([(parent, params)] if params.n == 1 else
-                                [(f"{parent}_{k}", params.child(k)) for k in range(params.n)])
-                    parents.append([])
-                    for request_id, child_params in children:
-                        req = self.core.make_request(request_id, ids, child_params, arr)
-                        processor.add_request(request_id, request_id, text, ids, child_params)
-                        requests.append(req)
-                        prompt_ids.append(ids if arr is None else arr)
-                        parents[-1].append(request_id)
-                t_prompts = t_grouped = time.perf_counter()
-                if self.config.enable_prefix_groups and len(requests) > 1:
-                    # Prompts sharing a prefix run as groups: the prefix computed once, kept
-                    # resident.
-                    groups = group_prompts(prompt_ids, self.config.block_size)
-                    t_grouped = time.perf_counter()
-                    for group in groups:
-                        self.core.add_group([requests[i] for i in group.members],
-                                            group.prefix_len)
-                else:
-                    for req in requests:
-                        self.core.add_request(req)
-                t_end = time.perf_counter()
-                self.intake_s = {"prompts": t_prompts - t_start, "grouping": t_grouped - t_prompts,
-                                 "scheduling": t_end - t_grouped}
-                # Frozen while the collector is still off: its first pass after would walk
-                # everything the intake made (0.2 s for issue 12's job on a 2-core CPU).
-                collector.enter_context(gc_young_only())
-            while processor.has_unfinished():
-                outs, to_abort = processor.process(self.core.step())
-                if to_abort:
-                    self.core.abort_requests(to_abort)
-                for out in outs:
-                    finished[out.request_id] = out
+        try:
+            with contextlib.ExitStack() as collector:
+                with gc_paused():
+                    t_start = time.perf_counter()
+                    for prompt, params in zip(prompts, sampling_params):
+                        text, ids = encode_prompt(self.tokenizer, prompt)
+                        arr = token_array(ids)
+                        parent = str(next(self._ids))
+                        # n completions are n requests of the prompt: they share its KV blocks
+                        # (prefix groups or the prefix cache) and run as any others.
+                        children = ([(parent, params)] if params.n == 1 else
+                                    [(f"{parent}_{k}", params.child(k)) for k in range(params.n)])
+                        parents.append([])
+                        for request_id, child_params in children:
+                            req = self.core.make_request(request_id, ids, child_params, arr)
+                            processor.add_request(request_id, request_id, text, ids, child_params)
+                            requests.append(req)
+                            prompt_ids.append(ids if arr is None else arr)
+                            parents[-1].append(request_id)
+                    t_prompts = t_grouped = time.perf_counter()
+                    if self.config.enable_prefix_groups and len(requests) > 1:
+                        # Prompts sharing a prefix run as groups: the prefix computed once, kept
+                        # resident.
+                        groups = group_prompts(prompt_ids, self.config.block_size)
+                        t_grouped = time.perf_counter()
+                        for group in groups:
+                            self.core.add_group([requests[i] for i in group.members],
+                                                group.prefix_len)
+                    else:
+                        for req in requests:
+                            self.core.add_request(req)
+                    t_end = time.perf_counter()
+                    self.intake_s = {"prompts": t_prompts - t_start,
+                                     "grouping": t_grouped - t_prompts,
+                                     "scheduling": t_end - t_grouped}
+                    # Frozen while the collector is still off: its first pass after would walk
+                    # everything the intake made (0.2 s for issue 12's job on a 2-core CPU).
+                    collector.enter_context(gc_young_only())
+                while processor.has_unfinished():
+                    outs, to_abort = processor.process(self.core.step())
+                    if to_abort:
+                        self.core.abort_requests(to_abort)
+                    for out in outs:
+                        finished[out.request_id] = out
+        except BaseException:
+            # Ctrl-C or an error midway: its requests must not stay in the engine, holding
+            # KV blocks and running inside the next call for outputs nobody reads.
+            self.core.abort_requests([r for children in parents for r in children
+                                      if r not in finished])
+            raise
         return [_joined([finished[c] for c in children]) for children in parents]
 
     def get_stats(self) -> EngineStats:

@@ -496,3 +496,33 @@ def test_an_eos_id_besides_the_tokenizers_ends_with_it_as_stop_reason(tmp_path):
     masked = llm.generate(prompt, SamplingParams(max_tokens=4, temperature=0, min_tokens=3,
                                                  ignore_eos=True))[0].outputs[0]
     assert ref[2] not in masked.token_ids[:3] and 1 not in masked.token_ids[:3]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_generate_interrupted_midway_leaves_nothing_behind(tiny_models, hf_outputs,
+                                                             async_scheduling):
+    """Ctrl-C (or any exception) in the middle of generate: its requests are aborted, their
+    KV blocks free; they used to stay in the engine and run inside the next generate call,
+    holding its blocks and steps for outputs nobody would read."""
+    prompts, expected = hf_outputs("llama")
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=512,
+              async_scheduling=async_scheduling)
+    real_step, calls = llm.core.step, []
+
+    def interrupted_step():
+        calls.append(1)
+        if len(calls) == 4:
+            raise KeyboardInterrupt
+        return real_step()
+    llm.core.step = interrupted_step
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, GREEDY)
+    llm.core.step = real_step
+    assert not llm.core.scheduler.has_unfinished_requests()
+    stats = llm.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    steps_before = stats.num_steps
+    outs = llm.generate(prompts[:2], GREEDY)
+    assert [o.outputs[0].token_ids for o in outs] == expected[:2]
+    # Only the two prompts' steps: one prompt step, then a decode step per further token.
+    assert llm.get_stats().num_steps - steps_before <= MAX_TOKENS + 1
