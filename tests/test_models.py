@@ -34,6 +34,10 @@ VARIANTS = {
         **SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, sliding_window=None,
         rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
     ),
+    # A "llamafied" Mistral's leftover key: Llama has no sliding window (HF and vLLM ignore it).
+    "llama_stray_window": lambda: LlamaConfig(
+        **SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=5,
+    ),
     "mistral_window": lambda: MistralConfig(
         **SMALL, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, sliding_window=7,
     ),
@@ -352,6 +356,41 @@ def test_config_transformers4_and_5_keys_agree(tmp_path):
     assert plain.rope_scaling is None and plain.rope_theta == 1e6
 
 
+def test_a_single_weights_file_wins_over_an_index_of_shards_as_in_hf(tmp_path):
+    """A folder with model.safetensors and a (stale) index of shards: transformers loads the
+    single file; so does the loader, so both serve the same weights."""
+    single, stale = make_hf_model(VARIANTS["llama"](), seed=0), make_hf_model(VARIANTS["llama"](), seed=1)
+    single.save_pretrained(tmp_path / "m")
+    stale.save_pretrained(tmp_path / "shards", max_shard_size="20KB")
+    for f in (tmp_path / "shards").iterdir():
+        if f.name.endswith((".safetensors", ".index.json")):
+            shutil.copy(f, tmp_path / "m" / f.name)
+    assert (tmp_path / "m" / "model.safetensors.index.json").exists()
+    ours, _ = load_model(tmp_path / "m", torch.float32, "cpu")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "m", dtype=torch.float32)
+    assert torch.equal(ours.layers[0].self_attn.o_proj.weight, hf.model.layers[0].self_attn.o_proj.weight)
+    assert torch.equal(hf.model.layers[0].self_attn.o_proj.weight, single.model.layers[0].self_attn.o_proj.weight)
+
+
+def test_config_eos_ids_are_generation_configs_where_it_names_them():
+    """transformers' generate and vLLM stop on generation_config.json's eos ids when the file
+    names them, else on config.json's; not on both (config.json's id may be a token the model
+    generates, as in some fine-tunes)."""
+    raw = dict(BASE_CONFIG, eos_token_id=2)
+    assert ModelConfig.from_dict(raw, {"eos_token_id": [5, 6]}).eos_token_ids == [5, 6]
+    assert ModelConfig.from_dict(raw, {"eos_token_id": 7}).eos_token_ids == [7]
+    assert ModelConfig.from_dict(raw, {"eos_token_id": None}).eos_token_ids == [2]
+    assert ModelConfig.from_dict(raw, {"bos_token_id": 1}).eos_token_ids == [2]
+    assert ModelConfig.from_dict(dict(raw, eos_token_id=[2, 3, 2])).eos_token_ids == [2, 3]
+
+
+def test_config_takes_swish_as_silu_and_refuses_other_activations():
+    assert ModelConfig.from_dict(dict(BASE_CONFIG, hidden_act="swish")) == ModelConfig.from_dict(
+        dict(BASE_CONFIG, hidden_act="silu"))
+    with pytest.raises(ValueError, match="unsupported hidden_act 'gelu'; supported: 'silu'"):
+        ModelConfig.from_dict(dict(BASE_CONFIG, hidden_act="gelu"))
+
+
 def test_config_flags_per_architecture():
     qwen = ModelConfig.from_dict(dict(BASE_CONFIG, architectures=["Qwen2ForCausalLM"], attention_bias=False,
                                       sliding_window=32, use_sliding_window=False, tie_word_embeddings=True))
@@ -366,6 +405,8 @@ def test_config_flags_per_architecture():
     assert ModelConfig.from_dict(qwen_window).sliding_window_layers == (0, 2)
     llama = ModelConfig.from_dict(dict(BASE_CONFIG, attention_bias=True, mlp_bias=True))
     assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias) == (True, True, True)
+    stray = ModelConfig.from_dict(dict(BASE_CONFIG, sliding_window=32))
+    assert (stray.sliding_window, stray.sliding_window_layers) == (None, ())
 
 
 def test_config_reads_absent_keys_as_the_architectures_hf_config_does():

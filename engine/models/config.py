@@ -99,8 +99,9 @@ class ModelConfig:
         if missing:
             raise ValueError(f"config.json lacks required key(s): {', '.join(missing)}")
         hidden_act = raw.get("hidden_act", "silu")
-        if hidden_act != "silu":
-            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: 'silu'")
+        if hidden_act not in ("silu", "swish"):      # transformers' two names of one function
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; supported: 'silu' "
+                             f"(also named 'swish')")
 
         num_heads = raw["num_attention_heads"]
         num_kv_heads = raw.get("num_key_value_heads") or num_heads
@@ -112,7 +113,8 @@ class ModelConfig:
 
         is_qwen2 = architecture == "Qwen2ForCausalLM"
         attention_bias = bool(raw.get("attention_bias", False))
-        sliding_window, sliding_window_layers = _parse_sliding_window(raw, is_qwen2, num_layers)
+        sliding_window, sliding_window_layers = _parse_sliding_window(raw, architecture,
+                                                                      num_layers)
         return cls(
             architecture=architecture,
             vocab_size=raw["vocab_size"],
@@ -164,9 +166,14 @@ def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[floa
         raise ValueError(f"rope type {rope_type!r} needs the parameter {e.args[0]!r}") from None
 
 
-def _parse_sliding_window(raw: dict[str, Any], is_qwen2: bool, num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+def _parse_sliding_window(raw: dict[str, Any], architecture: str,
+                          num_layers: int) -> tuple[int | None, tuple[int, ...]]:
+    """The window and the layers it applies to. Llama has no sliding window: transformers'
+    and vLLM's Llama read no `sliding_window` key, which a "llamafied" Mistral or Qwen2
+    checkpoint may still carry."""
+    is_qwen2 = architecture == "Qwen2ForCausalLM"
     window = raw.get("sliding_window")
-    if is_qwen2 and not raw.get("use_sliding_window", False):
+    if architecture == "LlamaForCausalLM" or (is_qwen2 and not raw.get("use_sliding_window", False)):
         window = None
     if window is None:
         return None, ()
@@ -180,10 +187,13 @@ def _parse_sliding_window(raw: dict[str, Any], is_qwen2: bool, num_layers: int) 
 
 
 def _eos_ids(raw: dict[str, Any], generation_config: dict[str, Any] | None) -> list[int]:
+    """The ids that end a generation: generation_config.json's where it names them, else
+    config.json's (as transformers' generate and vLLM read them; the two files may differ)."""
+    value = (generation_config or {}).get("eos_token_id")
+    if value is None:
+        value = raw.get("eos_token_id")
     ids: list[int] = []
-    for source in (raw, generation_config or {}):
-        value = source.get("eos_token_id")
-        for token_id in [value] if isinstance(value, int) else value or []:
-            if token_id not in ids:
-                ids.append(token_id)
+    for token_id in [value] if isinstance(value, int) else value or []:
+        if token_id not in ids:
+            ids.append(token_id)
     return ids

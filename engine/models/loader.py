@@ -142,6 +142,11 @@ def _untie_if_the_checkpoint_does(config: ModelConfig, files: dict[str, str],
 
 
 def _safetensors_files(folder: str) -> list[str]:
+    """The checkpoint's weight files, chosen as transformers chooses them: model.safetensors
+    before an index of shards (a folder may hold both, one of them stale)."""
+    single = os.path.join(folder, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
     index_file = os.path.join(folder, "model.safetensors.index.json")
     if os.path.isfile(index_file):
         with open(index_file, encoding="utf-8") as f:
@@ -151,9 +156,6 @@ def _safetensors_files(folder: str) -> list[str]:
             if not os.path.isfile(file):
                 raise FileNotFoundError(f"{index_file} lists {os.path.basename(file)}, which is not in {folder!r}")
         return files
-    single = os.path.join(folder, "model.safetensors")
-    if os.path.isfile(single):
-        return [single]
     files = sorted(os.path.join(folder, name) for name in os.listdir(folder) if name.endswith(".safetensors"))
     if not files:
         raise FileNotFoundError(
