@@ -215,10 +215,16 @@ class BlsCalls:
         return True
 
     def close(self) -> None:
-        """Stops the watcher; on_cancel is not called once this returns."""
+        """Stops the watcher; on_cancel is not called once this returns. Drops what it kept:
+        at the model's finalize every request has its answer, and Triton's objects must go
+        while the stub still runs (llm_bls's finalize)."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
+        with self._lock:
+            kept, self._kept = self._kept, deque()
+            self._calls.clear()
+        del kept                            # dropped here, outside the lock
 
     def _watch(self, round_s: float) -> None:
         while not self._stop.wait(round_s):

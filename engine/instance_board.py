@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import fcntl
 import glob
+import hashlib
 import logging
 import mmap
 import os
@@ -121,14 +122,15 @@ def _server_of(name: str) -> tuple[int, int, int] | None:
 
 class InstanceBoard:
     def __init__(self, server_pid: int, model_name: str, directory: str | None = None,
-                 model_version: str | None = None) -> None:
+                 model_version: str | None = None, generation: str | None = None) -> None:
         """Maps the board of `model_name` (of `model_version`: two versions loaded at once are
-        two models to Triton, which never gives one's requests to the other) in the server
-        `server_pid` (creating it) and takes a free slot. Raises OSError if the file cannot be
-        made, RuntimeError if no slot is free."""
+        two models to Triton, which never gives one's requests to the other; of `generation`,
+        see load_generation) in the server `server_pid` (creating it) and takes a free slot.
+        Raises OSError if the file cannot be made, RuntimeError if no slot is free."""
         directory = directory or board_dir()
         _remove_boards_of_dead_servers(directory)
         version = f"-v{_safe(str(model_version))}" if model_version is not None else ""
+        version += f"-g{_safe(generation)}" if generation is not None else ""
         self.path = os.path.join(directory,
                                  f"{PREFIX}{server_key(server_pid)}-{_safe(model_name)}{version}")
         self._lock = threading.Lock()       # this process's writers of its load
@@ -370,6 +372,26 @@ class InstanceBoard:
             self._mm.close()
             os.close(self._fd)
             self._fd = -1
+
+
+def load_generation(model_config: str, model_dir: str) -> str:
+    """What tells one load of a model from the next: a digest of its Triton config (JSON, as
+    the backend hands it to each instance) and of the times and sizes of the files in its
+    folder (what makes Triton reload it). A reload's new instances start while the old ones
+    drain their streams; on one board they routed requests to the old engines, which Triton
+    then unloaded under them (it does not know they run there)."""
+    h = hashlib.sha256(model_config.encode())
+    for root, dirs, files in os.walk(model_dir):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(files):
+            path = os.path.join(root, name)
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            h.update(f"{os.path.relpath(path, model_dir)}:{st.st_mtime_ns}:{st.st_size}\n"
+                     .encode())
+    return h.hexdigest()[:12]
 
 
 def _safe(name: str) -> str:

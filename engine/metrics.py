@@ -13,6 +13,7 @@ The Triton `pb_utils` module is passed in, not imported, so engine/ stays free o
 from __future__ import annotations
 
 import bisect
+import ctypes
 import threading
 
 from engine.outputs import EngineStats
@@ -231,6 +232,7 @@ class TritonMetrics:
                                   "Largest event-loop lag over the last half second"),
         }
         self._sent: dict[str, float] = {}   # what each counter showed at the last publish
+        self._closed = False
 
     def publish(self, m: ServingMetrics, cut=None) -> None:
         """Sends what changed since the last call. cut: `m.snapshot()` taken before m.stats
@@ -239,6 +241,8 @@ class TritonMetrics:
         of every request the cut counts), then the histograms, then the counters. So a scrape
         that shows a request finished also shows its latencies and the engine steps that
         produced its tokens (scripts/server_probe.py's `server_side` relies on it)."""
+        if self._closed:
+            return
         counters, snapshots = cut if cut is not None else m.snapshot()
         self._gauges["loop_lag_max"].set(m.loop_lag_max)
         if self._sent.get("routing_peers") != m.routing_peers:     # rarely changes
@@ -275,6 +279,18 @@ class TritonMetrics:
             self._increment(f"{key}:sum", sum_metric, total)
         for key, value in counters.items():
             self._increment(key, self._counters[key], value)
+
+    def close(self) -> None:
+        """Stops publishing, and keeps Triton's metric objects for the life of the process,
+        their series as last published. They must never be freed: freed at the stub's exit
+        (by its last collection: the engine's objects hold them in reference cycles), they
+        wrote to its shared memory after it was gone (a segfault on every unload); freed at
+        finalize, they deleted their series in the server, under the instances of a reload,
+        which share them (same names and labels), and the server crashed (a heap corruption,
+        SIGABRT). So this object's reference count is raised for good."""
+        if not self._closed:
+            self._closed = True
+            ctypes.pythonapi.Py_IncRef(ctypes.py_object(self))
 
     def _increment(self, key: str, metric, value: float) -> None:
         delta = value - self._sent.get(key, 0)

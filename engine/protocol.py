@@ -41,6 +41,8 @@ REQUEST_PARAMETERS = "parameters"
 # requests llm_bls starts (BLS_REQUEST_ID_PREFIX...) are honoured: another client could guess.
 CONTROL_INPUT_NAMES = ("abort_request_id",)
 BLS_REQUEST_ID_PREFIX = "bls-"
+# What a request in flight is told when a signal stops the server (llm and llm_bls).
+SHUTTING_DOWN = "the server is shutting down"
 
 
 class ServingError(str):

@@ -204,6 +204,19 @@ def test_what_finish_could_not_ask_for_lives_until_a_later_ask_returns():
     assert ref() is None and calls.num_kept() == 0
 
 
+def test_close_drops_what_it_kept():
+    """At llm_bls's finalize every request has its answer: what waited for a later ask goes
+    with close(), while the stub runs (left to the stub's collection at exit, Triton's objects
+    crashed it)."""
+    calls = BlsCalls(lambda call, started: None, round_s=None)
+    (client,) = watched(calls, 1)
+    ref = weakref.ref(kept := Kept())
+    calls.keep_until_next_ask(kept)
+    del kept
+    calls.close()
+    assert ref() is None and calls.num_kept() == 0 and len(calls) == 0
+
+
 def test_an_ask_that_began_before_the_keep_does_not_release_it():
     asking, release = threading.Event(), threading.Event()
 

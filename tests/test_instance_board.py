@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from engine.instance_board import (NUM_ABORTS, PREFIX, InstanceBoard, remove_boards_of,
-                                   server_key, slot_bit)
+from engine.instance_board import (NUM_ABORTS, PREFIX, InstanceBoard, load_generation,
+                                   remove_boards_of, server_key, slot_bit)
 
 SERVER_PID = os.getpid()        # any live pid: the boards' key
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -180,6 +180,37 @@ def test_two_versions_of_a_model_have_boards_of_their_own(tmp_path):
         assert v2.peer_loads() == {} and v1b.peer_loads() == {os.getpid(): 7}
     finally:
         for b in (v1, v2, v1b):
+            b.close()
+
+
+def test_each_load_of_a_model_has_a_board_of_its_own(tmp_path):
+    """A reload's new instances run beside the old ones while those drain their streams: on
+    one board the new ones routed requests to the old engines, which Triton unloaded under
+    them. A changed config or a changed file in the model's folder is another load; the
+    instances of one load (the same config, the same files) share a board."""
+    model_dir = tmp_path / "llm"
+    (model_dir / "1" / "__pycache__").mkdir(parents=True)
+    (model_dir / "1" / "model.py").write_text("# the model\n")
+    (model_dir / "config.pbtxt").write_text('name: "llm"\n')
+    config = json.dumps({"name": "llm", "parameters": {"max_num_seqs": {"string_value": "64"}}})
+    first = load_generation(config, str(model_dir))
+    assert load_generation(config, str(model_dir)) == first
+    (model_dir / "1" / "__pycache__" / "model.cpython-311.pyc").write_bytes(b"compiled")
+    assert load_generation(config, str(model_dir)) == first     # Python's cache is no change
+    changed = config.replace('"64"', '"32"')
+    assert load_generation(changed, str(model_dir)) != first
+    (model_dir / "1" / "model.py").write_text("# the model, edited\n")
+    edited = load_generation(config, str(model_dir))
+    assert edited != first
+    old = InstanceBoard(SERVER_PID, "llm", str(tmp_path), model_version="1", generation=first)
+    new = InstanceBoard(SERVER_PID, "llm", str(tmp_path), model_version="1", generation=edited)
+    new_b = InstanceBoard(SERVER_PID, "llm", str(tmp_path), model_version="1", generation=edited)
+    try:
+        assert old.path != new.path == new_b.path
+        old.set_load(7)
+        assert new.peer_loads() == {os.getpid(): 0} and old.peer_loads() == {}   # new_b's
+    finally:
+        for b in (old, new, new_b):
             b.close()
 
 

@@ -186,3 +186,23 @@ def test_two_gpus_instances_of_one_name_get_series_of_their_own():
     b = instance_labels("llm", "1", "llm_0_0", "cuda:1")
     assert a != b and a["instance"] == b["instance"] == "llm_0_0"
     assert (a["device"], b["device"]) == ("cuda:0", "cuda:1")
+
+
+def test_closed_metrics_publish_nothing_and_are_never_freed():
+    """At llm's finalize: Triton's metric objects must never be freed (at the stub's exit they
+    wrote to its freed shared memory; at finalize they deleted series a reload's instances
+    share, and the server crashed), and nothing is published after."""
+    import gc
+    import weakref
+    pb = _FakePbUtils()
+    published = TritonMetrics(pb, {"model": "llm", "version": "1"})
+    family = weakref.ref(published._families[0])
+    m = ServingMetrics()
+    m.on_tokens(10, 6)
+    published.close()
+    published.close()                  # once is enough; twice is harmless
+    published.publish(m)
+    assert pb.log == []
+    del published
+    gc.collect()
+    assert family() is not None

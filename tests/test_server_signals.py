@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 import time
+import urllib.request
 
 import numpy as np
 import pytest
@@ -23,6 +24,7 @@ from engine.serving import ServingEngine
 from scripts.make_tiny_model import make_tiny_model
 from scripts.tritonserver_env import copy_repository, shm_names_in_use, shm_regions
 from tests.tritonserver import Processes, start_server
+from tests.waiting import wait_for
 
 NUM_STREAMS = 16
 # 16 streams of 8,000 tokens each take minutes here: none can end by itself during a test.
@@ -32,7 +34,7 @@ SETTINGS = {"dtype": "float32", "max_model_len": MAX_MODEL_LEN, "num_kv_blocks":
 ENDLESS = {"max_tokens": MAX_MODEL_LEN - 100, "temperature": 0, "ignore_eos": True}
 # What a stop must not print. Triton's own lines ("Signal (2) received.", unloading) are fine.
 NOT_IN_LOG = ["Traceback", "KeyboardInterrupt", "died", "Task was destroyed", "lock_exception",
-              "Exit timeout expired", "Signal (6)", "Signal (11)"]
+              "Exit timeout expired", "Signal (6)", "Signal (11)", "Fatal Python error"]
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +48,9 @@ def _repo_with(tmp_path, model, **params):
     return tmp_path / "repo"
 
 
-def _inputs(prompt):
+def _inputs(prompt, stream=True):
     arrays = {"text_input": np.array([prompt.encode()], dtype=np.object_),
-              "stream": np.array([True]),
+              "stream": np.array([stream]),
               "sampling_parameters": np.array([json.dumps(ENDLESS).encode()], dtype=np.object_)}
     inputs = []
     for name, arr in arrays.items():
@@ -190,6 +192,54 @@ def test_a_signal_to_the_process_group_ends_every_stream_and_stops_quietly(model
         for needle in NOT_IN_LOG:
             assert needle not in log, f"{needle!r} in {server.log_path}"
     assert not _left_behind(regions_before), "shared-memory files left in /dev/shm"
+
+
+def test_a_signal_answers_the_llm_bls_requests_waiting_in_its_queue_and_stops_quietly(
+        model_dir, tmp_path):
+    """One llm_bls instance with room for one request in llm: the others wait in its queue.
+    A signal to the group stops llm first; a queued request then reached llm_bls's worker,
+    whose error path asked the server whether llm was ready, which killed the llm_bls stub
+    (SIGSEGV in IsModelReady while the server stopped): its requests went unanswered and the
+    server hung at its exit timeout. Each is now answered UNAVAILABLE and the server exits 0."""
+    repo = _repo_with(tmp_path, model=model_dir, **SETTINGS)
+    config = repo / "llm_bls" / "config.pbtxt"
+    text = config.read_text()
+    assert 'key: "max_concurrency" value: { string_value: "256" }' in text
+    assert "instance_group [ { count: 8 kind: KIND_CPU } ]" in text
+    config.write_text(text.replace('string_value: "256"', 'string_value: "1"').replace(
+        "count: 8", "count: 1"))
+    num = 5
+    with start_server(repo, log_dir=tmp_path, extra_args=["--exit-timeout-secs=20"]) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        errors: dict[int, str] = {}
+        answered = threading.Condition()
+
+        def on_answer(i, result, error):
+            with answered:
+                errors[i] = str(error)
+                answered.notify_all()
+        inputs = _inputs("queued", stream=False)
+        for i in range(num):   # the first goes into llm, the others wait in llm_bls's queue
+            client.async_infer("llm_bls", inputs, callback=functools.partial(on_answer, i))
+        wait_for(lambda: _running(server) >= 1, "the first request to run in llm", 60)
+        assert not errors
+        os.killpg(server.pid, signal.SIGTERM)
+        with answered:
+            assert answered.wait_for(lambda: len(errors) == num, 60), errors
+        client.close()
+        assert all("UNAVAILABLE" in e and "the server is shutting down" in e
+                   for e in errors.values()), errors
+        status = server.wait(60)
+        log = open(server.log_path, errors="replace").read()
+        assert status == 0, f"tritonserver exited with {status}; log {server.log_path}"
+        for needle in NOT_IN_LOG:
+            assert needle not in log, f"{needle!r} in {server.log_path}"
+
+
+def _running(server):
+    text = urllib.request.urlopen(f"http://{server.metrics_url}/metrics", timeout=10).read()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.decode().splitlines()
+               if line.startswith("llm_num_requests_running{"))
 
 
 def test_the_engine_processes_exit_by_themselves_when_their_stub_is_killed(model_dir,

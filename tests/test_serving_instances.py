@@ -2,6 +2,7 @@
 evenly, each instance publishes its own metrics, and llm_bls's aborts reach the instance that
 runs their request (engine/instance_board.py)."""
 import concurrent.futures
+import json
 import queue
 
 import pytest
@@ -225,3 +226,61 @@ def _stream_at_once(server, prompts, params):
         client.close()
     return [texts[str(i)] for i in range(len(prompts))]
 
+
+
+# Over 4 KV blocks of 16 tokens (prefix routing's least shared prefix).
+SHARED = "The quick brown fox jumps over the lazy dog and keeps on running far away. " * 6
+
+
+def _open_stream(server, prompt, params):
+    results: queue.Queue = queue.Queue()
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    client.start_stream(callback=lambda result, error: results.put((result, error)))
+    client.async_stream_infer("llm", grpc_inputs(prompt, params),
+                              enable_empty_final_response=True)
+    return client, results
+
+
+def test_a_stream_of_the_reloaded_model_outlives_the_old_loads_unload(tmp_path):
+    """Reloading llm (a changed config) while it serves: the new instances start while the
+    old ones drain their streams. Sharing their board, the new ones routed a request whose
+    prefix an old engine held to that engine; Triton, which counts the request as the new
+    model's, unloaded the old model once its own streams ended, and the routed stream failed
+    ("the engine core of another instance failed"). Each load has a board of its own."""
+    model = make_tiny_model(tmp_path / "m", arch="llama", seed=4, max_position_embeddings=4096)
+    repo = tmp_path / "repo"
+    copy_repository(repo, str(model), {"dtype": "float32", **SETTINGS, "max_model_len": 4096,
+                                       "num_kv_blocks": 1024}, keep_params=False)
+    cfg = repo / "llm" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace("count: 1 kind: KIND_CPU",
+                                           f"count: {NUM_INSTANCES} kind: KIND_CPU"))
+    with start_server(repo, log_dir=tmp_path) as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        wait_for(lambda: sum(per_instance(server, "llm_prefix_routing_peers").values()) >= 2,
+                 "the two instances to connect to each other's engines", timeout_s=60)
+        stream_request(server, SHARED, greedy(4))          # an old engine holds the prefix
+        old_client, old_results = _open_stream(server, "something else entirely", endless())
+        assert old_results.get(timeout=60)[1] is None       # the old load stays while it runs
+        config = client.get_model_config("llm", as_json=True)["config"]
+        config["parameters"]["max_num_seqs"] = {"string_value": "32"}
+        client.load_model("llm", config=json.dumps(config))   # returns once the new is ready
+        new_client, new_results = _open_stream(server, SHARED, endless())
+        try:
+            assert new_results.get(timeout=60)[1] is None
+            old_client.stop_stream(cancel_requests=True)    # the old load unloads now
+            wait_for(lambda: "successfully unloaded 'llm' version 1" in
+                     open(server.log_path, errors="replace").read(),
+                     "the old load to unload", timeout_s=60)
+            outcome = None
+            while outcome is None:                          # runs on to max_model_len
+                result, error = new_results.get(timeout=120)
+                if error is not None:
+                    outcome = f"error: {error}"
+                elif result.get_response().parameters["triton_final_response"].bool_param:
+                    outcome = "final"
+            assert outcome == "final", outcome
+        finally:
+            new_client.stop_stream(cancel_requests=True)
+            new_client.close()
+            old_client.close()
+            client.close()

@@ -169,6 +169,20 @@ class TritonServer:
         if outlived:
             raise RuntimeError(f"tritonserver {self.pid}: processes {outlived} outlived the "
                                f"server by 10 s (killed)")
+        crash = self.stub_crash()
+        if crash:
+            raise RuntimeError(f"tritonserver {self.pid}: a model's stub crashed:\n{crash}")
+
+    def stub_crash(self) -> str:
+        """The log's report of a stub that crashed (the models enable faulthandler, which
+        writes "Fatal Python error" and the threads' stacks), or ""."""
+        try:
+            with open(self.log_path, errors="replace") as f:
+                log = f.read()
+        except FileNotFoundError:
+            return ""
+        at = log.find("Fatal Python error")
+        return log[at:at + 3000] if at >= 0 else ""
 
 
 def start_server(model_repository: str | os.PathLike, extra_args: Sequence[str] = (),

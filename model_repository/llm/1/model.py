@@ -1,5 +1,6 @@
 """Triton adapter for the engine: decoupled, streaming. All logic is in engine/serving.py."""
 import faulthandler
+import gc
 import json
 import os
 import signal
@@ -7,10 +8,10 @@ import signal
 import triton_python_backend_utils as pb_utils
 
 from engine.config import EngineConfig, settings_from_triton
-from engine.instance_board import InstanceBoard
+from engine.instance_board import InstanceBoard, load_generation
 from engine.metrics import TritonMetrics, instance_labels
 from engine.protocol import (BLS_REQUEST_ID_PREFIX, CONTROL_INPUT_NAMES, INPUT_NAMES,
-                             error_code, tag_error_kind, with_request_parameters)
+                             SHUTTING_DOWN, error_code, tag_error_kind, with_request_parameters)
 from engine.signal_watch import SignalWatch
 
 
@@ -34,13 +35,16 @@ class TritonPythonModel:
         labels = instance_labels(args["model_name"], args["model_version"],
                                  args["model_instance_name"], device)
         self.model_name = args["model_name"]
-        self.board = _open_board(args["model_name"], args["model_version"])
+        self.board = _open_board(args["model_name"], args["model_version"],
+                                 load_generation(args["model_config"], args["model_repository"]))
+        self.metrics = TritonMetrics(pb_utils, labels)
         try:
-            self.serving = ServingEngine(config, publisher=TritonMetrics(pb_utils, labels),
+            self.serving = ServingEngine(config, publisher=self.metrics,
                                          on_dead=self._engine_died, board=self.board)
         except BaseException:
             if self.board is not None:
                 self.board.close()
+            self.metrics.close()
             raise
         # The stub ignores SIGINT and SIGTERM; one reaches it only as a signal to the server's
         # whole process group (Ctrl-C): the server is stopping, and it unloads this model only
@@ -49,6 +53,8 @@ class TritonPythonModel:
         # `kill -USR1 <stub pid>` prints every thread's stack to the server's log: for a model
         # that seems stuck (e.g. a stop whose finalize never comes).
         faulthandler.register(signal.SIGUSR1, all_threads=True)
+        # A crash of this stub (SIGSEGV, SIGABRT) writes its threads' stacks to the log.
+        faulthandler.enable(all_threads=True)
         self.logger.log_info(f"llm: engine ready on {device} with {config.model}")
 
     def execute(self, requests):
@@ -85,7 +91,7 @@ class TritonPythonModel:
     def _server_stopping(self, signum):
         self.logger.log_info(f"llm: {signal.Signals(signum).name}: the server is stopping; "
                              f"requests in flight end now")
-        self.serving.stop_serving("the server is shutting down")
+        self.serving.stop_serving(SHUTTING_DOWN)
 
     def finalize(self):
         # Every thread of ours that calls pb_utils has ended when this returns: a call under
@@ -97,14 +103,22 @@ class TritonPythonModel:
         self.serving.shutdown()
         if self.board is not None:
             self.board.close()
+        # Triton's objects must not be freed by the stub's last collection, at its exit, after
+        # its shared memory is gone (a segfault on every unload): the engine's objects hold
+        # them in reference cycles (callbacks to this model). The metrics' are kept for good
+        # (TritonMetrics.close says why), the others are freed here.
+        self.metrics.close()
+        self.serving = None
+        gc.collect()
         self.logger.log_info("llm: engine stopped")
 
 
-def _open_board(model_name, model_version):
-    """The board this model version's instances in this server share (the stub's parent is
-    the server), or None, with a warning, if there can be none."""
+def _open_board(model_name, model_version, generation):
+    """The board this load of the model version's instances in this server share (the stub's
+    parent is the server), or None, with a warning, if there can be none."""
     try:
-        return InstanceBoard(os.getppid(), model_name, model_version=model_version)
+        return InstanceBoard(os.getppid(), model_name, model_version=model_version,
+                             generation=generation)
     except (OSError, RuntimeError) as e:
         pb_utils.Logger.log_warn(f"llm: no instance board ({e}): each request goes to the "
                                  f"instance Triton picks, and llm_bls's aborts reach only it")

@@ -10,17 +10,22 @@ rest wait in the queue, holding no thread. A watcher asks a bounded number of re
 round whether their clients cancelled them and aborts their `llm` requests; each request is
 asked once more when llm has answered, before its BLS call's objects may be freed.
 """
+import faulthandler
+import gc
 import json
 import os
+import signal
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from engine.bls_calls import BlsCalls, max_concurrency_from, python_backend_thread_pool_size
-from engine.protocol import (INPUT_NAMES, SCALAR_OVERRIDES, TRTLLM_WORD_INPUTS,
+from engine.protocol import (INPUT_NAMES, SCALAR_OVERRIDES, SHUTTING_DOWN, TRTLLM_WORD_INPUTS,
                              bls_inner_inputs, error_code, untag_error_kind,
                              with_request_parameters)
+from engine.signal_watch import SignalWatch
 
 _OUTER_INPUTS = frozenset(INPUT_NAMES + tuple(SCALAR_OVERRIDES) + TRTLLM_WORD_INPUTS)
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -35,6 +40,14 @@ class TritonPythonModel:
         self.max_in_llm = max(1, min(max_concurrency, server_threads - 1))
         self.pool = ThreadPoolExecutor(self.max_in_llm, thread_name_prefix="llm_bls")
         self.calls = BlsCalls(self._cancelled)
+        # SIGINT / SIGTERM to the server's process group: the server is stopping (llm's
+        # model.py says more). Requests still waiting here are answered at once, and no error
+        # asks the server whether llm is ready: that call, made while the server stops, killed
+        # this stub (SIGSEGV in IsModelReady), its requests never answered.
+        self.stopping = threading.Event()
+        self.signal_watch = SignalWatch((signal.SIGINT, signal.SIGTERM),
+                                        lambda signum: self.stopping.set())
+        faulthandler.enable(all_threads=True)   # a crash writes its threads' stacks to the log
         pb_utils.Logger.log_info(
             f"llm_bls: up to {self.max_in_llm} requests in llm at once on this instance "
             f"(max_concurrency {max_concurrency}; the server's Python thread-pool-size "
@@ -48,15 +61,24 @@ class TritonPythonModel:
 
     def finalize(self):
         # No thread of ours may be inside a pb_utils call once this returns (README).
+        self.signal_watch.close()
         self.pool.shutdown(wait=True)
         self.calls.close()
+        # Triton's objects (BLS responses, senders) must go while the stub still runs: held in
+        # reference cycles (callbacks to this model), they were freed by the stub's collection
+        # at its exit, after its shared memory was gone, and it crashed (SIGSEGV).
+        self.calls = None
+        gc.collect()
 
     def _serve(self, request, call):
         if not self.calls.start(call):
             return                      # cancelled while it waited: the watcher answered it
         keep = None
         try:
-            response, keep = _answer_from_llm(request, call.inner_id)
+            if self.stopping.is_set():
+                response = _error(SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)
+            else:
+                response, keep = _answer_from_llm(request, call.inner_id, self.stopping)
         except Exception as e:  # noqa: BLE001 - the client must always get its final response
             pb_utils.Logger.log_error(f"llm_bls: {e!r}")
             response = _error(f"internal error: {e}")
@@ -79,7 +101,7 @@ class TritonPythonModel:
                               flags=_FINAL)
 
 
-def _answer_from_llm(request, inner_id):
+def _answer_from_llm(request, inner_id, stopping):
     """The response to send, and what must outlive its sending: the BLS call's iterator (see
     _serve) and the output tensors (a response sender drops the tensors the client did not ask
     for without the GIL: never their last reference)."""
@@ -108,7 +130,7 @@ def _answer_from_llm(request, inner_id):
         if response.output_tensors():
             outputs = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in response.output_tensors()]
     if error is not None:
-        return _error(*_message_and_code(error)), responses
+        return _error(*_message_and_code(error, stopping)), responses
     if not answered:
         return _error("llm returned no output"), responses
     # No tensors: the client asked only for outputs its return_* flags leave out; llm (and
@@ -117,17 +139,19 @@ def _answer_from_llm(request, inner_id):
     return pb_utils.InferenceResponse(output_tensors=outputs), (responses, outputs)
 
 
-def _message_and_code(error):
+def _message_and_code(error, stopping):
     """The message and code to answer an error of the BLS call with. Triton 2.51's BLS
     responses carry every error as INTERNAL, so llm's own errors carry their kind on the
     message. One without is Triton's (its code lost too): when llm cannot take requests (its
     engine died and it unloaded itself, or it is not loaded: "Model 'llm' is not ready",
-    "unknown model"), it is UNAVAILABLE (HTTP 503), as llm answers when its engine is gone."""
+    "unknown model"), or the server is stopping, it is UNAVAILABLE (HTTP 503), as llm answers
+    when its engine is gone. The server is not asked while it stops (see initialize)."""
     message, kind = untag_error_kind(error.message())
     if kind is not None:
         return message, error_code(pb_utils.TritonError, kind)
     code = error.code()
-    if code == pb_utils.TritonError.INTERNAL and not _llm_is_ready(message):
+    if code == pb_utils.TritonError.INTERNAL and (
+            stopping.is_set() or "Server not ready" in message or not _llm_is_ready(message)):
         code = pb_utils.TritonError.UNAVAILABLE
     return message, code
 
