@@ -529,7 +529,7 @@ class ModelRunner:
             meta_s = SamplingMetadata.from_params(
                 params, [[]] * len(states), None, self.eos_token_ids, self.device,
                 [len(s.token_ids) - s.num_prompt_tokens + s.num_pending for s in states],
-                output_counts=counts, prompt_seen=seen)
+                output_counts=counts, prompt_seen=seen, vocab_size=self.model_config.vocab_size)
             out = self.sampler(logits, meta_s)
             if penalty_index is not None:
                 self.penalties.record(penalty_index, out.sampled_token_ids)

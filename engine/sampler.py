@@ -63,7 +63,8 @@ class SamplingMetadata:
                     output_token_ids: list[list[int]] | None, eos_token_ids: list[int],
                     device: torch.device | str,
                     num_output_tokens: list[int] | None = None, output_counts: Tensor | None = None,
-                    prompt_seen: Tensor | None = None) -> "SamplingMetadata":
+                    prompt_seen: Tensor | None = None,
+                    vocab_size: int | None = None) -> "SamplingMetadata":
         """Build the batch's metadata; row i is request i.
 
         Top-k / top-p / min-p and seeds only matter for random rows, so greedy rows leave them
@@ -73,6 +74,8 @@ class SamplingMetadata:
         stand in for `output_token_ids` (None) when no row has a presence or frequency
         penalty or a repetition penalty: those read the outputs themselves, or
         `output_counts` and `prompt_seen` where the caller keeps them (engine/penalty_rows.py).
+        A top-k of `vocab_size` or more keeps every token: off (as its k it made the sampler
+        take the top V of every row, almost a sort, at every step).
         """
         if num_output_tokens is None:
             num_output_tokens = [len(out) for out in output_token_ids]
@@ -85,7 +88,8 @@ class SamplingMetadata:
 
         repetition_penalty = per_row([p.repetition_penalty for p in params], 1.0, torch.float32)
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
-        top_k = [0 if g else p.top_k for p, g in rows]
+        top_k = [0 if g or (vocab_size is not None and p.top_k >= vocab_size) else p.top_k
+                 for p, g in rows]
         return cls(
             temperature=None if all(greedy) else list_to_device(
                 [0.0 if g else p.temperature for p, g in rows], torch.float32, device),

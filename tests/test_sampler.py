@@ -343,6 +343,20 @@ def test_from_params_leaves_unused_features_none():
     assert _meta([SamplingParams(temperature=0.3)]).all_random
 
 
+def test_a_top_k_of_the_vocabulary_or_more_is_off():
+    """vLLM's clients send top_k = vocabulary size (or more) for "keep every token": as its k
+    it made the sampler take the top V of every row at every step (almost a sort)."""
+    def meta(*ks):
+        return SamplingMetadata.from_params([SamplingParams(top_k=k) for k in ks],
+                                            [[0]] * len(ks), [[]] * len(ks), [], "cpu",
+                                            vocab_size=100)
+    both = meta(100, 2**31 - 1, 5)
+    assert both.top_k.tolist() == [0, 0, 5] and both.max_top_k == 5
+    off = meta(100, 10**6)
+    assert off.top_k is None and off.max_top_k == 0
+    assert meta(99).top_k.tolist() == [99]
+
+
 def test_from_params_builds_used_features():
     params = [SamplingParams(top_k=5, top_p=0.9, min_p=0.1, repetition_penalty=1.1,
                              presence_penalty=0.5, frequency_penalty=-0.5, logprobs=3, seed=7),
