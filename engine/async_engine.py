@@ -16,7 +16,7 @@ import asyncio
 import itertools
 import logging
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, nullcontext
 
@@ -123,7 +123,8 @@ class AsyncEngine:
                 if item.finished:
                     return
         finally:
-            self._streams.pop(request_id, None)
+            if self._streams.get(request_id) is channel:    # (a finished one is gone already)
+                del self._streams[request_id]
             if channel.index is not None:
                 self._ids_by_index.pop(channel.index, None)
                 if not channel.finished and self._dead is None and not self._stopped:
@@ -175,7 +176,13 @@ class AsyncEngine:
         if route is not None:
             address = route(packed)
             core = self._peers.get(address) if address is not None else None
-        self._send_to_core(channel, request_id, text, ids, packed, params, stream, pull, core)
+        try:
+            self._send_to_core(channel, request_id, text, ids, packed, params, stream, pull,
+                               core)
+        except BaseException:
+            if self._streams.get(request_id) is channel:    # refused: the id is free again
+                del self._streams[request_id]
+            raise
 
     def core_key(self, request_id: str) -> tuple[int, int] | None:
         """(the core's pid, the request's index there) for a request in the engine: its key in
@@ -190,9 +197,11 @@ class AsyncEngine:
         time per request."""
         return self._processor.render(handle)
 
-    async def abort(self, request_id: str) -> None:
-        """Ends the request: its stream gets a final output with finish_reason "abort"."""
-        self.abort_nowait(request_id)
+    async def abort(self, request_id: str | Iterable[str]) -> None:
+        """Ends the request (or each of several, as vLLM's): its stream gets a final output
+        with finish_reason "abort". An id of no running request is ignored."""
+        for one in [request_id] if isinstance(request_id, str) else list(request_id):
+            self.abort_nowait(one)
 
     def abort_nowait(self, request_id: str) -> None:
         """`abort`, from any thread. Another thread's abort can land while the loop sends the
@@ -298,11 +307,12 @@ class AsyncEngine:
             return (prompt, *result)
         return (prompt, *await self._batch_tokenizer.encode(prompt, dropped=dropped))
 
-    def _dispatch(self, outputs: list[RequestOutput]) -> None:
-        for out in outputs:
-            channel = self._streams.get(out.request_id)
-            if channel is not None and channel.queue is not None:
-                channel.queue.put_nowait(out)
+    @staticmethod
+    def _dispatch(outputs: list[tuple[_Stream, RequestOutput]]) -> None:
+        """To each output's own stream (not by id: the id may be another request's by now,
+        its request aborted and the id taken again before this ran)."""
+        for channel, out in outputs:
+            channel.queue.put_nowait(out)
 
     def _check_alive(self) -> None:
         if self._dead is not None:
@@ -393,13 +403,13 @@ class AsyncEngine:
                 channel = self._streams.get(out.request_id)
                 if channel is None:
                     continue
-                if channel.sink is None:
-                    queued.append(out)
-                    continue
-                if out.finished:
+                if out.finished:            # the id is free for a new request at once
                     channel.finished = True
                     self._streams.pop(out.request_id, None)
                     self._ids_by_index.pop(channel.index, None)
+                if channel.sink is None:
+                    queued.append((channel, out))
+                    continue
                 channel.sink(out)
         if queued and self._loop is not None:
             try:

@@ -565,3 +565,241 @@ def _tokenize_huge_prompt_beside_streams(model_dir, inline, tokenizer_process=Tr
         return asyncio.run(main())
     finally:
         engine.shutdown()
+
+
+# ---- The API as a vLLM user expects it: request ids, aborts, parameters changed after
+# they were built (a review's findings; each test failed before its fix).
+
+
+# SamplingParams are checked when built, never again: an instance whose field was set to an
+# out-of-range value afterwards (`params.max_tokens = budget` that came out 0, a temperature
+# of -1) passes AsyncEngine's request checks, and then the core (which rebuilds and checks the
+# params from the ADD frame) or the sender thread (struct.pack of a negative max_tokens) fails:
+# the whole engine dies and every other running stream ends with EngineDeadError.
+# vLLM: a bad request is that request's error (or, unchecked, just that request's odd output);
+# the README's contract: a bad value raises ValueError naming the parameter, others unaffected.
+@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("max_tokens", -1),
+                                         ("temperature", -1.0)])
+def test_a_bad_params_instance_fails_its_request_only(model_dir, field, value):
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+
+    async def main():
+        other_params = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+        other = engine.generate("a request minding its own business", other_params, "other")
+        first = await other.__anext__()
+        bad = SamplingParams(max_tokens=8, temperature=0)
+        setattr(bad, field, value)          # e.g. max_tokens = max_model_len - prompt length
+        bad_error = None
+        try:
+            await asyncio.wait_for(
+                _drain(engine.generate("bad", bad, "bad")), 30)
+        except Exception as e:      # noqa: BLE001
+            bad_error = e
+        try:
+            rest = await asyncio.wait_for(_drain(other), 30)
+            other_result = sum(len(o.outputs[0].token_ids) for o in [first, *rest])
+        except Exception as e:      # noqa: BLE001
+            other_result = e
+        return bad_error, other_result
+
+    async def _drain(gen):
+        return [o async for o in gen]
+
+    try:
+        bad_error, other_result = asyncio.run(main())
+        alive = engine.is_alive
+    finally:
+        engine.shutdown()
+    assert other_result == 30 and alive, (
+        f"{field}={value!r}: the bad request got {bad_error!r}; the other request got "
+        f"{other_result!r}; engine alive: {alive}")
+    assert isinstance(bad_error, ValueError) and field in str(bad_error), bad_error
+
+
+# A request id reused right after its previous stream was closed early (aclose / break /
+# cancel: the request was aborted) gets the OLD request's outputs that the core reader thread
+# had already handed to the loop (_dispatch looks streams up by request_id, not by the core's
+# index). vLLM: a new request with a free id gets only its own outputs.
+def _block_loop_until(cond, what, timeout=30.0):
+    # Deliberately blocks the event loop thread (the reader thread keeps working).
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.001)
+
+
+async def _old_output_pending(engine, gen, rid):
+    """Takes the first output of `gen`, then holds the loop until the reader thread has
+    processed one more step of that request (so a _dispatch of it is queued on the loop)."""
+    first = await gen.__anext__()
+    index = engine._streams[rid].index
+    state = engine._processor.states[index]
+    n0 = len(first.outputs[0].token_ids)
+    _block_loop_until(lambda: len(state.token_ids) > n0 or index not in engine._processor.states,
+                      "the reader thread to process another step of the old request")
+    with engine._outputs_lock:      # that step's _process_outputs has returned: dispatch queued
+        pass
+    return first
+
+
+def test_reused_id_after_aclose_gets_only_its_own_tokens(model_dir):
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=128)
+    old_params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    new_params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    new_prompt = "a completely different prompt"
+
+    async def main():
+        want = [t async for o in engine.generate(new_prompt, new_params, "ref")
+                for t in o.outputs[0].token_ids]
+        gen = engine.generate("the old request", old_params, "x")
+        await _old_output_pending(engine, gen, "x")
+        await gen.aclose()              # the consumer leaves: the old request is aborted
+        got = [t async for o in engine.generate(new_prompt, new_params, "x")
+               for t in o.outputs[0].token_ids]
+        return want, got
+
+    try:
+        want, got = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert got == want, f"the new request 'x' got {got}, its own tokens are {want}"
+
+
+def test_reused_id_is_not_ended_by_the_old_requests_final_output(model_dir):
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=128)
+    old_params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    new_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+
+    async def main():
+        gen = engine.generate("the old request", old_params, "x")
+        await _old_output_pending(engine, gen, "x")     # its last output: finished
+        await gen.aclose()
+        outs = [o async for o in engine.generate("the new request", new_params, "x")]
+        stats = await engine.stats()
+        return outs, stats
+
+    try:
+        outs, stats = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    n = sum(len(o.outputs[0].token_ids) for o in outs)
+    assert n == 40, (f"the new request's stream ended after {n} token(s) with "
+                     f"finish_reason={outs[-1].outputs[0].finish_reason!r}, while "
+                     f"{stats.num_running + stats.num_waiting} request(s) are still in the core "
+                     f"(running {stats.num_running}, waiting {stats.num_waiting})")
+
+
+# Once a request's finished output has been handed out, its id is free again in vLLM (the
+# request state is dropped when the final output is made). Here the id stays 'in use' until
+# the consumer's generator object is closed, e.g. after `break` on the finished output (the
+# usual loop `if out.finished: break`), or while the generator is still referenced.
+def test_id_is_free_once_the_finished_output_was_received(model_dir):
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def main():
+        gen = engine.generate("first", params, "x")
+        async for out in gen:
+            if out.finished:
+                break                    # got everything; the generator is kept (or not yet
+                                         # finalized)
+        assert out.finished
+        try:
+            return [o async for o in engine.generate("second", params, "x")]
+        finally:
+            await gen.aclose()
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert outs[-1].finished
+
+
+def test_id_is_free_after_break_on_the_finished_output(model_dir):
+    """The same without keeping the generator: `break` drops it, but asyncio closes a dropped
+    async generator only later (its finalizer schedules aclose() as a task)."""
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=3, temperature=0, ignore_eos=True)
+
+    async def main():
+        async for out in engine.generate("first", params, "x"):
+            if out.finished:
+                break
+        return [o async for o in engine.generate("second", params, "x")]
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert outs[-1].finished
+
+
+# submit() refuses a request whose stop strings need a tokenizer (skip_tokenizer_init) with a
+# ValueError, raised from _send_to_core, outside submit's cleanup: the request id stays in
+# _streams for good ('already in use' on a retry), and on shutdown the sink of that refused
+# request is called with EngineDeadError (submit's contract: a request refused first never has
+# its sink called).
+def test_a_refused_submit_leaves_nothing_behind(model_dir):
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                         skip_tokenizer_init=True)
+    calls = []
+
+    async def main():
+        with pytest.raises(ValueError, match="stop strings need a tokenizer"):
+            await engine.submit([5, 6, 7], SamplingParams(max_tokens=3, stop=["x"]), "r",
+                                calls.append)
+        leftover = dict(engine._streams)
+        # A retry of the same id, now without stop strings: must be accepted.
+        retry_error = None
+        try:
+            await engine.submit([5, 6, 7], SamplingParams(max_tokens=3), "r", lambda out: None)
+        except ValueError as e:
+            retry_error = e
+        return leftover, retry_error
+
+    try:
+        leftover, retry_error = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    problems = []
+    if leftover:
+        problems.append(f"the refused request is still registered: {sorted(leftover)}")
+    if retry_error is not None:
+        problems.append(f"retrying the id failed: {retry_error!r}")
+    if calls:
+        problems.append(f"the refused request's sink was called at shutdown: {calls!r}")
+    assert not problems, "; ".join(problems)
+
+
+# vLLM's AsyncLLM.abort takes `request_id: str | Iterable[str]`; here a list of ids raises
+# TypeError (unhashable list) and aborts nothing.
+def test_abort_takes_a_list_of_ids(model_dir):
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=1000, temperature=0, ignore_eos=True)
+
+    async def run(rid, started):
+        outs = []
+        async for o in engine.generate(f"prompt {rid}", params, rid):
+            outs.append(o)
+            started.set()
+        return outs
+
+    async def main():
+        events = [asyncio.Event(), asyncio.Event()]
+        tasks = [asyncio.create_task(run(r, e)) for r, e in zip(["a", "b"], events)]
+        for e in events:
+            await asyncio.wait_for(e.wait(), 30)
+        try:
+            await engine.abort(["a", "b"])
+        except BaseException:
+            for t in tasks:                  # the abort failed: end them here
+                t.cancel()
+            raise
+        return await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+    try:
+        results = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert all(r[-1].outputs[0].finish_reason == "abort" for r in results)
