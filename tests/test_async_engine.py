@@ -632,8 +632,11 @@ async def _old_output_pending(engine, gen, rid):
     """Takes the first output of `gen`, then holds the loop until the reader thread has
     processed one more step of that request (so a _dispatch of it is queued on the loop)."""
     first = await gen.__anext__()
-    index = engine._streams[rid].index
-    state = engine._processor.states[index]
+    channel = engine._streams.get(rid)
+    state = engine._processor.states.get(channel.index) if channel is not None else None
+    if state is None:           # finished already: its last output was handed to the loop
+        return first
+    index = channel.index
     n0 = len(first.outputs[0].token_ids)
     _block_loop_until(lambda: len(state.token_ids) > n0 or index not in engine._processor.states,
                       "the reader thread to process another step of the old request")
