@@ -22,7 +22,7 @@ class EngineConfig:
     tokenizer: str | None = None          # defaults to `model`
     dtype: str = "auto"                   # auto: bfloat16 on GPU, float32 on CPU
     device: str = "auto"                  # auto: cuda if available, else cpu; or "cpu", "cuda", "cuda:N"
-    max_model_len: int | None = None      # None: the model's max_position_embeddings
+    max_model_len: int | None = None      # None: the model's context length (ModelConfig.max_context_len)
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 2048
     # max_utilization: admit while the blocks for what is computed now last, preempt when the

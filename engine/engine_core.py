@@ -58,10 +58,14 @@ class EngineCore:
             # the host's torch work is staging copies (engine/core_process.default_cpu_threads).
             torch.set_num_threads(config.cpu_threads)
 
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
-        if self.max_model_len > model_config.max_position_embeddings:
+        limit = model_config.max_context_len
+        self.max_model_len = config.max_model_len or limit
+        if self.max_model_len > limit:
             raise ValueError(f"max_model_len ({self.max_model_len}) must be <= the model's "
-                             f"max_position_embeddings ({model_config.max_position_embeddings})")
+                             f"context length ({limit}: max_position_embeddings "
+                             f"{model_config.max_position_embeddings}"
+                             + (f" x linear RoPE factor {model_config.rope_scaling['factor']:g})"
+                                if limit != model_config.max_position_embeddings else ")"))
         self.eos_token_ids = list(model_config.eos_token_ids or eos_token_ids or [])
         # The tokenizer's EOS, where the model's ids hold it, first: the primary one (vLLM's).
         primary = next((t for t in eos_token_ids or [] if t in self.eos_token_ids), None)

@@ -243,11 +243,11 @@ class ModelRunner:
             cu_seqlens_q=torch.tensor([0, num_tokens], dtype=torch.int32, device=self.device),
             seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=self.device),
             max_seqlen_q=num_tokens, max_seqlen_k=num_tokens)
-        # Positions past the model's rotary tables (a step budget above max_position_embeddings)
+        # Positions past the model's rotary tables (a step budget above its context length)
         # would be read out of bounds by the rotary kernels; their values do not change the
         # memory measured.
         positions = torch.arange(num_tokens, device=self.device) % (
-            self.model_config.max_position_embeddings)
+            self.model_config.max_context_len)
         hidden = self.model(ids, positions, caches, meta)
         rows = min(self.config.max_num_seqs, num_tokens)
         self.model.compute_logits(hidden[:rows])

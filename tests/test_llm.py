@@ -432,6 +432,26 @@ def test_bad_engine_settings(tiny_models):
         LLM(tiny_models["llama"], device="cpu", num_kv_blocks=2, max_model_len=512)
 
 
+def test_a_linear_rope_models_context_is_its_positions_times_the_factor(tmp_path):
+    """As vLLM: max_model_len defaults to max_position_embeddings x the linear RoPE factor and
+    may be set that high, and a prompt past max_position_embeddings gives HF's greedy tokens."""
+    model = str(make_tiny_model(tmp_path / "m", arch="llama", seed=1, max_position_embeddings=64,
+                                rope_parameters=dict(rope_type="linear", rope_theta=10000.0, factor=2.0)))
+    assert LLM(model, dtype="float32", device="cpu", num_kv_blocks=64).core.max_model_len == 128
+    with pytest.raises(ValueError, match=r"max_model_len \(129\) must be <= the model's context "
+                                         r"length \(128: max_position_embeddings 64 x linear RoPE factor 2\)"):
+        LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=129)
+    prompt = [random.Random(0).randrange(3, 1000) for _ in range(80)]
+    hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        want = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                           max_new_tokens=8, min_new_tokens=0)[0, 80:].tolist()
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64, max_model_len=128)
+    got = llm.generate([prompt], SamplingParams(max_tokens=8, temperature=0.0))[0]
+    assert got.outputs[0].token_ids == want
+
+
 def test_unsupported_architecture_is_a_clear_error(tiny_models, tmp_path):
     bad = tmp_path / "bad"
     shutil.copytree(tiny_models["llama"], bad)

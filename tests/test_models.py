@@ -356,6 +356,37 @@ def test_config_transformers4_and_5_keys_agree(tmp_path):
     assert plain.rope_scaling is None and plain.rope_theta == 1e6
 
 
+def test_context_length_counts_a_linear_rope_factor_as_vllm_does():
+    """vLLM derives a linearly RoPE-scaled model's context as max_position_embeddings x factor
+    (vicuna-7b-v1.5-16k: 4096 x 4); a llama3-scaled model's max_position_embeddings already
+    counts its factor."""
+    linear = ModelConfig.from_dict(dict(BASE_CONFIG, rope_scaling={"type": "linear", "factor": 4}))
+    assert linear.max_context_len == 4 * 4096
+    llama3 = ModelConfig.from_dict(dict(BASE_CONFIG, rope_scaling={"rope_type": "llama3", **LLAMA3}))
+    assert llama3.max_context_len == 4096
+    assert ModelConfig.from_dict(BASE_CONFIG).max_context_len == 4096
+
+
+def test_fused_rotary_tables_reach_a_linear_rope_models_whole_context(tmp_path):
+    """The fused rotary kernel (interpreted on CPU) indexes its tables by position unchecked:
+    past max_position_embeddings, up to the scaled context, the logits are still HF's."""
+    from tests.kernel_support import require_runnable
+    import kernels.rotary
+    require_runnable(kernels.rotary)
+    hf = make_hf_model(LlamaConfig(
+        **dict(SMALL, max_position_embeddings=16), num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16,
+        rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0}))
+    hf.save_pretrained(tmp_path)
+    config = ModelConfig.from_pretrained(tmp_path)
+    assert config.max_context_len == 32
+    model, _ = load_model(tmp_path, torch.float32, torch.device("cpu"), fused_kernels=True)
+    tokens = random_tokens(30, seed=3)
+    kv = PagedKV(config, block_size=16, seed=4)
+    got = run_step(model, kv, [(0, tokens[:20])]) + [run_step(model, kv, [(0, [t])])[0] for t in tokens[20:]]
+    torch.testing.assert_close(torch.cat(got), hf_logits(hf, tokens), atol=ATOL, rtol=RTOL)
+
+
 def test_a_single_weights_file_wins_over_an_index_of_shards_as_in_hf(tmp_path):
     """A folder with model.safetensors and a (stale) index of shards: transformers loads the
     single file; so does the loader, so both serve the same weights."""

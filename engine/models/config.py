@@ -54,6 +54,15 @@ class ModelConfig:
     eos_token_ids: list[int]
     torch_dtype: str | None
 
+    @property
+    def max_context_len(self) -> int:
+        """The longest context the model takes (the default and the limit of `max_model_len`):
+        `max_position_embeddings`, times the factor under linear RoPE scaling, as vLLM derives
+        it (a llama3-scaled model's `max_position_embeddings` already counts its factor)."""
+        if self.rope_scaling is not None and self.rope_scaling["rope_type"] == "linear":
+            return int(self.max_position_embeddings * self.rope_scaling["factor"])
+        return self.max_position_embeddings
+
     def layer_sliding_window(self, layer_idx: int) -> int | None:
         """The attention window of one layer, or None for full causal attention."""
         return self.sliding_window if layer_idx in self.sliding_window_layers else None

@@ -284,7 +284,7 @@ class LlamaForCausalLM(nn.Module):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids)  # [T, hidden]
         rope = Rope(self.rotary_emb, positions, x.dtype, self.fused,
-                    self.config.max_position_embeddings, self.fuse_rope_kv_write)
+                    self.config.max_context_len, self.fuse_rope_kv_write)
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, residual = layer(x, residual, rope, kv_cache, attn, self.late_merge)
