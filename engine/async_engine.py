@@ -103,7 +103,9 @@ class AsyncEngine:
                        stream: bool = True) -> AsyncIterator[RequestOutput]:
         """Yields one output per engine step with the new text and token ids; the last has
         `finished=True`. With stream=False, yields only that last one, holding everything
-        (and costs no per-step work). Leaving the loop early aborts the request."""
+        (and costs no per-step work). Leaving the loop early aborts the request. The request
+        keeps its own copy of `params`: the caller may change or reuse them at once."""
+        params = params.clone()
         channel = self._open(request_id)
         try:
             text, ids, packed = await self._prepare(prompt, params, channel)
@@ -125,6 +127,8 @@ class AsyncEngine:
         finally:
             if self._streams.get(request_id) is channel:    # (a finished one is gone already)
                 del self._streams[request_id]
+            if not channel.finished:        # a prompt still queued for the tokenizer: dropped
+                channel.abort_requested = True
             if channel.index is not None:
                 self._ids_by_index.pop(channel.index, None)
                 if not channel.finished and self._dead is None and not self._stopped:
@@ -139,8 +143,8 @@ class AsyncEngine:
         tokenizer, EngineDeadError if the engine is gone."""
         try:
             return await self._tokenize(prompt, dropped)
-        except TokenizerClosed:
-            raise EngineDeadError("the engine was shut down") from None
+        except TokenizerClosed as e:
+            raise EngineDeadError(str(e)) from None
 
     async def submit(self, prompt: Prompt, params: SamplingParams, request_id: str,
                      sink: Callable[[RequestOutput | PullOutput | BaseException], None],
@@ -157,11 +161,14 @@ class AsyncEngine:
         the last render, decoded only then (engine/output_processor.py). tokenized: the
         prompt's `tokenize` (then it is not tokenized again, and this does not wait).
         route(prompt ids): the address of a connected peer core to run it on (connect_peer),
-        or None for this engine's own; a peer that is gone means our own."""
+        or None for this engine's own; a peer that is gone means our own. The request keeps
+        its own copy of `params`: the caller may change or reuse them once this returns."""
+        params = params.clone()
         channel = self._open(request_id, sink)
         try:
             text, ids, packed = await self._prepare(prompt, params, channel, tokenized)
         except BaseException as e:
+            channel.abort_requested = True      # cancelled while queued: the prompt is dropped
             if self._streams.get(request_id) is channel:
                 del self._streams[request_id]
             elif isinstance(e, Exception):  # the engine failed meanwhile: _fail_all told sink
@@ -272,8 +279,8 @@ class AsyncEngine:
             except PromptDropped:               # aborted while queued: never tokenized
                 prompt = unwrap_prompt(prompt)
                 return (prompt if isinstance(prompt, str) else None), [], np.zeros(0, np.int64)
-            except TokenizerClosed:
-                raise EngineDeadError("the engine was shut down") from None
+            except TokenizerClosed as e:         # shut down, or the core died
+                raise EngineDeadError(str(e)) from None
         self._check_alive()
         check_request(packed, params, self.info.max_model_len, self.info.vocab_size)
         return text, ids, packed
@@ -425,3 +432,5 @@ class AsyncEngine:
         if self._on_dead is not None:
             threading.Thread(target=self._on_dead, args=(reason,), name="engine-dead",
                              daemon=True).start()
+        # Prompts waiting for the tokenizer end now too, not once they are tokenized.
+        self._batch_tokenizer.close(f"the engine core failed: {reason}")

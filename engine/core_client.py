@@ -207,7 +207,8 @@ class CoreClient:
                         stats = wire.decode_stats(payload)
                         with self._lock:
                             fut = self._stats_waiters.popleft() if self._stats_waiters else None
-                        if fut is not None:
+                        # (a waiter cancelled meanwhile, e.g. its await timed out, is skipped)
+                        if fut is not None and fut.set_running_or_notify_cancel():
                             fut.set_result(stats)
                     elif kind == wire.ERROR:
                         self._die(wire.decode_error(payload))
@@ -242,7 +243,8 @@ class CoreClient:
             self.dead_reason = reason
             waiters, self._stats_waiters = list(self._stats_waiters), deque()
         for fut in waiters:
-            fut.set_exception(CoreDiedError(reason))
+            if fut.set_running_or_notify_cancel():      # (not one cancelled meanwhile)
+                fut.set_exception(CoreDiedError(reason))
         if not self._closing:
             logger.log(self._gone_level, "engine core is gone: %s", reason)
         self._on_dead(reason)

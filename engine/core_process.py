@@ -112,9 +112,12 @@ class CoreServer:
     def serve(self) -> None:
         pending = []            # outputs of aborts, sent with the next step's
         log = _StepLog(self.core, float(os.environ.get(STEP_LOG_ENV) or 0))
+        last_data = time.monotonic()    # when the front end's bytes last came
         while True:
             busy = self.core.has_unfinished_requests()
-            timeout = 0.0 if busy else (STALLED_FRAME_S if self.reader.mid_frame else None)
+            timeout = 0.0 if busy else (
+                max(0.0, last_data + STALLED_FRAME_S - time.monotonic())
+                if self.reader.mid_frame else None)
             backlogged = [p.sock for p in self.peers.values() if p.backlog]
             if backlogged and timeout is None:
                 timeout = self.peer_stall_s
@@ -128,13 +131,16 @@ class CoreServer:
                     if not data:
                         self.reader.eof()
                         raise _Exit("the front end closed the connection")
+                    last_data = time.monotonic()
                     for kind, payload in self.reader.feed(data):
                         pending.extend(self._handle(kind, payload))
                 elif sock is self.listener:
                     self._accept_peer()
                 elif sock in self.peers:        # (not one dropped for a stall just now)
                     pending.extend(self._from_peer(self.peers[sock]))
-            if not readable and not busy and self.reader.mid_frame:
+            # (other wake-ups, a peer's socket taking its backlog, are no stall)
+            if (not busy and self.reader.mid_frame
+                    and time.monotonic() - last_data >= STALLED_FRAME_S):
                 raise wire.FrameError(f"a frame stalled for {STALLED_FRAME_S:.0f} s")
             log.add("frames", busy)
             outputs = self.core.step() if self.core.has_unfinished_requests() else []

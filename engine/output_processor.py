@@ -211,10 +211,11 @@ class OutputProcessor:
         ids, values, sampled_rank = lp
         d: dict[int, Logprob] = {}
         for i, (tid, v) in enumerate(zip(ids, values)):
-            if tid in d:
-                continue                    # the sampled token is also among the top-n
             rank = sampled_rank if i == 0 else i
-            text = self.tokenizer.decode([tid]) if self.tokenizer is not None else ""
+            # The sampled token also among the top-n takes its place there (its rank by
+            # position, as vLLM's: a tie ranks 1..n once each), and stays first in the dict.
+            text = (d[tid].decoded_token if tid in d else
+                    self.tokenizer.decode([tid]) if self.tokenizer is not None else "")
             d[tid] = Logprob(v, rank, text)
         return d
 

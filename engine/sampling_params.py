@@ -82,6 +82,11 @@ class SamplingParams:
         self.top_k = _NO_TOP_K if self.top_k < 0 else min(self.top_k, _MAX_TOP_K)
         self.validate()
 
+    def clone(self) -> SamplingParams:
+        """A copy of its own, checked again (vLLM's clone): what a request keeps, so that its
+        caller may change or reuse these at once."""
+        return replace(self)
+
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         # max_tokens has no upper bound: a request also ends at the model's max_model_len.

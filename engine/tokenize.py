@@ -92,6 +92,7 @@ class BatchTokenizer:
         self._pending: list[tuple[str, asyncio.Future, Callable[[], bool]]] = []
         self._running = False
         self._closed = False
+        self._closed_reason = ""
 
     def encode_now(self, texts: list[str], inline: bool = False) -> list[Encoded | ValueError]:
         """Tokenizes with special tokens (e.g. BOS), like `encode`. `inline`: on the event loop,
@@ -114,14 +115,15 @@ class BatchTokenizer:
             return [self._backend.encode(t, add_special_tokens=True).ids for t in texts]
         return [e.ids for e in self._backend.encode_batch_fast(texts, add_special_tokens=True)]
 
-    def close(self) -> None:
-        """Fails every queued prompt (TokenizerClosed) and stops the tokenizer process at once;
-        a batch the thread is tokenizing itself ends when that call returns."""
+    def close(self, reason: str = "the engine was shut down") -> None:
+        """Fails every queued prompt (TokenizerClosed(reason)) and stops the tokenizer process
+        at once; a batch the thread is tokenizing itself ends when that call returns."""
         with self._lock:
-            self._closed = True
+            if not self._closed:
+                self._closed, self._closed_reason = True, reason
             pending, self._pending = self._pending, []
         _settle_threadsafe([f for _, f, _ in pending],
-                           [TokenizerClosed("the engine was shut down")] * len(pending))
+                           [TokenizerClosed(self._closed_reason)] * len(pending))
         process = self.process
         if process is not None:
             process.close(STOP_NOW_S)    # it may be busy with a prompt nobody wants now
@@ -135,7 +137,7 @@ class BatchTokenizer:
             items = _encode_without_non_text(self.process.encode, texts)
         except RuntimeError as e:
             if self._closed:                 # stopped by close(): not a failure to recover from
-                return [TokenizerClosed("the engine was shut down")] * len(texts)
+                return [TokenizerClosed(self._closed_reason)] * len(texts)
             logger.error("the tokenizer process failed (%s): tokenizing on the tokenizer "
                          "thread from now on", e)
             self.process.close()
@@ -162,7 +164,7 @@ class BatchTokenizer:
         fut = loop.create_future()
         with self._lock:
             if self._closed:
-                raise TokenizerClosed("the engine was shut down")
+                raise TokenizerClosed(self._closed_reason)
             self._pending.append((text, fut, dropped))
             start = not self._running
             self._running = True

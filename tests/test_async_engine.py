@@ -806,3 +806,144 @@ def test_abort_takes_a_list_of_ids(model_dir):
     finally:
         engine.shutdown()
     assert all(r[-1].outputs[0].finish_reason == "abort" for r in results)
+
+
+# vLLM clones a request's SamplingParams as it takes it (Processor.process_inputs): a caller
+# may change and reuse one object for its next request at once. Here the sender thread packed
+# the ADD frame later, from the caller's object: an earlier request ran with a later request's
+# seed, or, given a later request's bad value, the core refused the frame and stopped for all.
+class _Done:
+    def __init__(self):
+        self.ids, self.error, self.event = [], None, threading.Event()
+
+    def __call__(self, item):
+        if isinstance(item, BaseException):
+            self.error = item
+            self.event.set()
+            return
+        self.ids.extend(item.outputs[0].token_ids)
+        if item.finished:
+            self.event.set()
+
+
+def test_a_params_object_changed_after_submit_leaves_the_submitted_requests_as_they_were(
+        model_dir):
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=128)
+
+    async def run(reuse):
+        shared = SamplingParams(max_tokens=12, temperature=1.0, ignore_eos=True)
+        sinks = []
+        for seed in range(4):
+            if reuse:
+                shared.seed = seed          # the next request's seed, set on the same object
+            params = shared if reuse else SamplingParams(max_tokens=12, temperature=1.0,
+                                                         ignore_eos=True, seed=seed)
+            sinks.append(_Done())
+            await engine.submit("Tell me a story", params, f"{reuse}-{seed}", sinks[-1])
+        if reuse:
+            shared.max_tokens = 0           # the caller's next request: a bad value
+            with pytest.raises(ValueError, match="max_tokens"):
+                await engine.submit("Another one", shared, "bad", _Done())
+        for sink in sinks:
+            assert await asyncio.to_thread(sink.event.wait, 30)
+        return [(s.ids, s.error) for s in sinks]
+
+    try:
+        fresh = asyncio.run(run(False))
+        reused = asyncio.run(run(True))
+        alive = engine.is_alive
+    finally:
+        engine.shutdown()
+    assert len({tuple(ids) for ids, _ in fresh}) > 1     # the seeds do make different tokens
+    assert reused == fresh and alive, (reused, engine.dead_reason)
+
+
+def test_a_cancelled_stats_call_leaves_the_engine_running(model_dir):
+    """`await engine.stats()` cancelled (a timeout, an app's shutdown) before the core's answer
+    came: the late answer used to meet a cancelled future on the reader thread, which took the
+    error for a front-end failure and killed the core."""
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64)
+
+    async def main():
+        os.kill(engine.core.pid, signal.SIGSTOP)        # it answers after the timeout
+        try:
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(engine.stats(), 0.2)
+        finally:
+            os.kill(engine.core.pid, signal.SIGCONT)
+        stats = await asyncio.wait_for(engine.stats(), 30)   # answered after the late one
+        outs = await _collect(engine, "still alive?", SamplingParams(
+            max_tokens=4, temperature=0, ignore_eos=True), "r")
+        return stats, outs
+
+    try:
+        stats, outs = asyncio.run(main())
+        dead = engine.dead_reason
+    finally:
+        engine.shutdown()
+    assert dead is None, dead
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks and outs[-1].finished
+
+
+def test_a_cancelled_generate_drops_its_prompt_queued_for_the_tokenizer(model_dir):
+    """Leaving generate early aborts its request, also while its prompt waits for the
+    tokenizer: the prompt is dropped unread (it used to be tokenized for nobody, holding up
+    the prompts behind it)."""
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                         tokenizer_process=False)
+    seen = []
+    real = engine._batch_tokenizer.encode_now
+    engine._batch_tokenizer.encode_now = lambda batch: seen.extend(batch) or real(batch)
+    gate = threading.Event()
+    long_prompt = "word " * 100                 # past tokenize_inline_max_chars: queued
+    params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+
+    async def main():
+        engine._tokenizer_thread.submit(gate.wait)      # the tokenizer thread is busy
+        task = asyncio.create_task(_collect(engine, long_prompt + "cancelled", params, "c"))
+        await until(lambda: len(engine._batch_tokenizer._pending) == 1, "the prompt queued")
+        task.cancel()                                    # the client went away
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        gate.set()
+        # A later request: once it is answered, the tokenizer thread has been through its queue.
+        return await _collect(engine, long_prompt + "later", params, "l")
+
+    try:
+        later = asyncio.run(main())
+    finally:
+        gate.set()
+        engine.shutdown()
+    assert seen == [long_prompt + "later"] and later[-1].finished
+
+
+def test_a_generate_waiting_for_the_tokenizer_ends_within_a_second_of_the_core_dying(
+        model_dir):
+    """README: if the core dies, every in-flight request ends with an error naming the cause
+    within a second, also one whose prompt waits for the tokenizer (it heard of it only once
+    its prompt was tokenized, behind whatever the tokenizer was busy with)."""
+    died = threading.Event()
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                         tokenizer_process=False, on_dead=lambda reason: died.set())
+    gate = threading.Event()
+
+    async def main():
+        engine._tokenizer_thread.submit(gate.wait)      # busy with someone's long prompt
+        task = asyncio.create_task(_collect(engine, "word " * 100,
+                                            SamplingParams(max_tokens=4), "r"))
+        await until(lambda: engine._batch_tokenizer._pending, "the prompt queued")
+        killed = time.monotonic()
+        os.kill(engine.core.pid, signal.SIGKILL)
+        done, _ = await asyncio.wait([task], timeout=5)
+        ended = time.monotonic()
+        gate.set()
+        with pytest.raises(EngineDeadError, match="killed by signal 9"):
+            await task
+        return bool(done), ended - killed
+
+    try:
+        in_time, after = asyncio.run(main())
+    finally:
+        gate.set()
+        engine.shutdown()
+    assert in_time and died.is_set(), f"still waiting {after:.1f} s after the core died"

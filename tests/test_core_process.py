@@ -388,3 +388,67 @@ def test_a_peer_must_run_as_the_cores_user(monkeypatch):
     finally:
         a.close()
         b.close()
+
+
+def test_the_core_dying_after_a_cancelled_stats_call_is_still_reported(model_dir):
+    """A stats waiter cancelled (an `await engine.stats()` that timed out) and then the core's
+    death: the death used to stop at the cancelled future, and nobody heard of it."""
+    client, died, event = _start(model_dir)
+    try:
+        os.kill(client.pid, signal.SIGSTOP)             # it cannot answer
+        fut = client.request_stats()
+        assert fut.cancel()
+        os.kill(client.pid, signal.SIGKILL)
+        assert event.wait(10), "the core's death was not reported"
+        assert "killed by signal 9" in died[0], died
+    finally:
+        client.shutdown()
+
+
+def test_a_peer_taking_its_backlog_is_no_stalled_frame(model_dir):
+    """The core idle, its owner's next frame half in, and a peer reading the outputs backed up
+    for it: the peer's socket turning writable wakes the core's select with nothing to read,
+    which it took for the 30 s stall of the owner's frame and exited (failing every request)."""
+    import fcntl
+    import termios
+    address = _peer_address()
+    owner = _Collector()
+    client = CoreClient(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                     num_kv_blocks=1024, cpu_threads=1),
+                        [], owner.on_outputs, owner.on_dead, peer_address=address)
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        peer.settimeout(60)
+        peer.connect("\0" + address)
+        frames, reader = [], wire.FrameReader()
+        while not frames:
+            frames = reader.feed(peer.recv(1 << 16))
+        assert frames[0][0] == wire.READY
+        params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
+        for i in range(4):                      # the peer reads nothing meanwhile
+            peer.sendall(wire.encode_add(i, [5, 6, 7, 8], params))
+        deadline = time.monotonic() + 120       # the core idle, with the peer's backlog
+        while (stats := client.request_stats().result(timeout=30)).num_running:
+            assert time.monotonic() < deadline, stats
+        add = wire.encode_add(1, [5] * 500, params)
+        client._sock.sendall(add[:len(add) // 2])
+
+        def unread() -> int:                    # bytes of ours the core has not read yet
+            return struct.unpack("i", fcntl.ioctl(client._sock, termios.TIOCOUTQ, b"\0" * 4))[0]
+        deadline = time.monotonic() + 30
+        while unread():                         # the core has the half frame
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        peer.settimeout(2)                      # the peer takes its backlog, all of it
+        try:
+            while peer.recv(1 << 16):
+                pass
+        except socket.timeout:
+            pass
+        client._sock.sendall(add[len(add) // 2:])      # the rest of the frame, well in time
+        owner.wait(lambda: 1 in owner.finished or owner.died)
+        assert owner.finished == {1: "length"} and not owner.died, owner.died
+        assert client.process.poll() is None
+    finally:
+        peer.close()
+        client.shutdown()

@@ -228,3 +228,28 @@ def test_cumulative_logprob_sums_the_sampled_tokens_logprobs_so_far(tok, mode):
             num += len(out.outputs[0].token_ids) if mode != "final" else len(ids)
             want = sum(sampled[:num]) if logprobs else None
             assert out.outputs[0].cumulative_logprob == pytest.approx(want), (mode, num)
+
+
+def test_a_sampled_token_tied_with_a_top_n_token_takes_its_place_there_as_in_vllm():
+    """Greedy takes id 1 of two tied top logits; the sampler's top-2 lists the other first.
+    vLLM's logprob dict gives the top-n their ranks by position, the sampled token's entry
+    included (a later key overwrites): ranks 1..n once each. Here both claimed rank 1."""
+    import torch
+
+    from engine.sampler import Sampler, SamplingMetadata
+    V = 1024
+    logits = torch.zeros(1, V)
+    logits[0, 1] = logits[0, V - 2] = 5.0
+    params = SamplingParams(temperature=0.0, logprobs=2, max_tokens=4)
+    meta = SamplingMetadata.from_params([params], [[3]], [[]], [], "cpu", vocab_size=V)
+    out = Sampler(seed=0)(logits, meta)
+    ids, lps = out.logprob_token_ids[0].tolist(), out.logprobs[0].tolist()
+    assert out.sampled_token_ids.item() == 1 and ids[1:] == [V - 2, 1]   # the tie, as topk gave it
+    proc = OutputProcessor(None, stream_deltas=False)
+    proc.add_request(0, "r", None, [3], params)
+    (res,), _ = proc.process([EngineCoreOutput(
+        0, [1], "length", None, [(ids, lps, out.sampled_token_ranks[0].item())])])
+    step = res.outputs[0].logprobs[0]
+    assert {t: lp.rank for t, lp in step.items()} == {V - 2: 1, 1: 2}
+    assert next(iter(step)) == 1                       # the sampled token first, as before
+    assert res.outputs[0].cumulative_logprob == pytest.approx(lps[0])
