@@ -273,9 +273,11 @@ def settings_from_triton(model_config: dict, repository: str, device: str) -> di
                          "Face folder to serve (relative to the model repository or absolute)")
     for key in ("model", "tokenizer"):
         if key in params and params[key].lower() != "none":
+            # Against the repository's real path, as the OS would resolve "<repository>/../x"
+            # (a repository reached through a link: scripts/tritonserver_env.space_free).
             path = os.path.expanduser(params[key])
-            params[key] = os.path.normpath(path if os.path.isabs(path)
-                                           else os.path.join(repository, path))
+            params[key] = os.path.normpath(path if os.path.isabs(path) else
+                                           os.path.join(os.path.realpath(repository), path))
     params.setdefault("device", device)
     return params
 

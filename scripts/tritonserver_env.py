@@ -118,10 +118,35 @@ def server_env(base: dict | None = None) -> dict:
     return env
 
 
+def space_free(path: str, kind: str) -> str:
+    """`path`, or where it holds whitespace, a link to it without any: Triton 2.51's Python
+    backend starts each stub through `bash -c` with the backend's and the model's paths
+    unquoted, so from a checkout or repository under "My Projects" no model ever loads. The
+    links live in the temporary directory, one per path (named by its hash), remade if they
+    point elsewhere."""
+    if not any(c.isspace() for c in path):
+        return path
+    path = os.path.abspath(path)
+    links = os.path.join(tempfile.gettempdir(), f"tritonllm-links-{os.getuid()}")
+    if any(c.isspace() for c in links):
+        raise ValueError(f"{kind} {path!r} holds whitespace, which Triton's Python backend "
+                         f"cannot start stubs from, and so does the temporary directory "
+                         f"{links!r} where a link to it would go: move one of them")
+    os.makedirs(links, exist_ok=True)
+    link = os.path.join(links, f"{kind}-{hashlib.sha256(path.encode()).hexdigest()[:16]}")
+    if os.path.islink(link) and os.readlink(link) == path:
+        return link
+    tmp = tempfile.mktemp(prefix=".link-", dir=links)
+    os.symlink(path, tmp)
+    os.replace(tmp, link)           # atomic: a concurrent caller sees one link or the other
+    return link
+
+
 def server_command(model_repository: str, http_port: int, grpc_port: int, metrics_port: int,
                    extra: list[str] | None = None) -> list[str]:
-    return [server_binary(), f"--model-repository={model_repository}",
-            f"--backend-directory={prepare_backend_dir()}",
+    return [server_binary(),
+            f"--model-repository={space_free(model_repository, 'repository')}",
+            f"--backend-directory={space_free(prepare_backend_dir(), 'backends')}",
             f"--http-port={http_port}", f"--grpc-port={grpc_port}",
             f"--metrics-port={metrics_port}", "--allow-metrics=true",
             # Explicit model control, loading every model at start: the same models as the

@@ -134,3 +134,18 @@ def test_model_key_tells_engines_that_answer_alike(tmp_path):
     assert key != model_key(EngineConfig(**base))
     dummy = dict(base, load_format="dummy")
     assert model_key(EngineConfig(**dummy)) != model_key(EngineConfig(**dummy, seed=1))
+
+
+def test_a_repository_reached_through_a_link_finds_its_relative_model_beside_it(model_dir,
+                                                                              tmp_path):
+    """"../models/x" from a repository reached through a link (how tritonserver_env serves one
+    under a path with spaces) is the folder beside the real repository, as the OS resolves it,
+    not beside the link."""
+    import os
+
+    from engine.config import settings_from_triton
+    real = tmp_path / "real" / "model_repository"
+    real.mkdir(parents=True)
+    os.symlink(real, tmp_path / "link")
+    got = settings_from_triton(_pbtxt(model="../models/m"), str(tmp_path / "link"), "cpu")
+    assert got["model"] == str(tmp_path / "real" / "models" / "m")

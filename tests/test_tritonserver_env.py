@@ -367,3 +367,42 @@ def test_serving_entry_point_removes_orphan_regions_before_it_starts_the_server(
     finally:
         if os.path.exists(path):
             os.unlink(path)
+
+
+def test_a_checkout_and_a_repository_under_paths_with_spaces_serve(tmp_path, monkeypatch):
+    """Triton 2.51's Python backend starts each stub through `bash -c` with the backend's and
+    the model's paths unquoted: from "My Projects/..." no model loaded, and the server waited
+    for ever. The project's own repository (its llm finds "../models/tiny-llama" beside it) in
+    a folder with a space, the backend copied under another: llm answers."""
+    import shutil
+
+    from scripts import tritonserver_env
+    from scripts.make_tiny_model import make_tiny_model
+    home = tmp_path / "My Projects"
+    shutil.copytree(ROOT / "model_repository", home / "model_repository")
+    make_tiny_model(home / "models" / "tiny-llama", arch="llama", seed=1)
+    monkeypatch.setattr(tritonserver_env, "BACKEND_DIR", str(tmp_path / "a checkout" / "backends"))
+    with start_server(home / "model_repository", log_dir=tmp_path / "logs", timeout_s=180) as s:
+        client = grpcclient.InferenceServerClient(s.grpc_url)
+        assert client.is_model_ready("llm") and client.is_model_ready("llm_bls")
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"Hello"], dtype=object))
+        params = grpcclient.InferInput("sampling_parameters", [1], "BYTES")
+        params.set_data_from_numpy(np.array([b'{"max_tokens": 4, "temperature": 0}'],
+                                            dtype=object))
+        result = client.infer("llm_bls", [text, params])
+        assert result.as_numpy("text_output").size == 1
+
+
+def test_space_free_links_paths_with_whitespace_and_leaves_the_rest(tmp_path):
+    from scripts.tritonserver_env import space_free
+    plain = str(tmp_path / "plain")
+    assert space_free(plain, "repository") == plain
+    spaced = tmp_path / "with space" / "repo"
+    spaced.mkdir(parents=True)
+    link = space_free(str(spaced), "repository")
+    assert not any(c.isspace() for c in link) and os.path.samefile(link, spaced)
+    assert space_free(str(spaced), "repository") == link      # the same link, kept
+    other = tmp_path / "with\ttab"
+    other.mkdir()
+    assert os.path.samefile(space_free(str(other), "repository"), other)
