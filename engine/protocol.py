@@ -268,6 +268,8 @@ def _request_parameters(inputs: dict[str, np.ndarray]) -> tuple[dict, dict[str, 
         return {}, {}
     text = _text(inputs[REQUEST_PARAMETERS], "parameters", MAX_SAMPLING_PARAMETERS_BYTES)
     given = _coerce_json_values(load_json_object(text, "parameters"))
+    for key in _SERVER_PARAMETERS:
+        given.pop(key, None)
     unknown = sorted(str(k) for k in given if k not in _FLAGS and k not in _SAMPLING_KEYS)
     if unknown and inputs.get("sampling_parameters") is not None:
         given = {k: v for k, v in given.items() if k in _FLAGS or k in _SAMPLING_KEYS}
@@ -288,6 +290,9 @@ def _request_parameters(inputs: dict[str, np.ndarray]) -> tuple[dict, dict[str, 
 
 
 _SAMPLING_KEYS = tuple(SamplingParams.field_names())
+# What Triton itself takes from a request and passes on among its parameters: the generate
+# endpoint's body "id" is the request's id (echoed in the response), not a sampling key.
+_SERVER_PARAMETERS = ("id",)
 
 
 def _input_ids(arr: np.ndarray) -> list[int]:

@@ -429,6 +429,12 @@ def test_request_parameters_are_sampling_parameters_as_in_the_vllm_backend(serve
         assert e.value.code == 400
         body = e.value.read().decode()
         assert "unknown request parameter(s) ['temperture']" in body and "temperature" in body
+        # The body's "id" is the request's id to Triton, which also passes it on among the
+        # parameters: no unknown sampling key (it was refused).
+        gen = http_json(server, f"/v2/models/{model}/generate", {
+            "text_input": prompt, "id": "42", "exclude_input_in_output": True,
+            "parameters": {"stream": False, **greedy(3)}})
+        assert gen["id"] == "42" and gen["text_output"] == want
     _server_carries_on(server)
 
 
