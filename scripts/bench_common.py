@@ -447,15 +447,31 @@ class StepProfiler:
         self._prof = None
 
 
+# SamplingParams fields that change how many tokens a request makes: the benchmarks count
+# exactly their output length a request (max_tokens with ignore_eos), so these would skew it.
+COUNT_CHANGING_FIELDS = ("n", "stop", "stop_token_ids")
+
+
+def sampling_fields(text: str, what: str = "--sampling") -> dict:
+    """An argparse type: JSON SamplingParams fields for a benchmark's requests, none of
+    COUNT_CHANGING_FIELDS."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{what}: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{what}: SamplingParams fields as a JSON object, got {text!r}")
+    bad = [k for k in COUNT_CHANGING_FIELDS if k in value]
+    if bad:
+        raise argparse.ArgumentTypeError(
+            f"{what}: {', '.join(bad)} would change how many tokens a request makes, and the "
+            f"results count exactly the output length a request; leave {'it' if len(bad) == 1 else 'them'} out")
+    return value
+
+
 def parse_setting(text: str) -> tuple[str, dict]:
     """'name=JSON' -> (name, SamplingParams fields)."""
     name, sep, fields = text.partition("=")
     if not sep or not name:
         raise argparse.ArgumentTypeError(f"a setting is NAME=JSON, got {text!r}")
-    try:
-        value = json.loads(fields)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"setting {name}: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"setting {name}: SamplingParams fields as a JSON object, got {fields!r}")
-    return name, value
+    return name, sampling_fields(fields, f"setting {name}")

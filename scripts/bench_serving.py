@@ -55,7 +55,7 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from scripts.bench_common import (PRESETS, git_commit, hardware, preset_dir,  # noqa: E402
-                                  write_results)
+                                  sampling_fields, write_results)
 from scripts.server_probe import (LoadPoller, children_cpu, cpu_times, cpu_use,  # noqa: E402
                                   scrape, scrape_published, server_side, triton_queue_us)
 from scripts.serving_clients import (request_params, run_perf_analyzer, run_py_client,  # noqa: E402
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the direct engine's closed loop starts as --clients groups, each this "
                          "much after the last (as perf_analyzer's processes do; default: all at "
                          "once)")
-    ap.add_argument("--sampling", type=json.loads, default={}, metavar="JSON",
+    ap.add_argument("--sampling", type=sampling_fields, default={}, metavar="JSON",
                     help='SamplingParams fields for every request of both paths, over greedy '
                          '(e.g. \'{"temperature": 0.8, "top_p": 0.95}\'); max_tokens and '
                          'ignore_eos come from --output-tokens')

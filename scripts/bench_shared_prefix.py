@@ -48,18 +48,26 @@ MODES = {"off": dict(enable_prefix_caching=False, enable_prefix_groups=False,
                         enable_cascade_attention=True)}
 ORDERS = ("grouped", "shuffled")
 SWEEP_DEGREES = (4, 16, 64)
+RFC_OWN, RFC_OUT = 200, 100            # the RFC workload's own and output tokens a request
 SWEEP_PREFIXES = (500, 2000, 8000)
 
 
 def parse_workload(name: str, num_requests: int | None, own: int, out: int) -> dict:
     if name == "rfc":                  # whole groups, as the sweep: what make_prompts sends
+        if (own, out) != (RFC_OWN, RFC_OUT):
+            raise SystemExit(f"workload 'rfc' is the RFC's {RFC_OWN} own and {RFC_OUT} output "
+                             f"tokens; --own-len and --output-len are for g<degree>-p<prefix> "
+                             f"workloads (e.g. g16-p2000)")
         n = max(16, (num_requests or 6400) // 16 * 16)
-        return dict(name="rfc", degree=16, prefix=2000, own=200, out=100, num_requests=n)
+        return dict(name="rfc", degree=16, prefix=2000, own=RFC_OWN, out=RFC_OUT, num_requests=n)
     try:
         degree, prefix = name.split("-")
         degree, prefix = int(degree.removeprefix("g")), int(prefix.removeprefix("p"))
+        if degree < 1 or prefix < 1 or own < 1 or out < 1:
+            raise ValueError
     except ValueError:
-        raise SystemExit(f"workload {name!r}: expected 'rfc', 'sweep' or 'g<degree>-p<prefix>'")
+        raise SystemExit(f"workload {name!r} (own {own}, output {out}): expected 'rfc', 'sweep' "
+                         f"or 'g<degree>-p<prefix>', each length at least 1")
     # Sweep sizes: long prefixes get fewer requests so each run stays near a minute.
     n = num_requests or (512 if prefix > 4000 else 1024)
     n = max(degree, n // degree * degree)
@@ -236,8 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--orders", nargs="+", default=list(ORDERS), choices=list(ORDERS))
     ap.add_argument("--num-requests", type=int, default=None,
                     help="requests per workload (default: 6400 for rfc, 1024 or 512 in the sweep)")
-    ap.add_argument("--own-len", type=int, default=200)
-    ap.add_argument("--output-len", type=int, default=100)
+    ap.add_argument("--own-len", type=int, default=RFC_OWN,
+                    help="own tokens a request (g<degree>-p<prefix> workloads)")
+    ap.add_argument("--output-len", type=int, default=RFC_OUT,
+                    help="output tokens a request (g<degree>-p<prefix> workloads)")
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
     ap.add_argument("--gpu-memory-utilization", type=float, default=None)

@@ -24,7 +24,7 @@ import time
 
 from bench_common import (BF16_DENSE_FLOPS, HBM_BYTES_PER_S, StepTrace, add_model_args, add_scheduling_arg,
                           kv_elem_bytes, kv_note, git_commit, hardware, kv_bytes_per_token, model_and_config,
-                          step_table, weight_cost, write_results)
+                          sampling_fields, step_table, weight_cost, write_results)
 
 from engine.config import CAPACITY_POLICIES  # noqa: E402 - bench_common puts the root on the path
 
@@ -55,6 +55,15 @@ def roofline_s(cfg: dict, n: int, inp: int, out: int, batch: int, elem: int, kv_
     kv = kv_bytes_per_token(cfg, elem if kv_elem is None else kv_elem)
     decode_bytes = steps * w.bytes + n * decode * kv * (inp + out / 2)
     return prefill_s + max(decode_bytes / HBM_BYTES_PER_S, decode_flops_s)
+
+
+def workload_lengths(text: str) -> tuple[int, int]:
+    """An argparse type: 'INPUTxOUTPUT' -> (input, output) lengths, each at least 1."""
+    inp, sep, out = text.partition("x")
+    if not (sep and inp.isdigit() and out.isdigit() and int(inp) >= 1 and int(out) >= 1):
+        raise argparse.ArgumentTypeError(f"a workload is INPUTxOUTPUT lengths, each at least 1 "
+                                         f"(e.g. 1000x1000), got {text!r}")
+    return int(inp), int(out)
 
 
 def workload_prompts(cfg: dict, workloads: list[tuple[int, int]], num_prompts: int) -> dict:
@@ -228,8 +237,9 @@ def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__)
     add_model_args(ap)
-    ap.add_argument("--workloads", nargs="+", default=["1000x1000", "128x128", "2048x128"],
-                    help="INPUTxOUTPUT lengths")
+    ap.add_argument("--workloads", nargs="+", type=workload_lengths,
+                    default=[(1000, 1000), (128, 128), (2048, 128)],
+                    help="INPUTxOUTPUT lengths (default 1000x1000 128x128 2048x128)")
     ap.add_argument("--num-prompts", type=int, default=1000)
     ap.add_argument("--max-num-seqs", type=int, nargs="+", default=[256],
                     help="one engine per value, each in its own process (e.g. 128 256 512 1024: "
@@ -243,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                     help="prompts through HF generate (a subset: it is slow), after the engines")
     ap.add_argument("--hf-batch", type=int, nargs="+", default=[128],
                     help="HF generate's static batch sizes: each is run, the best is the baseline")
-    ap.add_argument("--sampling", type=json.loads, default={}, metavar="JSON",
+    ap.add_argument("--sampling", type=sampling_fields, default={}, metavar="JSON",
                     help='SamplingParams fields for the engine\'s requests, e.g. \'{"repetition_penalty": 1.1}\' '
                          "or '{\"temperature\": 0.8, \"top_p\": 0.95, \"seed\": 1}' (default: greedy)")
     ap.add_argument("--out", default="benchmarks/throughput")
@@ -257,7 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
 
     model_dir, cfg = model_and_config(args.preset, args.model)
-    workloads = [tuple(int(x) for x in w.split("x")) for w in args.workloads]
+    workloads = args.workloads
     if args.one_engine is not None:
         one_engine(args, model_dir, cfg, workloads, args.one_engine)
         return

@@ -59,8 +59,19 @@ def stream(url: str, model: str, prompt: str, sampling_parameters: dict,
     try:
         # With enable_empty_final_response every response says whether it is the last one; the
         # server sends an extra empty one only when the model ends the stream without data.
-        client.async_stream_infer(model, build_inputs(prompt, sampling_parameters),
-                                  request_id="client-1", enable_empty_final_response=True)
+        try:
+            client.async_stream_infer(model, build_inputs(prompt, sampling_parameters),
+                                      request_id="client-1", enable_empty_final_response=True)
+        except InferenceServerException:
+            # The stream failed as it opened (no server there, say): its callback has the
+            # cause; tritonclient's own error only points there.
+            try:
+                _, error = responses.get(timeout=1.0)
+            except queue.Empty:
+                error = None
+            if error is not None:
+                raise error from None
+            raise
         while True:
             result, error = responses.get(timeout=timeout_s)
             if error is not None:

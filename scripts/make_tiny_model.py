@@ -209,6 +209,10 @@ def make_tiny_model(out_dir: str | os.PathLike, arch: str = "llama", seed: int =
                                                pad_token_id=config.pad_token_id)
     # transformers 5 always writes safetensors (no safe_serialization argument any more).
     save_kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+    # A folder used before: its weights go first (a single file left beside new shards, or an
+    # index beside a new single file, is what loaders would take).
+    for stale in [*out_path.glob("model*.safetensors"), out_path / "model.safetensors.index.json"]:
+        stale.unlink(missing_ok=True)
     model.save_pretrained(str(out_path), **save_kwargs)
     return out_path
 

@@ -304,3 +304,14 @@ def test_cpu_instances_give_llm_that_many_instances_and_bls_one(tmp_path):
     bls = (tmp_path / "r" / "llm_bls" / "config.pbtxt").read_text()
     assert "instance_group [ { count: 3 kind: KIND_CPU } ]" in llm
     assert "instance_group [ { count: 8 kind: KIND_CPU } ]" in bls
+
+
+def test_sampling_that_changes_a_requests_token_count_is_refused():
+    """n, stop and stop_token_ids passed through --sampling, and the results counted
+    --output-tokens a request whatever the requests made (n 2: half the tokens counted)."""
+    from scripts.bench_common import sampling_fields
+    for fields in ({"n": 2}, {"stop": ["x"]}, {"stop_token_ids": [7]}):
+        with pytest.raises(argparse.ArgumentTypeError, match="would change how many tokens"):
+            sampling_fields(json.dumps(fields))
+    assert sampling_fields('{"temperature": 0.8, "min_tokens": 4}') == {"temperature": 0.8,
+                                                                        "min_tokens": 4}

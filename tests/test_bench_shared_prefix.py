@@ -107,3 +107,14 @@ def test_rfc_num_requests_is_whole_groups_as_sent():
         w = parse_workload("rfc", asked, 200, 100)
         assert w["num_requests"] == sent
         assert len(make_prompts(dict(w, prefix=4, own=2), "grouped", 5000)) == sent
+
+
+def test_workload_flags_it_would_ignore_or_cannot_run_are_usage_errors():
+    import pytest
+    with pytest.raises(SystemExit, match="--own-len and --output-len are for"):
+        parse_workload("rfc", None, 50, 10)          # ran 200 / 100 without a word
+    for name, own, out in (("g0-p100", 200, 100), ("g4-p0", 200, 100), ("g4-p100", 0, 100),
+                           ("g4-p100", 200, 0), ("four-p100", 200, 100)):
+        with pytest.raises(SystemExit, match="expected 'rfc'"):
+            parse_workload(name, None, own, out)     # g0 was a ZeroDivisionError
+    assert parse_workload("g4-p100", None, 50, 10)["own"] == 50

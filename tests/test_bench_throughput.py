@@ -167,3 +167,17 @@ def test_run_engine_applies_the_sampling_fields(tmp_path):
     [params] = seen
     assert params.presence_penalty == 0.5 and params.temperature == 0.0
     assert params.max_tokens == 3 and params.ignore_eos        # the workload's length wins
+
+
+def test_bad_workloads_and_count_changing_sampling_are_usage_errors(tmp_path):
+    """--workloads 128 (no x) ended in a traceback; --sampling with n, stop or stop_token_ids
+    ran, and the rows counted output_len tokens a prompt whatever the requests made."""
+    for args, needle in ((["--workloads", "128"], "a workload is INPUTxOUTPUT"),
+                         (["--workloads", "0x4"], "a workload is INPUTxOUTPUT"),
+                         (["--sampling", '{"n": 2}'], "n would change how many tokens"),
+                         (["--sampling", '{"stop": ["a"], "stop_token_ids": [1]}'],
+                          "stop, stop_token_ids would change")):
+        r = subprocess.run([sys.executable, os.path.join(ROOT, "scripts", "bench_throughput.py"),
+                            "--model", str(tmp_path / "none"), *args, "--out", str(tmp_path / "o")],
+                           cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 2 and needle in r.stderr and "Traceback" not in r.stderr, r.stderr

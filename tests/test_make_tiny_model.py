@@ -268,3 +268,22 @@ def test_logits_are_well_spread_and_greedy_output_varies(arch, loaded):
                                     "Hello"]]
     assert len(set(continuations)) == len(continuations)
     assert sum(len(set(c)) >= 6 for c in continuations) >= 4
+
+
+@pytest.mark.parametrize("first,second", [(None, "200KB"), ("200KB", None)])
+def test_a_model_written_again_into_a_used_folder_is_the_new_one(tmp_path, first, second):
+    """Sharded after a single file, or the other way round: the first run's weights file (or
+    index) stayed beside the new one, and loaders, which take model.safetensors first, got
+    the first run's weights."""
+    out = tmp_path / "tiny"
+    make_tiny_model(out, arch="llama", seed=0, max_shard_size=first)
+    make_tiny_model(out, arch="llama", seed=1, max_shard_size=second)
+    names = sorted(p.name for p in out.glob("model*"))
+    if second is None:
+        assert names == ["model.safetensors"]
+    else:
+        assert "model.safetensors" not in names and "model.safetensors.index.json" in names
+    want = make_tiny_model(tmp_path / "fresh", arch="llama", seed=1)
+    a = AutoModelForCausalLM.from_pretrained(out)
+    b = AutoModelForCausalLM.from_pretrained(want)
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
