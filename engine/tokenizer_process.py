@@ -63,7 +63,10 @@ def serve(sock: socket.socket) -> None:
     while True:
         data = sock.recv(RECV_BYTES)
         if not data:
-            reader.eof()
+            # The front end closed: at its end, or stopping mid-send (close() cuts off a batch
+            # nobody wants any more). Either way it has gone, as in PEER_GONE.
+            if reader.mid_frame:
+                logger.info("the front end closed the connection in the middle of a frame")
             return
         for kind, payload in reader.feed(data):
             if kind == wire.LOAD_TOKENIZER and backend is None:

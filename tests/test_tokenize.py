@@ -401,3 +401,19 @@ def test_a_prompt_queued_from_a_later_event_loop_is_answered_on_it(tokenizer):
         bt.close()
         pool.shutdown()
     assert ids == tokenizer.encode("second loop " * 40)
+
+
+def test_the_process_cut_off_mid_frame_by_its_front_end_exits_quietly(tokenizer, capfd):
+    """close() during shutdown may cut a TOKENIZE frame off mid-send: the front end has gone,
+    which the process reported as a malformed frame at ERROR level (exit 2) on a normal stop."""
+    backend = BatchTokenizer(tokenizer, None, 100)._backend
+    proc = TokenizerProcess(backend, 100, "normal")
+    try:
+        frame = wire.encode_tokenize(["a prompt cut off"])
+        proc._sock.sendall(frame[:len(frame) // 2])
+        proc._sock.shutdown(socket.SHUT_WR)
+        assert proc.process.wait(30) == 0
+    finally:
+        proc.close()
+    err = capfd.readouterr().err
+    assert "ERROR" not in err and "malformed" not in err, err
