@@ -187,7 +187,8 @@ class TritonMetrics:
                           MF.COUNTER)
         self._counters = {
             "prompt_tokens": counter("llm_prompt_tokens_total",
-                                     "Prompt tokens of finished requests"),
+                                     "Prompt tokens of finished requests that were prefilled "
+                                     "(made a token)"),
             "generation_tokens": counter("llm_generation_tokens_total", "Generated tokens"),
             "responses": counter("llm_responses_total", "Responses sent (one may carry several "
                                  "tokens: a stream's tokens that piled up while it waited)"),
@@ -255,8 +256,10 @@ class TritonMetrics:
             g["waiting"].set(stats.num_waiting)
             g["kv_total"].set(stats.num_kv_blocks)
             g["kv_free"].set(stats.num_free_kv_blocks)
-            g["kv_usage"].set(1.0 - stats.num_free_kv_blocks / max(stats.num_kv_blocks, 1))
-            g["prefix_hit"].set(stats.num_cached_prompt_tokens / max(stats.num_prompt_tokens, 1))
+            live = stats.num_kv_blocks > 0          # 0: the engine has stopped
+            g["kv_usage"].set(1.0 - stats.num_free_kv_blocks / stats.num_kv_blocks if live else 0.0)
+            g["prefix_hit"].set(stats.num_cached_prompt_tokens / max(stats.num_prompt_tokens, 1)
+                                if live else 0.0)
             # After the gauges: a scrape that shows the step count moved shows gauges from
             # the same publication or a later one (tests/test_serving.py relies on it).
             self._increment("preemptions", self._preemptions, stats.num_preemptions)

@@ -727,7 +727,8 @@ class ServingEngine:
             return
         r.counted = True
         self.metrics.on_request_done(time.monotonic() - r.start)
-        self.metrics.on_tokens(r.num_prompt, r.num_out)
+        # Its prompt only if it was prefilled (made a token), as vLLM counts prompt tokens.
+        self.metrics.on_tokens(r.num_prompt if r.num_out else 0, r.num_out)
         for p in r.parts or (None,):
             self.metrics.on_finish("abort" if p is None else p.reason_or("abort"))
 
@@ -747,7 +748,9 @@ class ServingEngine:
                     self.metrics.on_inter_token((last - first) / (steps - 1), steps - 1)
         self.metrics.on_request_done(time.monotonic() - r.start)
         # Last: a request counts as finished once its latencies are in (TritonMetrics.publish).
-        self.metrics.on_tokens(len(out.prompt_token_ids), num_out)
+        # Its prompt only if it was prefilled (made a token), as vLLM counts prompt tokens: a
+        # request aborted while it waited was never computed.
+        self.metrics.on_tokens(len(out.prompt_token_ids) if num_out else 0, num_out)
         if r.parts is None:
             self.metrics.on_finish(reason or out.outputs[0].finish_reason)
         else:
@@ -848,11 +851,12 @@ class ServingEngine:
             except EngineDeadError:
                 pass
         if not self.engine.is_alive and self.metrics.stats is not None:
-            # A dead or stopped engine runs nothing and holds no block: its last stats, from
-            # before, would stand in the gauges for as long as the model stays unloaded.
-            last = self.metrics.stats
-            self.metrics.on_stats(replace(
-                last, num_running=0, num_waiting=0, num_free_kv_blocks=last.num_kv_blocks))
+            # A dead or stopped engine runs nothing and has no pool: its gauges say 0, not its
+            # last stats, which would stand for as long as the process lives (the metric
+            # objects are kept: TritonMetrics.close), so that summed by model they count live
+            # engines only (a reload with fewer instances kept the removed ones' pools in).
+            self.metrics.on_stats(replace(self.metrics.stats, num_running=0, num_waiting=0,
+                                          num_kv_blocks=0, num_free_kv_blocks=0))
         if self._publisher is not None:
             self._publisher.publish(self.metrics, cut)
 

@@ -206,3 +206,21 @@ def test_closed_metrics_publish_nothing_and_are_never_freed():
     del published
     gc.collect()
     assert family() is not None
+
+
+def test_a_stopped_engines_stats_publish_zero_gauges():
+    """ServingEngine publishes a stopped engine's stats with no pool (0 blocks): its gauges go
+    to 0 (the usage ratio was 1 - 0/1 = 1, a full pool that no engine holds), its counters stay."""
+    pb = _FakePbUtils()
+    published = TritonMetrics(pb, {"model": "llm", "version": "1"})
+    m = ServingMetrics()
+    m.on_stats(EngineStats(num_running=0, num_waiting=0, num_kv_blocks=0, num_free_kv_blocks=0,
+                           num_cached_kv_blocks=0, num_steps=3, num_prompt_tokens=10,
+                           num_computed_prompt_tokens=4, num_cached_prompt_tokens=6,
+                           num_generated_tokens=6, num_preemptions=0))
+    published.publish(m)
+    gauges = {name: value for name, _, value in pb.log if name in (
+        "llm_kv_blocks_total", "llm_kv_blocks_free", "llm_kv_cache_usage_ratio",
+        "llm_prefix_cache_hit_ratio", "llm_num_requests_running")}
+    assert gauges == dict.fromkeys(gauges, 0) and len(gauges) == 5, gauges
+    assert ("llm_engine_steps_total", None, 3) in pb.log

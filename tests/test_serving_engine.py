@@ -984,3 +984,61 @@ def test_a_stream_the_server_stops_counts_its_tokens(model_dir):
     assert counters["response_tokens"] == sum(sent) >= 5
     assert counters["generation_tokens"] >= counters["response_tokens"], counters
     assert counters["prompt_tokens"] > 0 and counters["finished_abort"] == 1, counters
+
+
+@pytest.mark.parametrize("how", ["cancelled", "server stopped"])
+def test_a_request_that_ends_before_its_prefill_counts_no_prompt_tokens(model_dir, how):
+    """One seat: the second request waits, and ends (its client cancels, or the server stops)
+    before the engine ever ran it. vLLM's prompt-token counter counts prefilled prompts only;
+    its prompt was counted."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **(LONG_SETTINGS | {"max_num_seqs": 1})))
+    try:
+        running, waiting, cancelled = Recorder(), Recorder(), threading.Event()
+        serving.submit(_inputs("runs first", LONG), running)
+        assert running.entered.wait(WAIT_S)
+        serving.submit(_inputs("waits for a seat " * 10, LONG), waiting,
+                       is_cancelled=cancelled.is_set)
+        wait_for(lambda: serving.stats().num_waiting == 1, "the second request to wait",
+                 timeout_s=WAIT_S)
+        if how == "cancelled":
+            cancelled.set()
+            assert waiting.final.wait(WAIT_S)
+            assert not running.final.is_set()           # it ended while the first still ran
+            serving.stop_serving("the server is shutting down")
+        else:
+            serving.stop_serving("the server is shutting down")
+        assert running.final.wait(WAIT_S) and waiting.final.wait(WAIT_S)
+        _wait_idle(serving)
+        counters = serving.metrics.snapshot_counters()
+    finally:
+        serving.shutdown()
+    assert counters["finished_abort"] == 2, counters
+    assert counters["prompt_tokens"] == len(serving.engine.tokenizer.encode("runs first"))
+
+
+def test_a_stopped_engines_gauges_are_zero_so_that_instances_sum_to_the_live_ones(model_dir):
+    """After its engine stopped (an unload), an instance's series stay on /metrics for the
+    process's life (TritonMetrics.close keeps them): its gauges showed its whole pool free, and
+    a reload with fewer instances summed the removed ones' pools into the model's totals."""
+    published = []
+
+    class Publisher:
+        def publish(self, metrics, cut=None):
+            published.append(metrics.stats)
+
+        def close(self):
+            pass
+
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS), publisher=Publisher())
+    rec = Recorder()
+    serving.submit(_inputs("count me", 4), rec)
+    assert rec.final.wait(WAIT_S)
+    wait_for(lambda: published and published[-1] is not None
+             and published[-1].num_kv_blocks == SETTINGS["num_kv_blocks"], "a publication")
+    serving.shutdown()
+    last = published[-1]
+    assert (last.num_kv_blocks, last.num_free_kv_blocks, last.num_running,
+            last.num_waiting) == (0, 0, 0, 0), last
+    assert last.num_generated_tokens >= 4        # its counters as they were
