@@ -115,6 +115,9 @@ class GenerateRequest:
     return_output_ids: bool = False
     return_num_cached_tokens: bool = False
     return_cumulative_logprob: bool = False
+    # The sampling parameters asked for no logprobs, but cumulative_logprob was: the engine
+    # computes the sampled tokens' (logprobs 0) for the sum, and `logprobs` stays "null".
+    logprobs_for_the_sum_only: bool = False
 
 
 def _scalar(arr: np.ndarray, name: str) -> Any:
@@ -232,7 +235,13 @@ def parse_request(inputs: dict[str, np.ndarray]) -> GenerateRequest:
     if flags.get("stream") and flags.get("exclude_input_in_output") is False:
         raise ValueError("exclude_input_in_output=false is not allowed with stream=true (as in "
                          "Triton's vLLM backend): a stream's responses carry only new text")
-    return GenerateRequest(prompt, sampling, **flags)
+    # The vLLM backend's cumulative_logprob came from vLLM's engine, which summed the sampled
+    # tokens' logprobs whether or not logprobs were asked for (a NaN in its place, as a later
+    # vLLM's None, makes an HTTP response's JSON invalid).
+    sum_only = bool(flags.get("return_cumulative_logprob")) and sampling.logprobs is None
+    if sum_only:
+        sampling.logprobs = 0
+    return GenerateRequest(prompt, sampling, **flags, logprobs_for_the_sum_only=sum_only)
 
 
 def _prompt(inputs: dict[str, np.ndarray]) -> str | list[int]:
@@ -421,8 +430,8 @@ def make_response_n(req: GenerateRequest, out: RequestOutput, completions: list[
             [out.num_cached_tokens if num_cached_tokens is None else num_cached_tokens],
             dtype=np.uint32)
     if req.return_cumulative_logprob:
-        # The completion's sampled tokens' logprobs summed up to this response's last; NaN when
-        # the sampling parameters asked for no logprobs (the vLLM backend's None as FP32).
+        # The completion's sampled tokens' logprobs summed up to this response's last (always
+        # computed when asked for: parse_request).
         tensors["cumulative_logprob"] = np.array(
             [np.nan if c.cumulative_logprob is None else c.cumulative_logprob
              for c in completions], dtype=np.float32)
@@ -430,7 +439,8 @@ def make_response_n(req: GenerateRequest, out: RequestOutput, completions: list[
         # Triton's vLLM backend's layout: per token of this response, {token id: {"logprob",
         # "rank", "decoded_token"}} for the sampled token and the top-n; "null" when the
         # sampling parameters asked for no logprobs.
-        tensors["logprobs"] = np.array([json.dumps(None if c.logprobs is None else [
+        hidden = req.logprobs_for_the_sum_only
+        tensors["logprobs"] = np.array([json.dumps(None if c.logprobs is None or hidden else [
             {str(tid): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
              for tid, lp in step.items()} for step in c.logprobs]).encode()
             for c in completions], dtype=np.object_)

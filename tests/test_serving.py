@@ -293,7 +293,8 @@ def test_bls_grpc_http_infer_and_generate_equal_streaming(server):
 def test_logprobs_are_the_direct_engines_in_the_vllm_backends_layout(server, direct, model):
     """Per generated token, {token id: {"logprob", "rank", "decoded_token"}} for the sampled
     token and the top-n (Triton's vLLM backend's layout), equal to the direct engine's; and
-    cumulative_logprob, the sampled tokens' sum so far (NaN when no logprobs were asked for)."""
+    cumulative_logprob, the sampled tokens' sum so far, also when no logprobs were asked for
+    (it was NaN, which made an HTTP response's JSON invalid for every parser but Python's)."""
     prompt = "Log these"
     params = {**greedy(5), "logprobs": 2}
     want = direct.generate(prompt, SamplingParams(**params))[0].outputs[0]
@@ -325,7 +326,22 @@ def test_logprobs_are_the_direct_engines_in_the_vllm_backends_layout(server, dir
     if model == "llm_bls":
         out = bls_grpc(server, prompt, greedy(5), return_logprobs=True,
                        return_cumulative_logprob=True)
-        assert out["logprobs"][0] == b"null" and np.isnan(out["cumulative_logprob"][0])
+        assert out["logprobs"][0] == b"null"
+        assert float(out["cumulative_logprob"][0]) == pytest.approx(want.cumulative_logprob,
+                                                                    abs=1e-4)
+
+    def strict(constant):
+        raise AssertionError(f"{constant} is no JSON")
+    for path in (f"/v2/models/{model}/generate", f"/v2/models/{model}/generate_stream"):
+        body = json.dumps({"text_input": prompt, "stream": path.endswith("stream"),
+                           "return_cumulative_logprob": True, "parameters": greedy(5)}).encode()
+        with urllib.request.urlopen(urllib.request.Request(
+                f"http://{server.http_url}{path}", data=body,
+                headers={"Content-Type": "application/json"}), timeout=60) as r:
+            text = r.read().decode()
+        events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+        last = json.loads((events or [text])[-1], parse_constant=strict)
+        assert last["cumulative_logprob"] == pytest.approx(want.cumulative_logprob, abs=1e-4)
 
 
 @pytest.mark.parametrize("model", ["llm", "llm_bls"])
