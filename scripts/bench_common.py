@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import subprocess
 import sys
 import tempfile
@@ -283,6 +284,19 @@ def dump_rows(path: str | None, rows: list[dict]) -> None:
             json.dump(rows, f, indent=1)
 
 
+# A list of numbers as json.dumps(indent=...) lays it out: a raw newline after "[", which no
+# JSON string holds (they escape theirs), so only lists are matched.
+_NUMBER_LIST = re.compile(r"\[\n\s+(-?[\d.eE+-]+(?:,\n\s+-?[\d.eE+-]+)*)\n\s*\]")
+
+
+def results_json(doc: dict) -> str:
+    """JSON indented for reading, with lists of numbers on one line each: a served run's
+    per-request timelines, one number a line, made its record ~1 MB (the repository travels
+    to the GPU machine whole, within a size limit)."""
+    return _NUMBER_LIST.sub(lambda m: "[" + ", ".join(m.group(1).split()).replace(",,", ",") + "]",
+                            json.dumps(doc, indent=2))
+
+
 def write_results(out_prefix: str, meta: dict, rows: list[dict], table: list[str],
                   echo: bool = True) -> None:
     """`out_prefix`.json (everything) and `out_prefix`.md (the table with its provenance), and
@@ -292,8 +306,7 @@ def write_results(out_prefix: str, meta: dict, rows: list[dict], table: list[str
             f"Hardware: {meta['hardware']}. Commit `{meta['commit']}`.",
             f"Command: `{meta['command']}`", ""]
     # Through a temporary file: a run killed while writing keeps the previous results whole.
-    for path, text in ((out_prefix + ".json", json.dumps({"meta": meta, "results": rows},
-                                                         indent=2)),
+    for path, text in ((out_prefix + ".json", results_json({"meta": meta, "results": rows})),
                        (out_prefix + ".md", "\n".join(head + table) + "\n")):
         with open(path + ".tmp", "w") as f:
             f.write(text)

@@ -315,3 +315,16 @@ def test_sampling_that_changes_a_requests_token_count_is_refused():
             sampling_fields(json.dumps(fields))
     assert sampling_fields('{"temperature": 0.8, "min_tokens": 4}') == {"temperature": 0.8,
                                                                         "min_tokens": 4}
+
+
+def test_results_json_puts_lists_of_numbers_on_one_line_and_reads_back_the_same():
+    """A served run's record held its per-request timelines one number a line (~1 MB a run);
+    the repository must travel to the GPU machine within a size limit."""
+    from scripts.bench_common import results_json
+    doc = {"meta": {"command": "x --sizes [\n 1,\n 2\n]"}, "results": [
+        {"timeline_ms": [0.5, 1, -2e-05, 3.25], "nested": [[1, 2], [3]], "mixed": [1, "a"],
+         "empty": [], "one": [7]}]}
+    text = results_json(doc)
+    assert json.loads(text) == doc
+    assert '"timeline_ms": [0.5, 1, -2e-05, 3.25]' in text and '"one": [7]' in text
+    assert '"command": "x --sizes [\\n 1,\\n 2\\n]"' in text      # strings untouched
