@@ -129,6 +129,9 @@ class EngineConfig:
     prefix_routing_slack: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("model", "tokenizer"):         # a pathlib.Path as the path it names
+            if isinstance(getattr(self, name), os.PathLike):
+                setattr(self, name, os.fspath(getattr(self, name)))
         self.validate()
 
     @classmethod
@@ -184,6 +187,8 @@ class EngineConfig:
             raise ValueError("model must be a path to a local Hugging Face model folder")
         if not os.path.isdir(self.model):
             raise ValueError(f"model: folder {self.model!r} does not exist")
+        if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+            raise ValueError(f"tokenizer must be a path to a local folder, got {self.tokenizer!r}")
         if self.tokenizer is not None and not os.path.isdir(self.tokenizer):
             raise ValueError(f"tokenizer: folder {self.tokenizer!r} does not exist")
         _one_of("dtype", self.dtype, DTYPES)
@@ -257,6 +262,23 @@ def _float_in(name: str, v: Any, lo: float, hi: float) -> None:
 
 # Parameters of Triton's Python backend itself (a conda-pack environment, ...): not the engine's.
 PYTHON_BACKEND_PARAMETERS = ("EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS")
+
+
+def instance_device(kind: str, device_id: int | str) -> str:
+    """The engine's device for a Triton model instance: KIND_GPU its GPU, KIND_CPU the CPU, and
+    KIND_MODEL (Triton's vLLM backend's sample config: the model places itself) "auto", a GPU
+    where there is one. A `device` parameter in the config overrides it."""
+    return {"GPU": f"cuda:{device_id}", "CPU": "cpu"}.get(kind, "auto")
+
+
+def engine_device(device: str) -> str:
+    """The device an engine set to `device` runs on, named as the engine core resolves it
+    ("auto": the first GPU where there is one; "cuda": the first GPU), for labels and logs.
+    Counts GPUs without starting CUDA here (torch asks NVML where it can)."""
+    if device in ("auto", "cuda"):
+        import torch
+        return "cuda:0" if device == "cuda" or torch.cuda.device_count() > 0 else "cpu"
+    return device
 
 
 def settings_from_triton(model_config: dict, repository: str, device: str) -> dict[str, str]:

@@ -42,13 +42,19 @@ def _pin_device(config: EngineConfig, env: dict[str, str]) -> EngineConfig:
         return config
     index = int(device.split(":")[1])
     visible = env.get("CUDA_VISIBLE_DEVICES")
-    if visible:
+    if visible is not None:             # (an empty one hides every GPU)
         ids = [v.strip() for v in visible.split(",") if v.strip()]
         if index >= len(ids):
             raise ValueError(f"device {device!r}: CUDA_VISIBLE_DEVICES={visible!r} has "
                              f"{len(ids)} device(s)")
         env["CUDA_VISIBLE_DEVICES"] = ids[index]
     else:
+        import torch
+        count = torch.cuda.device_count()     # (from NVML where it can: CUDA is not started)
+        if index >= count:      # here, not in the core, which would see only its "cuda:0"
+            raise ValueError(f"device {device!r} asked for, but "
+                             + (f"this host has {count} GPU(s)" if count
+                                else "no CUDA device is available"))
         env["CUDA_VISIBLE_DEVICES"] = str(index)
     return EngineConfig(**{**asdict(config), "device": "cuda:0"})
 

@@ -34,6 +34,13 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _kv_size_setting(config: EngineConfig, device: torch.device) -> str:
+    """The setting that sized the KV cache."""
+    if config.num_kv_blocks:
+        return "num_kv_blocks"
+    return "gpu_memory_utilization" if device.type == "cuda" else "cpu_kv_cache_gb"
+
+
 def resolve_dtype(name: str, device: torch.device, checkpoint_dtype: str | None) -> torch.dtype:
     if name != "auto":
         return _DTYPES[name]
@@ -80,8 +87,8 @@ class EngineCore:
         if num_blocks * config.block_size < self.max_model_len:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold "
-                f"one sequence of max_model_len={self.max_model_len}: raise num_kv_blocks "
-                f"(or the memory for it) or lower max_model_len")
+                f"one sequence of max_model_len={self.max_model_len}: raise "
+                f"{_kv_size_setting(config, self.device)} or lower max_model_len")
         self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,

@@ -149,3 +149,57 @@ def test_a_repository_reached_through_a_link_finds_its_relative_model_beside_it(
     os.symlink(real, tmp_path / "link")
     got = settings_from_triton(_pbtxt(model="../models/m"), str(tmp_path / "link"), "cpu")
     assert got["model"] == str(tmp_path / "real" / "models" / "m")
+
+
+def test_instance_kinds_map_to_devices_and_kind_model_places_itself():
+    """Triton's vLLM backend's sample config has `kind: KIND_MODEL` (the model places itself):
+    it ran the engine on the CPU of a GPU host."""
+    from engine.config import instance_device
+    assert instance_device("GPU", 2) == "cuda:2"
+    assert instance_device("CPU", 0) == "cpu"
+    assert instance_device("MODEL", 0) == "auto"
+
+
+def test_the_engine_device_names_where_auto_and_cuda_run():
+    """The metric labels and the "engine ready on" line name the engine's device (a `device`
+    parameter overrides the instance's), "auto" and "cuda" as the core resolves them."""
+    import torch
+
+    from engine.config import engine_device
+    assert engine_device("cuda") == "cuda:0" and engine_device("cuda:3") == "cuda:3"
+    assert engine_device("cpu") == "cpu"
+    assert engine_device("auto") == ("cuda:0" if torch.cuda.device_count() else "cpu")
+
+
+def test_paths_may_be_path_objects_and_other_types_are_named(model_dir):
+    import pathlib
+    config = EngineConfig(model=pathlib.Path(model_dir), tokenizer=pathlib.Path(model_dir))
+    assert config.model == model_dir and config.tokenizer == model_dir
+    import json
+    from dataclasses import asdict
+    json.dumps(asdict(config))                  # what the core process is given
+    with pytest.raises(ValueError, match="tokenizer must be a path to a local folder, got 7"):
+        EngineConfig(model=model_dir, tokenizer=7)
+
+
+def test_a_gpu_index_is_checked_against_the_host_before_the_core_is_pinned():
+    """cuda:N the host has not: named as asked (the core, pinned to it as its cuda:0, said
+    "cuda:0"); an empty CUDA_VISIBLE_DEVICES hides every GPU (it was taken for unset, and the
+    core ran on GPU N)."""
+    import torch
+
+    from engine.core_client import _pin_device
+    config = EngineConfig(model=_model_for_pin(), device="cuda:5")
+    with pytest.raises(ValueError, match="CUDA_VISIBLE_DEVICES='' has 0 device"):
+        _pin_device(config, {"CUDA_VISIBLE_DEVICES": ""})
+    if torch.cuda.device_count() <= 5:
+        with pytest.raises(ValueError, match=r"device 'cuda:5' asked for, but (this host has "
+                                             r"\d GPU|no CUDA device is available)"):
+            _pin_device(config, {})
+    env = {"CUDA_VISIBLE_DEVICES": "0,1,2,3,4,7"}
+    assert _pin_device(config, env).device == "cuda:0" and env["CUDA_VISIBLE_DEVICES"] == "7"
+
+
+def _model_for_pin():
+    import tempfile
+    return tempfile.mkdtemp()           # EngineConfig checks only that the folder exists

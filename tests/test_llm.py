@@ -428,8 +428,11 @@ def test_bad_kv_cache_dtype_is_named(tiny_models):
 def test_bad_engine_settings(tiny_models):
     with pytest.raises(ValueError, match="max_model_len"):
         LLM(tiny_models["llama"], device="cpu", max_model_len=10**6)
-    with pytest.raises(ValueError, match="num_kv_blocks"):
+    with pytest.raises(ValueError, match="raise num_kv_blocks or lower max_model_len"):
         LLM(tiny_models["llama"], device="cpu", num_kv_blocks=2, max_model_len=512)
+    # Sized from memory, the message names that setting (it said num_kv_blocks, unset).
+    with pytest.raises(ValueError, match="raise cpu_kv_cache_gb or lower max_model_len"):
+        LLM(tiny_models["llama"], device="cpu", cpu_kv_cache_gb=1e-6, max_model_len=512)
 
 
 def test_a_linear_rope_models_context_is_its_positions_times_the_factor(tmp_path):

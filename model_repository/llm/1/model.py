@@ -7,7 +7,7 @@ import signal
 
 import triton_python_backend_utils as pb_utils
 
-from engine.config import EngineConfig, settings_from_triton
+from engine.config import EngineConfig, engine_device, instance_device, settings_from_triton
 from engine.instance_board import InstanceBoard, load_generation
 from engine.metrics import TritonMetrics, instance_labels
 from engine.protocol import (BLS_REQUEST_ID_PREFIX, CONTROL_INPUT_NAMES, INPUT_NAMES,
@@ -26,11 +26,11 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("the llm model must be decoupled")
-        device = "cpu"
-        if args["model_instance_kind"] == "GPU":
-            device = f"cuda:{args['model_instance_device_id']}"
+        device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
         repository = os.path.dirname(args["model_repository"].rstrip("/"))
         config = EngineConfig.from_strings(settings_from_triton(model_config, repository, device))
+        # The engine's device (a `device` parameter overrides the instance's), as it will run.
+        device = engine_device(config.device)
         # Each instance publishes its own series (one instance per GPU): sum them by model.
         labels = instance_labels(args["model_name"], args["model_version"],
                                  args["model_instance_name"], device)
