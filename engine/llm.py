@@ -225,6 +225,9 @@ class LLM:
                 isinstance(prompts, (list, tuple)) and prompts
                 and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be text, token ids, a prompt dict or a list of them, "
+                            f"got {type(prompts).__name__}")
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
@@ -247,7 +250,12 @@ class LLM:
             with contextlib.ExitStack() as collector:
                 with gc_paused():
                     t_start = time.perf_counter()
+                    checked: dict[int, SamplingParams] = {}
                     for prompt, params in zip(prompts, sampling_params):
+                        # Checked again (n among them, which the completions' own do not
+                        # show), once per object: a field may have changed since it was built.
+                        params = checked.get(id(params)) or checked.setdefault(
+                            id(params), params.clone())
                         text, ids = encode_prompt(self.tokenizer, prompt)
                         arr = token_array(ids)
                         parent = str(next(self._ids))

@@ -61,6 +61,11 @@ class SamplingParams:
     n: int = 1
 
     def __post_init__(self) -> None:
+        self.validate()
+
+    def _normalize(self) -> None:
+        """vLLM's spellings as this class keeps them, also for a field set after building
+        (vLLM's examples change get_default_sampling_params()'s fields)."""
         # NumPy scalars (np.int64(8), np.float32(0.5)) as the Python numbers they are.
         for f in fields(self):
             v = getattr(self, f.name)
@@ -80,7 +85,6 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 or 0 (no top-k) or a positive integer, "
                              f"got {self.top_k}")
         self.top_k = _NO_TOP_K if self.top_k < 0 else min(self.top_k, _MAX_TOP_K)
-        self.validate()
 
     def clone(self) -> SamplingParams:
         """A copy of its own, checked again (vLLM's clone): what a request keeps, so that its
@@ -89,6 +93,9 @@ class SamplingParams:
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
+        """Raises ValueError naming a field out of its range, after taking vLLM's spellings
+        (top_k -1, stop None, logprobs True, seed -1) as they are meant."""
+        self._normalize()
         # max_tokens has no upper bound: a request also ends at the model's max_model_len.
         if self.max_tokens is not None:
             _check_int("max_tokens", self.max_tokens, lo=1)

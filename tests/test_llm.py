@@ -549,3 +549,32 @@ def test_a_generate_interrupted_midway_leaves_nothing_behind(tiny_models, hf_out
     assert [o.outputs[0].token_ids for o in outs] == expected[:2]
     # Only the two prompts' steps: one prompt step, then a decode step per further token.
     assert llm.get_stats().num_steps - steps_before <= MAX_TOKENS + 1
+
+
+def test_params_changed_after_they_were_built_are_read_as_when_built(tiny_models):
+    """vLLM's examples take llm.get_default_sampling_params() and set fields on it: top_k -1
+    (no top-k) or None set so was refused ("top_k must be >= 0"), stop None raised TypeError;
+    n set to 0 let every other prompt run and then raised IndexError, n above 128 ran; and
+    generate(None) raised TypeError "object of type 'NoneType' has no len()"."""
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64)
+    want = llm.generate("Hello", SamplingParams(max_tokens=4, temperature=0.0))[0].outputs[0]
+    for field, value in (("top_k", -1), ("top_k", None), ("stop", None),
+                         ("stop_token_ids", None), ("seed", -1)):
+        sp = llm.get_default_sampling_params()
+        sp.max_tokens, sp.temperature = 4, 0.0
+        setattr(sp, field, value)
+        got = llm.generate("Hello", sp)[0].outputs[0]
+        assert got.token_ids == want.token_ids, (field, value)
+    good = SamplingParams(max_tokens=3, temperature=0.0)
+    for n in (0, 129):
+        bad = SamplingParams(max_tokens=3, temperature=0.0)
+        bad.n = n
+        steps = llm.get_stats().num_steps
+        with pytest.raises(ValueError, match=r"n must be an integer in \[1, 128\]|n must be"):
+            llm.generate(["Hello", "World"], [good, bad])
+        assert llm.get_stats().num_steps == steps         # nothing ran
+    for prompts in (None, 5):
+        with pytest.raises(TypeError, match="prompts must be text, token ids, a prompt dict"):
+            llm.generate(prompts, good)
+    stats = llm.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks

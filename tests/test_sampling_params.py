@@ -210,3 +210,12 @@ def test_vllms_seed_minus_one_and_logprobs_true_read_as_vllm_reads_them():
     assert SamplingParams(seed=-1).seed is None
     assert SamplingParams(seed=-2).seed == -2
     assert SamplingParams(logprobs=True).logprobs == 1
+
+
+def test_vllms_spellings_set_after_building_are_taken_by_validate():
+    """The engine checks a request's parameters again as it takes them (validate()): the
+    spellings the constructor takes, set on the object later, mean the same there."""
+    sp = SamplingParams()
+    sp.top_k, sp.stop, sp.stop_token_ids, sp.logprobs, sp.seed = -1, "end", None, True, -1
+    sp.validate()
+    assert (sp.top_k, sp.stop, sp.stop_token_ids, sp.logprobs, sp.seed) == (0, ["end"], [], 1, None)
