@@ -132,7 +132,7 @@ class InstanceBoard:
         version = f"-v{_safe(str(model_version))}" if model_version is not None else ""
         version += f"-g{_safe(generation)}" if generation is not None else ""
         self.path = os.path.join(directory,
-                                 f"{PREFIX}{server_key(server_pid)}-{_safe(model_name)}{version}")
+                                 f"{PREFIX}{server_key(server_pid)}-{_name_part(model_name)}{version}")
         self._lock = threading.Lock()       # this process's writers of its load
         self._load = 0
         self._fd = -1
@@ -396,6 +396,18 @@ def load_generation(model_config: str, model_dir: str) -> str:
 
 def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
+
+
+def _name_part(name: str) -> str:
+    """A model's name in its board's file name: the name itself where it can be (letters,
+    digits, "-_.", up to 64), else a readable start and a hash of the whole name. A long name
+    (Triton takes folder names of up to 255 bytes) made the file name too long, and the model
+    got no board; names that differ only where _safe maps to "_" ("llm a", "llm_a") would
+    share one."""
+    safe = _safe(name)
+    if safe == name and len(name) <= 64:
+        return name
+    return f"{safe[:40]}-{hashlib.sha256(name.encode()).hexdigest()[:16]}"
 
 
 def is_board_of_dead_server(name: str) -> bool:

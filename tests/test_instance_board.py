@@ -384,3 +384,18 @@ def test_remove_boards_of_takes_only_that_servers_boards(tmp_path):
     removed = remove_boards_of(4242, directory=str(tmp_path))
     assert sorted(removed) == sorted(str(p) for p in mine)
     assert all(p.exists() for p in others) and not any(p.exists() for p in mine)
+
+
+def test_any_model_name_gets_a_board_of_its_own(tmp_path, boards):
+    """A model name of 200 characters (Triton takes folder names of up to 255 bytes) made the
+    file name too long: no board, so no routing, no load balance, lost llm_bls aborts. And
+    names that differ only in characters a file name cannot hold shared one board."""
+    from engine.instance_board import remove_boards_of
+    long_a, long_b = "m" * 200, "m" * 199 + "n"
+    a, a2, b = boards(long_a), boards(long_a), boards(long_b)
+    assert a.path == a2.path != b.path and a.slot != a2.slot
+    assert len(os.path.basename(a.path)) < 255
+    spaced, underscored, plain = boards("llm a"), boards("llm_a"), boards("llm-1.b")
+    assert spaced.path != underscored.path
+    assert plain.path.endswith(f"{server_key(SERVER_PID)}-llm-1.b")       # as it was
+    assert len(remove_boards_of(SERVER_PID, str(tmp_path))) == 5    # still this server's
