@@ -40,9 +40,9 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
                   vocab_size: int) -> None:
     """Raises ValueError naming what in a request this engine cannot serve. Token ids may be a
     list or a numpy array (long prompts are checked without a Python loop). Served, given
-    token ids are the `input_ids` input. The parameters are checked again: a caller may have
-    changed one since it built them, and one the core refuses would stop it for everyone."""
-    params.validate()
+    token ids are the `input_ids` input. The parameters are those checked when the request
+    was taken: AsyncEngine and LLM.generate keep their own copy (SamplingParams.clone), which
+    no caller can change afterwards."""
     if params.n != 1:
         raise ValueError(f"n must be 1 here, got {params.n}: an engine request is one "
                          f"completion (LLM.generate and the served models fan n completions "
