@@ -212,6 +212,17 @@ def test_vllm_prompt_dicts_are_the_prompts_they_hold(model_dir):
         assert out.prompt_token_ids == ids and out.outputs[0].token_ids == want.outputs[0].token_ids
 
 
+def _engine_noting_what_it_tokenizes(model_dir):
+    """An engine whose longer prompts go through its tokenizer thread (no process), and the
+    list of those prompts, as the thread takes them."""
+    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                         tokenizer_process=False)
+    seen = []
+    real = engine._batch_tokenizer.encode_now
+    engine._batch_tokenizer.encode_now = lambda batch: seen.extend(batch) or real(batch)
+    return engine, seen
+
+
 def test_requests_queued_for_the_tokenizer_are_dropped_on_abort_and_failed_on_shutdown(
         model_dir):
     """A prompt waiting for the tokenizer thread is never tokenized once its request is
@@ -219,11 +230,7 @@ def test_requests_queued_for_the_tokenizer_are_dropped_on_abort_and_failed_on_sh
     cancelled client's 15 MB prompts used to hold up later requests and the server's stop)."""
     long_prompt = "word " * 100                 # past tokenize_inline_max_chars: queued
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
-    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
-                         tokenizer_process=False)
-    seen = []
-    real = engine._batch_tokenizer.encode_now
-    engine._batch_tokenizer.encode_now = lambda batch: seen.extend(batch) or real(batch)
+    engine, seen = _engine_noting_what_it_tokenizes(model_dir)
     gate = threading.Event()
     stopper = None
 
@@ -889,11 +896,7 @@ def test_a_cancelled_generate_drops_its_prompt_queued_for_the_tokenizer(model_di
     """Leaving generate early aborts its request, also while its prompt waits for the
     tokenizer: the prompt is dropped unread (it used to be tokenized for nobody, holding up
     the prompts behind it)."""
-    engine = AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
-                         tokenizer_process=False)
-    seen = []
-    real = engine._batch_tokenizer.encode_now
-    engine._batch_tokenizer.encode_now = lambda batch: seen.extend(batch) or real(batch)
+    engine, seen = _engine_noting_what_it_tokenizes(model_dir)
     gate = threading.Event()
     long_prompt = "word " * 100                 # past tokenize_inline_max_chars: queued
     params = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)

@@ -215,6 +215,28 @@ def _with_peer(model_dir, timeout_s=10.0):
         client.shutdown()
 
 
+@contextlib.contextmanager
+def _owner_and_raw_peer(model_dir, owner):
+    """A core with 1024 KV blocks that takes peers, its owner's client (outputs to `owner`),
+    and a peer's bare socket, past the core's READY; both closed however it ends."""
+    address = _peer_address()
+    client = CoreClient(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                     num_kv_blocks=1024, cpu_threads=1),
+                        [], owner.on_outputs, owner.on_dead, peer_address=address)
+    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        peer.settimeout(60)
+        peer.connect("\0" + address)
+        frames, reader = [], wire.FrameReader()
+        while not frames:
+            frames = reader.feed(peer.recv(1 << 16))
+        assert frames[0][0] == wire.READY
+        yield client, peer
+    finally:
+        peer.close()
+        client.shutdown()
+
+
 def _assert_pool_whole(client):
     stats = client.request_stats().result(timeout=10)
     assert (stats.num_running, stats.num_waiting) == (0, 0)
@@ -267,19 +289,8 @@ def test_a_peer_that_stops_reading_does_not_stop_the_core_and_is_dropped(model_d
     socket's buffer filled, ~300 small frames), and drops the peer once it has taken none of
     its outputs for ENGINE_PEER_STALL_S, aborting its requests."""
     monkeypatch.setenv("ENGINE_PEER_STALL_S", "1")
-    address = _peer_address()
     owner = _Collector()
-    client = CoreClient(EngineConfig(model=model_dir, dtype="float32", device="cpu",
-                                     num_kv_blocks=1024, cpu_threads=1),
-                        [], owner.on_outputs, owner.on_dead, peer_address=address)
-    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        peer.settimeout(60)
-        peer.connect("\0" + address)
-        frames, reader = [], wire.FrameReader()
-        while not frames:
-            frames = reader.feed(peer.recv(1 << 16))
-        assert frames[0][0] == wire.READY
+    with _owner_and_raw_peer(model_dir, owner) as (client, peer):
         long = SamplingParams(max_tokens=900, temperature=0.0, ignore_eos=True)
         for i in range(8):                      # and never reads again
             peer.sendall(wire.encode_add(i, [5, 6, 7, 8], long))
@@ -294,9 +305,6 @@ def test_a_peer_that_stops_reading_does_not_stop_the_core_and_is_dropped(model_d
         while peer.recv(1 << 16):               # what it had taken in, then the end
             pass
         assert not owner.died and client.process.poll() is None
-    finally:
-        peer.close()
-        client.shutdown()
 
 
 def test_request_log_says_when_the_core_took_and_answered_each_request(model_dir, tmp_path,
@@ -411,19 +419,8 @@ def test_a_peer_taking_its_backlog_is_no_stalled_frame(model_dir):
     which it took for the 30 s stall of the owner's frame and exited (failing every request)."""
     import fcntl
     import termios
-    address = _peer_address()
     owner = _Collector()
-    client = CoreClient(EngineConfig(model=model_dir, dtype="float32", device="cpu",
-                                     num_kv_blocks=1024, cpu_threads=1),
-                        [], owner.on_outputs, owner.on_dead, peer_address=address)
-    peer = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    try:
-        peer.settimeout(60)
-        peer.connect("\0" + address)
-        frames, reader = [], wire.FrameReader()
-        while not frames:
-            frames = reader.feed(peer.recv(1 << 16))
-        assert frames[0][0] == wire.READY
+    with _owner_and_raw_peer(model_dir, owner) as (client, peer):
         params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True)
         for i in range(4):                      # the peer reads nothing meanwhile
             peer.sendall(wire.encode_add(i, [5, 6, 7, 8], params))
@@ -439,16 +436,14 @@ def test_a_peer_taking_its_backlog_is_no_stalled_frame(model_dir):
         while unread():                         # the core has the half frame
             assert time.monotonic() < deadline
             time.sleep(0.01)
-        peer.settimeout(2)                      # the peer takes its backlog, all of it
-        try:
-            while peer.recv(1 << 16):
-                pass
-        except socket.timeout:
-            pass
+        # The peer takes its backlog, to its four requests' last outputs.
+        reader, decoder, finished = wire.FrameReader(), wire.OutputsDecoder(), set()
+        while len(finished) < 4:
+            for kind, payload in reader.feed(peer.recv(1 << 16)):
+                assert kind == wire.OUTPUTS, wire.KIND_NAMES[kind]
+                finished |= {o.request_id for o in decoder.decode(payload)
+                             if o.finish_reason is not None}
         client._sock.sendall(add[len(add) // 2:])      # the rest of the frame, well in time
         owner.wait(lambda: 1 in owner.finished or owner.died)
         assert owner.finished == {1: "length"} and not owner.died, owner.died
         assert client.process.poll() is None
-    finally:
-        peer.close()
-        client.shutdown()
