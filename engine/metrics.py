@@ -111,8 +111,10 @@ class ServingMetrics:
         self.send.observe(send_seconds)
 
     def on_tokens(self, num_prompt: int, num_generated: int) -> None:
+        """A finished request's tokens. Its prompt counts only if it was prefilled (made a
+        token), as vLLM counts prompt tokens: one aborted while it waited was never computed."""
         with self._lock:
-            self.counters["prompt_tokens"] += num_prompt
+            self.counters["prompt_tokens"] += num_prompt if num_generated else 0
             self.counters["generation_tokens"] += num_generated
 
     def on_finish(self, reason: str | None) -> None:

@@ -727,8 +727,7 @@ class ServingEngine:
             return
         r.counted = True
         self.metrics.on_request_done(time.monotonic() - r.start)
-        # Its prompt only if it was prefilled (made a token), as vLLM counts prompt tokens.
-        self.metrics.on_tokens(r.num_prompt if r.num_out else 0, r.num_out)
+        self.metrics.on_tokens(r.num_prompt, r.num_out)
         for p in r.parts or (None,):
             self.metrics.on_finish("abort" if p is None else p.reason_or("abort"))
 
@@ -748,9 +747,7 @@ class ServingEngine:
                     self.metrics.on_inter_token((last - first) / (steps - 1), steps - 1)
         self.metrics.on_request_done(time.monotonic() - r.start)
         # Last: a request counts as finished once its latencies are in (TritonMetrics.publish).
-        # Its prompt only if it was prefilled (made a token), as vLLM counts prompt tokens: a
-        # request aborted while it waited was never computed.
-        self.metrics.on_tokens(len(out.prompt_token_ids) if num_out else 0, num_out)
+        self.metrics.on_tokens(len(out.prompt_token_ids), num_out)
         if r.parts is None:
             self.metrics.on_finish(reason or out.outputs[0].finish_reason)
         else:
