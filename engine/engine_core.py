@@ -90,11 +90,9 @@ class EngineCore:
                 f"one sequence of max_model_len={self.max_model_len}: raise "
                 f"{_kv_size_setting(config, self.device)} or lower max_model_len")
         self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
-                                   self.max_model_len, config.capacity_scheduler_policy,
-                                   config.prefill_hold_steps)
+        self._new_scheduler(num_blocks)
         self._in_flight = None       # (SchedulerOutput, launched step): async scheduling
+        self._step_lost = False      # an exception escaped step(): see reset_after_lost_step
         # Start-up objects live forever; keeping them out of the collector's scans keeps
         # collections short while the step loop allocates.
         gc.collect()
@@ -103,6 +101,13 @@ class EngineCore:
         logger.info("engine ready: %s on %s (%s), %d KV blocks of %d (%s), max_model_len %d",
                     config.model, on, self.dtype, num_blocks, config.block_size,
                     self.runner.kv_dtype, self.max_model_len)
+
+    def _new_scheduler(self, num_blocks: int) -> None:
+        config = self.config
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+                                   self.max_model_len, config.capacity_scheduler_policy,
+                                   config.prefill_hold_steps)
 
     def make_request(self, request_id: int | str, prompt_token_ids: list[int],
                      params: SamplingParams, ids_array: np.ndarray | None = None) -> Request:
@@ -136,6 +141,13 @@ class EngineCore:
         scheduling the step is launched and the one before it collected: the host plans and
         prepares step N+1 while the GPU runs step N, and step N's tokens come back from this
         call (one step after they were launched)."""
+        try:
+            return self._step()
+        except BaseException:
+            self._step_lost = True
+            raise
+
+    def _step(self) -> list[EngineCoreOutput]:
         times = self.runner.times
         t0 = time.perf_counter()
         sched = self.scheduler.schedule()
@@ -157,6 +169,26 @@ class EngineCore:
         times.update += time.perf_counter() - t2
         times.graph_steps += done[1].graph
         return outputs
+
+    def reset_after_lost_step(self) -> bool:
+        """After an exception escaped `step` (Ctrl-C in the forward pass, an out-of-memory
+        error; LLM.generate carries on after them), the scheduler holds a step it planned but
+        never saw run: tokens counted as computed, outputs awaited that never come, and blocks
+        registered in the prefix cache whose KV was never written (a later hit on them would
+        read garbage). Nothing of it can be trusted, so every request left is aborted and the
+        scheduler and the KV cache start again empty, the prefix cache with them; the counters
+        carry on. Returns whether a step was lost (else nothing changes)."""
+        if not self._step_lost:
+            return False
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)      # nothing launched still writes the cache
+        stats = self.scheduler.stats
+        self._new_scheduler(self.kv.num_blocks)
+        self.scheduler.stats = stats
+        self.runner.drop_requests()
+        self._in_flight = None
+        self._step_lost = False
+        return True
 
     def shutdown(self) -> None:
         """Drops the model and the KV cache and hands their memory back."""

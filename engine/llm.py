@@ -300,6 +300,8 @@ class LLM:
             # KV blocks and running inside the next call for outputs nobody reads.
             self.core.abort_requests([r for children in parents for r in children
                                       if r not in finished])
+            # Interrupted inside a step: that step's plan cannot be trusted (see there).
+            self.core.reset_after_lost_step()
             raise
         return [_joined([finished[c] for c in children]) for children in parents]
 

@@ -352,6 +352,15 @@ class ModelRunner:
                 tables.put(state.table_row, len(state.block_ids), new_block_ids)
                 state.block_ids.extend(new_block_ids)
 
+    def drop_requests(self) -> None:
+        """Forgets every request and any step not collected (EngineCore.reset_after_lost_step:
+        the scheduler starts again empty)."""
+        self.requests.clear()
+        self.block_tables = _BlockTables()
+        self.penalties = None
+        self._last_sampled = None
+        self._uncollected = None
+
     def _drop_rows(self, state: _RunnerRequest) -> None:
         self.block_tables.remove(state.table_row, len(state.block_ids))
         if state.penalty_row != PENALTY_SINK:

@@ -551,6 +551,47 @@ def test_a_generate_interrupted_midway_leaves_nothing_behind(tiny_models, hf_out
     assert llm.get_stats().num_steps - steps_before <= MAX_TOKENS + 1
 
 
+class _InterruptAt:
+    """Stands in for a model runner method: raises KeyboardInterrupt (Ctrl-C landing inside a
+    step, where the time goes) at its `at`-th call."""
+
+    def __init__(self, real, at):
+        self.real, self.at, self.calls = real, at, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == self.at:
+            raise KeyboardInterrupt
+        return self.real(*args, **kwargs)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_generate_interrupted_inside_a_step_leaves_nothing_behind(tiny_models, hf_outputs,
+                                                                    async_scheduling):
+    """Ctrl-C in the forward pass or the sampler: the step the scheduler planned never ran, so
+    its outputs never come (each interrupted request stayed in Scheduler._draining for good),
+    and the prompt blocks it registered in the prefix cache hold KV it never wrote (the same
+    prompt sent again took them as a hit and generated from garbage)."""
+    prompts, expected = hf_outputs("llama")
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=512,
+              async_scheduling=async_scheduling)
+    runner = llm.core.runner
+    # The prompt step's forward pass and sampler, a decode step's sampler.
+    for method, at in (("_forward_eager", 1), ("sampler", 1), ("sampler", 5)):
+        setattr(runner, method, _InterruptAt(getattr(runner, method), at))
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate(prompts, GREEDY)
+        delattr(runner, method) if method == "_forward_eager" else setattr(
+            runner, method, getattr(runner, method).real)
+        scheduler = llm.core.scheduler
+        assert not scheduler.has_unfinished_requests() and not scheduler._draining, method
+        stats = llm.get_stats()
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        outs = llm.generate(prompts, GREEDY)
+        assert [o.outputs[0].token_ids for o in outs] == expected, (method, at)
+        assert not llm.core.scheduler._draining
+
+
 def test_params_changed_after_they_were_built_are_read_as_when_built(tiny_models):
     """vLLM's examples take llm.get_default_sampling_params() and set fields on it: top_k -1
     (no top-k) or None set so was refused ("top_k must be >= 0"), stop None raised TypeError;
