@@ -170,7 +170,9 @@ class Sampler:
         num_top = min(meta.max_num_logprobs, raw_logprobs.shape[1])
         sampled_logprobs = raw_logprobs.gather(1, sampled.unsqueeze(1))     # [B, 1]
         top_logprobs, top_ids = raw_logprobs.topk(num_top, dim=-1)          # [B, N], descending
-        ranks = (raw_logprobs > sampled_logprobs).sum(-1) + 1
+        # vLLM's (V1) rank: the entries whose raw logprob is >= the sampled token's, its ties
+        # counted ahead of it.
+        ranks = (raw_logprobs >= sampled_logprobs).sum(-1)
         return SamplerOutput(
             sampled_token_ids=sampled,
             logprob_token_ids=torch.cat([sampled.unsqueeze(1), top_ids], dim=1),

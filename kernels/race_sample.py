@@ -1,10 +1,11 @@
 """The sampler's last step, top-k / top-p and the exponential race, without sorting the logits.
 
 Math (`race_sample_ref`, the sampler's definition): order a row's logits x descending, equal
-values by ascending id (a stable sort). Keep the first k (k = 0 or >= V: all). Over the kept ones,
-renormalised, keep an element while the mass of those before it is below top_p; the first is
-always kept (top_p = 1: all). The sampled token is the kept one with the largest p_i / q_i, the
-first on ties, where q [B, V] is the caller's Exp(1) noise: a draw from the kept distribution.
+values by ascending id (a stable sort). Keep the values >= the k-th largest, its ties too, as vLLM
+and HF's TopKLogitsWarper do (k = 0 or >= V: all). Over the kept ones, renormalised, keep an
+element while the mass of those before it is below top_p; the first is always kept (top_p = 1:
+all). The sampled token is the kept one with the largest p_i / q_i, the first on ties, where
+q [B, V] is the caller's Exp(1) noise: a draw from the kept distribution.
 
 Why not the sort: at 256 rows of Llama 3's 128,256 logits the sort, its softmax, cumulative sum,
 scatter back, the second softmax, the division and the argmax took 3.9 ms of a ~17 ms decode
@@ -13,15 +14,16 @@ step on an H200; this kernel takes 0.25 ms (benchmarks/h200/race_sample.md).
 Here one program owns a row and never needs the whole kept set, only whether the race's winner
 is in it. With e_i = exp(x_i - max x), "ahead of j" meaning before j in the order above:
 - the race: w = argmax e_i / q_i over the candidates (the first on ties);
-- the check: w is kept iff #(ahead of w) < k and mass(ahead of w) / Z < top_p, or nothing is
-  ahead of w (a top_p that rounds to 0 in fp32 still keeps the first), Z the mass of the k largest: mass(x > t) + (k - #(x > t)) exp(t - max x), t the k-th largest value (`kth`, from
-  torch.topk; top-k off: -inf and Z is the whole row's mass);
-- if w is not kept, neither is anything behind it (both rules only grow along the order), so
+- the candidates are the values >= t, t the k-th largest value (`kth`, from torch.topk; top-k
+  off: -inf), so top-k never rejects;
+- the check: w is kept iff mass(ahead of w) / Z < top_p, or nothing is ahead of w (a top_p that
+  rounds to 0 in fp32 still keeps the first), Z the mass of the values >= t (top-k off: the
+  whole row's);
+- if w is not kept, neither is anything behind it (the mass only grows along the order), so
   the next race is over what is ahead of w; the row's largest value is always kept, so it ends.
 The winner of the whole race is the kept set's winner as soon as it is kept, which is the common
 case: a step is a pass for the max and mass, one for the race, one for the check, and another
 race and check for each rejection (with probability about the mass outside the kept set).
-Candidates start at the values >= t, so top-k alone never rejects past the ties at t.
 
 The kernel compares e_i / q_i where the reference compares (e_i / Z') / q_i (Z' the kept mass,
 torch's softmax), and sums the masses in its own order where the reference takes torch's
@@ -126,42 +128,36 @@ def _race_sample_kernel(x_ptr, q_ptr, kth_ptr, k_ptr, p_ptr, t_ptr, out_ptr, V, 
     t = tl.load(t_ptr + row, mask=has_t != 0, other=1.0)          # x / 1 is x: no temperature
     cols = tl.arange(0, BLOCK)
 
-    # The max m, and the mass and count of the values above kth: per lane (the mass online,
-    # rescaled as the lane's max grows), the lanes meeting once after the loop.
+    # The max m and the mass of the values >= kth: per lane (the mass online, rescaled as the
+    # lane's max grows), the lanes meeting once after the loop.
     m_lane = tl.full([BLOCK], float("-inf"), tl.float32)
     mass_lane = tl.full([BLOCK], 0.0, tl.float32)
-    above_lane = tl.full([BLOCK], 0, tl.int32)
     for c in range(0, V, BLOCK):
         idx = c + cols
         inside = idx < V
         x = _load_scaled(x_row, idx, inside, t)
         m_new = tl.maximum(m_lane, x)
         scale = tl.where(m_new == m_lane, 1.0, tl.exp(m_lane - m_new))
-        over = inside & (x > kth)
-        mass_lane = mass_lane * scale + tl.where(over, tl.exp(x - m_new), 0.0)
-        above_lane += over.to(tl.int32)
+        # (-inf values weigh nothing, and exp(-inf - -inf) would be NaN)
+        kept = inside & (x >= kth) & (x > float("-inf"))
+        mass_lane = mass_lane * scale + tl.where(kept, tl.exp(x - m_new), 0.0)
         m_lane = m_new
     m = tl.reduce(m_lane, 0, _MAX)
-    above_mass = tl.reduce(tl.where(mass_lane > 0.0, mass_lane * tl.exp(m_lane - m), 0.0), 0, _SUM)
-    above = tl.reduce(above_lane, 0, _SUM)
-    kept_mass = above_mass + (k - above).to(tl.float32) * tl.exp(kth - m)
-    kept_mass = tl.where(kth == float("-inf"), above_mass, kept_mass)
+    kept_mass = tl.reduce(tl.where(mass_lane > 0.0, mass_lane * tl.exp(m_lane - m), 0.0), 0, _SUM)
 
     # A race finds no candidate (w = V) only in a row without numbers (NaN, +inf: no max to
     # measure against); it ends there and gives id 0 rather than loop or read past the row.
     w = _race(x_row, q_row, V, t, m, kth, float("-inf"), V + 1, BLOCK)
     wx = _load_scaled(x_row, w, w < V, t)
     rejected = w < 0                      # false, as a scalar tensor
-    if (k < V) | (top_p < 1.0):
+    if top_p < 1.0:
         count, mass = _ahead(x_row, V, t, m, wx, w, BLOCK)
-        rejected = ((count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0) & (count > 0))
-                    ) & (w < V)
+        rejected = (mass / kept_mass >= top_p) & (count > 0) & (w < V)
     while rejected:
         w = _race(x_row, q_row, V, t, m, kth, wx, w, BLOCK)
         wx = _load_scaled(x_row, w, w < V, t)
         count, mass = _ahead(x_row, V, t, m, wx, w, BLOCK)
-        rejected = ((count >= k) | ((mass / kept_mass >= top_p) & (top_p < 1.0) & (count > 0))
-                    ) & (w < V)
+        rejected = (mass / kept_mass >= top_p) & (count > 0) & (w < V)
     tl.store(out_ptr + row, tl.where(w < V, w, 0).to(tl.int64))
 
 
@@ -238,17 +234,18 @@ def race_sample_ref(logits: torch.Tensor, noise: torch.Tensor, top_k: torch.Tens
 
 
 def keep_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
-    """Keep the k largest logits, then the smallest prefix of those (by probability,
-    renormalized over the survivors) whose mass reaches top_p; the rest become -inf.
+    """Keep the logits >= the k-th largest (its ties too, as vLLM and HF do), then the smallest
+    prefix of those (by probability, renormalized over the survivors) whose mass reaches top_p;
+    the rest become -inf.
 
-    Works on the descending stable sort, so ties are kept lowest id first.
+    Works on the descending stable sort, so top-p keeps ties lowest id first.
     """
     num_rows, vocab_size = logits.shape
     sorted_logits, sorted_ids = logits.sort(dim=-1, descending=True, stable=True)   # [B, V]
     if top_k is not None:
         k = torch.where(top_k > 0, top_k.clamp(max=vocab_size), vocab_size)
-        position = torch.arange(vocab_size, device=logits.device)
-        sorted_logits = sorted_logits.masked_fill(position >= k.unsqueeze(1), float("-inf"))
+        kth = sorted_logits.gather(1, k.unsqueeze(1) - 1)
+        sorted_logits = sorted_logits.masked_fill(sorted_logits < kth, float("-inf"))
     if top_p is not None:
         probs = sorted_logits.softmax(-1)
         # Mass strictly before each position: keep a token while that is still below top_p.

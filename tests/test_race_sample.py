@@ -1,7 +1,7 @@
 """kernels/race_sample.py against its reference (the stable sort, softmax and race): the same
-token for every row and draw, with ties at both cuts (kept lowest id first), -0.0 beside +0.0,
--inf values (min-p, min_tokens), k past V, top_p 1, and winners of the whole race that the cuts
-reject (the kernel's loop).
+token for every row and draw, with ties at both cuts (top-k keeps its ties, top-p the lowest ids
+first), -0.0 beside +0.0, -inf values (min-p, min_tokens), k past V, top_p 1, and winners of the
+whole race that the cuts reject (the kernel's loop).
 
 Without CUDA the kernel runs under Triton's interpreter on CPU at small block sizes, with CUDA on
 the GPU at the real block and a 128k vocabulary too.
@@ -104,31 +104,41 @@ def test_a_top_p_that_rounds_to_zero_keeps_the_most_likely_token(top_p):
     assert torch.equal(sample(x, q, torch.tensor([3] * 4), p, 64), want)
 
 
-def test_ties_at_the_cut_keep_the_lowest_ids():
-    # Four equal logits. The noise favours id 4, then 3, then 2, then 1. Top-k 2 keeps ids 1 and
-    # 2 (so 2 wins), and so does top-p 0.4 (mass .25 before id 2, .5 before id 3); top-k 3 with
-    # top-p 0.6 keeps ids 1-3 and renormalises to thirds: 1/3 before id 2, 2/3 before id 3 (2 wins).
+def test_top_k_keeps_the_ties_at_its_cut_and_top_p_the_lowest_ids():
+    """Top-k keeps every value tied with the k-th, as vLLM (`logits < kth` masked) and HF's
+    TopKLogitsWarper do: it kept exactly k, lowest ids first, so a tied token with a higher id
+    was never sampled. Top-p cuts by position (vLLM's too), ties lowest id first.
+
+    Four equal logits; the noise favours id 4, then 3, then 2, then 1. Top-k 1, 2 or 3 keeps all
+    four (4 wins), and top-k 4 does not reach the lower values (5 does). Top-p 0.4 keeps ids 1 and 2
+    (mass .25 before id 2, .5 before id 3: 2 wins); top-k 3 with top-p 0.6 keeps the four,
+    quarters: .5 before id 3, .75 before id 4 (3 wins)."""
     x = torch.tensor([[-9.0, 1.0, 1.0, 1.0, 1.0, -9.0]])
     q = torch.tensor([[1.0, 4.0, 3.0, 2.0, 1.0, 1.0]])
-    assert sample(x, q, torch.tensor([2]), None, 16).tolist() == [2]
+    for k in (1, 2, 3):
+        assert sample(x, q, torch.tensor([k]), None, 16).tolist() == [4], k
+        assert rs.race_sample_ref(x, q, torch.tensor([k]), None).tolist() == [4], k
     assert sample(x, q, None, torch.tensor([0.4]), 16).tolist() == [2]
-    assert sample(x, q, torch.tensor([3]), torch.tensor([0.6]), 16).tolist() == [2]
-    assert sample(x, q, torch.tensor([3]), None, 16).tolist() == [3]
+    assert sample(x, q, torch.tensor([3]), torch.tensor([0.6]), 16).tolist() == [3]
+    assert rs.race_sample_ref(x, q, torch.tensor([3]), torch.tensor([0.6])).tolist() == [3]
     assert sample(x, q, None, None, 16).tolist() == [4]
+    q = torch.tensor([[1e-6, 4.0, 3.0, 2.0, 1.0, 1.0]])         # id 0 would win the race if kept
+    assert sample(x, q, torch.tensor([4]), None, 16).tolist() == [4]
+    assert sample(x, q, torch.tensor([5]), None, 16).tolist() == [0]
 
 
 def test_ties_at_the_cut_in_other_blocks():
     """Ten equal top logits spread over 13 blocks of 16, the noise favouring the higher ids:
-    top-k 3 and top-p 0.03 (each holds ~0.0125 of the mass) both keep ids 5, 37 and 70, and 70
-    wins, which needs the ties ahead of each winner counted in every block."""
+    top-p 0.03 (each holds ~0.0125 of the mass) keeps ids 5, 37 and 70, and 70 wins, which needs
+    the ties ahead of each winner counted in every block; top-k 3 keeps all ten (199 wins)."""
     ids = [5, 37, 70, 101, 133, 150, 170, 185, 190, 199]
     x = torch.zeros(1, 200)
     x[0, ids] = 1.0
     q = torch.ones(1, 200)
     q[0, ids] = torch.linspace(1.0, 0.1, len(ids))
-    assert sample(x, q, torch.tensor([3]), None, 16).tolist() == [70]
+    assert sample(x, q, torch.tensor([3]), None, 16).tolist() == [199]
     assert sample(x, q, None, torch.tensor([0.03]), 16).tolist() == [70]
-    assert rs.race_sample_ref(x, q, torch.tensor([3]), None).tolist() == [70]
+    assert rs.race_sample_ref(x, q, torch.tensor([3]), None).tolist() == [199]
     assert rs.race_sample_ref(x, q, None, torch.tensor([0.03])).tolist() == [70]
 
 

@@ -318,6 +318,21 @@ def test_logprobs_are_raw_sorted_and_ranked(device):
     assert out.sampled_token_ranks.dtype == torch.int64
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_sampled_token_tied_with_others_is_ranked_after_its_ties_as_in_vllm(device):
+    """vLLM (V1) ranks the sampled token by the entries whose raw logprob is >= its own
+    (vllm/v1/sample/ops/logprobs.py, batched_count_greater_than): the strictly greater ones
+    plus one gave a tied token a better rank. Raw logits [2, 1, 1, ...]; token 0 is in the
+    prompt and a repetition penalty of 4 pushes it under the tie, so greedy takes token 1."""
+    logits = torch.tensor([[2.0, 1.0, 1.0, -3.0, -3.0], [0.5, 0.5, 0.5, 0.5, 0.5]])
+    params = [SamplingParams(temperature=0.0, repetition_penalty=4.0, logprobs=1),
+              SamplingParams(temperature=0.0, logprobs=1)]
+    out = Sampler(seed=0)(logits.to(device), _meta(params, device, prompts=[[0], [4]],
+                                                   outputs=[[], []]))
+    assert out.sampled_token_ids.tolist() == [1, 0]
+    assert out.sampled_token_ranks.tolist() == [3, 5]
+
+
 def test_logprobs_zero_gives_only_the_sampled_column():
     logits = torch.randn(2, 10, generator=torch.Generator().manual_seed(7))
     out = Sampler(seed=0)(logits, _meta([SamplingParams(temperature=0.0, logprobs=0)] * 2))
@@ -419,6 +434,23 @@ def test_a_draw_is_the_race_over_the_kept_tokens(device, num_rows, top_k, top_p)
     want = race_sample_ref(scaled, noise, rows * top_k if top_k else None,
                            (rows * top_p).float() if top_p < 1.0 else None)
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_top_k_keeps_the_tokens_tied_with_the_kth_as_vllm_and_hf(kernels):
+    """vLLM (`logits < kth` masked) and HF's TopKLogitsWarper keep every token tied with the k-th
+    largest logit; the sampler kept exactly k, lowest ids first, so a tied token with a higher
+    id was never drawn (ties are common in bf16 logits). Over 64 seeds each tied token comes
+    up (the kernel's path on CPU runs under TRITON_INTERPRET)."""
+    logits = torch.full((64, 16), -5.0)
+    logits[:32, 0], logits[:32, 3], logits[:32, 7] = 3.0, 1.0, 1.0   # top_k 2: 0, a tie second
+    logits[32:, 3] = logits[32:, 7] = 2.0                          # top_k 1: a tie first
+    params = ([SamplingParams(temperature=1.0, top_k=2, seed=s) for s in range(32)]
+              + [SamplingParams(temperature=1.0, top_k=1, seed=s) for s in range(32)])
+    drawn = Sampler(seed=0, kernels=kernels)(logits.to(DEVICES[-1]),
+                                             _meta(params, DEVICES[-1])).sampled_token_ids.tolist()
+    assert set(drawn[32:]) == {3, 7}, drawn[32:]
+    assert set(drawn[:32]) == {0, 3, 7}, drawn[:32]
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
