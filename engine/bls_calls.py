@@ -55,22 +55,37 @@ CANCEL_CHECKS_PER_ROUND = 64    # as engine/serving.py: at most 640 round trips 
 CANCEL_ROUND_S = 0.1
 
 
-def max_concurrency_from(parameters: dict) -> int:
-    """llm_bls's `max_concurrency` from its config's `parameters` (default 256; an empty value
-    keeps it). Any other key but the Python backend's own is an error naming it."""
-    values = {k: v.get("string_value", "").strip() for k, v in parameters.items()}
-    unknown = sorted(set(values) - {"max_concurrency", *PYTHON_BACKEND_PARAMETERS})
-    if unknown:
-        raise ValueError(f"unknown llm_bls parameter(s) {unknown}; its parameter is "
-                         f"max_concurrency (requests in llm at once on an instance)")
-    text = values.get("max_concurrency") or "256"
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise ValueError(f"max_concurrency must be an integer >= 1, got {text!r}")
-    return value
+@dataclass(frozen=True)
+class BlsSettings:
+    """llm_bls's `parameters`: `max_concurrency` (requests in a BLS call at once on an
+    instance) and `llm_model` (the decoupled model it calls: a repository serving two models
+    names each llm_bls's own)."""
+    max_concurrency: int = 256
+    llm_model: str = "llm"
+
+    @classmethod
+    def from_parameters(cls, parameters: dict, own_name: str) -> BlsSettings:
+        """From the config's `parameters` (an empty value keeps a default); any other key but
+        the Python backend's own is an error naming it."""
+        values = {k: v.get("string_value", "").strip() for k, v in parameters.items()}
+        unknown = sorted(set(values) - {"max_concurrency", "llm_model",
+                                        *PYTHON_BACKEND_PARAMETERS})
+        if unknown:
+            raise ValueError(f"unknown llm_bls parameter(s) {unknown}; its parameters are "
+                             f"max_concurrency (requests in the llm model at once on an "
+                             f"instance) and llm_model (the decoupled model it calls)")
+        text = values.get("max_concurrency") or str(cls.max_concurrency)
+        try:
+            max_concurrency = int(text)
+        except ValueError:
+            max_concurrency = 0
+        if max_concurrency < 1:
+            raise ValueError(f"max_concurrency must be an integer >= 1, got {text!r}")
+        llm_model = values.get("llm_model") or cls.llm_model
+        if llm_model == own_name:
+            raise ValueError(f"llm_model must name the decoupled model that llm_bls calls, "
+                             f"not llm_bls itself ({own_name!r})")
+        return cls(max_concurrency, llm_model)
 
 
 def python_backend_thread_pool_size(argv: Sequence[str]) -> int:

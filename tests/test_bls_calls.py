@@ -243,17 +243,23 @@ def test_an_ask_that_began_before_the_keep_does_not_release_it():
     assert ref() is None
 
 
-def test_max_concurrency_from_the_config_names_what_is_wrong():
-    from engine.bls_calls import max_concurrency_from
+def test_bls_settings_from_the_config_name_what_is_wrong():
+    from engine.bls_calls import BlsSettings
 
-    def params(**kv):
-        return {k: {"string_value": v} for k, v in kv.items()}
-    assert max_concurrency_from({}) == 256
-    assert max_concurrency_from(params(max_concurrency=" 8 ")) == 8
-    assert max_concurrency_from(params(max_concurrency="", EXECUTION_ENV_PATH="env.tar.gz")) == 256
+    def settings(**kv):
+        return BlsSettings.from_parameters({k: {"string_value": v} for k, v in kv.items()},
+                                           "llm_bls")
+    assert settings() == BlsSettings(256, "llm")
+    assert settings(max_concurrency=" 8 ") == BlsSettings(8, "llm")
+    assert settings(max_concurrency="", EXECUTION_ENV_PATH="env.tar.gz") == BlsSettings(256, "llm")
+    assert settings(llm_model=" chat ").llm_model == "chat"
+    assert settings(llm_model="").llm_model == "llm"
     with pytest.raises(ValueError, match=r"unknown llm_bls parameter\(s\) \['max_concurency'\]; "
-                                         r"its parameter is max_concurrency"):
-        max_concurrency_from(params(max_concurency="8"))
+                                         r"its parameters are max_concurrency .* and llm_model"):
+        settings(max_concurency="8")
     for bad in ("0", "-5", "abc", "8.0"):
         with pytest.raises(ValueError, match=f"max_concurrency must be an integer >= 1, got '{bad}'"):
-            max_concurrency_from(params(max_concurrency=bad))
+            settings(max_concurrency=bad)
+    with pytest.raises(ValueError, match="llm_model must name the decoupled model that llm_bls "
+                                         "calls, not llm_bls itself"):
+        settings(llm_model="llm_bls")

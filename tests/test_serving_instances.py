@@ -3,7 +3,9 @@ evenly, each instance publishes its own metrics, and llm_bls's aborts reach the 
 runs their request (engine/instance_board.py)."""
 import concurrent.futures
 import json
+import os
 import queue
+import shutil
 
 import pytest
 import tritonclient.grpc as grpcclient
@@ -12,7 +14,7 @@ from engine import LLM, SamplingParams
 from scripts import server_probe
 from scripts.make_tiny_model import make_tiny_model
 from scripts.tritonserver_env import copy_repository
-from tests.test_serving import (SETTINGS, endless, finished, greedy, grpc_inputs,
+from tests.test_serving import (SETTINGS, endless, finished, greedy, grpc_inputs, metric,
                                 metrics, stream_request, text_of, wait_pool_whole)
 from tests.tritonserver import start_server
 from tests.waiting import wait_for
@@ -283,4 +285,46 @@ def test_a_stream_of_the_reloaded_model_outlives_the_old_loads_unload(tmp_path):
             new_client.stop_stream(cancel_requests=True)
             new_client.close()
             old_client.close()
+            client.close()
+
+
+def test_two_models_in_one_repository_each_with_its_own_llm_bls(tmp_path, model_dir):
+    """A repository serving two models: `llm` copied as `chat` with another model folder, and
+    `llm_bls` copied as `chat_bls` naming it with its `llm_model` parameter (llm_bls called
+    the model named `llm`, whatever its own name). Each non-streaming model answers with its
+    own model's text, and a cancelled `chat_bls` request is aborted in `chat`."""
+    other = str(make_tiny_model(tmp_path / "qwen2", arch="qwen2", seed=9))
+    settings = {"dtype": "float32", **SETTINGS}
+    repo = tmp_path / "repo"
+    copy_repository(repo, model_dir, settings, keep_params=False)
+    shutil.copytree(repo / "llm", repo / "chat")
+    cfg = repo / "chat" / "config.pbtxt"
+    cfg.write_text(cfg.read_text().replace(f'string_value: "{os.path.abspath(model_dir)}"',
+                                           f'string_value: "{other}"'))
+    shutil.copytree(repo / "llm_bls", repo / "chat_bls")
+    with open(repo / "chat_bls" / "config.pbtxt", "a") as f:
+        f.write('parameters { key: "llm_model" value: { string_value: "chat" } }\n')
+    expected = {name: LLM(path, device="cpu", **settings).generate(
+        "Two models", SamplingParams(**greedy(10)))[0].outputs[0].text
+        for name, path in (("llm_bls", model_dir), ("chat_bls", other))}
+    assert expected["llm_bls"] != expected["chat_bls"]
+    with start_server(repo, log_dir=tmp_path / "log") as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            for name, text in expected.items():
+                result = client.infer(name, grpc_inputs("Two models", greedy(10), stream=False,
+                                                        exclude_input_in_output=True))
+                assert result.as_numpy("text_output")[0].decode() == text, name
+            errors: queue.Queue = queue.Queue()
+            call = client.async_infer("chat_bls", grpc_inputs("cancel me", endless(),
+                                                              stream=False),
+                                      callback=lambda result, error: errors.put(error))
+            wait_for(lambda: metric(server, "llm_num_requests_running", model="chat") == 1,
+                     "the chat_bls request running in chat", timeout_s=60)
+            call.cancel()
+            assert "CANCELLED" in str(errors.get(timeout=60)).upper()
+            wait_for(lambda: metric(server, "llm_requests_finished_total", model="chat",
+                                    reason="abort") == 1, "its abort in chat", timeout_s=60)
+            assert metric(server, "llm_requests_finished_total", model="llm", reason="abort") == 0
+        finally:
             client.close()

@@ -1,4 +1,5 @@
-"""Triton adapter: one non-streaming response per request, over the `llm` model by BLS.
+"""Triton adapter: one non-streaming response per request, over the `llm` model by BLS (the
+model named by the `llm_model` parameter, `llm` unless set).
 
 execute() only registers each request and queues it for a worker; the worker makes the BLS call
 to `llm` and sends the single response with the FINAL flag, so many requests run at once on one
@@ -21,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from engine.bls_calls import BlsCalls, max_concurrency_from, python_backend_thread_pool_size
+from engine.bls_calls import BlsCalls, BlsSettings, python_backend_thread_pool_size
 from engine.protocol import (INPUT_NAMES, SCALAR_OVERRIDES, SHUTTING_DOWN, TRTLLM_WORD_INPUTS,
                              bls_inner_inputs, error_code, untag_error_kind,
                              with_request_parameters)
@@ -33,11 +34,12 @@ _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
-        max_concurrency = max_concurrency_from(
-            json.loads(args["model_config"]).get("parameters", {}))
+        settings = BlsSettings.from_parameters(
+            json.loads(args["model_config"]).get("parameters", {}), args["model_name"])
+        self.llm = settings.llm_model
         server_threads = python_backend_thread_pool_size(_server_argv())
         # One server thread stays free for the BLS calls that abort cancelled requests.
-        self.max_in_llm = max(1, min(max_concurrency, server_threads - 1))
+        self.max_in_llm = max(1, min(settings.max_concurrency, server_threads - 1))
         self.pool = ThreadPoolExecutor(self.max_in_llm, thread_name_prefix="llm_bls")
         self.calls = BlsCalls(self._cancelled)
         # SIGINT / SIGTERM to the server's process group: the server is stopping (llm's
@@ -49,8 +51,8 @@ class TritonPythonModel:
                                         lambda signum: self.stopping.set())
         faulthandler.enable(all_threads=True)   # a crash writes its threads' stacks to the log
         pb_utils.Logger.log_info(
-            f"llm_bls: up to {self.max_in_llm} requests in llm at once on this instance "
-            f"(max_concurrency {max_concurrency}; the server's Python thread-pool-size "
+            f"llm_bls: up to {self.max_in_llm} requests in {self.llm} at once on this instance "
+            f"(max_concurrency {settings.max_concurrency}; the server's Python thread-pool-size "
             f"{server_threads}, raise it with --backend-config=python,thread-pool-size=N)")
 
     def execute(self, requests):
@@ -78,7 +80,8 @@ class TritonPythonModel:
             if self.stopping.is_set():
                 response = _error(SHUTTING_DOWN, pb_utils.TritonError.UNAVAILABLE)
             else:
-                response, keep = _answer_from_llm(request, call.inner_id, self.stopping)
+                response, keep = _answer_from_llm(self.llm, request, call.inner_id,
+                                                  self.stopping)
         except Exception as e:  # noqa: BLE001 - the client must always get its final response
             pb_utils.Logger.log_error(f"llm_bls: {e!r}")
             response = _error(f"internal error: {e}")
@@ -94,14 +97,14 @@ class TritonPythonModel:
     def _cancelled(self, call, started):
         """On the watcher's thread: `call`'s client cancelled it."""
         if started:
-            self.calls.keep_until_next_ask(_abort_in_llm(call.inner_id))
+            self.calls.keep_until_next_ask(_abort_in_llm(self.llm, call.inner_id))
         else:
             self.calls.finish(call)
             call.payload.send(_error("request cancelled", pb_utils.TritonError.CANCELLED),
                               flags=_FINAL)
 
 
-def _answer_from_llm(request, inner_id, stopping):
+def _answer_from_llm(llm, request, inner_id, stopping):
     """The response to send, and what must outlive its sending: the BLS call's iterator (see
     _serve) and the output tensors (a response sender drops the tensors the client did not ask
     for without the GIL: never their last reference)."""
@@ -117,7 +120,7 @@ def _answer_from_llm(request, inner_id, stopping):
     # (scripts/bench_serving.py's copy does), and llm refuses a call for an output it does not
     # declare.
     call = pb_utils.InferenceRequest(
-        model_name="llm", requested_output_names=list(request.requested_output_names()),
+        model_name=llm, requested_output_names=list(request.requested_output_names()),
         inputs=[pb_utils.Tensor(k, v) for k, v in inner.items()], request_id=inner_id)
     outputs, error, answered = None, None, False
     # Returns (without the GIL) when llm answers: one response, with the FINAL flag.
@@ -130,16 +133,16 @@ def _answer_from_llm(request, inner_id, stopping):
         if response.output_tensors():
             outputs = [pb_utils.Tensor(t.name(), t.as_numpy()) for t in response.output_tensors()]
     if error is not None:
-        return _error(*_message_and_code(error, stopping)), responses
+        return _error(*_message_and_code(llm, error, stopping)), responses
     if not answered:
-        return _error("llm returned no output"), responses
+        return _error(f"{llm} returned no output"), responses
     # No tensors: the client asked only for outputs its return_* flags leave out; llm (and
     # Triton's vLLM backend) answer that with a response without them, and so does this.
     outputs = outputs or []
     return pb_utils.InferenceResponse(output_tensors=outputs), (responses, outputs)
 
 
-def _message_and_code(error, stopping):
+def _message_and_code(llm, error, stopping):
     """The message and code to answer an error of the BLS call with. Triton 2.51's BLS
     responses carry every error as INTERNAL, so llm's own errors carry their kind on the
     message. One without is Triton's (its code lost too): when llm cannot take requests (its
@@ -151,25 +154,26 @@ def _message_and_code(error, stopping):
         return message, error_code(pb_utils.TritonError, kind)
     code = error.code()
     if code == pb_utils.TritonError.INTERNAL and (
-            stopping.is_set() or "Server not ready" in message or not _llm_is_ready(message)):
+            stopping.is_set() or "Server not ready" in message
+            or not _llm_is_ready(llm, message)):
         code = pb_utils.TritonError.UNAVAILABLE
     return message, code
 
 
-def _llm_is_ready(message):
+def _llm_is_ready(llm, message):
     """Asks the server; should that fail, Triton's words for a model that cannot serve."""
     try:
-        return pb_utils.is_model_ready("llm")
+        return pb_utils.is_model_ready(llm)
     except Exception as e:  # noqa: BLE001 - the answer is only the error's code
-        pb_utils.Logger.log_warn(f"llm_bls: asking whether llm is ready failed: {e!r}")
+        pb_utils.Logger.log_warn(f"llm_bls: asking whether {llm} is ready failed: {e!r}")
         return not any(s in message for s in ("is not ready", "unknown model",
                                               "has no available versions"))
 
 
-def _abort_in_llm(inner_id):
+def _abort_in_llm(llm, inner_id):
     """Returns the call's iterator, to be dropped after a later ask (see _serve)."""
     call = pb_utils.InferenceRequest(
-        model_name="llm", requested_output_names=["text_output"],
+        model_name=llm, requested_output_names=["text_output"],
         inputs=[pb_utils.Tensor("abort_request_id",
                                 np.array([inner_id.encode()], dtype=np.object_))])
     responses = call.exec(decoupled=True)
@@ -178,7 +182,7 @@ def _abort_in_llm(inner_id):
             # e.g. llm is being unloaded: Triton takes no new request for it, so the aborted
             # request runs to its end (and the unload waits for it). Said, not swallowed.
             pb_utils.Logger.log_error(
-                f"llm_bls: could not abort request {inner_id} in llm, which runs on to its "
+                f"llm_bls: could not abort request {inner_id} in {llm}, which runs on to its "
                 f"end: {response.error().message()}")
     return responses
 
