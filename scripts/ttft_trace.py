@@ -78,7 +78,7 @@ def middle_half(part: list[dict]) -> tuple[float, float]:
     """The middle half of a round's span, from its first request's submit to its last final
     response (the steady part of a closed loop's round)."""
     start = min(r["submitted"] for r in part)
-    end = max(r["final_sent"] for r in part)
+    end = max(r.get("final_sent") or r["submitted"] for r in part)
     return start + 0.25 * (end - start), start + 0.75 * (end - start)
 
 
@@ -91,12 +91,16 @@ def core_rows(core: list[dict]) -> list[dict]:
 
 
 def turnarounds(rows: list[dict]) -> list[float | None]:
-    """Per row: ms from its final response handed to the server to the execute of the request
-    that replaced it (closed loop; None where none did)."""
-    sent = sorted(r["submitted"] for r in rows)
-    by_final = sorted(range(len(rows)), key=lambda j: rows[j]["final_sent"])
-    c = sum(1 for t in sent if t < rows[by_final[0]]["final_sent"]) if rows else 0
+    """Per row of one round: ms from its final response handed to the server to the execute
+    of the request that replaced it (closed loop; None where none did: the round's last c, and
+    rows of a trace written before final_sent was noted)."""
     out: list[float | None] = [None] * len(rows)
+    done = [j for j in range(len(rows)) if rows[j].get("final_sent") is not None]
+    if not done:
+        return out
+    sent = sorted(r["submitted"] for r in rows)
+    by_final = sorted(done, key=lambda j: rows[j]["final_sent"])
+    c = sum(1 for t in sent if t < rows[by_final[0]]["final_sent"])
     for i, j in enumerate(by_final[:len(rows) - c]):
         out[j] = (sent[c + i] - rows[j]["final_sent"]) * 1e3
     return out
@@ -142,18 +146,19 @@ def main(argv: list[str] | None = None) -> None:
             joined = join_core_log(rows, _read_lines(args.core_log))
             print(f"core log: {joined} of {len(rows)} requests joined")
             stages = STAGES + CORE_STAGES
-    around = turnarounds(rows) if args.trace else [None] * len(rows)
     per = -(-len(rows) // args.rounds)
     for i in range(args.rounds):
         part = rows[i * per:(i + 1) * per]
         if not part:
             continue
+        # Within the round: its last requests were replaced by none of the next round's.
+        around = turnarounds(part) if args.trace else []
         print(f"round {i + 1}: {len(part)} requests")
         for name, q in summarize(part, stages).items():
             print(f"  {name:22s} p50 {q['p50_ms']:8.1f}  p90 {q['p90_ms']:8.1f}  "
                   f"mean {q['mean_ms']:8.1f} ms"
                   + (f"  ({q['left_out']} without these times)" if q["left_out"] else ""))
-        turns = [t for t in around[i * per:(i + 1) * per] if t is not None]
+        turns = [t for t in around if t is not None]
         if turns:
             print(f"  {'client turn-around':22s} p50 {_quantile(turns, 0.5):8.1f}  "
                   f"p90 {_quantile(turns, 0.9):8.1f}  mean {statistics.fmean(turns):8.1f} ms")

@@ -65,6 +65,47 @@ def test_main_prints_each_round(tmp_path, capsys, name):
     assert "round 1: 2 requests" in out and "round 2: 2 requests" in out
 
 
+def _closed_loop_rounds(pause, clients=2, per_client=3, gap=0.010):
+    """Two rounds of a closed loop of `clients`, each sending its next request `gap` s after
+    its last final response, the second round starting `pause` s after the first ended (as
+    bench_serving's warm-up and steady rounds)."""
+    rows, t = [], {k: 0.001 * k for k in range(clients)}
+    for rnd in range(2):
+        for _ in range(per_client):
+            for k in range(clients):
+                row = _row(t[k], 0.001, 0.001, 0.1, 0.001)
+                rows.append(row)
+                t[k] = row["final_sent"] + gap
+        restart = max(t.values()) + pause
+        t = {k: restart + 0.001 * k for k in range(clients)}
+    return sorted(rows, key=lambda r: r["submitted"])
+
+
+def test_a_rounds_turn_around_leaves_out_the_pause_before_the_next_round(tmp_path, capsys):
+    """A round's last final responses were paired with the next round's first requests: the
+    pause between rounds (seconds) counted as the first round's client turn-around."""
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in _closed_loop_rounds(pause=5.0)))
+    main([str(path), "--rounds", "2"])
+    lines = [x for x in capsys.readouterr().out.splitlines() if "client turn-around" in x]
+    assert len(lines) == 2
+    for line in lines:
+        assert line.split()[2:] == ["p50", "10.0", "p90", "10.0", "mean", "10.0", "ms"], line
+
+
+def test_a_trace_written_before_final_times_were_noted_still_gives_its_stages(tmp_path, capsys):
+    """Traces older than the final_output / final_sent fields (benchmarks/h200's
+    ttft_trace_77a91ba.jsonl) raised KeyError in the turn-around and gave no stage at all."""
+    rows = _closed_loop_rounds(pause=1.0)
+    for r in rows:
+        del r["final_output"], r["final_sent"]
+    path = tmp_path / "old.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    main([str(path), "--rounds", "2"])
+    out = capsys.readouterr().out
+    assert "round 2: 6 requests" in out and "engine" in out and "turn-around" not in out
+
+
 def _core_line(row, index, to_core, first_back, final_back):
     """The core's line for a traced row: taken `to_core` s after in_engine, its outputs sent
     `first_back` / `final_back` s before the front end's reader had them."""
