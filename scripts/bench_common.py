@@ -436,12 +436,19 @@ class StepProfiler:
         out = self._step()
         self._i += 1
         if self._i == self.start + self.count:
-            self.close()
+            # Only the window ends: wrappers installed after this one (bench_shared_prefix's
+            # step trace) still call through it, so core.step stays as they left it.
+            self._end_window()
         return out
 
     def close(self) -> None:
-        """Ends the window (early if the run ended first) and restores core.step."""
-        self.core.step = self._step
+        """Ends the window (early if the run ended first) and restores core.step, if no
+        wrapper installed after this one still holds it (they close first)."""
+        if self.core.step == self._profiled_step:
+            self.core.step = self._step
+        self._end_window()
+
+    def _end_window(self) -> None:
         if self._prof is None:
             return
         self._torch.cuda.synchronize()

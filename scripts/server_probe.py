@@ -18,6 +18,8 @@ import threading
 import time
 import urllib.request
 
+import numpy as np
+
 from scripts.bench_common import process_cmdlines
 
 
@@ -169,9 +171,11 @@ class LoadPoller(GaugePoller):
         out = {"engine_loads_mean": {k: round(sum(s.get(k, 0.0) for s in loads) / len(loads), 1)
                                      for k in names}}
         if len(names) > 1:
-            gaps = sorted(max(s.values()) - min(s.values()) for s in loads)
-            out["engine_load_gap_p50"] = gaps[len(gaps) // 2]
-            out["engine_load_gap_p90"] = gaps[int(0.9 * (len(gaps) - 1))]
+            # np.percentile's rule, as the clients' figures (one rank rule for both: the
+            # upper middle for p50 and the lower rank for p90 could put p90 below p50)
+            gaps = [max(s.values()) - min(s.values()) for s in loads]
+            out["engine_load_gap_p50"] = round(float(np.percentile(gaps, 50)), 3)
+            out["engine_load_gap_p90"] = round(float(np.percentile(gaps, 90)), 3)
         return out
 
 

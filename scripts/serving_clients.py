@@ -26,8 +26,11 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def summarize(starts, firsts, lasts, ends, output_tokens: int, concurrency: int = 0) -> dict:
-    """Client-side figures of one run (times in seconds, one entry per request)."""
+def summarize(starts, firsts, lasts, ends, output_tokens: int, concurrency: int = 0,
+              clients=None) -> dict:
+    """Client-side figures of one run (times in seconds, one entry per request). clients:
+    where several load-generator processes share the concurrency, (each request's client
+    index, each client's slots) (see full_load_window)."""
     starts, firsts, lasts, ends = (np.asarray(a, dtype=np.float64)
                                    for a in (starts, firsts, lasts, ends))
     span = float(ends.max() - starts.min())
@@ -45,7 +48,7 @@ def summarize(starts, firsts, lasts, ends, output_tokens: int, concurrency: int 
                             for a, b, c in zip(starts.tolist(), firsts.tolist(),
                                                lasts.tolist())],
             "output_tok_s": round(len(starts) * output_tokens / span, 1),
-            **full_load(starts, firsts, lasts, output_tokens, concurrency),
+            **full_load(starts, firsts, lasts, output_tokens, concurrency, clients),
             # requests in flight on average: below the concurrency, the client left gaps
             "mean_in_flight": round(float((ends - starts).sum()) / span, 1),
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99),
@@ -83,24 +86,37 @@ def arrival_spread(starts, c: int) -> dict:
             "arrivals_in_busiest_fifth": round(float(busiest.sum() / counts.sum()), 3)}
 
 
-def full_load_window(starts, c: int) -> tuple[float, float] | None:
-    """From the c-th send (every slot filled once) to the last send, in the sends' clock (epoch
-    seconds: perf_analyzer's and the python client's); None for a run too short to have one."""
+def full_load_window(starts, c: int, clients=None) -> tuple[float, float] | None:
+    """From the send that filled the last empty slot (every slot filled once) to the last send,
+    in the sends' clock (epoch seconds: perf_analyzer's and the python client's); None for a
+    run too short to have one. That is the c-th send, unless several load-generator processes
+    share c (clients: each request's client index, each client's slots): one that started late
+    fills its slots after an early one's re-sends, and one that started early sends its last
+    request first, so the window runs from the last of them to fill its slots to the first of
+    them to send its last request."""
     if c <= 0 or len(starts) <= c:
         return None
-    sends = np.sort(np.asarray(starts, dtype=np.float64))
+    starts = np.asarray(starts, dtype=np.float64)
+    sends = np.sort(starts)
     t0, t1 = float(sends[c - 1]), float(sends[-1])
+    if clients is not None:
+        index, slots = np.asarray(clients[0]), clients[1]
+        for k, ck in enumerate(slots):
+            own = np.sort(starts[index == k])
+            if len(own) < ck:
+                return None
+            t0, t1 = max(t0, float(own[ck - 1])), min(t1, float(own[-1]))
     return (t0, t1) if t1 > t0 else None
 
 
-def full_load(starts, firsts, lasts, output_tokens: int, c: int) -> dict:
+def full_load(starts, firsts, lasts, output_tokens: int, c: int, clients=None) -> dict:
     """Output tok/s while the client has all its slots in use: from the c-th send (every slot
     filled once) to the last send (after it, slots empty as the run drains). The whole-run
     figure also charges the server with the client's ramp-up (perf_analyzer's processes and
     threads start over seconds) and the drain. A request's tokens are counted where they
     came: the first at its first response, the rest spread evenly to its last response (one
     response: over the time it was out)."""
-    window = full_load_window(starts, c)
+    window = full_load_window(starts, c, clients)
     if window is None:
         return {}
     t0, t1 = window
@@ -183,9 +199,10 @@ def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], wo
     `cpus`: the CPUs the clients may run on (bench_serving --client-cpus); None: ours."""
     from tests.tritonserver import on_cpus
     clients = max(1, min(clients, c))
-    procs, exports = [], []
+    procs, exports, slots = [], [], []
     for k in range(clients):
         ck, nk = c // clients + (k < c % clients), n // clients + (k < n % clients)
+        slots.append(ck)
         data = os.path.join(work, f"input-{model}-{c}-{k}.json")
         write_input_data(data, client_prompts(prompts, n, clients)[k], output_tokens,
                          stream=model == "llm", sampling=sampling)
@@ -200,8 +217,8 @@ def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], wo
             cmd.append("--streaming")
         procs.append(subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                       text=True, preexec_fn=on_cpus(cpus)))
-    reqs = []
-    for proc, export in zip(procs, exports):
+    reqs, index = [], []
+    for k, (proc, export) in enumerate(zip(procs, exports)):
         out, _ = proc.communicate(timeout=3600)
         if proc.returncode != 0:
             raise RuntimeError(f"perf_analyzer failed ({proc.returncode}):\n{out[-3000:]}")
@@ -211,16 +228,17 @@ def run_perf_analyzer(server, model: str, c: int, n: int, prompts: list[str], wo
         except (OSError, ValueError) as e:
             raise RuntimeError(f"perf_analyzer wrote no profile export ({e}):\n{out[-3000:]}")
         os.remove(export)
-        reqs += [r for e in exp["experiments"] for r in e["requests"]
-                 if r["response_timestamps"]]
+        own = [r for e in exp["experiments"] for r in e["requests"] if r["response_timestamps"]]
+        reqs += own
+        index += [k] * len(own)
     starts = [r["timestamp"] / 1e9 for r in reqs]
     firsts = [r["response_timestamps"][0] / 1e9 for r in reqs]
     lasts = [r["response_timestamps"][-1] / 1e9 for r in reqs]
-    out = summarize(starts, firsts, lasts, lasts, output_tokens, c)
+    out = summarize(starts, firsts, lasts, lasts, output_tokens, c, (index, slots))
     out["responses_per_request"] = round(
         sum(len(r["response_timestamps"]) for r in reqs) / max(len(reqs), 1), 2)
     out["clients"] = clients
-    out["full_load_window"] = full_load_window(starts, c)
+    out["full_load_window"] = full_load_window(starts, c, (index, slots))
     return out
 
 
@@ -297,9 +315,10 @@ def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output
     """`procs` processes of py_client_worker share c and n (on `cpus`: see run_perf_analyzer)."""
     from tests.tritonserver import on_cpus
     procs = max(1, min(procs, c))
-    workers, first = [], 0
+    workers, first, slots = [], 0, []
     for k in range(procs):
         ck, nk = c // procs + (k < c % procs), n // procs + (k < n % procs)
+        slots.append(ck)
         spec_path = tempfile.mkstemp(prefix="bench-pyclient-", suffix=".json")[1]
         with open(spec_path, "w") as f:
             json.dump({"url": grpc_address(server), "model": model, "c": ck, "n": nk, "first": first,
@@ -315,16 +334,18 @@ def run_py_client(server, model: str, c: int, n: int, prompts: list[str], output
     for w in workers:
         w.stdin.write("go\n")
         w.stdin.flush()
-    times = []
-    for w in workers:
+    times, index = [], []
+    for k, w in enumerate(workers):
         out, _ = w.communicate(timeout=3600)
         if w.returncode != 0:
             raise RuntimeError(f"python client failed ({w.returncode})")
-        times += json.loads(out.strip().splitlines()[-1])
+        own = json.loads(out.strip().splitlines()[-1])
+        times += own
+        index += [k] * len(own)
     starts, firsts, lasts = zip(*times)
-    out = summarize(starts, firsts, lasts, lasts, output_tokens, c)
+    out = summarize(starts, firsts, lasts, lasts, output_tokens, c, (index, slots))
     out["clients"] = procs
-    out["full_load_window"] = full_load_window(starts, c)
+    out["full_load_window"] = full_load_window(starts, c, (index, slots))
     return out
 
 

@@ -53,3 +53,49 @@ def test_profile_step_keeps_requests_in_flight_and_breaks_the_step_down(tmp_path
         assert r["steps"] == 12 and r["output_tok_s"] > 0
         assert all(r["step_ms"][p] > 0 for p in PHASES), r
     assert "| 4x16x8j |" in out.with_suffix(".md").read_text()
+
+
+def test_a_step_trace_installed_after_the_profiler_sees_every_step():
+    """bench_shared_prefix wraps core.step with the profiler, then the first-step clock and the
+    step trace. The profiler's window ending set core.step back to what it had wrapped,
+    dropping the two after it: with --profile-steps and --step-trace the trace held only the
+    steps up to the window's end (e.g. 70 of 121 in cascade_decode_profile512_b06dfc4)."""
+    import types
+
+    from engine.step_timing import StepTimes
+    from scripts.bench_common import FirstStepClock, StepProfiler, StepTrace
+
+    class Core:
+        device = types.SimpleNamespace(type="cuda")     # the profiler wraps only on a GPU
+
+        def __init__(self):
+            self.times, self.calls = StepTimes(), 0
+            self.scheduler = types.SimpleNamespace(num_running=1)
+
+        def step(self):
+            self.calls += 1
+            self.times.steps += 1
+            return []
+
+    class Profile:                                       # torch.profiler, without a GPU
+        __enter__ = lambda self: self                     # noqa: E731
+        __exit__ = lambda self, *a: False                 # noqa: E731
+        events = lambda self: []                          # noqa: E731
+        key_averages = lambda self: types.SimpleNamespace(table=lambda **k: "")  # noqa: E731
+
+    core = Core()
+    real_step = core.step
+    profiler = StepProfiler(core, start=2, count=3)
+    profiler._torch = types.SimpleNamespace(
+        profiler=types.SimpleNamespace(profile=lambda activities: Profile(),
+                                       ProfilerActivity=types.SimpleNamespace(CPU=0, CUDA=1)),
+        cuda=types.SimpleNamespace(synchronize=lambda: None))
+    first, trace = FirstStepClock(core), StepTrace(core)
+    for _ in range(10):
+        core.step()
+    trace.close()
+    first.close()
+    profiler.close()
+    assert core.calls == 10 and len(trace.rows) == 10
+    assert profiler.tables["steps"] == 3
+    assert core.step == real_step

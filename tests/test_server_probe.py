@@ -1,11 +1,12 @@
 """scripts/server_probe.py: histogram deltas and CPU accounting, on hand-made inputs."""
 import time
 
+import numpy as np
 import pytest
 
 from scripts.server_probe import (LoadPoller, cpu_delta, cpu_use, engine_loads, gauge,
                                   hist_delta, per_instance, server_side)
-from scripts.serving_clients import full_load_window
+from scripts.serving_clients import full_load, full_load_window
 
 LAG = "llm_event_loop_lag_seconds"
 
@@ -98,7 +99,11 @@ def test_engine_loads_per_instance_and_the_gap_between_them():
     s = poller.summary()
     assert s["engine_loads_mean"] == {"llm_0_0@cuda:0": 256 + sum(gaps) / 10,
                                       "llm_0_0@cuda:1": 256.0}
-    assert (s["engine_load_gap_p50"], s["engine_load_gap_p90"]) == (40.0, 70.0)
+    assert (s["engine_load_gap_p50"], s["engine_load_gap_p90"]) == (35.0, 73.0)   # np.percentile
+    two = LoadPoller("unused:0")         # p50 took the upper middle, p90 the lower rank: 10 / 1
+    two.samples = [(0.0, engine_loads(_loads([257, 256], [0, 0]))),
+                   (1.0, engine_loads(_loads([266, 256], [0, 0])))]
+    assert (two.summary()["engine_load_gap_p50"], two.summary()["engine_load_gap_p90"]) == (5.5, 9.1)
     one = LoadPoller("unused:0")                    # one instance: no gap to speak of
     one.samples = [(0.0, {"llm_0_0": 3.0})]
     assert one.summary() == {"engine_loads_mean": {"llm_0_0": 3.0}}
@@ -123,6 +128,24 @@ def test_engine_loads_over_the_clients_full_load_only():
 def test_the_full_load_window_runs_from_the_cth_send_to_the_last():
     assert full_load_window([5.0, 1.0, 2.0, 9.0, 3.0], 3) == (3.0, 9.0)
     assert full_load_window([1.0, 2.0], 2) is None          # no send after every slot filled
+
+
+def test_the_full_load_window_waits_for_a_late_clients_slots():
+    """c = 4 as two load generators of 2 slots, the second starting 1 s after the first, each a
+    closed loop of ten 0.2 s requests a slot. The window opened at the 4th send overall (0.2 s,
+    the early client's re-sends) while the late one's slots were empty, and closed at the
+    late one's last send, 1 s after the early one's slots had emptied: 2.8 in flight "at full
+    load". Now it runs from 1.0 (all four slots filled) to 1.8 (the early client's last send)."""
+    starts = [t0 + 0.2 * k for t0 in (0.0, 0.0, 1.0, 1.0) for k in range(10)]
+    index = [0] * 20 + [1] * 20
+    assert full_load_window(starts, 4) == (0.2, 2.8)
+    assert full_load_window(starts, 4, (index, [2, 2])) == (1.0, 1.8)
+    s = np.array(starts)
+    r = full_load(s, s + 0.02, s + 0.2, 10, 4, (index, [2, 2]))
+    assert r["full_load_in_flight"] == 4.0 and r["full_load_s"] == 0.8
+    assert full_load(s, s + 0.02, s + 0.2, 10, 4)["full_load_in_flight"] == 2.8
+    # A client that never filled its slots: no full load at all.
+    assert full_load_window(starts[:21], 4, (index[:21], [2, 2])) is None
 
 
 def test_server_side_counts_a_runs_cascade_rows_and_prefix_hits():
