@@ -281,6 +281,17 @@ def engine_device(device: str) -> str:
     return device
 
 
+def refuse_triton_batching(model_config: dict) -> None:
+    """The models take requests one by one, their inputs without a batch dimension (the engine
+    batches them itself): a Triton config with `max_batch_size` above 0 loaded and then failed
+    every request on its inputs' shapes. Refused at load, naming the setting."""
+    size = model_config.get("max_batch_size", 0)
+    if size:
+        raise ValueError(f"max_batch_size must be 0 for the {model_config.get('name', 'llm')} "
+                         f"model, got {size}: it takes requests one by one (the engine batches "
+                         f"them itself) and its inputs have no batch dimension")
+
+
 def settings_from_triton(model_config: dict, repository: str, device: str) -> dict[str, str]:
     """Engine settings from a Triton model config's `parameters` (string values; an empty one
     keeps the default). `model` and `tokenizer` paths are resolved against the model

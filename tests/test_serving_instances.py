@@ -328,3 +328,17 @@ def test_two_models_in_one_repository_each_with_its_own_llm_bls(tmp_path, model_
             assert metric(server, "llm_requests_finished_total", model="llm", reason="abort") == 0
         finally:
             client.close()
+
+
+@pytest.mark.parametrize("model", ["llm", "llm_bls"])
+def test_a_max_batch_size_above_0_fails_the_load_naming_it(tmp_path, model_dir, model):
+    """max_batch_size edited to 8 loaded READY, and then every llm_bls request failed on its
+    inputs' shapes with INTERNAL (HTTP 500). Triton's vLLM backend refuses it at load."""
+    repo = tmp_path / "repo"
+    copy_repository(repo, model_dir, {"dtype": "float32", **SETTINGS}, keep_params=False)
+    cfg = repo / model / "config.pbtxt"
+    assert "max_batch_size: 0" in cfg.read_text()
+    cfg.write_text(cfg.read_text().replace("max_batch_size: 0", "max_batch_size: 8"))
+    with pytest.raises(RuntimeError, match=f"max_batch_size must be 0 for the {model} model, "
+                                           f"got 8"):
+        start_server(repo, log_dir=tmp_path / "log").stop()

@@ -7,7 +7,8 @@ import signal
 
 import triton_python_backend_utils as pb_utils
 
-from engine.config import EngineConfig, engine_device, instance_device, settings_from_triton
+from engine.config import (EngineConfig, engine_device, instance_device, refuse_triton_batching,
+                           settings_from_triton)
 from engine.instance_board import InstanceBoard, load_generation
 from engine.metrics import TritonMetrics, instance_labels
 from engine.protocol import (BLS_REQUEST_ID_PREFIX, CONTROL_INPUT_NAMES, INPUT_NAMES,
@@ -26,6 +27,7 @@ class TritonPythonModel:
         model_config = json.loads(args["model_config"])
         if not pb_utils.using_decoupled_model_transaction_policy(model_config):
             raise pb_utils.TritonModelException("the llm model must be decoupled")
+        refuse_triton_batching(model_config)
         device = instance_device(args["model_instance_kind"], args["model_instance_device_id"])
         repository = os.path.dirname(args["model_repository"].rstrip("/"))
         config = EngineConfig.from_strings(settings_from_triton(model_config, repository, device))

@@ -23,6 +23,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from engine.bls_calls import BlsCalls, BlsSettings, python_backend_thread_pool_size
+from engine.config import refuse_triton_batching
 from engine.protocol import (INPUT_NAMES, SCALAR_OVERRIDES, SHUTTING_DOWN, TRTLLM_WORD_INPUTS,
                              bls_inner_inputs, error_code, untag_error_kind,
                              with_request_parameters)
@@ -34,8 +35,10 @@ _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
 class TritonPythonModel:
     def initialize(self, args):
-        settings = BlsSettings.from_parameters(
-            json.loads(args["model_config"]).get("parameters", {}), args["model_name"])
+        model_config = json.loads(args["model_config"])
+        refuse_triton_batching(model_config)
+        settings = BlsSettings.from_parameters(model_config.get("parameters", {}),
+                                               args["model_name"])
         self.llm = settings.llm_model
         server_threads = python_backend_thread_pool_size(_server_argv())
         # One server thread stays free for the BLS calls that abort cancelled requests.
