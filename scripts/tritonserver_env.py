@@ -142,23 +142,63 @@ def space_free(path: str, kind: str) -> str:
     return link
 
 
+def model_control(extra: list[str]) -> list[str]:
+    """Explicit model control, loading every model at start: the same models as the default
+    mode, and `llm` can unload itself when its engine dies, which turns its readiness false
+    (the only way to in this Triton version). Where the caller's flags choose a mode or the
+    models to load, theirs stand (tritonserver refuses `--load-model=*` beside another
+    `--load-model`, and `--load-model` without the explicit mode)."""
+    mode = any(a.startswith("--model-control-mode") for a in extra)
+    load = any(a.startswith("--load-model") for a in extra)
+    if mode:
+        return [] if load else (["--load-model=*"] if _explicit(extra) else [])
+    return ["--model-control-mode=explicit"] + ([] if load else ["--load-model=*"])
+
+
+def _explicit(extra: list[str]) -> bool:
+    """Whether the last --model-control-mode in `extra` (`=value` or a separate value) is
+    explicit."""
+    value = None
+    for i, a in enumerate(extra):
+        if a.startswith("--model-control-mode="):
+            value = a.split("=", 1)[1]
+        elif a == "--model-control-mode" and i + 1 < len(extra):
+            value = extra[i + 1]
+    return value == "explicit"
+
+
+def check_model_names(model_repository: str) -> None:
+    """Triton 2.51's Python backend starts a model's stub through `bash -c` with its path
+    unquoted (as for the repository's, space_free): a model folder named with whitespace
+    ("llm copy", a file manager's copy) never loads, and the server waits for it for ever."""
+    try:
+        names = sorted(n for n in os.listdir(model_repository)
+                       if os.path.isdir(os.path.join(model_repository, n)))
+    except OSError:
+        return                          # tritonserver says what is wrong with the repository
+    bad = [n for n in names if any(c.isspace() for c in n)]
+    if bad:
+        raise ValueError(f"model folder(s) {bad} in {model_repository} hold whitespace, which "
+                         f"Triton's Python backend cannot start a model from (the server would "
+                         f"wait for it for ever): rename them")
+
+
 def server_command(model_repository: str, http_port: int, grpc_port: int, metrics_port: int,
                    extra: list[str] | None = None) -> list[str]:
+    extra = list(extra or [])
+    check_model_names(model_repository)
     return [server_binary(),
             f"--model-repository={space_free(model_repository, 'repository')}",
             f"--backend-directory={space_free(prepare_backend_dir(), 'backends')}",
             f"--http-port={http_port}", f"--grpc-port={grpc_port}",
             f"--metrics-port={metrics_port}", "--allow-metrics=true",
-            # Explicit model control, loading every model at start: the same models as the
-            # default mode, and `llm` can unload itself when its engine dies, which turns its
-            # readiness false (the only way to in this Triton version).
-            "--model-control-mode=explicit", "--load-model=*",
+            *model_control(extra),
             # Server threads per Python model instance for BLS calls (32 by default): llm_bls
             # keeps up to this many - 1 requests of an instance in llm (its config.pbtxt).
             # `extra` may give another: the last one counts.
             f"--backend-config=python,thread-pool-size={PYTHON_THREAD_POOL_SIZE}",
             f"--backend-config=python,shm-region-prefix-name={SHM_PREFIX}",
-            "--log-info=true"] + list(extra or [])
+            "--log-info=true"] + extra
 
 
 _PARAM = re.compile(r'^parameters \{ key: "([^"]+)" value: \{ string_value: "([^"]*)" \} \}$\n?',

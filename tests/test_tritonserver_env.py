@@ -406,3 +406,43 @@ def test_space_free_links_paths_with_whitespace_and_leaves_the_rest(tmp_path):
     other = tmp_path / "with\ttab"
     other.mkdir()
     assert os.path.samefile(space_free(str(other), "repository"), other)
+
+
+def test_the_callers_model_control_flags_stand(tmp_path):
+    """The launcher added `--model-control-mode=explicit --load-model=*` whatever the caller
+    gave, and tritonserver refuses `*` beside another --load-model ("must be the ONLY startup
+    model"), and --load-model without the explicit mode: neither `make serve` nor the tests
+    could load one model alone, or use another mode."""
+    from scripts.tritonserver_env import model_control
+    assert model_control([]) == ["--model-control-mode=explicit", "--load-model=*"]
+    assert model_control(["--load-model=a"]) == ["--model-control-mode=explicit"]
+    assert model_control(["--model-control-mode=none"]) == []
+    assert model_control(["--model-control-mode", "poll"]) == []
+    assert model_control(["--model-control-mode=explicit"]) == ["--load-model=*"]
+    assert model_control(["--model-control-mode", "explicit", "--load-model", "a"]) == []
+    repo = tmp_path / "repo"
+    for name in ("a", "b"):
+        write_model(repo, name, ECHO_CONFIG, ECHO_MODEL)
+    for extra, loaded in ((["--load-model=a"], {"a": True, "b": False}),
+                          (["--model-control-mode=none"], {"a": True, "b": True})):
+        with start_server(repo, extra_args=extra, log_dir=tmp_path / "log") as s:
+            client = httpclient.InferenceServerClient(s.http_url)
+            try:
+                assert {n: client.is_model_ready(n) for n in loaded} == loaded, extra
+            finally:
+                client.close()
+
+
+def test_a_model_folder_named_with_whitespace_is_refused_naming_it(tmp_path):
+    """Triton 2.51's Python backend starts a stub through `bash -c` with the model's path
+    unquoted: a folder "llm copy" (a file manager's copy) never loaded and the server waited
+    for it for ever, with no error."""
+    repo = tmp_path / "repo"
+    write_model(repo, "echo copy", ECHO_CONFIG, ECHO_MODEL)
+    with pytest.raises(ValueError, match=r"model folder\(s\) \['echo copy'\] in .* hold "
+                                         r"whitespace.*rename them"):
+        start_server(repo, log_dir=tmp_path / "log")
+    r = subprocess.run([sys.executable, str(ROOT / "scripts" / "tritonserver_env.py"),
+                        "--model-repository", str(repo)], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode != 0 and "rename them" in r.stderr
