@@ -248,9 +248,9 @@ class TritonMetrics:
             return
         counters, snapshots = cut if cut is not None else m.snapshot()
         self._gauges["loop_lag_max"].set(m.loop_lag_max)
-        if self._sent.get("routing_peers") != m.routing_peers:     # rarely changes
-            self._gauges["routing_peers"].set(m.routing_peers)
-            self._sent["routing_peers"] = m.routing_peers
+        # Set at every publication, as the other gauges: a reload's instances share the old
+        # ones' series, which publish their 0 as they stop.
+        self._gauges["routing_peers"].set(m.routing_peers)
         stats = m.stats
         if stats is not None:
             g = self._gauges

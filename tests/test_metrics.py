@@ -56,8 +56,9 @@ def test_a_request_counted_finished_is_published_after_its_latencies():
     assert ("llm_requests_finished_total", "length", 1) in pb.log
     assert ("llm_e2e_request_latency_seconds_sum", None, 0.07) in pb.log
     pb.log.clear()
-    published.publish(m)            # nothing changed: nothing sent again
-    assert [e for e in pb.log if e[0] != "llm_event_loop_lag_max_seconds"] == []
+    published.publish(m)            # nothing changed: nothing sent again but the two gauges
+    assert [e for e in pb.log if e[0] not in ("llm_event_loop_lag_max_seconds",   # set each time
+                                              "llm_prefix_routing_peers")] == []
 
 
 def test_a_scrape_between_two_increments_sees_cumulative_buckets():
@@ -224,3 +225,16 @@ def test_a_stopped_engines_stats_publish_zero_gauges():
         "llm_prefix_cache_hit_ratio", "llm_num_requests_running")}
     assert gauges == dict.fromkeys(gauges, 0) and len(gauges) == 5, gauges
     assert ("llm_engine_steps_total", None, 3) in pb.log
+
+
+def test_the_routing_peers_gauge_is_set_at_every_publication():
+    """A reload's new instances share the old ones' series (the same labels): the old ones,
+    stopping, published 0 peers after the new ones had published theirs, and the new ones set
+    the gauge only when their own value changed, so it read 0 for good while routing worked."""
+    pb = _FakePbUtils()
+    published = TritonMetrics(pb, {"model": "llm", "version": "1"})
+    m = ServingMetrics()
+    m.routing_peers = 1
+    for _ in range(3):
+        published.publish(m)
+    assert [v for name, _, v in pb.log if name == "llm_prefix_routing_peers"] == [1, 1, 1]
