@@ -342,6 +342,21 @@ def bls_inner_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return inner
 
 
+# Each output `llm` sends only where its flag is set (text_output always).
+_OUTPUT_FLAGS = {name: f"return_{name}" for name in OUTPUT_NAMES if name != "text_output"}
+
+
+def bls_inner_outputs(inner: dict[str, np.ndarray], requested: list[str]) -> list[str]:
+    """The outputs llm_bls asks `llm` for: those its client asked for (Triton lists every one
+    of llm_bls's outputs where the client named none) that `llm` sends for this request. So an
+    output that `llm`'s config does not declare (a repository trimmed on one side) fails only
+    the requests that ask for it by their flags, not every request."""
+    req = parse_request(inner)
+    names = [n for n in requested if n == "text_output"
+             or (n in _OUTPUT_FLAGS and getattr(req, _OUTPUT_FLAGS[n]))]
+    return names or ["text_output"]
+
+
 def _stop_words(arr: np.ndarray, stop: Any) -> list[str]:
     """TensorRT-LLM's stop_words input, checked by its own name, added to the JSON's stop.
     Empty words are skipped, as TensorRT-LLM's preprocessing skips them (its README's request

@@ -5,7 +5,8 @@ import pytest
 
 from engine.outputs import CompletionOutput, Logprob, RequestOutput
 from engine.protocol import (MAX_INPUT_IDS, MAX_SAMPLING_PARAMETERS_BYTES, MAX_TEXT_INPUT_BYTES,
-                             REQUEST_PARAMETERS, bls_inner_inputs, error_code, make_response,
+                             REQUEST_PARAMETERS, OUTPUT_NAMES, bls_inner_inputs,
+                             bls_inner_outputs, error_code, make_response,
                              parse_request, tag_error_kind, untag_error_kind,
                              with_request_parameters)
 from engine.sampling_params import MAX_STOP_STRINGS
@@ -155,6 +156,25 @@ def test_bls_scalars_override_json_and_force_one_response():
     assert params == {"max_tokens": 9, "top_k": 3, "temperature": 0.25, "stop": ["END", "\n\n"]}
     assert inner["stream"][0] == np.False_ and "max_tokens" not in inner
     assert parse_request(inner).params.max_tokens == 9
+
+
+def test_llm_bls_asks_llm_only_for_the_outputs_llm_sends_for_the_request():
+    """llm_bls asked llm for every output its client asked for, which is all of llm_bls's where
+    the client names none: an llm config without one of them (trimmed on one side) failed every
+    llm_bls request, even those whose flags never ask for it."""
+    plain = bls_inner_inputs({"text_input": s("x")})
+    assert bls_inner_outputs(plain, list(OUTPUT_NAMES)) == ["text_output"]
+    flagged = bls_inner_inputs({"text_input": s("x"), "return_logprobs": b(True),
+                                "return_finish_reason": b(True)})
+    assert bls_inner_outputs(flagged, list(OUTPUT_NAMES)) == ["text_output", "finish_reason",
+                                                              "logprobs"]
+    assert bls_inner_outputs(flagged, ["logprobs"]) == ["logprobs"]
+    # Only outputs llm will not send: llm is asked for its text, which the server then drops.
+    assert bls_inner_outputs(plain, ["finish_reason"]) == ["text_output"]
+    by_parameter = bls_inner_inputs(with_request_parameters(
+        {"text_input": s("x")}, '{"return_num_output_tokens": true}'))
+    assert bls_inner_outputs(by_parameter, list(OUTPUT_NAMES)) == ["text_output",
+                                                                   "num_output_tokens"]
 
 
 def test_request_parameters_are_sampling_parameters_and_flags_under_the_inputs():

@@ -342,3 +342,30 @@ def test_a_max_batch_size_above_0_fails_the_load_naming_it(tmp_path, model_dir, 
     with pytest.raises(RuntimeError, match=f"max_batch_size must be 0 for the {model} model, "
                                            f"got 8"):
         start_server(repo, log_dir=tmp_path / "log").stop()
+
+
+def test_an_output_llm_does_not_declare_fails_only_the_requests_that_ask_for_it(tmp_path,
+                                                                                model_dir):
+    """llm's config trimmed of `logprobs` (llm_bls's left whole): llm_bls asked llm for every
+    output its client asked for, all of its own where the client names none, and every
+    request failed ("unexpected inference output 'logprobs'"), even those without
+    return_logprobs."""
+    repo = tmp_path / "repo"
+    copy_repository(repo, model_dir, {"dtype": "float32", **SETTINGS}, keep_params=False)
+    cfg = repo / "llm" / "config.pbtxt"
+    lines = cfg.read_text().splitlines(keepends=True)
+    trimmed = [line for line in lines if '{ name: "logprobs"' not in line]
+    assert len(trimmed) == len(lines) - 1
+    cfg.write_text("".join(trimmed))
+    with start_server(repo, log_dir=tmp_path / "log") as server:
+        client = grpcclient.InferenceServerClient(server.grpc_url)
+        try:
+            result = client.infer("llm_bls", grpc_inputs("Trimmed", greedy(4), stream=False,
+                                                         return_finish_reason=True))
+            assert result.as_numpy("finish_reason")[0] == b"length"
+            assert result.as_numpy("text_output")[0].decode().startswith("Trimmed")
+            with pytest.raises(Exception, match="logprobs"):
+                client.infer("llm_bls", grpc_inputs("Trimmed", greedy(4), stream=False,
+                                                    return_logprobs=True))
+        finally:
+            client.close()

@@ -25,7 +25,7 @@ import triton_python_backend_utils as pb_utils
 from engine.bls_calls import BlsCalls, BlsSettings, python_backend_thread_pool_size
 from engine.config import refuse_triton_batching
 from engine.protocol import (INPUT_NAMES, SCALAR_OVERRIDES, SHUTTING_DOWN, TRTLLM_WORD_INPUTS,
-                             bls_inner_inputs, error_code, untag_error_kind,
+                             bls_inner_inputs, bls_inner_outputs, error_code, untag_error_kind,
                              with_request_parameters)
 from engine.signal_watch import SignalWatch
 
@@ -118,12 +118,13 @@ def _answer_from_llm(llm, request, inner_id, stopping):
         inner = bls_inner_inputs(inputs)
     except ValueError as e:
         return _error(str(e), pb_utils.TritonError.INVALID_ARG), None
-    # The outputs this request's client asked for (Triton lists all of llm_bls's when it
-    # named none): a repository may declare fewer outputs than engine.protocol.OUTPUT_NAMES
+    # The outputs this request's client asked for that llm sends it (bls_inner_outputs): a
+    # repository may declare fewer outputs than engine.protocol.OUTPUT_NAMES
     # (scripts/bench_serving.py's copy does), and llm refuses a call for an output it does not
     # declare.
     call = pb_utils.InferenceRequest(
-        model_name=llm, requested_output_names=list(request.requested_output_names()),
+        model_name=llm,
+        requested_output_names=bls_inner_outputs(inner, list(request.requested_output_names())),
         inputs=[pb_utils.Tensor(k, v) for k, v in inner.items()], request_id=inner_id)
     outputs, error, answered = None, None, False
     # Returns (without the GIL) when llm answers: one response, with the FINAL flag.
