@@ -410,14 +410,24 @@ class AsyncEngine:
                 channel = self._streams.get(out.request_id)
                 if channel is None:
                     continue
-                if out.finished:            # the id is free for a new request at once
-                    channel.finished = True
+                if out.finished:            # the id is free for a new request at once;
+                    channel.finished = True     # a RequestFailed ends its request
                     self._streams.pop(out.request_id, None)
                     self._ids_by_index.pop(channel.index, None)
                 if channel.sink is None:
                     queued.append((channel, out))
                     continue
-                channel.sink(out)
+                try:
+                    channel.sink(out)
+                except Exception:  # noqa: BLE001 - that request's consumer, not the engine
+                    logger.exception("request %s: its output sink failed; aborting it",
+                                     out.request_id)
+                    if not channel.finished:
+                        channel.finished = True
+                        self._streams.pop(out.request_id, None)
+                        self._ids_by_index.pop(channel.index, None)
+                        self._processor.drop(channel.index)
+                        (channel.core or self.core).abort([channel.index])
         if queued and self._loop is not None:
             try:
                 self._loop.call_soon_threadsafe(self._dispatch, queued)

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 
 from engine.config import EngineConfig
 from engine.engine_core import EngineCore, EngineStats
-from engine.output_processor import OutputProcessor
+from engine.output_processor import OutputProcessor, RequestFailed
 from engine.outputs import RequestOutput
 from engine.prefix_groups import group_prompts
 from engine.sampling_params import SamplingParams
@@ -294,6 +294,8 @@ class LLM:
                     if to_abort:
                         self.core.abort_requests(to_abort)
                     for out in outs:
+                        if isinstance(out, RequestFailed):
+                            raise out           # (the except below aborts the others)
                         finished[out.request_id] = out
         except BaseException:
             # Ctrl-C or an error midway: its requests must not stay in the engine, holding

@@ -81,6 +81,18 @@ class _RequestState:
         return self.sum_logprob
 
 
+class RequestFailed(RuntimeError):
+    """One request's output could not be made (its tokens' decoding, its logprobs' tokens or
+    its stop strings raised: a tokenizer that cannot decode an id the model sampled). That
+    request alone ends with this error; `process` hands it out in the request's place (its
+    `request_id`) and names it among those the core must abort."""
+
+    def __init__(self, request_id, cause: BaseException) -> None:
+        super().__init__(f"making the request's output failed: {cause!r}")
+        self.request_id = request_id
+        self.finished = True
+
+
 class PullOutput:
     """What `process` hands out for a pull request, the same object every step: new tokens
     are waiting; `OutputProcessor.render(handle)` gives them as one RequestOutput."""
@@ -119,76 +131,119 @@ class OutputProcessor:
         return bool(self.states)
 
     def process(self, core_outputs: list[EngineCoreOutput]
-                ) -> tuple[list[RequestOutput | PullOutput], list[str]]:
+                ) -> tuple[list[RequestOutput | PullOutput | RequestFailed], list[str]]:
         """Returns the outputs to hand out and the keys of the requests the core must abort
-        (stop string found)."""
-        outputs: list[RequestOutput | PullOutput] = []
+        (stop string found, or the request's output failed: a RequestFailed in its place)."""
+        outputs: list[RequestOutput | PullOutput | RequestFailed] = []
         to_abort: list[str] = []
         # First every request's new tokens, then one decode for all their windows, then the
-        # rest per request.
-        todo: list[tuple[EngineCoreOutput, _RequestState, bool]] = []
+        # rest per request. A request whose part raises ends alone (_failed).
+        todo: list[list] = []               # [core output, state, its windows or None, texts]
         windows: dict[bool, list[list[int]]] = {True: [], False: []}
         for co in core_outputs:
             st = self.states.get(co.request_id)
             if st is None:
                 continue                    # already ended here by a stop string
-            if co.new_token_ids:
-                st.last_token_time = time.monotonic()
-                if st.first_token_time is None:
-                    st.first_token_time = st.last_token_time
-            if co.num_cached_tokens is not None:
-                st.num_cached_tokens = co.num_cached_tokens
-            if st.logprobs is not None and co.new_logprobs:
-                st.logprobs.extend(self._logprobs(lp) for lp in co.new_logprobs)
-            if (co.finished and co.finish_reason == "stop" and co.new_token_ids
-                    and not st.params.include_stop_str_in_output):
-                st.num_text_tokens = len(st.token_ids) + len(co.new_token_ids) - 1
-            handle = st.handle
-            if handle is not None:
-                # Tokens first, the finish after: render reads them in the other order.
-                st.token_ids.extend(co.new_token_ids)
-                if co.finished:
-                    st.stop_reason = co.stop_reason
-                    st.finish_reason = co.finish_reason
-                    handle.finished = True
-                    self.states.pop(co.request_id, None)
-                outputs.append(handle)
+            try:
+                entry = self._take(co, st, outputs)
+            except Exception as e:  # noqa: BLE001 - that request's fault, not the step's
+                self._failed(co, st, e, outputs, to_abort)
                 continue
-            st.token_ids.extend(co.new_token_ids)
-            if st.final_only and not co.finished:
+            if entry is not None:
+                todo.append(entry)
+                if entry[2] is not None:
+                    windows[st.detok.skip_special_tokens].extend(entry[2])
+        try:
+            texts = {skip: iter(self._decode_many(seqs, skip)) if seqs else iter(())
+                     for skip, seqs in windows.items()}
+            for entry in todo:
+                if entry[2] is not None:
+                    it = texts[entry[1].detok.skip_special_tokens]
+                    entry[3] = [next(it) for _ in entry[2]]
+        except Exception:  # noqa: BLE001 - some request's ids: decode each alone to find it
+            for entry in todo:
+                if entry[2] is not None:
+                    try:
+                        entry[3] = self._decode_many(entry[2], entry[1].detok.skip_special_tokens)
+                    except Exception as e:  # noqa: BLE001
+                        self._failed(entry[0], entry[1], e, outputs, to_abort)
+                        entry[1] = None
+        for co, st, wins, texts in todo:
+            if st is None:
+                continue                    # failed in its decode
+            try:
+                out = self._finish_step(co, st, texts, to_abort)
+            except Exception as e:  # noqa: BLE001
+                self._failed(co, st, e, outputs, to_abort)
                 continue
-            if st.detok:
-                windows[st.detok.skip_special_tokens].extend(
-                    st.detok.windows(st.ids_to_decode(len(st.token_ids))))
-            st.num_decoded = len(st.token_ids)
-            todo.append((co, st, st.detok is not None))
-        texts = {skip: iter(self._decode_many(seqs, skip)) if seqs else iter(())
-                 for skip, seqs in windows.items()}
-        for co, st, decoded in todo:
-            finished = co.finished
-            new_text = ""
-            if decoded:
-                it = texts[st.detok.skip_special_tokens]
-                new_text = st.detok.complete(next(it), next(it), final=finished)
-            st.text += new_text
-            if finished:
-                st.finish_reason, st.stop_reason = co.finish_reason, co.stop_reason
-            # As vLLM: the text of the first min_tokens tokens is not searched.
-            if st.stop.stop and new_text and len(st.token_ids) > st.params.min_tokens:
-                hit = st.stop.find(st.text, len(new_text))
-                if hit is not None:
-                    st.stop_reason, cut = hit
-                    st.text = st.text[:cut]
-                    st.finish_reason = "stop"
-                    if not finished:
-                        to_abort.append(co.request_id)
-                    finished = True
-            if finished:
-                self.states.pop(co.request_id, None)
-            out = self._make_output(st, finished)
             if out is not None:
                 outputs.append(out)
         return outputs, to_abort
+
+    def _take(self, co: EngineCoreOutput, st: _RequestState, outputs: list) -> list | None:
+        """A step's new tokens into the request's state; its todo entry (windows to decode),
+        or None where nothing more is done this step (a pull request's handle is out)."""
+        if co.new_token_ids:
+            st.last_token_time = time.monotonic()
+            if st.first_token_time is None:
+                st.first_token_time = st.last_token_time
+        if co.num_cached_tokens is not None:
+            st.num_cached_tokens = co.num_cached_tokens
+        if st.logprobs is not None and co.new_logprobs:
+            st.logprobs.extend(self._logprobs(lp) for lp in co.new_logprobs)
+        if (co.finished and co.finish_reason == "stop" and co.new_token_ids
+                and not st.params.include_stop_str_in_output):
+            st.num_text_tokens = len(st.token_ids) + len(co.new_token_ids) - 1
+        handle = st.handle
+        if handle is not None:
+            # Tokens first, the finish after: render reads them in the other order.
+            st.token_ids.extend(co.new_token_ids)
+            if co.finished:
+                st.stop_reason = co.stop_reason
+                st.finish_reason = co.finish_reason
+                handle.finished = True
+                self.states.pop(co.request_id, None)
+            outputs.append(handle)
+            return None
+        st.token_ids.extend(co.new_token_ids)
+        if st.final_only and not co.finished:
+            return None
+        wins = None
+        if st.detok:
+            wins = list(st.detok.windows(st.ids_to_decode(len(st.token_ids))))
+        st.num_decoded = len(st.token_ids)
+        return [co, st, wins, None]
+
+    def _finish_step(self, co: EngineCoreOutput, st: _RequestState, texts: list[str] | None,
+                     to_abort: list[str]) -> RequestOutput | None:
+        """The step's new text, the stop strings, and the request's output (if any)."""
+        finished = co.finished
+        new_text = ""
+        if texts is not None:
+            new_text = st.detok.complete(texts[0], texts[1], final=finished)
+        st.text += new_text
+        if finished:
+            st.finish_reason, st.stop_reason = co.finish_reason, co.stop_reason
+        # As vLLM: the text of the first min_tokens tokens is not searched.
+        if st.stop.stop and new_text and len(st.token_ids) > st.params.min_tokens:
+            hit = st.stop.find(st.text, len(new_text))
+            if hit is not None:
+                st.stop_reason, cut = hit
+                st.text = st.text[:cut]
+                st.finish_reason = "stop"
+                if not finished:
+                    to_abort.append(co.request_id)
+                finished = True
+        if finished:
+            self.states.pop(co.request_id, None)
+        return self._make_output(st, finished)
+
+    def _failed(self, co: EngineCoreOutput, st: _RequestState, e: Exception, outputs: list,
+                to_abort: list[str]) -> None:
+        self.states.pop(co.request_id, None)
+        if not co.finished:
+            to_abort.append(co.request_id)
+        outputs.append(RequestFailed(st.request_id, e))
 
     def render(self, handle: PullOutput) -> RequestOutput | None:
         """Everything a pull request produced since its last render, decoded, as one output;

@@ -59,7 +59,7 @@ from engine.async_engine import AsyncEngine, EngineDeadError
 from engine.config import EngineConfig
 from engine.instance_board import InstanceBoard
 from engine.metrics import ServingMetrics
-from engine.output_processor import PullOutput
+from engine.output_processor import PullOutput, RequestFailed
 from engine.outbox import Outbox, Stream
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput
 from engine.prefix_routing import PrefixRouter, core_address
@@ -76,6 +76,14 @@ SendFn = Callable[[dict[str, np.ndarray] | None, str | None, bool], None]
 
 def _unavailable(message: str) -> ServingError:
     return ServingError(message, ServingError.UNAVAILABLE)
+
+
+def _output_error(e: BaseException) -> ServingError:
+    """A request's stream ended by an exception: its own output failed (INTERNAL), or the
+    engine is gone or stopping (UNAVAILABLE)."""
+    if isinstance(e, RequestFailed):
+        return ServingError(f"internal error: {e}", ServingError.INTERNAL)
+    return _unavailable(str(e))
 
 
 def _submission_error(e: Exception, rid: str) -> ServingError:
@@ -544,7 +552,7 @@ class ServingEngine:
             r.first_output = time.monotonic()
         if isinstance(out, BaseException):
             r.abort(self.engine)        # the others: the request ends with this error
-            self._fail(r.stream, _unavailable(str(out)))
+            self._fail(r.stream, _output_error(out))
             return
         if out.finished and self._trace is not None:
             r.final_output = time.monotonic()   # the last completion's end is the request's
@@ -559,7 +567,7 @@ class ServingEngine:
         if r.first_output is None:
             r.first_output = time.monotonic()
         if isinstance(out, BaseException):
-            self._fail(r.stream, _unavailable(str(out)))
+            self._fail(r.stream, _output_error(out))
             return
         if out.finished and self._trace is not None:
             r.final_output = time.monotonic()
@@ -567,8 +575,29 @@ class ServingEngine:
 
     # ------------------------------------------------------------------ sender threads
     def _send_items(self, r: _Request, send: SendFn, items: list) -> bool:
-        """The outbox's send: True once the final answer is out (the request is closed)."""
-        final = self._send_answer(r, send, items)
+        """The outbox's send: True once the final answer is out (the request is closed). An
+        exception of `send` is the client gone (the outbox calls _send_failed); one raised
+        before it, making the response (rendering the request's tokens), is this request's
+        fault: it ends with that error, and the others carry on."""
+        sending = False
+
+        def tracked_send(*args) -> None:
+            nonlocal sending
+            sending = True
+            send(*args)
+        try:
+            final = self._send_answer(r, tracked_send, items)
+        except Exception as e:  # noqa: BLE001
+            if sending:
+                raise
+            logger.exception("request %s: making its response failed", r.rid)
+            r.abort(self.engine)
+            if r.rid in self._inflight:
+                self._count_cut_short(r)
+            send(None, ServingError(f"internal error: making the response failed: {e!r}",
+                                    ServingError.INTERNAL), True)
+            self._forget(r)
+            final = True
         if final:
             self._close_open(r)
         return final

@@ -950,3 +950,74 @@ def test_a_generate_waiting_for_the_tokenizer_ends_within_a_second_of_the_core_d
         gate.set()
         engine.shutdown()
     assert in_time and died.is_set(), f"still waiting {after:.1f} s after the core died"
+
+
+def _refusing_decode(tokenizer, bad_id):
+    """The tokenizer, its decode raising for `bad_id` (as a slow SentencePiece tokenizer raises
+    IndexError for an id past its vocabulary, which a model with a padded vocabulary samples)."""
+    base = type(tokenizer)
+
+    class Refusing(base):
+        def decode(self, ids, *args, **kwargs):
+            if bad_id in ([ids] if isinstance(ids, int) else list(ids)):
+                raise IndexError(f"piece id {bad_id} is out of range")
+            return super().decode(ids, *args, **kwargs)
+    tokenizer.__class__ = Refusing
+    return tokenizer
+
+
+@pytest.mark.parametrize("fault", ["decode", "sink"])
+def test_one_requests_output_fault_ends_that_request_alone(model_dir, monkeypatch, fault):
+    """A request whose output could not be made (its tokens' decode raising) or whose sink
+    raised: the exception reached the core reader thread, which took it for the front end's
+    failure and killed the core: every request failed, and the engine refused all later ones.
+    Now that request alone ends (RequestFailed; a raising sink's request is aborted) and the
+    others, later ones too, run as without it."""
+    import engine.async_engine as ae
+    bad_id = 1000
+    real_load = ae.load_tokenizer
+    monkeypatch.setattr(ae, "load_tokenizer",
+                        lambda config: _refusing_decode(real_load(config), bad_id))
+    settings = dict(dtype="float32", device="cpu", num_kv_blocks=256, cpu_threads=1)
+    good = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    expected = LLM(model_dir, **settings).generate(["A good prompt"], good)[0].outputs[0]
+    assert bad_id not in expected.token_ids
+    engine = AsyncEngine(model=model_dir, **settings)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        first = asyncio.Event()
+        outs = []
+
+        async def run_good():
+            async for out in engine.generate("A good prompt", good, "good"):
+                outs.append(out)
+                first.set()
+        task = asyncio.create_task(run_good())
+        await first.wait()                                   # under way
+        if fault == "decode":
+            with pytest.raises(Exception, match="piece id 1000 is out of range") as failed:
+                await _collect(engine, [5, bad_id, 7], SamplingParams(max_tokens=8), "bad")
+            assert type(failed.value).__name__ == "RequestFailed", failed.value
+        else:
+            done = loop.create_future()
+
+            def sink(out):
+                if not isinstance(out, BaseException) and out.outputs[0].token_ids:
+                    loop.call_soon_threadsafe(lambda: done.done() or done.set_result(None))
+                    raise RuntimeError("the consumer broke")
+            await engine.submit("A bad consumer", SamplingParams(max_tokens=400, temperature=0,
+                                                                 ignore_eos=True), "bad", sink)
+            await done
+        await task
+        later = await _collect(engine, "A good prompt", good, "later")
+        return outs, later, await _wait_idle(engine), engine.is_alive
+
+    try:
+        outs, later, stats, alive = asyncio.run(main())
+    finally:
+        engine.shutdown()
+    assert alive
+    assert [t for o in outs for t in o.outputs[0].token_ids] == expected.token_ids
+    assert [t for o in later for t in o.outputs[0].token_ids] == expected.token_ids
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks

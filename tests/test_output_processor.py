@@ -253,3 +253,55 @@ def test_a_sampled_token_tied_with_a_top_n_token_takes_its_place_there_as_in_vll
     assert {t: lp.rank for t, lp in step.items()} == {V - 2: 1, 1: 2}
     assert next(iter(step)) == 1                       # the sampled token first, as before
     assert res.outputs[0].cumulative_logprob == pytest.approx(lps[0])
+
+
+class _RefusingDecode:
+    """A tokenizer whose decode raises for one id (as a slow SentencePiece tokenizer raises
+    IndexError for an id past its vocabulary), in every decode path the processor takes."""
+
+    def __init__(self, tok, bad):
+        self.tok, self.bad = tok, bad
+
+    def __getattr__(self, name):
+        return getattr(self.tok, name)
+
+    def __len__(self):
+        return len(self.tok)
+
+    def decode(self, ids, *args, **kwargs):
+        if self.bad in ([ids] if isinstance(ids, int) else list(ids)):
+            raise IndexError(f"piece id {self.bad} is out of range")
+        return self.tok.decode(ids, *args, **kwargs)
+
+
+@pytest.mark.parametrize("where", ["text", "logprobs", "stop strings"])
+def test_a_request_whose_output_fails_ends_alone(tok, where, monkeypatch):
+    """One request's decode (of its tokens or its logprobs' tokens) or stop-string search
+    raising was the whole step's exception: the engine's reader thread died with it, and every
+    request with it. That request alone now ends (a RequestFailed in its place, its key to
+    abort in the core); the step's others get their outputs."""
+    from engine.output_processor import RequestFailed
+    good_ids = tok.encode("plain words", add_special_tokens=False)
+    bad = next(t for t in range(len(tok)) if t not in good_ids)
+    proc = OutputProcessor(_RefusingDecode(tok, bad), stream_deltas=True)
+    logprobs = 1 if where == "logprobs" else None
+    proc.add_request(1, "good", "P", [5], SamplingParams(max_tokens=100, stop=["zz"],
+                                                         logprobs=logprobs))
+    proc.add_request(2, "bad", "P", [5], SamplingParams(max_tokens=100, stop=["zz"],
+                                                        logprobs=logprobs))
+    if where == "stop strings":
+        proc.states[2].stop.find = lambda *a: (_ for _ in ()).throw(RuntimeError("no search"))
+    for i, t in enumerate(good_ids):
+        lp = [([t], [-0.5], 1)] if logprobs else None
+        other = t if where == "stop strings" else bad
+        outs, to_abort = proc.process([EngineCoreOutput(1, [t], None, new_logprobs=lp),
+                                       EngineCoreOutput(2, [other], None, new_logprobs=(
+                                           [([other], [-0.5], 1)] if logprobs else None))])
+        if i == 0:
+            failed = [o for o in outs if isinstance(o, RequestFailed)]
+            assert len(failed) == 1 and failed[0].request_id == "bad", outs
+            assert to_abort == [2] and 2 not in proc.states
+        else:
+            assert to_abort == [] and not any(isinstance(o, RequestFailed) for o in outs)
+        assert [o.request_id for o in outs if isinstance(o, RequestOutput)] == ["good"]
+    assert proc.states[1].text == "plain words"

@@ -1042,3 +1042,50 @@ def test_a_stopped_engines_gauges_are_zero_so_that_instances_sum_to_the_live_one
     assert (last.num_kv_blocks, last.num_free_kv_blocks, last.num_running,
             last.num_waiting) == (0, 0, 0, 0), last
     assert last.num_generated_tokens >= 4        # its counters as they were
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["streamed", "not streamed"])
+def test_a_request_whose_response_cannot_be_made_ends_with_its_error_alone(model_dir,
+                                                                           monkeypatch, stream):
+    """A request whose tokens the tokenizer cannot decode: streamed (its text rendered on a
+    sender thread) the exception was taken for a failed send, the request forgotten without
+    its final response (the client's stream hung, and the server's unload with it); not
+    streamed (decoded on the reader thread) it killed the engine. Now it alone ends, with an
+    INTERNAL error naming the cause; the engine and the other requests carry on."""
+    import engine.async_engine as ae
+    from tests.test_async_engine import _refusing_decode
+    bad_id = 1000
+    real_load = ae.load_tokenizer
+    monkeypatch.setattr(ae, "load_tokenizer",
+                        lambda config: _refusing_decode(real_load(config), bad_id))
+    expected = LLM(model_dir, dtype="float32", device="cpu", **SETTINGS).generate(
+        ["A good prompt"], SamplingParams(max_tokens=60, temperature=0, ignore_eos=True)
+    )[0].outputs[0].token_ids
+    died = []
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS), on_dead=died.append)
+    try:
+        good = Recorder()
+        serving.submit(_inputs("A good prompt", 60), good)
+        assert good.entered.wait(WAIT_S)                      # under way
+        bad = Recorder()
+        inputs = _inputs("", 8)
+        del inputs["text_input"]
+        inputs["input_ids"] = np.array([5, bad_id, 7], dtype=np.int32)
+        inputs["stream"] = np.array([stream])
+        serving.submit(inputs, bad)
+        assert bad.final.wait(WAIT_S) and good.final.wait(WAIT_S)
+        later = Recorder()
+        serving.submit(_inputs("A good prompt", 60), later)
+        assert later.final.wait(WAIT_S)
+        wait_for(lambda: serving.stats().num_running == 0, "the engine idle", timeout_s=WAIT_S)
+        stats = serving.stats()
+    finally:
+        serving.shutdown()
+    errors = [e for _, e, _ in bad.responses if e is not None]
+    assert len(errors) == 1 and bad.responses[-1][2], bad.responses
+    assert errors[0].kind == "internal" and "piece id 1000 is out of range" in errors[0]
+    for rec in (good, later):
+        assert [e for _, e, _ in rec.responses if e is not None] == []
+        assert [int(t) for r, _, _ in rec.responses if r for t in r["output_ids"]] == expected
+    assert not died and stats.num_free_kv_blocks == stats.num_kv_blocks
