@@ -18,8 +18,9 @@ GIL: the serving process then spends no CPU on long prompts but the conversion o
 a prompt that fits. A prompt too long comes back as its length alone. If that process dies,
 the thread tokenizes from then on (logged).
 
-A str that is not text (a lone surrogate) fails its own request with a ValueError, not the
-batch call it came in (`_encode_without_non_text`).
+A str that is not text (a lone surrogate), or one the tokenizer refuses (an error, or a panic
+of the tokenizers library), fails its own request with a ValueError, not the batch call it came
+in (`_encode_without_non_text`, `_encode_each_alone`, and the tokenizer process's own).
 
 The process gets the backend's JSON and its `encode_special_tokens` (set by HF's
 `split_special_tokens`, which the JSON does not carry); the probe strings it must agree on
@@ -99,7 +100,7 @@ class BatchTokenizer:
         for short prompts: one plain call each, never the batch call, which hands the work to
         the tokenizers library's thread pool and would wait there behind a long prompt."""
         results: list[Encoded | ValueError] = []
-        for ids in _encode_without_non_text(self._id_lists, texts, inline):
+        for ids in _encode_each_alone(self._id_lists, texts, inline):
             if isinstance(ids, ValueError):
                 results.append(ids)
             elif len(ids) > self.max_num_tokens:
@@ -199,12 +200,18 @@ class BatchTokenizer:
             if not group:
                 return
             texts = [t for t, _, _ in group]
+            stop = None
             try:
                 results = (self._encode_in_process(texts) if self.process is not None
                            else self.encode_now(texts))
-            except Exception as e:  # noqa: BLE001 - each caller hears of it
-                results = [e] * len(group)
+            except BaseException as e:  # noqa: BLE001 - each caller hears of it (a panic of
+                results = [e] * len(group)  # the tokenizers library is a BaseException)
+                stop = e if isinstance(e, (KeyboardInterrupt, SystemExit)) else None
             _settle_threadsafe([f for _, f, _ in group], results)
+            if stop is not None:
+                with self._lock:
+                    self._running = False
+                raise stop
             del results, group, texts   # a rejected prompt's ids are freed here, not on the loop
 
 
@@ -217,6 +224,32 @@ def not_text_error(text: str) -> ValueError | None:
         return ValueError(f"the prompt is not valid text: {e.reason} at character {e.start} "
                           f"({text[e.start:e.end]!r})")
     return None
+
+
+def _encode_each_alone(encode: Callable, texts: list[str], *args) -> list:
+    """encode(texts, *args); if that raises (a prompt the tokenizer refuses, or a panic of the
+    tokenizers library, a BaseException), each text is encoded alone and those that fail get
+    a ValueError in their place (a not-text str its not_text_error): a prompt that cannot be
+    tokenized fails its own request, not the batch it came in."""
+    try:
+        return encode(texts, *args)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # noqa: BLE001 - found text by text below
+        pass
+    out: list = []
+    for text in texts:
+        error = not_text_error(text)
+        if error is None:
+            try:
+                out.append(encode([text], *args)[0])
+                continue
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001
+                error = ValueError(f"tokenization failed: {e}")
+        out.append(error)
+    return out
 
 
 def _encode_without_non_text(encode: Callable, texts: list[str], *args) -> list:

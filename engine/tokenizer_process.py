@@ -32,12 +32,27 @@ RECV_BYTES = 1 << 20
 
 
 def tokenize(backend, texts: list[str], max_num_tokens: int) -> list[wire.TokensItem]:
+    """Each text's ids; a text the tokenizer refuses (an error, or a panic of the tokenizers
+    library, a BaseException) fails alone, not the batch it came in: the batch call raising,
+    each text is encoded on its own."""
     try:
         encodings = backend.encode_batch_fast(texts, add_special_tokens=True)
-    except Exception as e:  # noqa: BLE001 - the callers hear of it; the process carries on
-        return [(wire.TOKENS_FAILED, f"tokenization failed: {e}")] * len(texts)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException:  # noqa: BLE001 - the process carries on; found text by text
+        encodings = []
+        for text in texts:
+            try:
+                encodings.append(backend.encode(text, add_special_tokens=True))
+            except (KeyboardInterrupt, SystemExit):
+                raise
+            except BaseException as e:  # noqa: BLE001 - that text's caller hears of it
+                encodings.append(e)
     items: list[wire.TokensItem] = []
     for enc in encodings:
+        if isinstance(enc, BaseException):
+            items.append((wire.TOKENS_FAILED, f"tokenization failed: {enc}"))
+            continue
         ids = enc.ids
         if len(ids) > max_num_tokens:
             items.append((wire.TOKENS_TOO_LONG, len(ids)))

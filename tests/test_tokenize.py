@@ -417,3 +417,92 @@ def test_the_process_cut_off_mid_frame_by_its_front_end_exits_quietly(tokenizer,
         proc.close()
     err = capfd.readouterr().err
     assert "ERROR" not in err and "malformed" not in err, err
+
+
+def _refusing_tokenizer(tokenizer, directory, char="\x07"):
+    """A copy of `tokenizer` that refuses `char`: its ByteLevel symbol is taken out of the BPE
+    vocabulary (and its merges), and the unk token is not in the vocabulary either, so encode
+    raises "Unk token ... not found in the vocabulary" for any text holding it."""
+    import json
+    tokenizer.save_pretrained(directory)
+    path = os.path.join(directory, "tokenizer.json")
+    with open(path, encoding="utf-8") as f:
+        d = json.load(f)
+    # ByteLevel's symbol for the byte (GPT-2's map: printable bytes as themselves, the others
+    # as chr(256 + their rank among the unprintable)).
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    unprintable = [b for b in range(256) if b not in printable]
+    b = ord(char)
+    sym = chr(b) if b in printable else chr(256 + unprintable.index(b))
+    model = d["model"]
+    del model["vocab"][sym]
+    model["merges"] = [m for m in model["merges"]
+                       if sym not in (m if isinstance(m, list) else m.split(" "))]
+    model["unk_token"] = "<unk>"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(d, f)
+    refusing = AutoTokenizer.from_pretrained(directory)
+    with pytest.raises(Exception, match="Unk token"):
+        refusing.encode(f"a {char} b")
+    return refusing
+
+
+class _Panic(BaseException):
+    """As pyo3's PanicException, which the tokenizers library raises for a Rust panic: a
+    BaseException, not an Exception."""
+
+
+@pytest.mark.parametrize("path", ["thread", "process", "inline", "panic on the thread"])
+def test_a_prompt_the_tokenizer_refuses_fails_alone_not_the_prompts_beside_it(
+        tokenizer, tmp_path, path):
+    """A prompt the tokenizer refuses (an error, or a panic of the tokenizers library) failed
+    every prompt of its batch call with its error, on the thread and in the tokenizer process;
+    a panic (a BaseException) left the batch's callers without an answer and the thread's
+    queue stopped for good. Now it alone gets a ValueError, the prompts beside it their ids,
+    and later prompts are tokenized."""
+    refusing = _refusing_tokenizer(tokenizer, tmp_path / "tok")
+    texts = ["a good prompt", "a bell: \x07 here", "another good one " * 20]
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(refusing, pool, max_num_tokens=10**6,
+                        process_priority="idle" if path == "process" else None)
+    assert (bt.process is not None) == (path == "process")
+    if path == "panic on the thread":
+        backend = bt._backend
+
+        class Panicking:
+            def __getattr__(self, name):
+                return getattr(backend, name)
+
+            def encode_batch_fast(self, batch, **kwargs):
+                if any("\x07" in t for t in batch):
+                    raise _Panic("called `Option::unwrap()` on a `None` value")
+                return backend.encode_batch_fast(batch, **kwargs)
+
+            def encode(self, text, **kwargs):
+                if "\x07" in text:
+                    raise _Panic("called `Option::unwrap()` on a `None` value")
+                return backend.encode(text, **kwargs)
+        bt._backend = Panicking()
+
+    async def together():
+        gate = threading.Event()
+        pool.submit(gate.wait)                 # hold the thread: the three go in one call
+        tasks = [asyncio.create_task(bt.encode(t)) for t in texts]
+        await until(lambda: len(bt._pending) == len(texts), "every prompt queued", poll_s=0)
+        gate.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+        return results, await bt.encode("a later prompt")
+
+    try:
+        if path == "inline":
+            results, later = bt.encode_now(texts, inline=True), bt.encode_now(["a later one"])[0]
+        else:
+            results, later = asyncio.run(together())
+    finally:
+        bt.close()
+        pool.shutdown()
+    good, bad, good_too = results
+    assert isinstance(bad, ValueError), bad
+    assert str(bad).startswith("tokenization failed: ")
+    assert good[0] == refusing.encode(texts[0]) and good_too[0] == refusing.encode(texts[2])
+    assert not isinstance(later, BaseException) and len(later[0]) > 0
