@@ -816,10 +816,17 @@ class ServingEngine:
             rid = self._client_ids.get(client_id)
             r = self._inflight.get(rid) if rid is not None else None
             if rid is None:
+                # Kept in the order they came: the expired ones leave from the front, a few
+                # at a time (rebuilding the map cost every abort all of the last 10 s's).
                 now = time.monotonic()
-                self._early_aborts = {k: t for k, t in self._early_aborts.items()
-                                      if now - t < PENDING_ABORT_S}
-                self._early_aborts[client_id] = now
+                early = self._early_aborts
+                while early:
+                    oldest, t = next(iter(early.items()))
+                    if now - t < PENDING_ABORT_S:
+                        break
+                    del early[oldest]
+                early.pop(client_id, None)          # to the back, with its new time
+                early[client_id] = now
         if r is not None:
             r.abort(self.engine)
         elif rid is not None:

@@ -1089,3 +1089,30 @@ def test_a_request_whose_response_cannot_be_made_ends_with_its_error_alone(model
         assert [e for _, e, _ in rec.responses if e is not None] == []
         assert [int(t) for r, _, _ in rec.responses if r for t in r["output_ids"]] == expected
     assert not died and stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_aborts_for_ids_not_held_are_kept_in_order_and_leave_when_expired(monkeypatch):
+    """Each abort for an id this instance does not hold (yet) rebuilt the whole map of those
+    from the last PENDING_ABORT_S, under the lock the request paths take: a burst of them
+    (any client can send abort_request_id; llm_bls's cancels that land on another instance)
+    cost O(n^2). Now the expired ones leave from the front and the map is never rebuilt."""
+    import engine.serving as serving_module
+    clock = [1000.0]
+    monkeypatch.setattr(serving_module.time, "monotonic", lambda: clock[0])
+    s = object.__new__(ServingEngine)      # only the state _abort_client reads
+    s._lock, s._client_ids, s._inflight, s._early_aborts, s._board = (
+        threading.Lock(), {}, {}, {}, None)
+    early = s._early_aborts
+    for i in range(10_000):
+        s._abort_client(f"bls-{i}")
+        clock[0] += 0.0005                                   # 5 s in all
+    assert s._early_aborts is early and len(early) == 10_000
+    s._abort_client("bls-0")                                 # again: to the back
+    clock[0] += serving_module.PENDING_ABORT_S - 4.0         # the first ~2,000 have expired
+    s._abort_client("bls-new")
+    assert s._early_aborts is early
+    assert list(early)[-2:] == ["bls-0", "bls-new"]
+    assert not any(f"bls-{i}" in early for i in range(1, 1990)) and "bls-2010" in early
+    times = list(early.values())
+    assert times == sorted(times)
+    assert all(clock[0] - t < serving_module.PENDING_ABORT_S for t in times)
