@@ -75,6 +75,25 @@ def test_prompts_arriving_together_share_one_call_and_long_ones_go_alone(tokeniz
     assert order == [20, 1, 1]    # the short ones first and together, though a long one came first
 
 
+def _batch_tokenizer(tokenizer, path):
+    """A BatchTokenizer on a one-thread pool, with a tokenizer process where `path` says so."""
+    pool = ThreadPoolExecutor(1)
+    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=10**6,
+                        process_priority="idle" if path == "process" else None)
+    assert (bt.process is not None) == (path == "process")
+    return bt, pool
+
+
+async def _in_one_call(bt, pool, texts):
+    """Each text's result, the texts queued while the thread is held so they go in one call."""
+    gate = threading.Event()
+    pool.submit(gate.wait)
+    tasks = [asyncio.create_task(bt.encode(t)) for t in texts]
+    await until(lambda: len(bt._pending) == len(texts), "every prompt queued", poll_s=0)
+    gate.set()
+    return await asyncio.gather(*tasks, return_exceptions=True)
+
+
 @pytest.mark.parametrize("path", ["thread", "process", "inline", "no_fast_backend"])
 def test_a_prompt_that_is_not_text_fails_alone_not_the_prompts_beside_it(tokenizer, path):
     """A str with a lone surrogate (json.loads('"\\ud800"') makes one) is no text: the
@@ -82,24 +101,13 @@ def test_a_prompt_that_is_not_text_fails_alone_not_the_prompts_beside_it(tokeniz
     once failed every prompt of its batch call with that error; now it gets a ValueError of
     its own, and the prompts beside it their ids."""
     texts = ["a good prompt", "a bad prompt \ud800 here", "another good one " * 20]
-    pool = ThreadPoolExecutor(1)
-    bt = BatchTokenizer(tokenizer, pool, max_num_tokens=10**6,
-                        process_priority="idle" if path == "process" else None)
-    assert (bt.process is not None) == (path == "process")
+    bt, pool = _batch_tokenizer(tokenizer, path)
     if path == "no_fast_backend":
         bt._backend = None
-
-    async def together():
-        gate = threading.Event()
-        pool.submit(gate.wait)                 # hold the thread: the three go in one call
-        tasks = [asyncio.create_task(bt.encode(t)) for t in texts]
-        await until(lambda: len(bt._pending) == len(texts), "every prompt queued", poll_s=0)
-        gate.set()
-        return await asyncio.gather(*tasks, return_exceptions=True)
-
     try:
         results = (bt.encode_now(texts, inline=True) if path == "inline" else
-                   bt.encode_now(texts) if path == "no_fast_backend" else asyncio.run(together()))
+                   bt.encode_now(texts) if path == "no_fast_backend" else
+                   asyncio.run(_in_one_call(bt, pool, texts)))
     finally:
         bt.close()
         pool.shutdown()
@@ -462,10 +470,7 @@ def test_a_prompt_the_tokenizer_refuses_fails_alone_not_the_prompts_beside_it(
     and later prompts are tokenized."""
     refusing = _refusing_tokenizer(tokenizer, tmp_path / "tok")
     texts = ["a good prompt", "a bell: \x07 here", "another good one " * 20]
-    pool = ThreadPoolExecutor(1)
-    bt = BatchTokenizer(refusing, pool, max_num_tokens=10**6,
-                        process_priority="idle" if path == "process" else None)
-    assert (bt.process is not None) == (path == "process")
+    bt, pool = _batch_tokenizer(refusing, path)
     if path == "panic on the thread":
         backend = bt._backend
 
@@ -485,13 +490,7 @@ def test_a_prompt_the_tokenizer_refuses_fails_alone_not_the_prompts_beside_it(
         bt._backend = Panicking()
 
     async def together():
-        gate = threading.Event()
-        pool.submit(gate.wait)                 # hold the thread: the three go in one call
-        tasks = [asyncio.create_task(bt.encode(t)) for t in texts]
-        await until(lambda: len(bt._pending) == len(texts), "every prompt queued", poll_s=0)
-        gate.set()
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        return results, await bt.encode("a later prompt")
+        return await _in_one_call(bt, pool, texts), await bt.encode("a later prompt")
 
     try:
         if path == "inline":
