@@ -351,9 +351,10 @@ def bls_inner_outputs(inner: dict[str, np.ndarray], requested: list[str]) -> lis
     of llm_bls's outputs where the client named none) that `llm` sends for this request. So an
     output that `llm`'s config does not declare (a repository trimmed on one side) fails only
     the requests that ask for it by their flags, not every request."""
-    req = parse_request(inner)
+    def asked(flag: str) -> bool:       # bls_inner_inputs checked them: no second parse
+        return inner.get(flag) is not None and _flag(inner[flag], flag)
     names = [n for n in requested if n == "text_output"
-             or (n in _OUTPUT_FLAGS and getattr(req, _OUTPUT_FLAGS[n]))]
+             or (n in _OUTPUT_FLAGS and asked(_OUTPUT_FLAGS[n]))]
     return names or ["text_output"]
 
 
