@@ -385,13 +385,20 @@ class AsyncEngine:
                                 f"{peer.dead_reason}")
         with self._outputs_lock:
             for request_id, channel in list(self._streams.items()):
-                if channel.core is peer and self._streams.pop(request_id, None) is channel:
-                    self._ids_by_index.pop(channel.index, None)
-                    self._processor.drop(channel.index)
+                if channel.core is peer and self._drop_stream(request_id, channel):
                     if channel.sink is not None:
                         channel.sink(error)
                     elif self._loop is not None and not self._loop.is_closed():
                         self._loop.call_soon_threadsafe(channel.queue.put_nowait, error)
+
+    def _drop_stream(self, request_id: str, channel: _Stream) -> bool:
+        """Forgets a request the engine still runs (its abort is the caller's): True if
+        `channel` was still the stream of `request_id`."""
+        if self._streams.pop(request_id, None) is not channel:
+            return False
+        self._ids_by_index.pop(channel.index, None)
+        self._processor.drop(channel.index)
+        return True
 
     # ------------------------------------------------------------------ core reader thread
     def _process_outputs(self, core_outputs: list[EngineCoreOutput]) -> None:
@@ -424,9 +431,7 @@ class AsyncEngine:
                                      out.request_id)
                     if not channel.finished:
                         channel.finished = True
-                        self._streams.pop(out.request_id, None)
-                        self._ids_by_index.pop(channel.index, None)
-                        self._processor.drop(channel.index)
+                        self._drop_stream(out.request_id, channel)
                         (channel.core or self.core).abort([channel.index])
         if queued and self._loop is not None:
             try:
