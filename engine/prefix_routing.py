@@ -214,10 +214,12 @@ class PrefixRouter:
         self.board.free_dead_slots()    # what a killed instance placed stops counting
         connected = set(self.engine.peers())
         now = time.monotonic()
-        for slot, pid in enumerate(self.board.slot_pids().tolist()):
-            address = core_address(self.board, pid, slot)
-            if not pid or slot == self.board.slot or address in connected or (
-                    self._stop.is_set()):
+        on_board = {core_address(self.board, pid, slot): (slot, pid)
+                    for slot, pid in enumerate(self.board.slot_pids().tolist()) if pid}
+        for address in [a for a in self._failed if a not in on_board]:
+            del self._failed[address]       # an instance gone: reloads must not pile them up
+        for address, (slot, pid) in on_board.items():
+            if slot == self.board.slot or address in connected or self._stop.is_set():
                 continue
             if now - self._failed.get(address, -1e9) < 2 * CONNECT_EVERY_S:
                 continue

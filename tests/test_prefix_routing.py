@@ -99,8 +99,9 @@ def two_instances(tmp_path):
 
 
 def test_the_connect_loop_frees_the_slot_of_an_instance_that_is_gone(two_instances):
-    """What it placed on our engine stops counting in the engines' loads, and its prefixes'
-    bits go, once the connect loop's look finds its process gone."""
+    """What it placed on our engine stops counting in the engines' loads, its prefixes'
+    bits go, and its failed connection is forgotten, once the connect loop's look finds its
+    process gone."""
     router, engine, peer_slot, peer_pid = two_instances
     board = router.board
     board._placed[peer_slot, board.slot] = 5
@@ -113,6 +114,7 @@ def test_the_connect_loop_frees_the_slot_of_an_instance_that_is_gone(two_instanc
     router.connect_new_peers()
     assert board.slot_pids()[peer_slot] == 0 and board.engine_loads()[board.slot] == 0
     assert board.prefix_holders[7] == slot_bit(board.slot)
+    assert router._failed == {}     # its failed connection is forgotten: restarts add none
 
 
 def test_a_prompt_goes_to_the_connected_engine_that_took_its_prefix(two_instances):
