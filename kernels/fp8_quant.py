@@ -9,7 +9,9 @@ Math, for x [M, K] in any float dtype, per row m (computed in fp32):
 so x[m, k] ~= q[m, k] * scale[m]; 448 is float8_e4m3fn's largest finite value. The scale is a
 product with the reciprocal (torch divides a CUDA tensor by a number that way, and by a tensor
 correctly rounded) and the division by it correctly rounded (div_rn), so the kernel and
-`quantize_rows_ref` give the same bits on either device.
+`quantize_rows_ref` give the same bits on either device, for finite x. A row holding NaN or inf
+(a model already gone wrong) comes out finite from the kernel, as from vLLM's dynamic FP8
+quantization (its max and clamp drop NaN), where the reference gives NaN.
 
 Layouts: x [M, K] with unit column stride and any row stride; q [M, K] contiguous
 float8_e4m3fn; scale [M, 1] float32 contiguous (torch._scaled_mm's row-wise scale_a).

@@ -7,7 +7,9 @@ Math: for every token t with s = slot_mapping[t] >= 0,
     v_cache[s // block_size, s % block_size] = value[t]
 
 Rows with a negative slot (batch padding) are skipped. The reference is
-`kernels.attention_ref.write_kv_ref`, re-exported here as `write_kv_ref`.
+`kernels.attention_ref.write_kv_ref`, re-exported here as `write_kv_ref`; they agree for finite
+values. A NaN or infinite value (a model already gone wrong) goes into an FP8 cache clamped to
+a finite one, as vLLM's FP8 conversion (fmin / fmax) does, where the reference's cast keeps NaN.
 
 Layouts:
   key, value        [T, Hkv, D]    any token and head strides, unit stride along D, so the k and v
