@@ -10,17 +10,22 @@ caller's process group never reach it: a terminal's Ctrl-C (SIGINT to the foregr
 `ignore_stop_signals` makes it ignore SIGINT and SIGTERM sent to it directly too (systemd, for
 one, signals every process of a service at once). If the parent dies, the kernel closes the
 parent's end of the socket and the child, seeing the end of stream, exits by itself (after the
-step or batch it is busy with). Not PR_SET_PDEATHSIG: that fires when the *thread* that
+step or batch it is busy with; a child still starting, which does not read its socket yet,
+watches it with `exit_if_parent_goes`). Not PR_SET_PDEATHSIG: that fires when the *thread* that
 forked the child ends, and an engine may be started from a short-lived thread.
 """
 from __future__ import annotations
 
+import logging
 import os
+import select
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import threading
+from typing import Callable
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,3 +78,44 @@ def ignore_stop_signals() -> None:
 
 
 PEER_GONE = (BrokenPipeError, ConnectionResetError)   # the other end of the socket has closed
+
+
+def exit_if_parent_goes(sock: socket.socket, what: str) -> Callable[[], None]:
+    """For a child's start-up, while it does not read its socket (the engine core loading its
+    model, tuning and capturing graphs: minutes on a GPU, holding its memory): a thread that
+    ends the process at once if the parent's end of the socket closes, so a child still
+    starting does not outlive a killed parent by its whole start-up. The parent sends nothing
+    before the child is ready; should it, the watch ends. Returns the call that stops the
+    watch, for before the child reads the socket itself (then an end of stream is its own)."""
+    wake_r, wake_w = os.pipe()
+    lock = threading.Lock()
+    stopped = False
+
+    def watch() -> None:
+        select.select([sock, wake_r], [], [])
+        with lock:
+            if stopped:
+                return
+            try:
+                gone = not sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+            except BlockingIOError:
+                return
+            except OSError:
+                gone = True
+            if gone:
+                logging.getLogger(__name__).info("%s exiting during start-up: the front end "
+                                                 "went away", what)
+                os._exit(0)
+
+    thread = threading.Thread(target=watch, name="parent-watch", daemon=True)
+    thread.start()
+
+    def stop() -> None:
+        nonlocal stopped
+        with lock:
+            stopped = True
+        os.write(wake_w, b"x")
+        thread.join()
+        os.close(wake_r)
+        os.close(wake_w)
+    return stop

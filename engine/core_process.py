@@ -424,6 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"core[{os.getpid()}] %(levelname)s %(name)s: %(message)s")
     sock = socket.socket(fileno=args.fd)
+    stop_watch = child_process.exit_if_parent_goes(sock, "engine core")
     try:
         # torch: only in this process's start-up
         from engine.engine_core import EngineCore, resolve_device
@@ -436,11 +437,19 @@ def main(argv: list[str] | None = None) -> int:
         info = wire.CoreInfo(core.max_model_len, core.vocab_size, core.kv.num_blocks,
                              config.block_size, core.eos_token_ids, model_key(config))
         listener = _listen(args.peer_address) if args.peer_address else None
-        sock.sendall(wire.encode_ready(info))
+        stop_watch()
     except BaseException as e:  # noqa: BLE001 - whatever it is, the front end must hear it
         logger.exception("engine core failed to start")
         _send_error(sock, f"the engine core failed to start: {e}")
         return 1
+    try:
+        sock.sendall(wire.encode_ready(info))
+    except child_process.PEER_GONE:
+        logger.info("engine core exiting: the front end went away during its start-up")
+        core.shutdown()
+        if listener is not None:
+            listener.close()
+        return 0
     code = 0
     try:
         CoreServer(sock, core, info, listener).serve()

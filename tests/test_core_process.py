@@ -1,20 +1,25 @@
 """engine/core_process.py: the real core process, fed bad frames through its socket."""
 import contextlib
+import dataclasses
 import json
 import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
-from engine import wire
+from engine import child_process, wire
 from engine.config import EngineConfig
 from engine.core_client import CoreClient
 from engine.sampling_params import SamplingParams
 from scripts.make_tiny_model import make_tiny_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +88,60 @@ def test_the_core_exits_quietly_when_its_front_end_goes_away_mid_generation(mode
     finally:
         client.shutdown()
     assert "Traceback" not in capfd.readouterr().err
+
+
+_WATCHED_CHILD = """
+import socket, sys, threading
+from engine.child_process import exit_if_parent_goes
+sock = socket.socket(fileno=int(sys.argv[1]))
+stop = exit_if_parent_goes(sock, "test child")
+if sys.argv[2] == "stop":
+    stop()
+    sock.sendall(b"s")                      # the watch is over: the parent may go
+    sys.exit(3 if sock.recv(1) == b"" else 4)   # the end of stream is ours to see
+threading.Event().wait()                    # a start-up that never ends
+"""
+
+
+@pytest.mark.parametrize("stop", [False, True], ids=["starting", "watch stopped"])
+def test_a_child_still_starting_exits_when_its_parent_goes_away(stop):
+    """exit_if_parent_goes: a child busy starting (here for ever) ends once its parent's end
+    of the socket closes; once the watch is stopped, the end of stream is the child's own."""
+    ours, theirs = socket.socketpair()
+    process = subprocess.Popen(
+        [sys.executable, "-c", _WATCHED_CHILD, str(theirs.fileno()), "stop" if stop else "-"],
+        pass_fds=(theirs.fileno(),), cwd=ROOT)
+    theirs.close()
+    try:
+        if stop:
+            ours.settimeout(60)
+            assert ours.recv(1) == b"s"
+        ours.close()
+        assert process.wait(60) == (3 if stop else 0)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_a_core_whose_front_end_goes_away_during_start_up_exits_without_loading(model_dir,
+                                                                                  capfd):
+    """The core watches its socket from its first line: it does not load its model (minutes
+    on a GPU, holding its memory) for a front end that is gone."""
+    config = EngineConfig(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                          cpu_threads=1)
+    sock, process = child_process.start("engine.core_process",
+                                        ["--config", json.dumps(dataclasses.asdict(config))])
+    try:
+        sock.close()                        # gone before the core is
+        assert process.wait(60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    err = capfd.readouterr().err
+    assert "engine core exiting during start-up: the front end went away" in err, err
+    assert "Traceback" not in err
 
 
 def test_a_core_killed_with_frames_unread_is_reported_with_its_signal(model_dir):
