@@ -111,6 +111,18 @@ STUCK_MODEL = ECHO_MODEL + """
         ctypes.PyDLL(None).sleep(600)
 """
 
+# A model that starts a process of its own, in a session of its own, as `llm` starts the
+# engine's; this one never exits by itself.
+LONG_LIVED_CHILD = "long-lived-child-of-a-stub"
+STARTS_A_CHILD_MODEL = ECHO_MODEL + f"""
+    def initialize(self, args):
+        import subprocess, sys
+        self.child = subprocess.Popen(
+            [sys.executable, "-c", "import threading; threading.Event().wait()",
+             "{LONG_LIVED_CHILD}"], start_new_session=True, stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+"""
+
 
 def write_model(repo: pathlib.Path, name: str, config: str, model_py: str) -> None:
     (repo / name / "1").mkdir(parents=True)
@@ -230,6 +242,34 @@ def test_stop_kills_the_group_when_the_server_hangs(tmp_path):
     assert s.returncode() == -9  # it did hang, so it was the SIGKILL that ended it
     assert stub_pids(repo) == [] and not any(pid_alive(p) for p in stubs)
     assert s.group_pids() == []
+
+
+def test_stop_ends_what_the_server_started_when_the_server_and_its_stubs_died_first(tmp_path):
+    """tritonserver 2.51 can die on its own (SIGSEGV, SIGABRT: README); its stubs then exit,
+    and what they started (the engine's processes, in sessions of their own) is left to init,
+    out of the server's tree. stop() must still wait for it and end what outlives the server:
+    here a process that never exits, which it kills, and says so."""
+    repo = tmp_path / "repo"
+    write_model(repo, "starts_a_child", ECHO_CONFIG, STARTS_A_CHILD_MODEL)
+    s = start_server(repo, log_dir=tmp_path)
+    child = None
+    try:
+        child = next(pid for pid, cmd in s.descendant_pids().items() if LONG_LIVED_CHILD in cmd)
+        stubs = tritonserver.Processes({pid: "stub" for pid in stub_pids(repo)})
+        assert stubs.fds
+        os.kill(s.pid, signal.SIGKILL)
+        assert s.wait(30) == -signal.SIGKILL
+        stubs.kill()                            # (a stub of ours sees its server go, not all)
+        assert stubs.wait_gone(30) == {}
+        assert pid_alive(child)
+        with pytest.raises(RuntimeError, match="outlived the server") as raised:
+            s.stop()
+        assert str(child) in str(raised.value)
+        assert not pid_alive(child)
+    finally:
+        s.stop()
+        if child is not None and pid_alive(child):
+            os.kill(child, signal.SIGKILL)
 
 
 def test_a_process_ended_by_sigterm_stops_its_servers_first(tmp_path):

@@ -72,6 +72,7 @@ class TritonServer:
         self.metrics_url = f"localhost:{metrics_port}"
         self.log_path = log_path
         self._shm_before = shm_before       # the regions there before it started: not its
+        self._started = Processes({})       # what it had started once ready (note_started)
         _live_servers.add(self)
 
     def __enter__(self) -> TritonServer:
@@ -132,14 +133,31 @@ class TritonServer:
 
     def descendant_pids(self) -> dict[int, str]:
         """Live processes started by the server or by its descendants, {pid: command line}:
-        the stubs and the engine processes they start (which are in sessions of their own)."""
-        return _live_descendants(self.pid)
+        the stubs and the engine processes they start (which are in sessions of their own).
+        Those of a server that died are found under its stubs while they live."""
+        found = {}
+        for root in {self.pid, *self.group_pids()}:
+            found.update(_live_descendants(root))
+        return found
+
+    def note_started(self) -> None:
+        """Holds what the server has started by now, so that stop() waits for it even when
+        the server and its stubs died first and left it to init (start_server calls this once
+        the server is ready)."""
+        self._started.close()
+        self._started = Processes(self.descendant_pids())
 
     def stop(self, timeout_s: float = 30.0) -> None:
         """SIGTERM the server's process group, wait up to `timeout_s` for the server, then
         SIGKILL whatever is left of the group; wait until none of it, nor any process the
         server started, is alive. Safe to call more than once."""
-        descendants = Processes(self.descendant_pids() if self.returncode() is None else {})
+        descendants = Processes(self.descendant_pids())
+        for pid, held in self._started.fds.items():     # those found now are held twice
+            if pid in descendants.fds:
+                os.close(held[0])
+            else:
+                descendants.fds[pid] = held
+        self._started.fds.clear()
         if self.returncode() is None:
             os.killpg(self.pid, signal.SIGTERM)  # not Popen.send_signal: that may reap it
             deadline = time.monotonic() + timeout_s
@@ -202,6 +220,7 @@ def start_server(model_repository: str | os.PathLike, extra_args: Sequence[str] 
         server = _launch(os.path.abspath(model_repository), list(extra_args), log_dir, cpus)
         try:
             _wait_ready(server, timeout_s)
+            server.note_started()
             return server
         except RuntimeError:
             server.stop(timeout_s=5.0)
