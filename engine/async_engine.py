@@ -90,13 +90,22 @@ class AsyncEngine:
                                self._core_died, peer_address)
         self.info = self.core.info
         self._tokenizer_thread = ThreadPoolExecutor(1, thread_name_prefix="tokenizer")
-        self._batch_tokenizer = BatchTokenizer(
-            load_tokenizer(self.config), self._tokenizer_thread, self.info.max_model_len,
-            self.config.tokenizer_process_priority if self.config.tokenizer_process else None)
-        inline_max = self.config.tokenize_inline_max_chars
-        self._inline_tokenizer = (BatchTokenizer(load_tokenizer(self.config), None,
-                                                 self.info.max_model_len)
-                                  if inline_max and tokenizer is not None else None)
+        try:
+            self._batch_tokenizer = BatchTokenizer(
+                load_tokenizer(self.config), self._tokenizer_thread, self.info.max_model_len,
+                self.config.tokenizer_process_priority if self.config.tokenizer_process
+                else None)
+            inline_max = self.config.tokenize_inline_max_chars
+            self._inline_tokenizer = (BatchTokenizer(load_tokenizer(self.config), None,
+                                                     self.info.max_model_len)
+                                      if inline_max and tokenizer is not None else None)
+        except BaseException:   # the core started: its threads would keep it for good
+            self._stopped = True
+            self.core.shutdown()
+            if hasattr(self, "_batch_tokenizer"):      # (its process, if it has one)
+                self._batch_tokenizer.close()
+            self._tokenizer_thread.shutdown()
+            raise
 
     # ------------------------------------------------------------------ public API
     async def generate(self, prompt: Prompt, params: SamplingParams, request_id: str,

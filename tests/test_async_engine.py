@@ -1021,3 +1021,40 @@ def test_one_requests_output_fault_ends_that_request_alone(model_dir, monkeypatc
     assert [t for o in outs for t in o.outputs[0].token_ids] == expected.token_ids
     assert [t for o in later for t in o.outputs[0].token_ids] == expected.token_ids
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+@pytest.mark.parametrize("failing", [0, 1], ids=["batch tokenizer", "inline tokenizer"])
+def test_an_engine_that_fails_to_start_after_its_core_leaves_no_process(model_dir, monkeypatch,
+                                                                          failing):
+    """A step of start-up after the core's (the tokenizers') that raises: the core and the
+    tokenizer process already started are stopped, not left to the threads that hold them."""
+    from engine import async_engine
+    started, made = [], []
+    real_core, real_tokenizer = async_engine.CoreClient, async_engine.BatchTokenizer
+
+    def core(*args, **kwargs):
+        started.append(real_core(*args, **kwargs))
+        return started[-1]
+
+    def tokenizer(*args, **kwargs):
+        if len(made) == failing:
+            raise RuntimeError("this tokenizer fails")
+        made.append(real_tokenizer(*args, **kwargs))
+        return made[-1]
+
+    monkeypatch.setattr(async_engine, "CoreClient", core)
+    monkeypatch.setattr(async_engine, "BatchTokenizer", tokenizer)
+    processes = []
+    try:
+        with pytest.raises(RuntimeError, match="this tokenizer fails"):
+            AsyncEngine(model=model_dir, dtype="float32", device="cpu", num_kv_blocks=64,
+                        tokenizer_process=True, tokenize_inline_max_chars=256)
+        processes = [started[0].process] + [t.process.process for t in made]
+        assert len(processes) == 1 + failing            # the tokenizer had a process to stop
+        for process in processes:
+            assert process.wait(30) is not None
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
