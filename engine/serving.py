@@ -236,6 +236,8 @@ class ServingEngine:
                                             config.max_num_seqs, self.engine.info.max_model_len,
                                             config.prefix_routing_slack)
         except BaseException:
+            if hasattr(self, "engine"):     # its core and tokenizer process run: stop them
+                self.engine.shutdown()
             self.outbox.close()
             if self._trace is not None:
                 self._trace.close()

@@ -1116,3 +1116,34 @@ def test_aborts_for_ids_not_held_are_kept_in_order_and_leave_when_expired(monkey
     times = list(early.values())
     assert times == sorted(times)
     assert all(clock[0] - t < serving_module.PENDING_ABORT_S for t in times)
+
+
+def test_a_serving_engine_that_fails_to_start_after_its_engine_leaves_no_process(
+        model_dir, tmp_path, monkeypatch):
+    """A step of start-up after the engine's (the prefix router's) that raises: the engine's
+    core and tokenizer process are stopped, not left to the threads that hold them."""
+    from engine import async_engine, serving as serving_module
+    started = []
+    real_core = async_engine.CoreClient
+
+    def core(*args, **kwargs):
+        started.append(real_core(*args, **kwargs))
+        return started[-1]
+
+    def router(*args, **kwargs):
+        raise RuntimeError("this router fails")
+
+    monkeypatch.setattr(async_engine, "CoreClient", core)
+    monkeypatch.setattr(serving_module, "PrefixRouter", router)
+    board = InstanceBoard(os.getpid(), "llm", directory=str(tmp_path))
+    try:
+        with pytest.raises(RuntimeError, match="this router fails"):
+            ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                       tokenizer_process=True, **SETTINGS), board=board)
+        assert started[0].process.wait(30) is not None
+    finally:
+        board.close()
+        for client in started:
+            if client.process.poll() is None:
+                client.process.kill()
+                client.process.wait()
