@@ -152,8 +152,12 @@ class Outbox:
                 s.final_pending &= bool(s.pending)
             try:
                 with s.lock:
-                    if not s.done and s.send_items(items):
-                        s.done = True
+                    try:
+                        if not s.done and s.send_items(items):
+                            s.done = True
+                    except BaseException:
+                        s.done = True   # before the lock goes: is_cancelled is not asked again
+                        raise
             except BaseException as e:  # noqa: BLE001 - the client is gone or the server refused
                 s.done = True
                 try:

@@ -863,13 +863,19 @@ class ServingEngine:
         cursor %= len(clients)
         batch = (clients[cursor:] + clients[:cursor])[:CANCEL_CHECKS_PER_ROUND]
         for r in batch:
-            with r.stream.lock:              # never after its final response is out
+            # Never after its final response is out (the lock). A stream being sent is asked in
+            # a later round: a send that stalls must not hold up the other streams' checks.
+            if not r.stream.lock.acquire(blocking=False):
+                continue
+            try:
                 if r.stream.done or r.cancelled:
                     continue
                 try:
                     r.cancelled = bool(r.is_cancelled())
                 except Exception:  # noqa: BLE001 - a broken check must not stop the others
                     logger.exception("cancellation check for %s", r.rid)
+            finally:
+                r.stream.lock.release()
             if r.cancelled:
                 r.abort(self.engine)
         return cursor + len(batch)

@@ -303,3 +303,46 @@ def test_without_coalescing_a_final_keeps_its_place_ahead_until_it_is_sent():
     box.close()
     assert order == ["b", "a", "a", "a", "b"]
     assert recs["a"].responses == [["a0"], ["a1"], ["END"]]
+
+
+class _LookAfterRelease:
+    """A stream's lock whose sender, leaving it by an exception, lets another thread take it
+    and look at the stream before the sender goes on (as a thread switch there can)."""
+
+    def __init__(self, stream):
+        self._lock = threading.Lock()
+        self.stream = stream
+        self.looked = threading.Event()
+        self.done_seen = None
+
+    def __enter__(self):
+        self._lock.acquire()
+
+    def __exit__(self, kind, value, traceback):
+        self._lock.release()
+        if kind is not None:
+            looker = threading.Thread(target=self._look)
+            looker.start()
+            looker.join()
+
+    def _look(self):
+        with self._lock:
+            self.done_seen = self.stream.done
+        self.looked.set()
+
+
+def test_a_send_that_raises_is_done_before_its_lock_is_released():
+    """Whoever takes a stream's lock after its send raised (the housekeeping thread asking
+    `is_cancelled`) must find it done: in Triton the request may be freed by then."""
+    box = Outbox(1)
+    failed = threading.Event()
+    try:
+        def send(items):
+            raise RuntimeError("the client is gone")
+        s = box.stream(send, lambda e: failed.set())
+        s.lock = lock = _LookAfterRelease(s)
+        box.put(s, "final", final=True)
+        assert failed.wait(10) and lock.looked.is_set()
+        assert lock.done_seen is True
+    finally:
+        box.close()

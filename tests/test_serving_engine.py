@@ -1147,3 +1147,24 @@ def test_a_serving_engine_that_fails_to_start_after_its_engine_leaves_no_process
             if client.process.poll() is None:
                 client.process.kill()
                 client.process.wait()
+
+
+def test_a_send_that_stalls_does_not_hold_up_the_other_streams_cancellation(model_dir):
+    """The housekeeping thread asks each stream whether its client cancelled it, under the
+    stream's lock, which a send holds: one stalled send held up every other stream's check
+    (and the metrics). A stream being sent is now asked in a later round."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **LONG_SETTINGS), num_senders=2)
+    stalled, cancelled_one, cancelled = Recorder(hold=True), Recorder(), threading.Event()
+    try:
+        serving.submit(_inputs("stalls", LONG), stalled)     # asked first in every round
+        assert stalled.entered.wait(WAIT_S)
+        serving.submit(_inputs("cancelled", LONG), cancelled_one, cancelled.is_set)
+        assert cancelled_one.entered.wait(WAIT_S)            # it streams on the other sender
+        cancelled.set()
+        assert cancelled_one.final.wait(WAIT_S)
+        tensors, error, final = cancelled_one.responses[-1]
+        assert error == "request cancelled", (error, len(cancelled_one.responses))
+    finally:
+        stalled.release.set()
+        serving.shutdown()
