@@ -1,6 +1,7 @@
 """engine/models: our paged Llama/Mistral/Qwen2 against HF transformers on tiny random models,
 the checkpoint loader, and ModelConfig parsing."""
 import json
+import re
 import shutil
 
 import pytest
@@ -496,6 +497,29 @@ def test_config_rejects_unsupported_rope():
         ModelConfig.from_dict(dict(BASE_CONFIG, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
     with pytest.raises(ValueError, match="'low_freq_factor'"):
         ModelConfig.from_dict(dict(BASE_CONFIG, rope_scaling={"rope_type": "llama3", "factor": 4.0}))
+
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize("scaling, named", [
+    ({"rope_type": "linear", "factor": None}, "'factor' must be a number > 0, got None"),
+    ({"rope_type": "linear", "factor": 0}, "'factor' must be a number > 0, got 0"),
+    ({"rope_type": "linear", "factor": -2.0}, "'factor' must be a number > 0, got -2.0"),
+    ({"rope_type": "linear", "factor": "4"}, "'factor' must be a number > 0, got '4'"),
+    (LLAMA3 | {"low_freq_factor": None}, "'low_freq_factor' must be a number > 0, got None"),
+    (LLAMA3 | {"high_freq_factor": 1.0}, "'high_freq_factor' must be greater than"),
+    ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5},
+     "partial_rotary_factor 0.5 is not supported"),
+], ids=["null", "zero", "negative", "text", "llama3 null", "llama3 equal", "partial"])
+def test_config_names_a_bad_rope_parameter(scaling, named):
+    """A null factor escaped as float()'s bare TypeError; a zero or negative one was taken
+    and gave the model a context of 0 or less tokens (and inf / NaN frequencies); llama3's
+    smoothing divides by high - low; HF's scaled ropes take a partial rotary factor and then
+    fail on the shapes."""
+    with pytest.raises(ValueError, match=re.escape(named)):
+        ModelConfig.from_dict(dict(BASE_CONFIG, rope_scaling=scaling))
 
 
 # The Triton attention kernel takes head dims 16, 32, ...: llama, and a Qwen2 with one KV head

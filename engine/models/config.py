@@ -159,20 +159,32 @@ def _parse_rope(raw: dict[str, Any], max_position_embeddings: int) -> tuple[floa
         raise ValueError(f"unsupported rope type {rope_type!r}; supported: {', '.join(SUPPORTED_ROPE_TYPES)}")
     if rope_type == "default":
         return rope_theta, None
-    try:
-        if rope_type == "linear":
-            return rope_theta, {"rope_type": "linear", "factor": float(params["factor"])}
-        return rope_theta, {
-            "rope_type": "llama3",
-            "factor": float(params["factor"]),
-            "low_freq_factor": float(params["low_freq_factor"]),
-            "high_freq_factor": float(params["high_freq_factor"]),
-            "original_max_position_embeddings": int(
-                params.get("original_max_position_embeddings") or max_position_embeddings
-            ),
-        }
-    except KeyError as e:
-        raise ValueError(f"rope type {rope_type!r} needs the parameter {e.args[0]!r}") from None
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):   # HF's scaled ropes take it and then fail on the shapes
+        raise ValueError(f"partial_rotary_factor {partial!r} is not supported with rope type "
+                         f"{rope_type!r}: only 1 (every dimension rotated)")
+
+    def positive(key: str) -> float:
+        if key not in params:
+            raise ValueError(f"rope type {rope_type!r} needs the parameter {key!r}")
+        value = params[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise ValueError(f"rope type {rope_type!r}: {key!r} must be a number > 0, "
+                             f"got {value!r}")
+        return float(value)
+
+    if rope_type == "linear":
+        return rope_theta, {"rope_type": "linear", "factor": positive("factor")}
+    scaling = {"rope_type": "llama3", "factor": positive("factor"),
+               "low_freq_factor": positive("low_freq_factor"),
+               "high_freq_factor": positive("high_freq_factor"),
+               "original_max_position_embeddings": int(
+                   params.get("original_max_position_embeddings") or max_position_embeddings)}
+    if not scaling["high_freq_factor"] > scaling["low_freq_factor"]:
+        raise ValueError(f"rope type 'llama3': 'high_freq_factor' must be greater than "
+                         f"'low_freq_factor', got {scaling['high_freq_factor']!r} and "
+                         f"{scaling['low_freq_factor']!r}")
+    return rope_theta, scaling
 
 
 def _parse_sliding_window(raw: dict[str, Any], architecture: str,
