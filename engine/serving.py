@@ -168,6 +168,7 @@ class _Request:
     counted: bool = False               # counted finished in the metrics
     in_engine_now: bool = False         # the engine took it (a completion of it, for n > 1)
     cancelled: bool = False
+    check_failed: bool = False          # its is_cancelled() raised (logged once)
     stream: Stream | None = None        # its way back
     parts: list[_Part] | None = None    # n above 1: its completions, in index order
     aborted: bool = False               # aborted (n above 1: its completions still arriving)
@@ -873,7 +874,10 @@ class ServingEngine:
                 try:
                     r.cancelled = bool(r.is_cancelled())
                 except Exception:  # noqa: BLE001 - a broken check must not stop the others
-                    logger.exception("cancellation check for %s", r.rid)
+                    if not r.check_failed:      # asked again each round: one traceback
+                        r.check_failed = True
+                        logger.exception("cancellation check for %s (its later failures "
+                                         "are not logged)", r.rid)
             finally:
                 r.stream.lock.release()
             if r.cancelled:

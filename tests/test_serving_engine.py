@@ -1168,3 +1168,26 @@ def test_a_send_that_stalls_does_not_hold_up_the_other_streams_cancellation(mode
     finally:
         stalled.release.set()
         serving.shutdown()
+
+
+def test_a_cancellation_check_that_keeps_failing_is_logged_once(model_dir, caplog):
+    """The housekeeper asks each stream every round: a request whose is_cancelled() raises
+    each time logged a traceback each round, for as long as it ran."""
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **LONG_SETTINGS))
+    asked = []
+
+    def is_cancelled():
+        asked.append(1)
+        if len(asked) < 4:
+            raise RuntimeError("the server lost this request")
+        return True
+    recorder = Recorder()
+    try:
+        serving.submit(_inputs("its check fails", LONG), recorder, is_cancelled)
+        assert recorder.final.wait(WAIT_S)
+        assert recorder.responses[-1][1] == "request cancelled"
+    finally:
+        serving.shutdown()
+    logged = [r for r in caplog.records if "cancellation check" in r.getMessage()]
+    assert len(asked) >= 4 and len(logged) == 1, (len(asked), [r.getMessage() for r in logged])
