@@ -100,11 +100,7 @@ class AsyncEngine:
                                                      self.info.max_model_len)
                                       if inline_max and tokenizer is not None else None)
         except BaseException:   # the core started: its threads would keep it for good
-            self._stopped = True
-            self.core.shutdown()
-            if hasattr(self, "_batch_tokenizer"):      # (its process, if it has one)
-                self._batch_tokenizer.close()
-            self._tokenizer_thread.shutdown()
+            self.shutdown()
             raise
 
     # ------------------------------------------------------------------ public API
@@ -259,7 +255,8 @@ class AsyncEngine:
         self.core.shutdown()
         # The queued prompts fail first and the tokenizer process stops: the thread's wait is
         # then for at most the batch it is tokenizing itself, not for every queued prompt.
-        self._batch_tokenizer.close()
+        if hasattr(self, "_batch_tokenizer"):       # (not when its start-up failed)
+            self._batch_tokenizer.close()
         self._tokenizer_thread.shutdown(wait=True)
         self._fail_all(EngineDeadError("the engine was shut down"))
 

@@ -152,12 +152,7 @@ class TritonServer:
         SIGKILL whatever is left of the group; wait until none of it, nor any process the
         server started, is alive. Safe to call more than once."""
         descendants = Processes(self.descendant_pids())
-        for pid, held in self._started.fds.items():     # those found now are held twice
-            if pid in descendants.fds:
-                os.close(held[0])
-            else:
-                descendants.fds[pid] = held
-        self._started.fds.clear()
+        descendants.take(self._started)
         if self.returncode() is None:
             os.killpg(self.pid, signal.SIGTERM)  # not Popen.send_signal: that may reap it
             deadline = time.monotonic() + timeout_s
@@ -349,6 +344,15 @@ class Processes:
                     os.close(fd)
                     del self.fds[pid]
         return {pid: cmdline for pid, (_, cmdline) in self.fds.items()}
+
+    def take(self, other: Processes) -> None:
+        """Adds `other`'s processes (held since they started) to these; `other` is left empty."""
+        for pid, held in other.fds.items():
+            if pid in self.fds:             # held twice: keep ours
+                os.close(held[0])
+            else:
+                self.fds[pid] = held
+        other.fds.clear()
 
     def kill(self) -> None:
         for fd, _ in self.fds.values():
