@@ -4,6 +4,9 @@ A block is free when no request holds it (`ref_cnt == 0`). A free block may stil
 `block_hash`: its KV is intact and a later request with the same prefix can take it back.
 Free blocks without cached content are handed out first; then cached ones, least recently
 freed first. So cached content is evicted LRU and only when nothing else is free.
+
+Two requests that compute the same block in one step hold two copies of it: both are
+registered under its hash, so the content stays findable until the last copy is evicted.
 """
 from __future__ import annotations
 
@@ -32,7 +35,8 @@ class BlockPool:
         # Insertion order is eviction order: blocks without content at the front, then the
         # cached ones, the least recently freed first.
         self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self._cached: dict[bytes, KVBlock] = {}
+        # Each cached content's copies, by block id, the first registered first.
+        self._cached: dict[bytes, dict[int, KVBlock]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -40,10 +44,19 @@ class BlockPool:
 
     @property
     def num_cached_blocks(self) -> int:
+        """Distinct cached contents (a content held in two copies counts once)."""
         return len(self._cached)
 
     def get_cached_block(self, block_hash: bytes) -> KVBlock | None:
-        return self._cached.get(block_hash)
+        """A block holding this content: a copy some request holds if there is one, so that a
+        hit leaves the free list alone."""
+        copies = self._cached.get(block_hash)
+        if copies is None:
+            return None
+        for block in copies.values():
+            if block.ref_cnt:
+                return block
+        return block
 
     def allocate(self, num_blocks: int) -> list[KVBlock]:
         """Takes `num_blocks` free blocks (evicting their cached content); caller checked room."""
@@ -54,8 +67,7 @@ class BlockPool:
             block_id, _ = self._free.popitem(last=False)
             block = self.blocks[block_id]
             if block.block_hash is not None:
-                del self._cached[block.block_hash]
-                block.block_hash = None
+                self._uncache(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -79,15 +91,22 @@ class BlockPool:
                     self._free.move_to_end(block.block_id, last=False)
 
     def cache_block(self, block: KVBlock, block_hash: bytes) -> None:
-        """Makes a full block findable by its hash. If the same content is cached already (two
-        requests computed it in the same step), the first stays the cached copy."""
+        """Makes a full block findable by its hash, beside any other copy of the same content
+        (two requests computed it in the same step)."""
         if not self.enable_caching or block.block_hash is not None:
             return
-        if block_hash not in self._cached:
-            block.block_hash = block_hash
-            self._cached[block_hash] = block
+        block.block_hash = block_hash
+        self._cached.setdefault(block_hash, {})[block.block_id] = block
+
+    def _uncache(self, block: KVBlock) -> None:
+        copies = self._cached[block.block_hash]
+        del copies[block.block_id]
+        if not copies:
+            del self._cached[block.block_hash]
+        block.block_hash = None
 
     def reset_prefix_cache(self) -> None:
-        for block in self._cached.values():
-            block.block_hash = None
+        for copies in self._cached.values():
+            for block in copies.values():
+                block.block_hash = None
         self._cached.clear()

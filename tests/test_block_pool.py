@@ -82,13 +82,13 @@ def test_shared_block_refcount():
     assert pool.num_free_blocks == 2
 
 
-def test_duplicate_content_keeps_first_copy():
+def test_duplicate_content_registers_both_copies_and_hits_the_first_held():
     pool = BlockPool(2)
     a, b = pool.allocate(2)
     pool.cache_block(a, b"same")
     pool.cache_block(b, b"same")
     assert pool.get_cached_block(b"same") is a
-    assert b.block_hash is None
+    assert a.block_hash == b.block_hash == b"same"
 
 
 def test_caching_disabled():
@@ -96,3 +96,33 @@ def test_caching_disabled():
     [a] = pool.allocate(1)
     pool.cache_block(a, b"x")
     assert pool.get_cached_block(b"x") is None
+
+
+def test_a_second_copy_of_a_content_stays_findable_when_the_first_is_evicted():
+    # Two requests computed the same block in one step: a and b hold the same content.
+    pool = BlockPool(3)
+    a, b, c = pool.allocate(3)
+    pool.cache_block(a, b"h")
+    pool.cache_block(b, b"h")
+    assert pool.num_cached_blocks == 1              # one content, two copies
+    pool.free([a])
+    assert pool.get_cached_block(b"h") is b         # a hit takes the held copy, not a free one
+    [x] = pool.allocate(1)                          # evicts a
+    assert x is a and a.block_hash is None
+    assert pool.get_cached_block(b"h") is b
+    pool.free([b])
+    assert pool.get_cached_block(b"h") is b         # free now, still cached
+    [y] = pool.allocate(1)
+    assert y is b and pool.get_cached_block(b"h") is None and pool.num_cached_blocks == 0
+
+
+def test_reset_prefix_cache_forgets_every_copy():
+    pool = BlockPool(2)
+    a, b = pool.allocate(2)
+    pool.cache_block(a, b"h")
+    pool.cache_block(b, b"h")
+    pool.reset_prefix_cache()
+    assert pool.get_cached_block(b"h") is None and pool.num_cached_blocks == 0
+    assert a.block_hash is None and b.block_hash is None
+    pool.free([a, b])
+    assert pool.num_free_blocks == 2

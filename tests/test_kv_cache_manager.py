@@ -115,3 +115,23 @@ def test_a_request_freed_before_its_block_is_computed_registers_nothing_of_it():
     assert kv.pool.num_cached_blocks == 1
     b = _req("b", list(range(6)) + [9, 9, 9])
     assert kv.get_computed_blocks(b)[1] == 4      # the computed block, not the half-written one
+
+
+def test_a_prefix_two_requests_computed_in_one_step_survives_the_first_copy_evicted():
+    # a and b compute the same two blocks in the same step; a ends and its copy is evicted
+    # while b still runs: c still finds the prefix, in b's blocks.
+    kv = KVCacheManager(num_blocks=6, block_size=4)
+    a, b = _req("a", range(9)), _req("b", range(9))
+    kv.allocate_slots(a, 9)
+    kv.allocate_slots(b, 9)
+    kv.free(a)
+    filler = _req("f", [50 + i for i in range(8)])
+    assert kv.allocate_slots(filler, 8) is not None       # takes a's 2 full blocks' room
+    assert kv.num_free_blocks == 1
+    c = _req("c", list(range(8)) + [7])
+    hits, n = kv.get_computed_blocks(c)
+    assert n == 8 and [h.block_id for h in hits] == kv.block_ids("b")[:2]
+    assert kv.allocate_slots(c, 1, hits) is not None
+    for r in (b, c, filler):
+        kv.free(r)
+    assert kv.num_free_blocks == 6
