@@ -80,6 +80,10 @@ class EngineCore:
             self.eos_token_ids.remove(primary)
             self.eos_token_ids.insert(0, primary)
         self.vocab_size = model_config.vocab_size
+        # Blocks behind a sliding window are given back only where every layer has the window.
+        self.kv_sliding_window = (
+            model_config.sliding_window
+            if len(model_config.sliding_window_layers) == model_config.num_hidden_layers else None)
 
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.device, self.dtype, self.eos_token_ids)
@@ -104,7 +108,8 @@ class EngineCore:
 
     def _new_scheduler(self, num_blocks: int) -> None:
         config = self.config
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching,
+                                 self.kv_sliding_window)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens,
                                    self.max_model_len, config.capacity_scheduler_policy,
                                    config.prefill_hold_steps)

@@ -2,6 +2,12 @@
 
 A full block is keyed by a chained hash: H(parent's hash, the block's token ids), so equal
 keys mean equal whole prefixes, not only equal blocks.
+
+Sliding window (`sliding_window`, given when every layer of the model attends within it, as
+Mistral 7B v0.1): no query at a position p reads a key at or before p - W, so a request's blocks
+wholly behind its window are given back to the pool as its window moves on (vLLM's sliding-window
+manager does the same); their table entries stay in place, never read. They keep their content
+and hash, as any freed block: a later request with the same prefix can still take them back.
 """
 from __future__ import annotations
 
@@ -25,12 +31,18 @@ _NO_BLOCKS: list[int] = []   # shared, never mutated: "no new blocks this step"
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {sliding_window}")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
-        self._blocks: dict[str, list[KVBlock]] = {}
+        # Each request's table; None where a block behind its sliding window was given back.
+        self._blocks: dict[str, list[KVBlock | None]] = {}
         self._num_cached_blocks: dict[str, int] = {}   # how many of its blocks are registered
+        self._num_behind_window: dict[str, int] = {}   # how many of its first blocks are given back
 
     @property
     def num_blocks(self) -> int:
@@ -40,11 +52,13 @@ class KVCacheManager:
     def num_free_blocks(self) -> int:
         return self.pool.num_free_blocks
 
-    def num_blocks_held(self, request_id: str) -> int:
+    def num_blocks_allocated(self, request_id: str) -> int:
+        """The blocks in the request's table, those given back behind its window included."""
         return len(self._blocks.get(request_id, ()))
 
-    def block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+    def block_ids(self, request_id: str) -> list[int | None]:
+        """The request's table; None for a block given back behind its window."""
+        return [None if b is None else b.block_id for b in self._blocks.get(request_id, ())]
 
     def _update_block_hashes(self, request: Request, num_tokens: int) -> None:
         """Extends `request.block_hashes` to cover every full block within `num_tokens`."""
@@ -109,6 +123,24 @@ class KVCacheManager:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         return [b.block_id for b in new_blocks]
 
+    def free_behind_window(self, request: Request) -> None:
+        """Gives back the request's blocks that no query from its next token on can read: those
+        wholly before position num_computed_tokens - W + 1. Blocks not registered in the prefix
+        cache yet (their tokens not all known) are kept until they are."""
+        blocks = self._blocks.get(request.request_id)
+        if not blocks:
+            return
+        num_behind = max(0, request.num_computed_tokens - self.sliding_window + 1) // self.block_size
+        if self.enable_caching:
+            num_behind = min(num_behind, self._num_cached_blocks.get(request.request_id, 0))
+        start = self._num_behind_window.get(request.request_id, 0)
+        if num_behind <= start:
+            return
+        gone = blocks[start:num_behind]
+        blocks[start:num_behind] = [None] * len(gone)
+        self._num_behind_window[request.request_id] = num_behind
+        self.pool.free(gone[::-1])
+
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
         """Registers blocks that are full once this step's tokens are written. Safe to do now:
         a later request can only read them in a later step, after this step wrote them."""
@@ -140,5 +172,7 @@ class KVCacheManager:
             # collected), so allocate_slots never saw its last block full.
             self._cache_full_blocks(request, blocks, request.num_computed_tokens)
         self._num_cached_blocks.pop(request.request_id, None)
+        if self._num_behind_window.pop(request.request_id, 0):
+            blocks = [b for b in blocks if b is not None]
         if blocks:
             self.pool.free(blocks[::-1])

@@ -300,6 +300,9 @@ class Scheduler:
             if num_new <= 0 or req.reaches_limit(self.max_model_len):
                 i += 1                    # its token in flight ends it: nothing to compute
                 continue
+            if self.kv.sliding_window is not None and req.request_id not in self._leaders:
+                # (A leader keeps its prefix whole until the prefix is pinned for its group.)
+                self.kv.free_behind_window(req)
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:
@@ -414,7 +417,7 @@ class Scheduler:
         return -(-final_len // self.kv.block_size)
 
     def _blocks_to_finish(self, req: Request) -> int:
-        return max(0, self._final_blocks(req) - self.kv.num_blocks_held(req.request_id))
+        return max(0, self._final_blocks(req) - self.kv.num_blocks_allocated(req.request_id))
 
     def _advance(self, req: Request, num_new: int) -> None:
         """The scheduled tokens count as computed from now on: the runner executes this step

@@ -66,6 +66,35 @@ def test_engine_on_gpu_equals_hf(tiny_models, arch, decode_pdl):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_sliding_window_engine_on_gpu_gives_back_blocks_and_equals_hf(tmp_path):
+    """Every layer windowed (40 tokens): the blocks behind each request's window go back to the
+    pool and are written by other requests while the request's table still names them; the
+    kernels (decode graphs, prompt chunks) never read them: HF's tokens."""
+    import json
+    model = str(make_tiny_model(tmp_path / "w", arch="mistral", seed=3, sliding_window=40))
+    prompts = mixed_prompts(json.load(open(f"{model}/config.json"))["vocab_size"])
+    expected = hf_greedy_cuda(model, prompts)
+    llm = LLM(model, dtype="float32", device="cuda", block_size=16, max_num_batched_tokens=64,
+              num_kv_blocks=30, max_model_len=400, max_num_seqs=16)
+    assert llm.core.kv.sliding_window == 40
+    real_step, peak = llm.core.step, [0]
+
+    def step():
+        out = real_step()
+        for r in llm.core.scheduler.running:
+            held = sum(b is not None for b in llm.core.kv.block_ids(r.request_id))
+            peak[0] = max(peak[0], held)
+        return out
+    llm.core.step = step
+    outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == e, f"prompt {i} (len {len(prompts[i])}) differs"
+    assert peak[0] <= -(-(40 - 1 + 64) // 16) + 3, peak[0]
+    assert llm.core.runner.decode_graphs.graphs
+    stats = llm.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
 def test_gpu_engine_equals_cpu_engine_fp32(tiny_models):
     """Same engine, CPU (PyTorch path) and GPU (Triton path), fp32: identical greedy tokens."""
     prompts = mixed_prompts(1024, n=8, seed=3)

@@ -1,3 +1,5 @@
+import pytest
+
 from engine.kv_cache_manager import KVCacheManager, hash_block
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -135,3 +137,47 @@ def test_a_prefix_two_requests_computed_in_one_step_survives_the_first_copy_evic
     for r in (b, c, filler):
         kv.free(r)
     assert kv.num_free_blocks == 6
+
+
+def test_blocks_behind_a_sliding_window_are_given_back_and_stay_cached():
+    # Window 6, blocks of 4: a query at position p reads keys p-5..p.
+    kv = KVCacheManager(num_blocks=10, block_size=4, sliding_window=6)
+    r = _req("a", range(14))
+    kv.allocate_slots(r, 14)
+    ids = kv.block_ids("a")
+    r.num_computed_tokens = 14
+    kv.free_behind_window(r)           # the next query, at 14, reads keys 9..14: blocks 0, 1 go
+    assert kv.block_ids("a") == [None, None] + ids[2:] and kv.num_free_blocks == 8
+    kv.free_behind_window(r)           # nothing more: idempotent
+    assert kv.num_free_blocks == 8
+    assert kv.allocate_slots(r, 1) == []
+    assert kv.num_blocks_allocated("a") == 4
+    # The given-back blocks keep their content: a request with the same prefix takes them back.
+    b = _req("b", list(range(8)) + [3])
+    hits, n = kv.get_computed_blocks(b)
+    assert n == 8 and [h.block_id for h in hits] == ids[:2]
+    kv.free(r)
+    assert kv.num_free_blocks == 10
+
+
+def test_blocks_behind_the_window_not_yet_registered_are_kept_until_they_are():
+    # The last block's tokens are not all known (a token in flight, async scheduling): its hash
+    # cannot be made yet, so it is not given back before it is registered.
+    kv = KVCacheManager(num_blocks=10, block_size=4, sliding_window=1)
+    r = _req("a", range(8))
+    kv.allocate_slots(r, 8)
+    r.num_computed_tokens = 9          # 8 known tokens, the 9th computed from a token in flight
+    kv._num_cached_blocks["a"] = 1     # as if only the first block were registered so far
+    kv.free_behind_window(r)
+    assert kv.block_ids("a")[0] is None and kv.block_ids("a")[1] is not None
+    plain = KVCacheManager(num_blocks=10, block_size=4, enable_caching=False, sliding_window=1)
+    s = _req("s", range(8))
+    plain.allocate_slots(s, 8)
+    s.num_computed_tokens = 9
+    plain.free_behind_window(s)        # without caching nothing waits for a hash
+    assert plain.block_ids("s") == [None, None] and plain.num_free_blocks == 10
+
+
+def test_a_bad_sliding_window_is_named():
+    with pytest.raises(ValueError, match="sliding_window must be >= 1"):
+        KVCacheManager(num_blocks=4, block_size=4, sliding_window=0)

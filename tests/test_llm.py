@@ -116,6 +116,67 @@ def test_greedy_matches_hf_with_guaranteed_no_evict_in_a_small_pool(tiny_models,
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+WINDOW = 40
+
+
+@pytest.fixture(scope="session")
+def windowed_mistral(tmp_path_factory):
+    """A Mistral 7B v0.1-shaped tiny model (every layer windowed), its prompts, HF's tokens."""
+    model = str(make_tiny_model(tmp_path_factory.mktemp("windowed"), arch="mistral", seed=3,
+                                sliding_window=WINDOW))
+    prompts = mixed_prompts(json.load(open(f"{model}/config.json"))["vocab_size"])
+    return model, prompts, hf_greedy(model, prompts)
+
+
+@pytest.mark.parametrize("caching,async_scheduling", [(True, False), (False, False),
+                                                      (True, True)])
+def test_a_sliding_window_model_gives_back_blocks_behind_the_window_with_hfs_tokens(
+        windowed_mistral, caching, async_scheduling):
+    """Blocks wholly behind every layer's window go back to the pool as the window moves on
+    (64-token chunks, blocks of 8, a pool of 48 for 16 prompts of up to 300 tokens): HF's
+    tokens, no request holding more than its window and a chunk span, and fewer preemptions
+    than when the engine keeps every block."""
+    model, prompts, expected = windowed_mistral
+    preemptions = {}
+    for give_back in (True, False):
+        llm = LLM(model, dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=64,
+                  num_kv_blocks=48, max_model_len=384, enable_prefix_caching=caching,
+                  async_scheduling=async_scheduling)
+        assert llm.core.kv.sliding_window == WINDOW
+        if not give_back:
+            llm.core.kv.sliding_window = None
+        real_step, peak = llm.core.step, [0]
+
+        def step():
+            out = real_step()
+            for r in llm.core.scheduler.running:
+                held = sum(b is not None for b in llm.core.kv.block_ids(r.request_id))
+                peak[0] = max(peak[0], held)
+            return out
+        llm.core.step = step
+        outs = llm.generate(prompts, GREEDY)
+        for i, (o, e) in enumerate(zip(outs, expected)):
+            assert o.outputs[0].token_ids == e, f"give back {give_back}: prompt {i} differs"
+        stats = llm.get_stats()
+        assert stats.num_free_kv_blocks == stats.num_kv_blocks
+        preemptions[give_back] = stats.num_preemptions
+        if give_back:
+            assert peak[0] <= -(-(WINDOW - 1 + 64) // 8) + 3, peak[0]
+        else:
+            assert peak[0] > 30
+    assert preemptions[True] < preemptions[False], preemptions
+
+
+def test_only_a_model_windowed_in_every_layer_gives_back_blocks(tmp_path):
+    """Qwen2 with its window in some layers only: the others read every key, so every block is
+    kept."""
+    model = make_tiny_model(tmp_path / "q", arch="qwen2", seed=3, use_sliding_window=True,
+                            sliding_window=16, max_window_layers=1)
+    llm = LLM(str(model), dtype="float32", device="cpu", num_kv_blocks=64)
+    assert llm.core.runner.model_config.sliding_window_layers != ()
+    assert llm.core.kv.sliding_window is None
+
+
 def test_greedy_matches_hf_with_prompts_held_for_fuller_steps(tiny_models, hf_outputs):
     """prefill_hold_steps: prompts that come in one a step while others decode wait for more
     prompts or their steps; the same tokens as HF, in more steps than without holding."""

@@ -38,7 +38,10 @@ class FakeRunner:
         for rid, new_ids in zip(c.request_ids, c.new_block_ids):
             self.block_ids[rid].extend(new_ids)
         for rid in out.num_scheduled_tokens:
-            assert self.block_ids[rid] == s.kv.block_ids(rid), rid
+            # A block given back behind a sliding window stays in the runner's table, unread.
+            kv_ids = s.kv.block_ids(rid)
+            assert len(kv_ids) == len(self.block_ids[rid]), rid
+            assert all(k is None or k == mine for k, mine in zip(kv_ids, self.block_ids[rid])), rid
         # The KV model: each slot holds the token last written there. After this step's
         # writes, every position a scheduled request attends to must hold its own token.
         bs = s.kv.block_size
@@ -50,9 +53,12 @@ class FakeRunner:
                 assert slot not in writers, f"{rid} and {writers[slot]} write one slot"
                 writers[slot] = rid
                 self.slot_token[slot] = req.all_token_ids[pos]
-        for rid in out.num_scheduled_tokens:
+        window = s.kv.sliding_window
+        for rid, n in out.num_scheduled_tokens.items():
             req = s.requests[rid]
-            for pos in range(req.num_computed_tokens):
+            first_query = req.num_computed_tokens - n
+            first = 0 if window is None else max(0, first_query - window + 1)
+            for pos in range(first, req.num_computed_tokens):
                 slot = (self.block_ids[rid][pos // bs], pos % bs)
                 assert self.slot_token.get(slot) == req.all_token_ids[pos], (rid, pos)
         assert out.total_num_scheduled_tokens == sum(out.num_scheduled_tokens.values())
@@ -70,8 +76,8 @@ class FakeRunner:
 
 
 def make(num_blocks=1000, block_size=4, max_num_seqs=64, max_tokens_step=512,
-         max_model_len=4096, caching=True, policy="max_utilization", hold=0):
-    kv = KVCacheManager(num_blocks, block_size, caching)
+         max_model_len=4096, caching=True, policy="max_utilization", hold=0, window=None):
+    kv = KVCacheManager(num_blocks, block_size, caching, window)
     return Scheduler(kv, max_num_seqs, max_tokens_step, max_model_len, policy, hold)
 
 
@@ -387,3 +393,36 @@ def test_prefill_hold_gives_the_same_outputs():
         sched = make(max_tokens_step=48, max_num_seqs=8, hold=hold)
         outs, _ = run_all(sched, ps)
         assert outs == want, hold
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_sliding_window_gives_back_the_blocks_behind_it(caching):
+    """Every layer windowed (W = 10, blocks of 4): a request holds the blocks its window and
+    its step's tokens span, not its whole length, so a small pool preempts less. The fake
+    runner checks that every position each query's window reaches holds the request's own
+    token: a block given back too early, and written by its next owner, fails it."""
+    ps = prompts(12, seed=4, lo=40, hi=120)
+    preemptions = {}
+    for window in (10, None):
+        sched = make(num_blocks=60, block_size=4, max_tokens_step=32, caching=caching,
+                     window=window)
+        reqs = [Request(str(i), p, SamplingParams(max_tokens=8), []) for i, p in enumerate(ps)]
+        for r in reqs:
+            sched.add_request(r)
+        runner, peak, steps = FakeRunner(sched), 0, 0
+        while sched.has_unfinished_requests():
+            runner.step()
+            steps += 1
+            assert steps < 10_000
+            for r in sched.running:
+                peak = max(peak, sum(b is not None for b in sched.kv.block_ids(r.request_id)))
+        assert [r.output_token_ids for r in reqs] == [expected(p, 8) for p in ps]
+        assert sched.kv.num_free_blocks == sched.kv.num_blocks
+        preemptions[window] = sched.stats.num_preemptions
+        if window is not None:
+            # The window's 9 keys and a 32-token chunk, two blocks' alignment, one block
+            # waiting for its hash (caching: a token in flight).
+            assert peak <= -(-(window - 1 + 32) // 4) + 2 + caching
+        else:
+            assert peak == -(-(max(map(len, ps)) + 8 - 1) // 4)   # the last token is not computed
+    assert preemptions[10] < preemptions[None]
