@@ -7,7 +7,8 @@ Sliding window (`sliding_window`, given when every layer of the model attends wi
 Mistral 7B v0.1): no query at a position p reads a key at or before p - W, so a request's blocks
 wholly behind its window are given back to the pool as its window moves on (vLLM's sliding-window
 manager does the same); their table entries stay in place, never read. They keep their content
-and hash, as any freed block: a later request with the same prefix can still take them back.
+and hash, as any freed block: a later request with the same prefix can still take them back,
+and its lookup needs only the blocks its first token to compute can see (`get_computed_blocks`).
 """
 from __future__ import annotations
 
@@ -68,24 +69,46 @@ class KVCacheManager:
         for i in range(len(hashes), num_tokens // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
 
-    def get_computed_blocks(self, request: Request, prefix_blocks: Sequence[KVBlock] = ()
-                            ) -> tuple[list[KVBlock], int]:
+    def get_computed_blocks(self, request: Request, prefix_blocks: Sequence[KVBlock] = (),
+                            whole: bool = False) -> tuple[list[KVBlock | None], int]:
         """The longest cached prefix of the request, in whole blocks; at least one token is
         always left to compute, since sampling needs the last token's hidden state.
         `prefix_blocks`: the request's first blocks, known to hold its prefix (a prefix group's
         pinned blocks): taken as they are, even with prefix caching off, and the lookup goes on
-        after them."""
+        after them.
+        With a sliding window, unless `whole` (a group leader, whose prefix is pinned whole),
+        only the blocks the first token to compute can see must be cached: the hit is the
+        longest whose window's blocks are, and the blocks behind that window come back as None
+        (vLLM's sliding-window lookup; a block's chained hash stands for its whole prefix)."""
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[KVBlock] = list(prefix_blocks[:max_hit_blocks])
+        hits: list[KVBlock | None] = list(prefix_blocks[:max_hit_blocks])
         if not self.enable_caching:
             return hits, len(hits) * self.block_size
         self._update_block_hashes(request, max_hit_blocks * self.block_size)
+        if self.sliding_window is not None and not hits and not whole:
+            return self._window_hits(request.block_hashes, max_hit_blocks)
         for block_hash in request.block_hashes[len(hits):max_hit_blocks]:
             block = self.pool.get_cached_block(block_hash)
             if block is None:
                 break
             hits.append(block)
         return hits, len(hits) * self.block_size
+
+    def _window_hits(self, block_hashes: list[bytes], max_hit_blocks: int
+                     ) -> tuple[list[KVBlock | None], int]:
+        """From the longest candidate down: the first `end` whose blocks from the window of
+        position end * block_size on are all cached."""
+        bs, window = self.block_size, self.sliding_window
+        end, found = max_hit_blocks, []
+        for i in range(max_hit_blocks - 1, -1, -1):
+            block = self.pool.get_cached_block(block_hashes[i])
+            if block is None:
+                end, found = i, []
+                continue
+            found.append(block)
+            if i <= max(0, end * bs - window + 1) // bs:
+                return [None] * i + found[::-1], end * bs
+        return [], 0
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
                        computed_blocks: list[KVBlock] = ()) -> list[int] | None:
@@ -106,21 +129,29 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
+        # Hits behind a sliding window (None, the first ones) are not taken at all.
+        num_behind = computed_blocks.count(None) if computed_blocks else 0
+        held_hits = computed_blocks[num_behind:] if num_behind else computed_blocks
         # A hit on a free cached block takes that block off the free list.
-        num_free_hits = sum(b.ref_cnt == 0 for b in computed_blocks) if computed_blocks else 0
+        num_free_hits = sum(b.ref_cnt == 0 for b in held_hits) if held_hits else 0
         if num_new_blocks > self.pool.num_free_blocks - num_free_hits:
             if not blocks:
                 del self._blocks[request.request_id]
             return None
         # Take the hits first: allocating could otherwise evict them.
-        if computed_blocks:
-            self.pool.touch(computed_blocks)
+        if held_hits:
+            self.pool.touch(held_hits)
         new_blocks = self.pool.allocate(num_new_blocks)
         if computed_blocks:
             new_blocks = list(computed_blocks) + new_blocks
         blocks.extend(new_blocks)
+        if num_behind:
+            self._num_behind_window[request.request_id] = num_behind
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
+        if num_behind:
+            # The runner's table needs an id there; no kernel reads behind the window.
+            return [0] * num_behind + [b.block_id for b in new_blocks[num_behind:]]
         return [b.block_id for b in new_blocks]
 
     def free_behind_window(self, request: Request) -> None:
@@ -149,6 +180,7 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request, num_full * self.block_size)
+        start = max(start, self._num_behind_window.get(request.request_id, 0))
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = num_full

@@ -363,7 +363,7 @@ class Scheduler:
         cache) and their tokens."""
         group = self._group_of.get(req.request_id) if self._group_of else None
         prefix = group.blocks if group is not None and group.blocks is not None else ()
-        return self.kv.get_computed_blocks(req, prefix)
+        return self.kv.get_computed_blocks(req, prefix, whole=req.request_id in self._leaders)
 
     def _admit(self, budget: int, num_scheduled: dict[str, int],
                new_reqs: list[NewRequestData]) -> int:
@@ -382,7 +382,8 @@ class Scheduler:
                 if reserved is None:    # summed once a request is in line, not every step
                     reserved = sum(map(self._blocks_to_finish, self.running))
                 # Hits held by other requests cost nothing; free cached ones leave the pool.
-                need = self._final_blocks(req) - sum(b.ref_cnt > 0 for b in computed_blocks)
+                need = self._final_blocks(req) - sum(b is not None and b.ref_cnt > 0
+                                                     for b in computed_blocks)
                 if need > self.kv.num_free_blocks - reserved:
                     break
             num_new = min(req.num_tokens - num_cached, budget)

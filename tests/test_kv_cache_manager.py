@@ -181,3 +181,55 @@ def test_blocks_behind_the_window_not_yet_registered_are_kept_until_they_are():
 def test_a_bad_sliding_window_is_named():
     with pytest.raises(ValueError, match="sliding_window must be >= 1"):
         KVCacheManager(num_blocks=4, block_size=4, sliding_window=0)
+
+
+def test_a_windowed_lookup_hits_past_evicted_blocks_behind_the_window():
+    # Window 6, blocks of 4: the token at 24 reads keys 19..24, in blocks 4 and 5 only.
+    kv = KVCacheManager(num_blocks=10, block_size=4, sliding_window=6)
+    a = _req("a", range(24))
+    kv.allocate_slots(a, 24)
+    blocks = list(kv._blocks["a"])
+    kv.free(a)
+    # Block 0 is evicted first (the others freed again after it), then blocks 0-3 are gone.
+    kv.pool.touch(blocks[1:])
+    kv.pool.free(blocks[1:])
+    filler = _req("f", [500 + i for i in range(17)])
+    kv.allocate_slots(filler, 17)                 # 4 blocks without content, then block 0
+    assert blocks[0].block_hash is None           # evicted
+    c = _req("c", list(range(24)) + [99])
+    hits, n = kv.get_computed_blocks(c)
+    assert n == 24 and hits == [None] * 4 + blocks[4:6]
+    # Without the window (or for a group leader, whose prefix is pinned whole) nothing hits.
+    assert kv.get_computed_blocks(c, whole=True) == ([], 0)
+    ids = kv.allocate_slots(c, 1, hits)
+    assert ids[:6] == [0] * 4 + [b.block_id for b in blocks[4:6]] and len(ids) == 7
+    assert kv.block_ids("c")[:6] == [None] * 4 + [b.block_id for b in blocks[4:6]]
+    c.num_computed_tokens = 24
+    kv.free_behind_window(c)                      # the token at 24 reads keys 19..: block 4 stays
+    assert kv.block_ids("c")[4] == blocks[4].block_id
+    c.num_computed_tokens = 25
+    kv.free_behind_window(c)                      # the token at 25 reads keys 20..: block 4 goes
+    assert kv.block_ids("c")[4] is None
+    kv.free(c)
+    kv.free(filler)
+    assert kv.num_free_blocks == 10
+
+
+def test_a_windowed_lookup_needs_the_whole_window_cached():
+    kv = KVCacheManager(num_blocks=10, block_size=4, sliding_window=9)
+    a = _req("a", range(24))
+    kv.allocate_slots(a, 24)
+    blocks = list(kv._blocks["a"])
+    kv.free(a)
+    # Evict block 3: the token at 24 reads keys 16..24, blocks 4 and 5 - but the token at 20
+    # (a hit of 5 blocks) reads 12..20, blocks 3 and 4. So the hit is 6 blocks, not 5.
+    kv.pool.touch([b for b in blocks if b is not blocks[3]])
+    kv.pool.free([b for b in blocks if b is not blocks[3]])
+    kv.allocate_slots(_req("f", [500 + i for i in range(17)]), 17)
+    assert blocks[3].block_hash is None
+    c = _req("c", list(range(24)) + [99])
+    assert kv.get_computed_blocks(c) == ([None] * 4 + blocks[4:6], 24)
+    # A prompt that leaves a's after 20 tokens: a hit of 5 blocks would need block 3, so the
+    # hit is 3 blocks, whose window (keys 4..12) lies in blocks 1 and 2.
+    d = _req("d", list(range(20)) + [98, 97, 96, 95, 94])
+    assert kv.get_computed_blocks(d) == ([None] + blocks[1:3], 12)

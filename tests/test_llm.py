@@ -167,6 +167,28 @@ def test_a_sliding_window_model_gives_back_blocks_behind_the_window_with_hfs_tok
     assert preemptions[True] < preemptions[False], preemptions
 
 
+@pytest.mark.parametrize("groups", [False, True])
+def test_a_sliding_window_model_sharing_prefixes_in_a_small_pool_gives_hfs_tokens(
+        windowed_mistral, groups):
+    """Prompts on two 120-token prefixes, three seats, a pool that evicts: prefix-cache hits
+    that skip blocks behind the window (groups off), or pinned prefixes (groups on)."""
+    model = windowed_mistral[0]
+    rng = random.Random(7)
+    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    prefixes = [[rng.randrange(3, vocab) for _ in range(120)] for _ in range(2)]
+    prompts = [rng.choice(prefixes) + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
+               for _ in range(10)]
+    expected = hf_greedy(model, prompts)
+    llm = LLM(model, dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=64,
+              num_kv_blocks=48, max_model_len=384, max_num_seqs=3, enable_prefix_groups=groups)
+    outs = llm.generate(prompts, GREEDY)
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == e, f"prompt {i} differs"
+    stats = llm.get_stats()
+    assert stats.num_cached_prompt_tokens > 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
 def test_only_a_model_windowed_in_every_layer_gives_back_blocks(tmp_path):
     """Qwen2 with its window in some layers only: the others read every key, so every block is
     kept."""

@@ -426,3 +426,25 @@ def test_a_sliding_window_gives_back_the_blocks_behind_it(caching):
         else:
             assert peak == -(-(max(map(len, ps)) + 8 - 1) // 4)   # the last token is not computed
     assert preemptions[10] < preemptions[None]
+
+
+def test_windowed_prefix_hits_read_only_what_the_window_reaches():
+    """Prompts sharing long prefixes through a pool that evicts them, with a sliding window
+    (10 tokens, blocks of 4): hits that skip evicted blocks behind the window find more than
+    a lookup that needs every block from the first; the fake runner checks every position
+    each query's window reaches holds the request's own token."""
+    cached = {}
+    for whole in (False, True):
+        rng = random.Random(6)
+        prefixes = [[rng.randrange(VOCAB) for _ in range(60)] for _ in range(3)]
+        ps = [rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+              for _ in range(30)]
+        sched = make(num_blocks=40, block_size=4, max_num_seqs=4, max_tokens_step=24, window=10)
+        if whole:
+            lookup = sched.kv.get_computed_blocks
+            sched.kv.get_computed_blocks = lambda req, prefix=(), whole=False: lookup(req, prefix,
+                                                                                      True)
+        outs, _ = run_all(sched, ps)
+        assert outs == [expected(p, 8) for p in ps]
+        cached[whole] = sched.stats.num_cached_prompt_tokens
+    assert cached[False] > cached[True] > 0, cached
