@@ -66,16 +66,25 @@ def test_engine_on_gpu_equals_hf(tiny_models, arch, decode_pdl):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-def test_sliding_window_engine_on_gpu_gives_back_blocks_and_equals_hf(tmp_path):
+@pytest.mark.parametrize("workload", ["mixed", "shared prefixes"])
+def test_sliding_window_engine_on_gpu_gives_back_blocks_and_equals_hf(tmp_path, workload):
     """Every layer windowed (40 tokens): the blocks behind each request's window go back to the
-    pool and are written by other requests while the request's table still names them; the
-    kernels (decode graphs, prompt chunks) never read them: HF's tokens."""
+    pool and are written by other requests while the request's table still names them, and
+    prefix-cache hits skip blocks behind their window (shared prefixes); the kernels (decode
+    graphs, prompt chunks) never read them: HF's tokens."""
     import json
+    import random
     model = str(make_tiny_model(tmp_path / "w", arch="mistral", seed=3, sliding_window=40))
-    prompts = mixed_prompts(json.load(open(f"{model}/config.json"))["vocab_size"])
+    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    prompts = mixed_prompts(vocab)
+    if workload == "shared prefixes":
+        rng = random.Random(7)
+        prefixes = [[rng.randrange(3, vocab) for _ in range(120)] for _ in range(2)]
+        prompts = [rng.choice(prefixes) + p[:30] for p in prompts]
     expected = hf_greedy_cuda(model, prompts)
+    # Groups off: the shared prefixes come from the prefix cache, not from pinned groups.
     llm = LLM(model, dtype="float32", device="cuda", block_size=16, max_num_batched_tokens=64,
-              num_kv_blocks=30, max_model_len=400, max_num_seqs=16)
+              num_kv_blocks=30, max_model_len=400, max_num_seqs=16, enable_prefix_groups=False)
     assert llm.core.kv.sliding_window == 40
     real_step, peak = llm.core.step, [0]
 
@@ -93,6 +102,8 @@ def test_sliding_window_engine_on_gpu_gives_back_blocks_and_equals_hf(tmp_path):
     assert llm.core.runner.decode_graphs.graphs
     stats = llm.get_stats()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    if workload == "shared prefixes":
+        assert stats.num_cached_prompt_tokens > 0
 
 
 def test_gpu_engine_equals_cpu_engine_fp32(tiny_models):
