@@ -292,6 +292,13 @@ class Scheduler:
         new_reqs: list[NewRequestData] = []
         cached_reqs = CachedRequestData()
         preempted = False
+        if self.kv.sliding_window is not None:
+            # Every running request's blocks behind its window go back before any request
+            # asks for room: an older request's growth must not preempt one that holds them.
+            # (A leader keeps its prefix whole until the prefix is pinned for its group.)
+            for req in self.running:
+                if req.request_id not in self._leaders:
+                    self.kv.free_behind_window(req)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -300,9 +307,6 @@ class Scheduler:
             if num_new <= 0 or req.reaches_limit(self.max_model_len):
                 i += 1                    # its token in flight ends it: nothing to compute
                 continue
-            if self.kv.sliding_window is not None and req.request_id not in self._leaders:
-                # (A leader keeps its prefix whole until the prefix is pinned for its group.)
-                self.kv.free_behind_window(req)
             while True:
                 new_block_ids = self.kv.allocate_slots(req, num_new)
                 if new_block_ids is not None:

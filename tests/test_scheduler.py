@@ -448,3 +448,27 @@ def test_windowed_prefix_hits_read_only_what_the_window_reaches():
         assert outs == [expected(p, 8) for p in ps]
         cached[whole] = sched.stats.num_cached_prompt_tokens
     assert cached[False] > cached[True] > 0, cached
+
+
+def test_blocks_behind_a_window_go_back_before_an_older_request_asks_for_room():
+    """Window 4, blocks of 4, a pool of 7 (found by review). Step 1 admits a (4 tokens) and b (a
+    24-token prompt): the pool is empty. Step 2: a's next token needs a block, and 5 of b's
+    blocks are behind b's window (its next query, at 24, reads keys 21..24). They go back
+    before a asks, so b is not preempted and its prompt not computed again."""
+    sched = make(num_blocks=7, block_size=4, max_tokens_step=64, max_model_len=64,
+                 caching=False, window=4)
+    a = Request("a", [1, 2, 3, 4], SamplingParams(max_tokens=6), [])
+    b = Request("b", list(range(10, 34)), SamplingParams(max_tokens=6), [])
+    sched.add_request(a)
+    sched.add_request(b)
+    runner = FakeRunner(sched)
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 4, "b": 24} and sched.kv.num_free_blocks == 0
+    out, _ = runner.step()
+    assert out.num_scheduled_tokens == {"a": 1, "b": 1}
+    assert sched.stats.num_preemptions == 0
+    while sched.has_unfinished_requests():
+        runner.step()
+    assert a.output_token_ids == expected(a.prompt_token_ids, 6)
+    assert b.output_token_ids == expected(b.prompt_token_ids, 6)
+    assert sched.kv.num_free_blocks == 7
