@@ -472,3 +472,26 @@ def test_blocks_behind_a_window_go_back_before_an_older_request_asks_for_room():
     assert a.output_token_ids == expected(a.prompt_token_ids, 6)
     assert b.output_token_ids == expected(b.prompt_token_ids, 6)
     assert sched.kv.num_free_blocks == 7
+
+
+def test_a_repeated_prompt_finds_its_blocks_though_those_given_back_first_were_evicted():
+    """(Found by review.) A 32-token prompt runs in 8-token chunks and ends; a filler evicts two
+    cached blocks; the prompt comes again. Blocks given back behind a window (4) go to the
+    free list head first, so the prompt's first blocks are the ones evicted: a lookup from the
+    first block found nothing, where keeping every block (no window) left a hit."""
+    cached = {}
+    for window in (4, None):
+        sched = make(num_blocks=12, block_size=4, max_tokens_step=8, max_model_len=64,
+                     window=window)
+        prompt = list(range(100, 132))
+        reqs = [Request("r1", prompt, SamplingParams(max_tokens=1), []),
+                Request("f", list(range(500, 524)), SamplingParams(max_tokens=1), []),
+                Request("r2", prompt + [7], SamplingParams(max_tokens=1), [])]
+        runner = FakeRunner(sched)
+        for r in reqs:                       # one after the other
+            sched.add_request(r)
+            while sched.has_unfinished_requests():
+                runner.step()
+        assert reqs[2].output_token_ids == expected(prompt + [7], 1)
+        cached[window] = reqs[2].num_cached_tokens
+    assert cached[4] >= cached[None] > 0, cached
