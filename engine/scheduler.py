@@ -385,8 +385,9 @@ class Scheduler:
             if self.no_evict:
                 if reserved is None:    # summed once a request is in line, not every step
                     reserved = sum(map(self._blocks_to_finish, self.running))
-                # Hits held by other requests cost nothing; free cached ones leave the pool.
-                need = self._final_blocks(req) - sum(b is not None and b.ref_cnt > 0
+                # Hits held by other requests cost nothing, nor hits behind a sliding window
+                # (None: never taken); free cached ones leave the pool.
+                need = self._final_blocks(req) - sum(b is None or b.ref_cnt > 0
                                                      for b in computed_blocks)
                 if need > self.kv.num_free_blocks - reserved:
                     break

@@ -495,3 +495,31 @@ def test_a_repeated_prompt_finds_its_blocks_though_those_given_back_first_were_e
         assert reqs[2].output_token_ids == expected(prompt + [7], 1)
         cached[window] = reqs[2].num_cached_tokens
     assert cached[4] >= cached[None] > 0, cached
+
+
+def test_guaranteed_no_evict_counts_a_window_hit_by_the_blocks_it_takes():
+    """(Found by review.) Window 4, blocks of 4, a pool of 12. A 32-token prompt ends, its
+    blocks cached; r runs long (1 block held, 5 reserved); b repeats the prompt: its hit is 8
+    blocks, 7 of them behind its window (never taken), so b takes 2 blocks, and the 11 free
+    less r's 5 reserved leave room. It was counted as taking 9 and kept waiting for r."""
+    sched = make(num_blocks=12, block_size=4, max_tokens_step=64, max_model_len=64,
+                 policy="guaranteed_no_evict", window=4)
+    runner = FakeRunner(sched)
+    prompt = list(range(100, 132))
+    sched.add_request(Request("a", prompt, SamplingParams(max_tokens=1), []))
+    while sched.has_unfinished_requests():
+        runner.step()
+    r = Request("r", [1, 2, 3, 4], SamplingParams(max_tokens=20), [])
+    sched.add_request(r)
+    runner.step()
+    b = Request("b", prompt + [7], SamplingParams(max_tokens=1), [])
+    sched.add_request(b)
+    hits, n = sched.kv.get_computed_blocks(b)
+    assert n == 32 and hits.count(None) == 7 and sched.kv.num_free_blocks == 11
+    out, _ = runner.step()
+    assert "b" in out.num_scheduled_tokens
+    while sched.has_unfinished_requests():
+        runner.step()
+    assert b.output_token_ids == expected(prompt + [7], 1)
+    assert r.output_token_ids == expected([1, 2, 3, 4], 20)
+    assert sched.stats.num_preemptions == 0 and sched.kv.num_free_blocks == 12
