@@ -13,7 +13,7 @@ import torch
 from engine import LLM, SamplingParams
 from scripts.greedy_checks import greedy_partings, shared_prefix_workload
 from scripts.make_tiny_model import make_tiny_model
-from tests.test_llm import mixed_prompts, staggered_tokens
+from tests.test_llm import mixed_prompts, staggered_tokens, track_peak_blocks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(),
                                 reason="needs a CUDA GPU (run on the GPU machine)")
@@ -86,15 +86,7 @@ def test_sliding_window_engine_on_gpu_gives_back_blocks_and_equals_hf(tmp_path, 
     llm = LLM(model, dtype="float32", device="cuda", block_size=16, max_num_batched_tokens=64,
               num_kv_blocks=30, max_model_len=400, max_num_seqs=16, enable_prefix_groups=False)
     assert llm.core.kv.sliding_window == 40
-    real_step, peak = llm.core.step, [0]
-
-    def step():
-        out = real_step()
-        for r in llm.core.scheduler.running:
-            held = sum(b is not None for b in llm.core.kv.block_ids(r.request_id))
-            peak[0] = max(peak[0], held)
-        return out
-    llm.core.step = step
+    peak = track_peak_blocks(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))
     for i, (o, e) in enumerate(zip(outs, expected)):
         assert o.outputs[0].token_ids == e, f"prompt {i} (len {len(prompts[i])}) differs"

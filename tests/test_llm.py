@@ -119,6 +119,21 @@ def test_greedy_matches_hf_with_guaranteed_no_evict_in_a_small_pool(tiny_models,
 WINDOW = 40
 
 
+def track_peak_blocks(llm) -> list[int]:
+    """[the most blocks any running request has held after a step], kept up to date as
+    llm.core steps (blocks given back behind a sliding window not counted)."""
+    real_step, peak = llm.core.step, [0]
+
+    def step():
+        out = real_step()
+        for r in llm.core.scheduler.running:
+            held = sum(b is not None for b in llm.core.kv.block_ids(r.request_id))
+            peak[0] = max(peak[0], held)
+        return out
+    llm.core.step = step
+    return peak
+
+
 @pytest.fixture(scope="session")
 def windowed_mistral(tmp_path_factory):
     """A Mistral 7B v0.1-shaped tiny model (every layer windowed), its prompts, HF's tokens."""
@@ -145,15 +160,7 @@ def test_a_sliding_window_model_gives_back_blocks_behind_the_window_with_hfs_tok
         assert llm.core.kv.sliding_window == WINDOW
         if not give_back:
             llm.core.kv.sliding_window = None
-        real_step, peak = llm.core.step, [0]
-
-        def step():
-            out = real_step()
-            for r in llm.core.scheduler.running:
-                held = sum(b is not None for b in llm.core.kv.block_ids(r.request_id))
-                peak[0] = max(peak[0], held)
-            return out
-        llm.core.step = step
+        peak = track_peak_blocks(llm)
         outs = llm.generate(prompts, GREEDY)
         for i, (o, e) in enumerate(zip(outs, expected)):
             assert o.outputs[0].token_ids == e, f"give back {give_back}: prompt {i} differs"
