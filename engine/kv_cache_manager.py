@@ -111,10 +111,11 @@ class KVCacheManager:
         return [], 0
 
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       computed_blocks: list[KVBlock] = ()) -> list[int] | None:
+                       computed_blocks: list[KVBlock | None] = ()) -> list[int] | None:
         """Makes room for `num_new_tokens` more tokens after the computed ones (plus the
-        prefix-cache hits in `computed_blocks`). Returns the ids of the blocks added to the
-        request's table, or None (and changes nothing) when the pool is short."""
+        prefix-cache hits in `computed_blocks`, None behind a sliding window: not taken, id 0
+        in what is returned). Returns the ids of the blocks added to the request's table, or
+        None (and changes nothing) when the pool is short."""
         blocks = self._blocks.get(request.request_id)
         if blocks is not None and not computed_blocks:
             # The common decode case: the token still fits in the last block.
