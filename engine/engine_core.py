@@ -34,6 +34,23 @@ def resolve_device(name: str) -> torch.device:
     return device
 
 
+def _blocks_for_one_sequence(config: EngineConfig, max_model_len: int,
+                             sliding_window: int | None) -> tuple[int, str]:
+    """The fewest blocks that let one sequence of max_model_len run alone, and what they hold.
+    With a sliding window in every layer (and blocks given back behind it) that is its window
+    and a step's tokens, as vLLM sizes it, plus a block of alignment each side; not under
+    guaranteed_no_evict, which admits a request only when its whole final length fits."""
+    bs = config.block_size
+    whole = -(-max_model_len // bs)
+    if sliding_window is None or config.capacity_scheduler_policy != "max_utilization":
+        return whole, f"one sequence of max_model_len={max_model_len}"
+    windowed = -(-(sliding_window - 1 + config.max_num_batched_tokens) // bs) + 2
+    if windowed >= whole:
+        return whole, f"one sequence of max_model_len={max_model_len}"
+    return windowed, (f"one sequence's sliding window ({sliding_window} tokens) and a step's "
+                      f"max_num_batched_tokens={config.max_num_batched_tokens}")
+
+
 def _kv_size_setting(config: EngineConfig, device: torch.device) -> str:
     """The setting that sized the KV cache."""
     if config.num_kv_blocks:
@@ -88,10 +105,11 @@ class EngineCore:
         torch.manual_seed(config.seed)
         self.runner = ModelRunner(config, self.device, self.dtype, self.eos_token_ids)
         num_blocks = config.num_kv_blocks or self.runner.determine_num_blocks()
-        if num_blocks * config.block_size < self.max_model_len:
+        needed, what = _blocks_for_one_sequence(config, self.max_model_len, self.kv_sliding_window)
+        if num_blocks < needed:
             raise ValueError(
                 f"the KV cache ({num_blocks} blocks of {config.block_size} tokens) cannot hold "
-                f"one sequence of max_model_len={self.max_model_len}: raise "
+                f"{what} ({needed} blocks): raise "
                 f"{_kv_size_setting(config, self.device)} or lower max_model_len")
         self.runner.allocate_kv_cache(num_blocks, self.max_model_len)
         self._new_scheduler(num_blocks)

@@ -69,15 +69,15 @@ class KVCacheManager:
         for i in range(len(hashes), num_tokens // bs):
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
 
-    def get_computed_blocks(self, request: Request, prefix_blocks: Sequence[KVBlock] = (),
+    def get_computed_blocks(self, request: Request, prefix_blocks: Sequence[KVBlock | None] = (),
                             whole: bool = False) -> tuple[list[KVBlock | None], int]:
         """The longest cached prefix of the request, in whole blocks; at least one token is
         always left to compute, since sampling needs the last token's hidden state.
         `prefix_blocks`: the request's first blocks, known to hold its prefix (a prefix group's
         pinned blocks): taken as they are, even with prefix caching off, and the lookup goes on
         after them.
-        With a sliding window, unless `whole` (a group leader, whose prefix is pinned whole),
-        only the blocks the first token to compute can see must be cached: the hit is the
+        With a sliding window, unless `whole` (the lookup from the first block, as without a
+        window), only the blocks the first token to compute can see must be cached: the hit is the
         longest whose window's blocks are, and the blocks behind that window come back as None
         (vLLM's sliding-window lookup; a block's chained hash stands for its whole prefix)."""
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
@@ -186,16 +186,17 @@ class KVCacheManager:
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
 
-    def pin_prefix(self, request: Request, num_blocks: int) -> list[KVBlock]:
+    def pin_prefix(self, request: Request, num_blocks: int) -> list[KVBlock | None]:
         """Takes a reference of its own on the request's first `num_blocks` blocks (a prefix
-        group's prefix): they stay resident, and keep their content, until `unpin`."""
+        group's prefix): they stay resident, and keep their content, until `unpin`. Blocks
+        the request gave back behind its window stay None: no member reads them."""
         blocks = self._blocks[request.request_id][:num_blocks]
         assert len(blocks) == num_blocks, (request.request_id, num_blocks, len(blocks))
-        self.pool.touch(blocks)
+        self.pool.touch([b for b in blocks if b is not None])
         return blocks
 
-    def unpin(self, blocks: list[KVBlock]) -> None:
-        self.pool.free(blocks[::-1])
+    def unpin(self, blocks: list[KVBlock | None]) -> None:
+        self.pool.free([b for b in blocks[::-1] if b is not None])
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, None)

@@ -295,10 +295,9 @@ class Scheduler:
         if self.kv.sliding_window is not None:
             # Every running request's blocks behind its window go back before any request
             # asks for room: an older request's growth must not preempt one that holds them.
-            # (A leader keeps its prefix whole until the prefix is pinned for its group.)
+            # (A group's pin then holds what of its prefix its leader still held.)
             for req in self.running:
-                if req.request_id not in self._leaders:
-                    self.kv.free_behind_window(req)
+                self.kv.free_behind_window(req)
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -367,7 +366,7 @@ class Scheduler:
         cache) and their tokens."""
         group = self._group_of.get(req.request_id) if self._group_of else None
         prefix = group.blocks if group is not None and group.blocks is not None else ()
-        return self.kv.get_computed_blocks(req, prefix, whole=req.request_id in self._leaders)
+        return self.kv.get_computed_blocks(req, prefix)
 
     def _admit(self, budget: int, num_scheduled: dict[str, int],
                new_reqs: list[NewRequestData]) -> int:

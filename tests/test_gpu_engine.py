@@ -66,12 +66,15 @@ def test_engine_on_gpu_equals_hf(tiny_models, arch, decode_pdl):
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
-@pytest.mark.parametrize("workload", ["mixed", "shared prefixes"])
-def test_sliding_window_engine_on_gpu_gives_back_blocks_and_equals_hf(tmp_path, workload):
+@pytest.mark.parametrize("workload,num_blocks", [("mixed", 30), ("shared prefixes", 30),
+                                                 ("mixed", 9)])
+def test_sliding_window_engine_on_gpu_gives_back_blocks_and_equals_hf(tmp_path, workload,
+                                                                     num_blocks):
     """Every layer windowed (40 tokens): the blocks behind each request's window go back to the
     pool and are written by other requests while the request's table still names them, and
     prefix-cache hits skip blocks behind their window (shared prefixes); the kernels (decode
-    graphs, prompt chunks) never read them: HF's tokens."""
+    graphs, prompt chunks) never read them: HF's tokens. 9 blocks: the smallest pool the
+    window and a 64-token step take (EngineCore's start-up check)."""
     import json
     import random
     model = str(make_tiny_model(tmp_path / "w", arch="mistral", seed=3, sliding_window=40))
@@ -84,7 +87,8 @@ def test_sliding_window_engine_on_gpu_gives_back_blocks_and_equals_hf(tmp_path, 
     expected = hf_greedy_cuda(model, prompts)
     # Groups off: the shared prefixes come from the prefix cache, not from pinned groups.
     llm = LLM(model, dtype="float32", device="cuda", block_size=16, max_num_batched_tokens=64,
-              num_kv_blocks=30, max_model_len=400, max_num_seqs=16, enable_prefix_groups=False)
+              num_kv_blocks=num_blocks, max_model_len=400, max_num_seqs=16,
+              enable_prefix_groups=False)
     assert llm.core.kv.sliding_window == 40
     peak = track_peak_blocks(llm)
     outs = llm.generate(prompts, SamplingParams(max_tokens=32, temperature=0.0))

@@ -119,6 +119,18 @@ def test_greedy_matches_hf_with_guaranteed_no_evict_in_a_small_pool(tiny_models,
 WINDOW = 40
 
 
+def cap_steps(llm, limit: int) -> None:
+    """A step of llm.core past `limit` fails the test (an engine going round without
+    finishing would otherwise hang it)."""
+    real_step, steps = llm.core.step, [0]
+
+    def step():
+        steps[0] += 1
+        assert steps[0] <= limit, f"no end after {limit} steps"
+        return real_step()
+    llm.core.step = step
+
+
 def track_peak_blocks(llm) -> list[int]:
     """[the most blocks any running request has held after a step], kept up to date as
     llm.core steps (blocks given back behind a sliding window not counted)."""
@@ -193,6 +205,62 @@ def test_a_sliding_window_model_sharing_prefixes_in_a_small_pool_gives_hfs_token
         assert o.outputs[0].token_ids == e, f"prompt {i} differs"
     stats = llm.get_stats()
     assert stats.num_cached_prompt_tokens > 0
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+@pytest.mark.parametrize("caching,async_scheduling", [(True, True), (False, False)])
+def test_a_sliding_window_model_runs_in_a_pool_of_its_window_and_a_step(
+        windowed_mistral, caching, async_scheduling):
+    """A pool of 15 blocks of 8 (the window's 39 keys and a 64-token step, a block of
+    alignment each side) for a max_model_len of 384 (48 blocks): as vLLM sizes a windowed
+    model, it starts, and every prompt, up to 300 tokens, runs to HF's tokens; one block
+    fewer is refused naming what it must hold."""
+    model, prompts, expected = windowed_mistral
+    settings = dict(dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=64,
+                    max_model_len=384, enable_prefix_caching=caching,
+                    async_scheduling=async_scheduling)
+    llm = LLM(model, num_kv_blocks=15, **settings)
+    cap_steps(llm, 3000)                         # ~200-300 steps needed
+    outs = llm.generate(prompts, GREEDY)
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == e, f"prompt {i} (len {len(prompts[i])}) differs"
+    stats = llm.get_stats()
+    assert stats.num_preemptions > 0, "the pool was meant to hold about one request"
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks == 15
+    with pytest.raises(ValueError, match=r"cannot hold one sequence's sliding window \(40 "
+                                         r"tokens\) and a step's max_num_batched_tokens=64 "
+                                         r"\(15 blocks\): raise num_kv_blocks"):
+        LLM(model, num_kv_blocks=14, **settings)
+
+
+def test_guaranteed_no_evict_still_needs_a_whole_sequence_of_a_windowed_model(windowed_mistral):
+    """guaranteed_no_evict admits a request only when its whole final length fits: a pool
+    smaller than that would never admit a long one, so it is refused at start-up."""
+    with pytest.raises(ValueError, match=r"cannot hold one sequence of max_model_len=384 "
+                                         r"\(48 blocks\)"):
+        LLM(windowed_mistral[0], dtype="float32", device="cpu", block_size=8,
+            max_num_batched_tokens=64, max_model_len=384, num_kv_blocks=47,
+            capacity_scheduler_policy="guaranteed_no_evict")
+
+
+def test_a_windowed_group_in_a_pool_of_its_window_and_a_step_gives_hfs_tokens(windowed_mistral):
+    """Prompts on two 120-token prefixes (longer than the window) in the smallest pool: each
+    group's leader gives back its prefix's blocks behind its window as it goes, and the pin
+    holds the rest: HF's tokens, the pool whole."""
+    model = windowed_mistral[0]
+    rng = random.Random(8)
+    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    prefixes = [[rng.randrange(3, vocab) for _ in range(120)] for _ in range(2)]
+    prompts = [rng.choice(prefixes) + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
+               for _ in range(8)]
+    expected = hf_greedy(model, prompts)
+    llm = LLM(model, dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=64,
+              num_kv_blocks=15, max_model_len=384)
+    cap_steps(llm, 3000)                         # ~200-300 steps needed
+    outs = llm.generate(prompts, GREEDY)
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == e, f"prompt {i} differs"
+    stats = llm.get_stats()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 

@@ -188,14 +188,23 @@ def test_add_group_checks_its_members():
     assert sched.num_waiting == 1 and not sched._group_of
 
 
-def test_a_windowed_leader_keeps_its_prefix_whole_until_it_is_pinned():
+def test_a_windowed_group_pins_what_of_its_prefix_the_leader_still_held():
     """With a sliding window (10 tokens) shorter than the prefix (64), a leader computing its
-    prefix in chunks gives nothing back before the group pins it: the members take the whole
-    prefix as computed, and then give back what falls behind their own windows."""
+    prefix in chunks gives back what falls behind its window; the group pins the rest, and the
+    members take the whole prefix as computed (the blocks behind their windows never read).
+    The fake runner checks every position each member's window reaches holds its own token."""
     ps = shared_prefix_prompts(3, 5, 64, 3, 20, num_lone=4)
     sched = make(block_size=4, max_num_seqs=8, max_tokens_step=24, window=10)
     reqs, groups = add_grouped(sched, ps)
+    pinned = []
+    pin = sched.kv.pin_prefix
+
+    def recorded_pin(req, num_blocks):
+        pinned.append(pin(req, num_blocks))
+        return pinned[-1]
+    sched.kv.pin_prefix = recorded_pin
     assert run(sched, reqs) == [expected(p, 8) for p in ps]
     grouped = sum(len(g.members) for g in groups if g.prefix_len)
     assert grouped == 15
     assert sched.stats.num_computed_prompt_tokens == sum(map(len, ps)) - (grouped - 3) * 64
+    assert pinned and all(None in blocks and blocks[-1] is not None for blocks in pinned)
