@@ -70,7 +70,8 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request, prefix_blocks: Sequence[KVBlock | None] = (),
-                            whole: bool = False) -> tuple[list[KVBlock | None], int]:
+                            whole: bool = False, max_blocks: int | None = None
+                            ) -> tuple[list[KVBlock | None], int]:
         """The longest cached prefix of the request, in whole blocks; at least one token is
         always left to compute, since sampling needs the last token's hidden state.
         `prefix_blocks`: the request's first blocks, known to hold its prefix (a prefix group's
@@ -79,8 +80,11 @@ class KVCacheManager:
         With a sliding window, unless `whole` (the lookup from the first block, as without a
         window), only the blocks the first token to compute can see must be cached: the hit is the
         longest whose window's blocks are, and the blocks behind that window come back as None
-        (vLLM's sliding-window lookup; a block's chained hash stands for its whole prefix)."""
+        (vLLM's sliding-window lookup; a block's chained hash stands for its whole prefix).
+        `max_blocks`: a hit of at most that many blocks."""
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
+        if max_blocks is not None:
+            max_hit_blocks = min(max_hit_blocks, max_blocks)
         hits: list[KVBlock | None] = list(prefix_blocks[:max_hit_blocks])
         if not self.enable_caching:
             return hits, len(hits) * self.block_size
@@ -189,9 +193,13 @@ class KVCacheManager:
     def pin_prefix(self, request: Request, num_blocks: int) -> list[KVBlock | None]:
         """Takes a reference of its own on the request's first `num_blocks` blocks (a prefix
         group's prefix): they stay resident, and keep their content, until `unpin`. Blocks
-        the request gave back behind its window stay None: no member reads them."""
+        the request gave back behind its window stay None: they must lie behind the window of
+        the prefix's end, where members start, so that no member reads them."""
         blocks = self._blocks[request.request_id][:num_blocks]
         assert len(blocks) == num_blocks, (request.request_id, num_blocks, len(blocks))
+        if self.sliding_window is not None:
+            read = max(0, num_blocks * self.block_size - self.sliding_window + 1) // self.block_size
+            assert None not in blocks[read:], (request.request_id, num_blocks, read)
         self.pool.touch([b for b in blocks if b is not None])
         return blocks
 

@@ -366,6 +366,11 @@ class Scheduler:
         cache) and their tokens."""
         group = self._group_of.get(req.request_id) if self._group_of else None
         prefix = group.blocks if group is not None and group.blocks is not None else ()
+        if group is not None and group.leader is req and self.kv.sliding_window is not None:
+            # A windowed hit past the prefix would leave None where the members' windows
+            # read: a leader's hit stops at its group's prefix, which it pins at once.
+            return self.kv.get_computed_blocks(req, max_blocks=group.prefix_len
+                                               // self.kv.block_size)
         return self.kv.get_computed_blocks(req, prefix)
 
     def _admit(self, budget: int, num_scheduled: dict[str, int],

@@ -264,6 +264,30 @@ def test_a_windowed_group_in_a_pool_of_its_window_and_a_step_gives_hfs_tokens(wi
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_a_windowed_group_whose_leader_prompt_was_run_before_gives_the_same_tokens(
+        windowed_mistral):
+    """(Found by review.) The same long prompt run twice, the second time as a group's leader
+    with three members on its 64-token prefix: the leader's hit stops at the prefix, so the
+    pin holds the blocks the members' windows read (their tokens differed before)."""
+    model = windowed_mistral[0]
+    rng = random.Random(5)
+    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    prefix = [rng.randrange(3, vocab) for _ in range(64)]
+    long_prompt = prefix + [rng.randrange(3, vocab) for _ in range(100)]
+    members = [prefix + [rng.randrange(3, vocab) for _ in range(3 + i)] for i in range(3)]
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    settings = dict(dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=64,
+                    max_model_len=384, num_kv_blocks=60)
+    plain = LLM(model, enable_prefix_caching=False, enable_prefix_groups=False, **settings)
+    want = [o.outputs[0].token_ids for o in plain.generate([long_prompt] + members, params)]
+    llm = LLM(model, **settings)
+    llm.generate([long_prompt], params)
+    got = [o.outputs[0].token_ids for o in llm.generate([long_prompt] + members, params)]
+    assert got == want
+    stats = llm.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
 def test_only_a_model_windowed_in_every_layer_gives_back_blocks(tmp_path):
     """Qwen2 with its window in some layers only: the others read every key, so every block is
     kept."""

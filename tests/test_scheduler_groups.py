@@ -208,3 +208,29 @@ def test_a_windowed_group_pins_what_of_its_prefix_the_leader_still_held():
     assert grouped == 15
     assert sched.stats.num_computed_prompt_tokens == sum(map(len, ps)) - (grouped - 3) * 64
     assert pinned and all(None in blocks and blocks[-1] is not None for blocks in pinned)
+
+
+def test_a_windowed_leader_whose_prompt_is_cached_stops_its_hit_at_the_prefix():
+    """(Found by review.) A leader whose whole prompt is in the prefix cache (run before) took
+    a windowed hit past its group's prefix: the slots behind that hit's window, None, covered
+    the end of the prefix, and the group pinned None where its members' windows read (they
+    read block 0, another request's tokens). The fake runner checks each member's reads."""
+    rng = random.Random(1)
+    prefix = [rng.randrange(VOCAB) for _ in range(32)]
+    long_prompt = prefix + [rng.randrange(VOCAB) for _ in range(40)]
+    sched = make(block_size=4, max_num_seqs=8, max_tokens_step=128, window=10)
+    first = Request("a", list(long_prompt), SamplingParams(max_tokens=2), [])
+    members = [Request("L", list(long_prompt), SamplingParams(max_tokens=4), [])]
+    members += [Request(f"m{i}", prefix + [rng.randrange(VOCAB) for _ in range(5 + i)],
+                        SamplingParams(max_tokens=4), []) for i in range(2)]
+    others = [Request(f"o{i}", [rng.randrange(VOCAB) for _ in range(30)],
+                      SamplingParams(max_tokens=4), []) for i in range(2)]
+    runner = FakeRunner(sched)
+    sched.add_request(first)
+    run(sched, [first], runner)
+    for r in others:
+        sched.add_request(r)
+    sched.add_group(members, 32)
+    run(sched, members + others, runner)
+    for r in members + others:
+        assert r.output_token_ids == expected(r.prompt_token_ids, 4), r.request_id
