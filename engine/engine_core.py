@@ -42,13 +42,12 @@ def _blocks_for_one_sequence(config: EngineConfig, max_model_len: int,
     guaranteed_no_evict, which admits a request only when its whole final length fits."""
     bs = config.block_size
     whole = -(-max_model_len // bs)
-    if sliding_window is None or config.capacity_scheduler_policy != "max_utilization":
-        return whole, f"one sequence of max_model_len={max_model_len}"
-    windowed = -(-(sliding_window - 1 + config.max_num_batched_tokens) // bs) + 2
-    if windowed >= whole:
-        return whole, f"one sequence of max_model_len={max_model_len}"
-    return windowed, (f"one sequence's sliding window ({sliding_window} tokens) and a step's "
-                      f"max_num_batched_tokens={config.max_num_batched_tokens}")
+    if sliding_window is not None and config.capacity_scheduler_policy == "max_utilization":
+        windowed = -(-(sliding_window - 1 + config.max_num_batched_tokens) // bs) + 2
+        if windowed < whole:
+            return windowed, (f"one sequence's sliding window ({sliding_window} tokens) and a "
+                              f"step's max_num_batched_tokens={config.max_num_batched_tokens}")
+    return whole, f"one sequence of max_model_len={max_model_len}"
 
 
 def _kv_size_setting(config: EngineConfig, device: torch.device) -> str:

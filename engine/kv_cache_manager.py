@@ -135,7 +135,8 @@ class KVCacheManager:
         num_needed = -(-(num_computed + num_new_tokens) // self.block_size)
         num_new_blocks = max(0, num_needed - len(blocks) - len(computed_blocks))
         # Hits behind a sliding window (None, the first ones) are not taken at all.
-        num_behind = computed_blocks.count(None) if computed_blocks else 0
+        num_behind = (computed_blocks.count(None)
+                      if computed_blocks and computed_blocks[0] is None else 0)
         held_hits = computed_blocks[num_behind:] if num_behind else computed_blocks
         # A hit on a free cached block takes that block off the free list.
         num_free_hits = sum(b.ref_cnt == 0 for b in held_hits) if held_hits else 0
@@ -151,7 +152,9 @@ class KVCacheManager:
             new_blocks = list(computed_blocks) + new_blocks
         blocks.extend(new_blocks)
         if num_behind:
+            # (Given back from the start: nothing there to register either.)
             self._num_behind_window[request.request_id] = num_behind
+            self._num_cached_blocks[request.request_id] = num_behind
         if self.enable_caching:
             self._cache_full_blocks(request, blocks, num_computed + num_new_tokens)
         if num_behind:
@@ -185,7 +188,6 @@ class KVCacheManager:
         if num_full <= start:
             return
         self._update_block_hashes(request, num_full * self.block_size)
-        start = max(start, self._num_behind_window.get(request.request_id, 0))
         for i in range(start, num_full):
             self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_cached_blocks[request.request_id] = num_full
