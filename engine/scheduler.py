@@ -198,19 +198,34 @@ class Scheduler:
         self.waiting.append(leader)
 
     def abort_requests(self, request_ids) -> list[EngineCoreOutput]:
-        outs = []
+        """Ends the requests named (unknown ids are skipped). The queues are filtered once for
+        all of them, not searched once each: a dropped peer or an interrupted `LLM.generate`
+        aborts thousands of waiting requests at once (20,000 took ~2 s one search each)."""
+        reqs = {}
         for rid in request_ids:
             req = self.requests.get(rid)
-            if req is None:
-                continue
-            if req.status == RequestStatus.RUNNING:
-                self.running.remove(req)
-            else:
-                self._remove_waiting(req)
+            if req is not None:
+                reqs[rid] = req
+        if not reqs:
+            return []
+        gone = set(reqs)
+        num_running = sum(r.status == RequestStatus.RUNNING for r in reqs.values())
+        if num_running:
+            self.running = [r for r in self.running if r.request_id not in gone]
+        if num_running < len(reqs):
+            self.waiting = deque(r for r in self.waiting if r.request_id not in gone)
+            self._ready = deque(r for r in self._ready if r.request_id not in gone)
+            # Out of their groups' pending queues before any leader leaves, so that none of
+            # them is made a leader.
+            groups = {id(g): g for g in map(self._group_of.get, gone) if g is not None}
+            for group in groups.values():
+                kept = deque(r for r in group.pending if r.request_id not in gone)
+                self._num_held -= len(group.pending) - len(kept)
+                group.pending = kept
+        for rid, req in reqs.items():
             req.status = RequestStatus.FINISHED_ABORTED
             self._free(req)
-            outs.append(EngineCoreOutput(rid, [], "abort"))
-        return outs
+        return [EngineCoreOutput(rid, [], "abort") for rid in reqs]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)

@@ -122,6 +122,62 @@ def test_aborting_every_member_releases_the_pin():
     assert sched.kv.num_free_blocks == sched.kv.num_blocks
 
 
+def _queues(sched):
+    """The scheduler's queues and groups. Where leaders taking over from aborted ones stand in
+    `waiting` is left out: each goes first when its group's leader leaves, and one call for
+    all of them moves leader after leader at once."""
+    return ([r.request_id for r in sched.running],
+            [r.request_id for r in sched.waiting if r.request_id not in sched._leaders],
+            sorted(r.request_id for r in sched.waiting if r.request_id in sched._leaders),
+            [r.request_id for r in sched._ready], sched.num_waiting, sorted(sched.requests),
+            {rid: (g.leader and g.leader.request_id, [r.request_id for r in g.pending],
+                   g.num_unfinished, g.blocks and [(b.block_id, b.ref_cnt) for b in g.blocks])
+             for rid, g in sched._group_of.items()},
+            sched.kv.num_free_blocks)
+
+
+def _where(sched, req):
+    group = sched._group_of.get(req.request_id)
+    if req in sched.running:
+        return "running"
+    if group is not None and req in group.pending:
+        return "pending"
+    if req in sched._ready:
+        return "ready"
+    return "leader" if req.request_id in sched._leaders else "waiting"
+
+
+def test_aborting_many_at_once_is_aborting_them_one_by_one():
+    """abort_requests takes its ids out of the queues in one pass each; what it returns, the
+    queues and groups after it (but where new leaders stand, `_queues`) and the tokens to the
+    end equal aborting the same ids one call each: running, waiting, ready and held members,
+    leaders with their next members, unknown and repeated ids."""
+    seen = set()
+    for seed in range(40):
+        rng = random.Random(seed)
+        ps = shared_prefix_prompts(4, 5, 24, 2, 10, num_lone=6, seed=seed)
+        num_steps = rng.randrange(6)
+        victims = rng.sample([str(i) for i in range(len(ps))], rng.randint(1, len(ps)))
+        victims += ["nobody", victims[0]]
+        scheds, reqs, runners = [], [], []
+        for _ in range(2):
+            sched = make(num_blocks=48, block_size=4, max_num_seqs=6, max_tokens_step=32)
+            rs, _ = add_grouped(sched, ps, max_tokens=12)
+            runner = FakeRunner(sched)
+            for _ in range(num_steps):
+                runner.step()
+            scheds.append(sched), reqs.append(rs), runners.append(runner)
+        assert _queues(scheds[0]) == _queues(scheds[1])
+        seen |= {_where(scheds[0], reqs[0][int(v)]) for v in victims if v in scheds[0].requests}
+        at_once = scheds[0].abort_requests(victims)
+        one_by_one = [o for v in victims for o in scheds[1].abort_requests([v])]
+        assert [(o.request_id, o.finish_reason) for o in at_once] == \
+            [(o.request_id, o.finish_reason) for o in one_by_one]
+        assert _queues(scheds[0]) == _queues(scheds[1]), seed
+        assert run(scheds[0], reqs[0], runners[0]) == run(scheds[1], reqs[1], runners[1])
+    assert seen == {"running", "waiting", "ready", "pending", "leader"}
+
+
 @pytest.mark.parametrize("caching", [True, False])
 def test_preemption_in_a_pool_too_small(caching):
     ps = shared_prefix_prompts(4, 4, 24, 4, 12, num_lone=4, seed=5)
