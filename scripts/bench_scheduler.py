@@ -64,6 +64,19 @@ def bench(num_running: int, prompt_len: int, block_size: int, num_steps: int,
     }
 
 
+def bench_abort(num_waiting: int, block_size: int) -> dict:
+    """One abort_requests call for every waiting request, newest first (what a dropped peer or
+    an interrupted LLM.generate sends)."""
+    kv = KVCacheManager(1024, block_size, True)
+    sched = Scheduler(kv, max_num_seqs=256, max_num_batched_tokens=8192, max_model_len=4096)
+    params = SamplingParams(max_tokens=8)
+    for i in range(num_waiting):
+        sched.add_request(Request(i, [1, 2, 3], params, eos_token_ids=[2]))
+    t0 = time.perf_counter()
+    sched.abort_requests(list(reversed(range(num_waiting))))
+    return {"num_waiting": num_waiting, "abort_all_ms": 1e3 * (time.perf_counter() - t0)}
+
+
 def cpu_name() -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -80,6 +93,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--num-steps", type=int, default=200)
+    ap.add_argument("--abort-waiting", type=int, nargs="*", default=[1000, 20000])
     ap.add_argument("--out", default="benchmarks/scheduler")
     args = ap.parse_args()
 
@@ -87,12 +101,13 @@ def main() -> None:
                             text=True).stdout.strip() or "unknown"
     rows = [bench(n, args.prompt_len, args.block_size, args.num_steps, c)
             for n in args.num_running for c in (True, False)]
+    aborts = [bench_abort(n, args.block_size) for n in args.abort_waiting]
     meta = {"command": " ".join(["python"] + sys.argv), "commit": commit,
             "cpu": cpu_name(), "load_average": os.getloadavg()[0], "python": platform.python_version(),
             "target": "total_ms_per_step < 1.0 at num_running=256"}
     os.makedirs(os.path.dirname(args.out) or ".", exist_ok=True)
     with open(args.out + ".json", "w") as f:
-        json.dump({"meta": meta, "results": rows}, f, indent=2)
+        json.dump({"meta": meta, "results": rows, "aborts": aborts}, f, indent=2)
     lines = ["# Scheduler + block pool time per decode step", "",
              f"commit `{commit}`, `{meta['command']}`, CPU {meta['cpu']} (load average "
              f"{meta['load_average']:.1f} at start), Python {meta['python']}.",
@@ -103,6 +118,10 @@ def main() -> None:
         lines.append(f"| {r['num_running']} | {'on' if r['prefix_caching'] else 'off'} | "
                      f"{r['schedule_ms_per_step']:.3f} | {r['update_ms_per_step']:.3f} | "
                      f"{r['total_ms_per_step']:.3f} |")
+    if aborts:
+        lines += ["", "One `abort_requests` call for every waiting request, newest first:", "",
+                  "| waiting | ms |", "| ---: | ---: |"]
+        lines += [f"| {a['num_waiting']} | {a['abort_all_ms']:.1f} |" for a in aborts]
     with open(args.out + ".md", "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))
