@@ -351,6 +351,9 @@ def test_config_transformers4_and_5_keys_agree(tmp_path):
     assert a == ModelConfig.from_dict(v5, {"eos_token_id": 2})
     assert a.rope_theta == 500000.0 and a.rope_scaling == {"rope_type": "llama3", **LLAMA3}
     assert a.head_dim == 16 and a.torch_dtype == "bfloat16" and a.sliding_window is None
+    # Both keys: transformers takes `dtype` and `torch_dtype` only where `dtype` is null.
+    assert ModelConfig.from_dict(dict(v5, torch_dtype="float16")).torch_dtype == "bfloat16"
+    assert ModelConfig.from_dict(dict(v4, dtype=None)).torch_dtype == "bfloat16"
     legacy = ModelConfig.from_dict(dict(BASE_CONFIG, rope_scaling={"type": "linear", "factor": 2}))
     assert legacy.rope_scaling == {"rope_type": "linear", "factor": 2.0} and legacy.rope_theta == 10000.0
     plain = ModelConfig.from_dict(dict(BASE_CONFIG, rope_parameters={"rope_type": "default", "rope_theta": 1e6}))
@@ -406,8 +409,9 @@ def test_a_single_weights_file_wins_over_an_index_of_shards_as_in_hf(tmp_path):
 
 def test_config_eos_ids_are_generation_configs_where_it_names_them():
     """transformers' generate and vLLM stop on generation_config.json's eos ids when the file
-    names them, else on config.json's; not on both (config.json's id may be a token the model
-    generates, as in some fine-tunes)."""
+    names them; not on config.json's too (its id may be a token the model generates, as in some
+    fine-tunes). Where the file names none, config.json's, as vLLM stops on the tokenizer's EOS
+    then (transformers' generate stops on none)."""
     raw = dict(BASE_CONFIG, eos_token_id=2)
     assert ModelConfig.from_dict(raw, {"eos_token_id": [5, 6]}).eos_token_ids == [5, 6]
     assert ModelConfig.from_dict(raw, {"eos_token_id": 7}).eos_token_ids == [7]
@@ -437,6 +441,13 @@ def test_config_flags_per_architecture():
     assert ModelConfig.from_dict(qwen_window).sliding_window_layers == (0, 2)
     llama = ModelConfig.from_dict(dict(BASE_CONFIG, attention_bias=True, mlp_bias=True))
     assert (llama.qkv_bias, llama.o_bias, llama.mlp_bias) == (True, True, True)
+    # transformers' Mistral has no biases whatever the flags say (its layers are built
+    # without them), nor does Qwen2 beyond q, k and v.
+    for arch, biases in (("MistralForCausalLM", (False, False, False)),
+                         ("Qwen2ForCausalLM", (True, False, False))):
+        c = ModelConfig.from_dict(dict(BASE_CONFIG, architectures=[arch], attention_bias=True,
+                                       mlp_bias=True))
+        assert (c.qkv_bias, c.o_bias, c.mlp_bias) == biases, arch
     stray = ModelConfig.from_dict(dict(BASE_CONFIG, sliding_window=32))
     assert (stray.sliding_window, stray.sliding_window_layers) == (None, ())
 

@@ -121,6 +121,9 @@ class ModelConfig:
         rope_theta, rope_scaling = _parse_rope(raw, max_position_embeddings)
 
         is_qwen2 = architecture == "Qwen2ForCausalLM"
+        # transformers' Qwen2 has biases on q, k and v only, and its Mistral none, whatever
+        # the flags say; its Llama takes them from the flags.
+        fixed_bias = architecture != "LlamaForCausalLM"
         attention_bias = bool(raw.get("attention_bias", False))
         sliding_window, sliding_window_layers = _parse_sliding_window(raw, architecture,
                                                                       num_layers)
@@ -138,14 +141,14 @@ class ModelConfig:
             rope_scaling=rope_scaling,
             max_position_embeddings=max_position_embeddings,
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            qkv_bias=True if is_qwen2 else attention_bias,
-            o_bias=False if is_qwen2 else attention_bias,
-            mlp_bias=False if is_qwen2 else bool(raw.get("mlp_bias", False)),
+            qkv_bias=is_qwen2 if fixed_bias else attention_bias,
+            o_bias=False if fixed_bias else attention_bias,
+            mlp_bias=False if fixed_bias else bool(raw.get("mlp_bias", False)),
             sliding_window=sliding_window,
             sliding_window_layers=sliding_window_layers,
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_eos_ids(raw, generation_config),
-            torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+            torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),   # transformers' order
         )
 
 
@@ -209,7 +212,9 @@ def _parse_sliding_window(raw: dict[str, Any], architecture: str,
 
 def _eos_ids(raw: dict[str, Any], generation_config: dict[str, Any] | None) -> list[int]:
     """The ids that end a generation: generation_config.json's where it names them, else
-    config.json's (as transformers' generate and vLLM read them; the two files may differ)."""
+    config.json's (the two files may differ). Where a generation_config.json names none,
+    transformers' generate stops on no EOS at all (it takes that file as it is), but vLLM
+    still stops on the tokenizer's EOS; so does this, on config.json's."""
     value = (generation_config or {}).get("eos_token_id")
     if value is None:
         value = raw.get("eos_token_id")
