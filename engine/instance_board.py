@@ -11,10 +11,11 @@ The board is a small file in shared memory (`/dev/shm`) that every instance of t
 tritonserver maps (the key is the server's pid namespace, pid and start time, and the model's
 name: `server_key`), no syscalls to read it:
 
-- each instance has a slot (its pid, its load: requests it holds). `wait_turn`, called at the end
-  of `execute`, keeps the instance busy while it holds more than `margin` requests over the
-  least-loaded live instance, for at most `max_wait_s`: Triton then hands the next requests to
-  the others (the least-loaded one never waits, so two can never wait for each other);
+- each instance has a slot (its pid and start time, its load: requests it holds). `wait_turn`,
+  called at the end of `execute`, keeps the instance busy while it holds more than `margin`
+  requests over the least-loaded live instance, for at most `max_wait_s`: Triton then hands
+  the next requests to the others (the least-loaded one never waits, so two can never wait
+  for each other);
 - an abort that reached an instance which does not hold its target is posted to a ring of
   aborts that every instance reads on its housekeeping round;
 - for prefix routing (engine/prefix_routing.py): how many requests each instance has placed on
@@ -43,13 +44,13 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-MAGIC = 0x54524C4C4D44        # "TRLLMD" (prefix routing's table holds a bit per slot)
+MAGIC = 0x54524C4C4D45        # "TRLLME" (slots hold their process's start time)
 NUM_SLOTS = 64
 NUM_ABORTS = 256              # the ring: a reader more than this far behind loses the oldest
 MAX_ABORT_ID_BYTES = 56
 PREFIX_TABLE_BITS = 17        # entries of the prefix table: 2 ** 17 block keys, 2 MiB
 _HEADER = 4                   # int64s: magic, abort sequence, two spare
-_SLOT = 2                     # int64s per slot: pid, load
+_SLOT = 3                     # int64s per slot: pid, load, the process's start time
 _ABORT = 8                    # int64s per ring entry: its sequence number, then the id's bytes
 _PARTS = {                    # int64s of each part, in the file's order
     "header": _HEADER, "slots": NUM_SLOTS * _SLOT, "ring": NUM_ABORTS * _ABORT,
@@ -68,7 +69,12 @@ def slot_bit(slot: int) -> np.uint64:
     return np.uint64(1) << np.uint64(slot)
 
 
-def _alive(pid: int) -> bool:
+def _alive(pid: int, start_time: int) -> bool:
+    """Whether the process that took a slot lives: its pid, with the start time it had then
+    (0: there was no /proc to read). A pid alone is not enough: once the instance is gone its
+    pid may be given to another process, and the slot would stay taken for good."""
+    if start_time:
+        return _start_time(pid) == start_time
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -92,11 +98,11 @@ def pid_namespace() -> int:
 
 def _start_time(pid: int) -> int:
     """When process `pid` started, in clock ticks after boot (/proc/PID/stat's field 22); 0 if
-    it is gone (or there is no /proc)."""
+    it is gone, a zombie (dead, not yet reaped), or there is no /proc."""
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             fields = f.read().rsplit(b")", 1)[1].split()     # from field 3 on: comm may hold ")"
-        return int(fields[19])
+        return 0 if fields[0] == b"Z" else int(fields[19])
     except (OSError, ValueError, IndexError):
         return 0
 
@@ -174,18 +180,19 @@ class InstanceBoard:
 
     def _take_slot(self) -> int:
         """Under the file lock."""
-        pids = self._slots[:, 0]
+        pids, starts = self._slots[:, 0], self._slots[:, 2]
         for i in range(NUM_SLOTS):
-            if pids[i] == 0 or not _alive(int(pids[i])):
+            if pids[i] == 0 or not _alive(int(pids[i]), int(starts[i])):
                 self._free_slot(i)
                 self._slots[i, 0] = os.getpid()
+                self._slots[i, 2] = _start_time(os.getpid())
                 return i
         raise RuntimeError(f"all {NUM_SLOTS} instance slots of {self.path} are taken")
 
     def _free_slot(self, i: int) -> None:
         """Under the file lock: slot i's process, load, placed requests and the prefixes its
         engine took are forgotten."""
-        self._slots[i] = (0, 0)
+        self._slots[i] = 0
         self._placed[i] = 0
         self.prefix_holders &= ~slot_bit(i)
 
@@ -206,7 +213,7 @@ class InstanceBoard:
         with self._lock:
             if self._fd < 0:
                 return {}
-            return {int(pid): int(load) for i, (pid, load) in enumerate(self._slots)
+            return {int(pid): int(load) for i, (pid, load, _) in enumerate(self._slots)
                     if pid != 0 and i != self.slot}
 
     def wait_turn(self, margin: int = MARGIN, max_wait_s: float = MAX_WAIT_S,
@@ -245,7 +252,8 @@ class InstanceBoard:
                 pid, load = int(pids[i]), int(loads[i])
                 if load >= below:
                     return None
-                if pid in checked or _alive(pid):
+                start = int(self._slots[i, 2])
+                if pid in checked or _alive(pid, start):
                     checked.add(pid)
                     return load
                 checked.add(pid)
@@ -253,7 +261,7 @@ class InstanceBoard:
                 # may have taken the slot since it was read (_take_slot holds the lock).
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
                 try:
-                    if int(self._slots[i, 0]) == pid:
+                    if (int(self._slots[i, 0]), int(self._slots[i, 2])) == (pid, start):
                         logger.info("instance board: process %d is gone, freeing its slot", pid)
                         self._free_slot(i)
                 finally:
@@ -287,8 +295,8 @@ class InstanceBoard:
                 return freed
             fcntl.flock(self._fd, fcntl.LOCK_EX)     # not one that a new instance just took
             try:
-                for i, pid in enumerate(self._slots[:, 0].tolist()):
-                    if pid and i != self.slot and not _alive(pid):
+                for i, (pid, _, start) in enumerate(self._slots.tolist()):
+                    if pid and i != self.slot and not _alive(pid, start):
                         self._free_slot(i)
                         freed.append(i)
             finally:
@@ -357,10 +365,10 @@ class InstanceBoard:
                 return
             fcntl.flock(self._fd, fcntl.LOCK_EX)
             try:
-                self._slots[self.slot] = (0, 0)
+                self._slots[self.slot] = 0
                 self._placed[self.slot] = 0
                 # The last live one (a crashed instance never closes: its pid stays in its slot)
-                if not any(pid and _alive(int(pid)) for pid in self._slots[:, 0]):
+                if not any(pid and _alive(pid, start) for pid, _, start in self._slots.tolist()):
                     try:
                         os.unlink(self.path)
                     except FileNotFoundError:

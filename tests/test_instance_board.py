@@ -116,18 +116,18 @@ def test_wait_turn_never_frees_a_slot_a_new_instance_has_just_taken(tmp_path, mo
     gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)
     dead_pid = int(gone.stdout)
-    a._slots[a.slot + 1] = (dead_pid, 0)               # a crashed instance's slot
+    a._slots[a.slot + 1] = (dead_pid, 0, 0)            # a crashed instance's slot
     a.set_load(5)
     real_alive, newcomer = board_module._alive, {}
 
-    def alive(pid):                                     # the moment in between
+    def alive(pid, start_time):                         # the moment in between
         if pid == dead_pid and not newcomer:
             newcomer["proc"] = subprocess.Popen(
                 [sys.executable, "-c", OPENER, str(SERVER_PID), str(tmp_path)],
                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=ROOT,
                 env={**os.environ, "PYTHONPATH": ROOT})
             newcomer["slot"] = int(newcomer["proc"].stdout.readline())
-        return real_alive(pid)
+        return real_alive(pid, start_time)
 
     monkeypatch.setattr(board_module, "_alive", alive)
     c = None
@@ -243,6 +243,62 @@ def test_what_a_killed_instance_placed_stops_counting_once_its_slot_is_freed(tmp
     [freed] = ours.free_dead_slots()
     assert ours.engine_loads()[ours.slot] == 0 and ours.peer_loads() == {}
     assert ours.free_dead_slots() == [] and freed != ours.slot
+
+
+def test_a_dead_instances_slot_is_freed_though_its_pid_names_another_process_now(tmp_path, boards):
+    """A killed instance's pid may be given to another process before its slot is freed. The
+    slot must still count as dead (its pid and the start time it had), or wait_turn waits for it
+    on every call, its placed requests count on, no instance takes it, and the last instance's
+    close leaves the file (found by review). The pid's reuse is written into the slot here: a
+    live process of the test's own stands for the process the kernel gave the pid to."""
+    ours = boards()
+    ctx = multiprocessing.get_context("spawn")
+    placed = ctx.Event()
+    child = ctx.Process(target=_place_and_die, args=(SERVER_PID, str(tmp_path), ours.slot,
+                                                     placed))
+    child.start()
+    assert placed.wait(60)
+    child.join(60)
+    slot = ours.slot_pids().tolist().index(child.pid)
+    dead_row = ours._slots[slot].copy()
+    other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
+                             stdin=subprocess.PIPE)
+    try:
+        def reuse_pid():
+            ours._slots[slot] = dead_row
+            ours._slots[slot, 0] = other.pid
+            ours._slots[slot, 1] = 0                    # the least loaded: wait_turn looks at it
+            ours._placed[slot, ours.slot] = 7
+            assert ours.engine_loads()[ours.slot] == 7
+
+        reuse_pid()
+        ours.set_load(5)
+        assert ours.wait_turn(max_wait_s=0.5) == 0.0
+        assert ours.slot_pids()[slot] == 0 and ours.engine_loads()[ours.slot] == 0
+        reuse_pid()
+        assert ours.free_dead_slots() == [slot] and ours.engine_loads()[ours.slot] == 0
+        newcomer = boards()
+        assert newcomer.slot == slot
+        newcomer.close()
+        reuse_pid()
+        ours.close()                                    # the last live instance
+        assert not os.path.exists(ours.path)
+    finally:
+        other.communicate(b"", timeout=60)
+
+
+def test_an_instance_that_exited_unreaped_counts_as_gone():
+    """A zombie (exited, its parent not yet told) still answers os.kill(pid, 0)."""
+    import engine.instance_board as board_module
+    proc = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.readline()"],
+                            stdin=subprocess.PIPE)
+    start = board_module._start_time(proc.pid)
+    assert start and board_module._alive(proc.pid, start)
+    proc.stdin.write(b"\n")
+    proc.stdin.close()
+    os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)     # exited, left unreaped
+    assert not board_module._alive(proc.pid, start)
+    assert proc.wait(60) == 0
 
 
 def test_an_instance_that_takes_a_slot_clears_what_the_slots_last_engine_held(boards):

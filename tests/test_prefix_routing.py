@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.async_engine import AsyncEngine, EngineDeadError
-from engine.instance_board import InstanceBoard, slot_bit
+from engine.instance_board import InstanceBoard, _start_time, slot_bit
 from engine.prefix_routing import (FOLLOW_RATE_FOR_TURNS, FOLLOW_WINDOW, MIN_SHARED_BLOCKS,
                                    PrefixRouter, block_keys, core_address,
                                    position_weights)
@@ -88,7 +88,7 @@ def two_instances(tmp_path):
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     try:
         peer_slot = next(i for i in range(64) if i != board.slot)
-        board._slots[peer_slot] = (sleeper.pid, 0)
+        board._slots[peer_slot] = (sleeper.pid, 0, _start_time(sleeper.pid))   # pid, load, start
         engine = _Engine()
         router = PrefixRouter(board, engine, BS, max_num_seqs=16, max_model_len=4096)
         yield router, engine, peer_slot, sleeper.pid
