@@ -222,17 +222,24 @@ def _place_and_die(server_pid, directory, target_slot, placed):
     os._exit(0)                             # killed: no close()
 
 
-def test_what_a_killed_instance_placed_stops_counting_once_its_slot_is_freed(tmp_path, boards):
-    """Loaded above the others, its slot is never the one wait_turn would wait for, so only
-    free_dead_slots (prefix routing's connect loop) frees it; its placed row counted on."""
-    ours = boards()
+def _killed_instance(tmp_path, target_slot):
+    """An instance (a process of its own) that placed 7 requests on `target_slot`'s engine and
+    died without closing its board; its process, exited."""
     ctx = multiprocessing.get_context("spawn")
     placed = ctx.Event()
-    child = ctx.Process(target=_place_and_die, args=(SERVER_PID, str(tmp_path), ours.slot,
+    child = ctx.Process(target=_place_and_die, args=(SERVER_PID, str(tmp_path), target_slot,
                                                      placed))
     child.start()
     assert placed.wait(60)
     child.join(60)
+    return child
+
+
+def test_what_a_killed_instance_placed_stops_counting_once_its_slot_is_freed(tmp_path, boards):
+    """Loaded above the others, its slot is never the one wait_turn would wait for, so only
+    free_dead_slots (prefix routing's connect loop) frees it; its placed row counted on."""
+    ours = boards()
+    child = _killed_instance(tmp_path, ours.slot)
     assert child.exitcode == 0 and ours.engine_loads()[ours.slot] == 7
     for load in range(10):
         ours.set_load(load)
@@ -252,13 +259,7 @@ def test_a_dead_instances_slot_is_freed_though_its_pid_names_another_process_now
     close leaves the file (found by review). The pid's reuse is written into the slot here: a
     live process of the test's own stands for the process the kernel gave the pid to."""
     ours = boards()
-    ctx = multiprocessing.get_context("spawn")
-    placed = ctx.Event()
-    child = ctx.Process(target=_place_and_die, args=(SERVER_PID, str(tmp_path), ours.slot,
-                                                     placed))
-    child.start()
-    assert placed.wait(60)
-    child.join(60)
+    child = _killed_instance(tmp_path, ours.slot)
     slot = ours.slot_pids().tolist().index(child.pid)
     dead_row = ours._slots[slot].copy()
     other = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"],
