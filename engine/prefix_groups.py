@@ -49,12 +49,15 @@ def choose_groups(lcp: Sequence[int], value: Callable[[int, int, int], float],
                   sizes: Sequence[int] | None = None) -> list[tuple[list[int], int]]:
     """Disjoint groups over items in sorted order, where lcp[i] (i >= 1) is what items i - 1 and
     i share (lcp[0] is ignored; 0 = nothing worth sharing). Returns (item indices, prefix) pairs
-    that maximize the sum of value(num_items, sum of their sizes, prefix) (sizes default to 1).
+    with the largest sum of value(num_items, sum of their sizes, prefix) (sizes default to 1)
+    among the groupings below.
 
     Bottom-up over the LCP-interval tree: a node is one group of all its items at its prefix,
     or its children's best choices plus, if worth it, one more group of the items those leave
     over, at the node's prefix (a system prompt shared by all, documents by some: groups per
-    document and one for the rest). Ties go to the larger group. O(len(lcp)) nodes."""
+    document and one for the rest). Ties go to the larger group. O(len(lcp)) nodes. Groups are
+    only these: of three items sharing one prefix, where all three do not pay, two of them
+    alone are not weighed (a review found such a pair worth it in 574 of 3,000 random cases)."""
     n = len(lcp)
     if n < 2:
         return []
