@@ -48,6 +48,8 @@ class EngineConfig:
     # compute capability 9.0 and up (torch._scaled_mm's row-wise scales), and CPU.
     quantization: str | None = None
     num_kv_blocks: int | None = None      # None: sized from memory
+    # The share of the GPU's memory this engine may use (weights, activations, KV cache),
+    # others' use not counted: vLLM V1's rule (engine/model_runner.kv_cache_bytes).
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0          # KV budget on CPU when num_kv_blocks is None
     # torch intra-op threads (on CPU the model's, on a GPU the host's staging copies). None: in

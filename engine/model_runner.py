@@ -165,6 +165,37 @@ def check_quantization(setting: str | None, device: torch.device) -> str | None:
     return setting
 
 
+def kv_cache_bytes(total: int, free: int, reserved: int, allocated: int, peak: int,
+                   utilization: float) -> int:
+    """The KV cache's bytes on a GPU of `total` bytes, as vLLM V1 sizes it:
+    `gpu_memory_utilization` is the share of the GPU this engine may use, for its weights and
+    activations (`peak`, PyTorch's peak allocation in the profiling pass, the weights in it)
+    and its KV cache. Other processes' use does not count against it, so two engines on one
+    GPU at 0.45 each both fit. The memory must be there: what is free, and what PyTorch holds
+    for this process unallocated (`reserved` - `allocated`); an error says the most the
+    setting can be where other processes hold the rest. (The CUDA context and the CUDA graphs
+    captured afterwards come out of the share left over, as in vLLM.)"""
+    gib = 2 ** 30
+    budget = int(total * utilization) - peak
+    if budget <= 0:
+        raise RuntimeError(
+            f"no memory left for the KV cache: gpu_memory_utilization {utilization:g} gives "
+            f"this engine {total * utilization / gib:.2f} GiB of the GPU's {total / gib:.2f}, "
+            f"and its weights and activations take {peak / gib:.2f}: raise "
+            f"gpu_memory_utilization or lower max_num_batched_tokens")
+    available = free + reserved - allocated
+    if budget > available:
+        others = total - free - reserved
+        most = int(100 * (available + peak) / total) / 100
+        raise RuntimeError(
+            f"gpu_memory_utilization {utilization:g} leaves this engine's KV cache "
+            f"{budget / gib:.2f} GiB, but only {available / gib:.2f} GiB of the GPU's "
+            f"{total / gib:.2f} is free ({others / gib:.2f} GiB is held by other processes "
+            f"and this one's CUDA context): lower gpu_memory_utilization to at most "
+            f"{most:.2f}, or set num_kv_blocks")
+    return budget
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig, device: torch.device, dtype: torch.dtype,
                  eos_token_ids: list[int]) -> None:
@@ -211,7 +242,8 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit in the memory left for KV: on GPU, what `gpu_memory_utilization`
-        leaves after a profiling forward pass at full batch; on CPU, `cpu_kv_cache_gb`."""
+        leaves after a profiling forward pass at full batch (kv_cache_bytes); on CPU,
+        `cpu_kv_cache_gb`."""
         if self.device.type != "cuda":
             return max(1, int(self.config.cpu_kv_cache_gb * 2**30) // self.block_bytes)
         torch.cuda.empty_cache()
@@ -219,11 +251,13 @@ class ModelRunner:
         self._profile_run()
         torch.cuda.synchronize(self.device)
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
-        used_by_others = total_bytes - free_bytes - torch.cuda.memory_reserved(self.device)
+        reserved = torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        budget = total_bytes * self.config.gpu_memory_utilization - used_by_others - peak
+        budget = kv_cache_bytes(total_bytes, free_bytes, reserved,
+                                torch.cuda.memory_allocated(self.device), peak,
+                                self.config.gpu_memory_utilization)
         num_blocks = int(budget // self.block_bytes)
-        logger.info("KV cache: %.2f GiB for %d blocks (peak activation %.2f GiB)",
+        logger.info("KV cache: %.2f GiB for %d blocks (weights and peak activation %.2f GiB)",
                     budget / 2**30, num_blocks, peak / 2**30)
         if num_blocks < 1:
             raise RuntimeError("no memory left for the KV cache: raise gpu_memory_utilization "
@@ -262,7 +296,15 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int, max_model_len: int) -> None:
         self.num_blocks = num_blocks
-        self.kv_caches = self._new_caches(num_blocks)
+        try:
+            self.kv_caches = self._new_caches(num_blocks)
+        except torch.OutOfMemoryError as e:     # another engine on this GPU took it since
+            raise RuntimeError(
+                f"the KV cache ({num_blocks} blocks, {num_blocks * self.block_bytes / 2**30:.2f}"
+                f" GiB) does not fit in the GPU's free memory: other processes on this GPU "
+                f"took memory since it was sized; lower gpu_memory_utilization (the settings "
+                f"of the engines on one GPU must leave room for each other) or set "
+                f"num_kv_blocks") from e
         if not self.config.enforce_eager:
             self.decode_graphs = DecodeGraphs(
                 self.model, self.kv_caches, self.config.max_num_seqs,

@@ -215,6 +215,64 @@ def test_async_engine_core_process_on_the_gpu_it_is_given(tiny_models, capfd):
     assert re.search(r"engine ready: .* on cuda:\d+, 1 threads \(", capfd.readouterr().err)
 
 
+_SHARE_CHILD = r"""
+import sys
+from engine import LLM, SamplingParams
+model, share, load_format = sys.argv[1], float(sys.argv[2]), sys.argv[3]
+try:
+    llm = LLM(model, load_format=load_format, gpu_memory_utilization=share, max_model_len=256,
+              max_num_seqs=8, max_num_batched_tokens=256, enforce_eager=True,
+              skip_tokenizer_init=load_format == "dummy")
+except RuntimeError as e:
+    print("refused:", e, flush=True)
+    sys.exit(3)
+print("ready", llm.core.kv.num_blocks, flush=True)
+sys.stdin.readline()
+out = llm.generate([[1, 2, 3, 4]], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+print("done", out[0].outputs[0].token_ids, flush=True)
+"""
+
+
+def test_two_engines_on_one_gpu_each_size_their_share(tiny_models):
+    """gpu_memory_utilization is each engine's own share, as in vLLM V1: two 8B-shape engines
+    (dummy weights, each in its own process, as Triton's instances are) at 0.45 started at
+    once on one GPU both size their KV cache from memory, alike, and serve; a third asking
+    for 0.3 beside them is refused with the most it can be. (The rule before, vLLM V0's,
+    counted the first engine's memory against the second: it had no KV cache left.)"""
+    import os
+    import subprocess
+    import sys
+    from scripts.bench_common import preset_dir
+    torch.cuda.empty_cache()
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root}
+
+    def start(model, share, load_format):
+        return subprocess.Popen([sys.executable, "-c", _SHARE_CHILD, model, str(share),
+                                 load_format], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True, env=env, cwd=root)
+
+    model = preset_dir("llama-3.1-8b")
+    two = [start(model, 0.45, "dummy") for _ in range(2)]
+    try:
+        ready = [p.stdout.readline().split() for p in two]
+        assert [r[:1] for r in ready] == [["ready"]] * 2, ready
+        assert ready[0][1] == ready[1][1] and int(ready[0][1]) > 10_000, ready
+        third = start(tiny_models["llama"], 0.3, "auto")
+        said, _ = third.communicate(timeout=300)
+        assert third.returncode == 3, said
+        assert re.search(r"gpu_memory_utilization 0.3 leaves this engine's KV cache .* lower "
+                         r"gpu_memory_utilization to at most 0\.\d\d, or set num_kv_blocks", said)
+        for p in two:
+            out, _ = p.communicate("\n", timeout=300)
+            assert p.returncode == 0 and out.startswith("done"), out
+    finally:
+        for p in two:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
 def _poison_free_memory() -> None:
     """Fills the GPU memory the next engine will be given with 0xFF bytes (int64 -1, a NaN in
     bf16), as a previous engine's data would be: a read of a buffer before its fill then

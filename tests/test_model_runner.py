@@ -1,6 +1,8 @@
 """ModelRunner pieces that the engine tests do not reach on CPU."""
+import pytest
+
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, kv_cache_bytes
 from scripts.make_tiny_model import make_tiny_model
 
 
@@ -160,3 +162,47 @@ def test_the_profiling_pass_keeps_its_positions_inside_the_rotary_tables(tmp_pat
     runner._profile_run()
     [positions] = seen
     assert len(positions) == 200 and 0 <= int(positions.min()) and int(positions.max()) < 64
+
+
+GIB = 2 ** 30
+
+
+def _gpu(total, ours, others, peak):
+    """mem_get_info's free, and PyTorch's reserved / allocated, for an engine that holds `ours`
+    GiB through PyTorch (its weights and what the profiling pass left reserved) beside 1.3 GiB
+    of its own CUDA context, on a GPU where other processes hold `others` GiB."""
+    reserved, allocated = ours * GIB, (ours - 1) * GIB
+    free = total * GIB - reserved - int(1.3 * GIB) - others * GIB
+    return dict(total=total * GIB, free=free, reserved=reserved, allocated=allocated,
+                peak=peak * GIB)
+
+
+def test_gpu_memory_utilization_is_this_engines_share_whatever_others_hold():
+    """vLLM V1's rule: the KV cache is the share less the engine's own weights and activations
+    (PyTorch's peak); other processes' memory does not shrink it (vLLM V0's rule, ours before,
+    took it off: 0.9 x 140 - 16 - others - the context)."""
+    alone = kv_cache_bytes(**_gpu(140, 17, 0, 16), utilization=0.9)
+    assert alone == int(140 * GIB * 0.9) - 16 * GIB
+    assert kv_cache_bytes(**_gpu(140, 17, 10, 16), utilization=0.9) == alone
+    # Two engines on one GPU at 0.45 each: the second sees the first's whole share held.
+    first = kv_cache_bytes(**_gpu(140, 17, 0, 16), utilization=0.45)
+    second = kv_cache_bytes(**_gpu(140, 17, 140 * 0.45 + 1.3, 16), utilization=0.45)
+    assert first == second == int(140 * GIB * 0.45) - 16 * GIB
+
+
+def test_a_share_other_processes_leave_no_room_for_is_refused_naming_the_most_it_can_be():
+    import re
+    gpu = _gpu(140, 17, 60, 16)               # others hold 60 GiB: ~62 GiB free
+    with pytest.raises(RuntimeError, match="gpu_memory_utilization 0.9 leaves this engine's "
+                       r"KV cache 110.00 GiB, but only 62.70 GiB .* lower "
+                       r"gpu_memory_utilization to at most 0.56, or set num_kv_blocks") as e:
+        kv_cache_bytes(**gpu, utilization=0.9)
+    most = float(re.search(r"at most (\S+),", str(e.value)).group(1))
+    assert kv_cache_bytes(**gpu, utilization=most) <= gpu["free"] + gpu["reserved"] - gpu["allocated"]
+    with pytest.raises(RuntimeError, match="at most"):
+        kv_cache_bytes(**gpu, utilization=most + 0.02)
+    # A share under the engine's own weights and activations: nothing is left for KV.
+    with pytest.raises(RuntimeError, match=r"no memory left for the KV cache: "
+                       r"gpu_memory_utilization 0.1 gives this engine 14.00 GiB .* weights and "
+                       r"activations take 16.00: raise gpu_memory_utilization"):
+        kv_cache_bytes(**_gpu(140, 17, 0, 16), utilization=0.1)
