@@ -69,10 +69,20 @@ def slot_bit(slot: int) -> np.uint64:
     return np.uint64(1) << np.uint64(slot)
 
 
+def _proc_is_ours() -> bool:
+    """Whether /proc shows this process's pid namespace (not so in a pid namespace made
+    without a /proc of its own: there /proc/PID is another namespace's process PID)."""
+    try:
+        return os.readlink("/proc/self") == str(os.getpid())
+    except OSError:
+        return False
+
+
 def _alive(pid: int, start_time: int) -> bool:
     """Whether the process that took a slot lives: its pid, with the start time it had then
-    (0: there was no /proc to read). A pid alone is not enough: once the instance is gone its
-    pid may be given to another process, and the slot would stay taken for good."""
+    (0: there was no /proc of its namespace to read). A pid alone is not enough: once the
+    instance is gone its pid may be given to another process, and the slot would stay taken
+    for good."""
     if start_time:
         return _start_time(pid) == start_time
     try:
@@ -185,7 +195,7 @@ class InstanceBoard:
             if pids[i] == 0 or not _alive(int(pids[i]), int(starts[i])):
                 self._free_slot(i)
                 self._slots[i, 0] = os.getpid()
-                self._slots[i, 2] = _start_time(os.getpid())
+                self._slots[i, 2] = _start_time(os.getpid()) if _proc_is_ours() else 0
                 return i
         raise RuntimeError(f"all {NUM_SLOTS} instance slots of {self.path} are taken")
 

@@ -288,6 +288,23 @@ def test_a_dead_instances_slot_is_freed_though_its_pid_names_another_process_now
         other.communicate(b"", timeout=60)
 
 
+def test_where_proc_is_another_pid_namespaces_slots_are_checked_by_pid(boards, monkeypatch):
+    """In a pid namespace made without a /proc of its own, /proc/PID is another namespace's
+    process: a slot then records no start time and its process is checked by os.kill, in the
+    instances' own namespace. (Found by review: there a live instance's slot was handed to the
+    next instance once the outer process that had its pid number exited.)"""
+    import engine.instance_board as board_module
+    assert board_module._proc_is_ours()                  # here, /proc is ours
+    monkeypatch.setattr(board_module, "_proc_is_ours", lambda: False)
+    a = boards()
+    assert a._slots[a.slot, 2] == 0                     # so /proc/PID is never read for it
+    b = boards()
+    assert b.slot != a.slot and a.slot_pids()[a.slot] == os.getpid()
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)
+    assert not board_module._alive(int(gone.stdout), 0)
+
+
 def test_an_instance_that_exited_unreaped_counts_as_gone():
     """A zombie (exited, its parent not yet told) still answers os.kill(pid, 0)."""
     import engine.instance_board as board_module
