@@ -49,7 +49,7 @@ class EngineConfig:
     quantization: str | None = None
     num_kv_blocks: int | None = None      # None: sized from memory
     # The share of the GPU's memory this engine may use (weights, activations, KV cache),
-    # others' use not counted: vLLM V1's rule (engine/model_runner.kv_cache_bytes).
+    # others' use not counted: vLLM V1's rule (engine/model_runner.kv_cache_blocks).
     gpu_memory_utilization: float = 0.9
     cpu_kv_cache_gb: float = 2.0          # KV budget on CPU when num_kv_blocks is None
     # torch intra-op threads (on CPU the model's, on a GPU the host's staging copies). None: in

@@ -165,19 +165,26 @@ def check_quantization(setting: str | None, device: torch.device) -> str | None:
     return setting
 
 
-def kv_cache_bytes(total: int, free: int, reserved: int, allocated: int, peak: int,
-                   utilization: float) -> int:
-    """The KV cache's bytes on a GPU of `total` bytes, as vLLM V1 sizes it:
+# Of the GPU, what a setting that an error names leaves free beside the KV cache: room for
+# the CUDA graphs captured after it.
+SUGGESTION_HEADROOM = 0.02
+
+
+def kv_cache_blocks(total: int, free: int, reserved: int, allocated: int, peak: int,
+                    utilization: float, block_bytes: int) -> int:
+    """The KV cache's blocks on a GPU of `total` bytes, as vLLM V1 sizes it:
     `gpu_memory_utilization` is the share of the GPU this engine may use, for its weights and
     activations (`peak`, PyTorch's peak allocation in the profiling pass, the weights in it)
     and its KV cache. Other processes' use does not count against it, so two engines on one
-    GPU at 0.45 each both fit. The memory must be there: what is free, and what PyTorch holds
-    for this process unallocated (`reserved` - `allocated`); an error says the most the
-    setting can be where other processes hold the rest. (The CUDA context and the CUDA graphs
-    captured afterwards come out of the share left over, as in vLLM.)"""
+    GPU (each its own process, as Triton's instances are) at 0.45 each both fit. The memory
+    must be there: what is free, and what PyTorch holds for this process unallocated
+    (`reserved` - `allocated`); where other processes hold the rest, the error names the most
+    the setting can be (leaving SUGGESTION_HEADROOM free), or that none leaves room. (The CUDA
+    context and the CUDA graphs captured afterwards come out of the share left over, as in
+    vLLM.)"""
     gib = 2 ** 30
     budget = int(total * utilization) - peak
-    if budget <= 0:
+    if budget < block_bytes:
         raise RuntimeError(
             f"no memory left for the KV cache: gpu_memory_utilization {utilization:g} gives "
             f"this engine {total * utilization / gib:.2f} GiB of the GPU's {total / gib:.2f}, "
@@ -186,14 +193,18 @@ def kv_cache_bytes(total: int, free: int, reserved: int, allocated: int, peak: i
     available = free + reserved - allocated
     if budget > available:
         others = total - free - reserved
-        most = int(100 * (available + peak) / total) / 100
+        most = int(100 * (available + peak - SUGGESTION_HEADROOM * total) / total) / 100
+        if int(total * most) - peak >= block_bytes:
+            advice = f"lower gpu_memory_utilization to at most {most:.2f}, or set num_kv_blocks"
+        else:
+            advice = ("no gpu_memory_utilization leaves this engine room for a KV cache beside "
+                      "them: free the GPU of other processes")
         raise RuntimeError(
             f"gpu_memory_utilization {utilization:g} leaves this engine's KV cache "
             f"{budget / gib:.2f} GiB, but only {available / gib:.2f} GiB of the GPU's "
             f"{total / gib:.2f} is free ({others / gib:.2f} GiB is held by other processes "
-            f"and this one's CUDA context): lower gpu_memory_utilization to at most "
-            f"{most:.2f}, or set num_kv_blocks")
-    return budget
+            f"and this one's CUDA context): {advice}")
+    return budget // block_bytes
 
 
 class ModelRunner:
@@ -242,7 +253,7 @@ class ModelRunner:
 
     def determine_num_blocks(self) -> int:
         """Blocks that fit in the memory left for KV: on GPU, what `gpu_memory_utilization`
-        leaves after a profiling forward pass at full batch (kv_cache_bytes); on CPU,
+        leaves after a profiling forward pass at full batch (kv_cache_blocks); on CPU,
         `cpu_kv_cache_gb`."""
         if self.device.type != "cuda":
             return max(1, int(self.config.cpu_kv_cache_gb * 2**30) // self.block_bytes)
@@ -253,15 +264,11 @@ class ModelRunner:
         free_bytes, total_bytes = torch.cuda.mem_get_info(self.device)
         reserved = torch.cuda.memory_reserved(self.device)
         peak = torch.cuda.max_memory_allocated(self.device)
-        budget = kv_cache_bytes(total_bytes, free_bytes, reserved,
-                                torch.cuda.memory_allocated(self.device), peak,
-                                self.config.gpu_memory_utilization)
-        num_blocks = int(budget // self.block_bytes)
+        num_blocks = kv_cache_blocks(total_bytes, free_bytes, reserved,
+                                     torch.cuda.memory_allocated(self.device), peak,
+                                     self.config.gpu_memory_utilization, self.block_bytes)
         logger.info("KV cache: %.2f GiB for %d blocks (weights and peak activation %.2f GiB)",
-                    budget / 2**30, num_blocks, peak / 2**30)
-        if num_blocks < 1:
-            raise RuntimeError("no memory left for the KV cache: raise gpu_memory_utilization "
-                               "or lower max_num_batched_tokens")
+                    num_blocks * self.block_bytes / 2**30, num_blocks, peak / 2**30)
         return num_blocks
 
     @torch.inference_mode()

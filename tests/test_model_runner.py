@@ -2,7 +2,7 @@
 import pytest
 
 from engine.config import EngineConfig
-from engine.model_runner import ModelRunner, kv_cache_bytes
+from engine.model_runner import SUGGESTION_HEADROOM, ModelRunner, kv_cache_blocks
 from scripts.make_tiny_model import make_tiny_model
 
 
@@ -165,44 +165,89 @@ def test_the_profiling_pass_keeps_its_positions_inside_the_rotary_tables(tmp_pat
 
 
 GIB = 2 ** 30
+BLOCK = 2 * 2 ** 20                 # an 8B model's block of 16 tokens, bf16
 
 
 def _gpu(total, ours, others, peak):
     """mem_get_info's free, and PyTorch's reserved / allocated, for an engine that holds `ours`
     GiB through PyTorch (its weights and what the profiling pass left reserved) beside 1.3 GiB
     of its own CUDA context, on a GPU where other processes hold `others` GiB."""
-    reserved, allocated = ours * GIB, (ours - 1) * GIB
-    free = total * GIB - reserved - int(1.3 * GIB) - others * GIB
-    return dict(total=total * GIB, free=free, reserved=reserved, allocated=allocated,
-                peak=peak * GIB)
+    reserved, allocated = int(ours * GIB), int((ours - 1) * GIB)
+    free = int(total * GIB) - reserved - int(1.3 * GIB) - int(others * GIB)
+    return dict(total=int(total * GIB), free=free, reserved=reserved, allocated=allocated,
+                peak=int(peak * GIB), block_bytes=BLOCK)
 
 
 def test_gpu_memory_utilization_is_this_engines_share_whatever_others_hold():
     """vLLM V1's rule: the KV cache is the share less the engine's own weights and activations
     (PyTorch's peak); other processes' memory does not shrink it (vLLM V0's rule, ours before,
     took it off: 0.9 x 140 - 16 - others - the context)."""
-    alone = kv_cache_bytes(**_gpu(140, 17, 0, 16), utilization=0.9)
-    assert alone == int(140 * GIB * 0.9) - 16 * GIB
-    assert kv_cache_bytes(**_gpu(140, 17, 10, 16), utilization=0.9) == alone
+    alone = kv_cache_blocks(**_gpu(140, 17, 0, 16), utilization=0.9)
+    assert alone == (int(140 * GIB * 0.9) - 16 * GIB) // BLOCK
+    assert kv_cache_blocks(**_gpu(140, 17, 10, 16), utilization=0.9) == alone
     # Two engines on one GPU at 0.45 each: the second sees the first's whole share held.
-    first = kv_cache_bytes(**_gpu(140, 17, 0, 16), utilization=0.45)
-    second = kv_cache_bytes(**_gpu(140, 17, 140 * 0.45 + 1.3, 16), utilization=0.45)
-    assert first == second == int(140 * GIB * 0.45) - 16 * GIB
+    first = kv_cache_blocks(**_gpu(140, 17, 0, 16), utilization=0.45)
+    second = kv_cache_blocks(**_gpu(140, 17, 140 * 0.45 + 1.3, 16), utilization=0.45)
+    assert first == second == (int(140 * GIB * 0.45) - 16 * GIB) // BLOCK
+
+
+def _named(gpu, utilization):
+    """The setting a refusal names, or None where it names none."""
+    import re
+    with pytest.raises(RuntimeError) as e:
+        kv_cache_blocks(**gpu, utilization=utilization)
+    found = re.search(r"at most (\S+), or set num_kv_blocks", str(e.value))
+    return float(found.group(1)) if found else None
 
 
 def test_a_share_other_processes_leave_no_room_for_is_refused_naming_the_most_it_can_be():
-    import re
     gpu = _gpu(140, 17, 60, 16)               # others hold 60 GiB: ~62 GiB free
     with pytest.raises(RuntimeError, match="gpu_memory_utilization 0.9 leaves this engine's "
                        r"KV cache 110.00 GiB, but only 62.70 GiB .* lower "
-                       r"gpu_memory_utilization to at most 0.56, or set num_kv_blocks") as e:
-        kv_cache_bytes(**gpu, utilization=0.9)
-    most = float(re.search(r"at most (\S+),", str(e.value)).group(1))
-    assert kv_cache_bytes(**gpu, utilization=most) <= gpu["free"] + gpu["reserved"] - gpu["allocated"]
-    with pytest.raises(RuntimeError, match="at most"):
-        kv_cache_bytes(**gpu, utilization=most + 0.02)
+                       r"gpu_memory_utilization to at most 0.54, or set num_kv_blocks"):
+        kv_cache_blocks(**gpu, utilization=0.9)
+    most = _named(gpu, 0.9)
+    available = gpu["free"] + gpu["reserved"] - gpu["allocated"]
+    blocks = kv_cache_blocks(**gpu, utilization=most)
+    assert 0 < blocks * BLOCK <= available - SUGGESTION_HEADROOM * gpu["total"]
     # A share under the engine's own weights and activations: nothing is left for KV.
     with pytest.raises(RuntimeError, match=r"no memory left for the KV cache: "
                        r"gpu_memory_utilization 0.1 gives this engine 14.00 GiB .* weights and "
                        r"activations take 16.00: raise gpu_memory_utilization"):
-        kv_cache_bytes(**_gpu(140, 17, 0, 16), utilization=0.1)
+        kv_cache_blocks(**_gpu(140, 17, 0, 16), utilization=0.1)
+
+
+def test_where_other_processes_leave_no_room_at_any_setting_the_refusal_names_none():
+    """(Found by review: the setting named was refused in turn, "raise" it.) Other processes
+    leave 0.3 GiB beside the engine's weights and activations: no setting gives it a KV cache
+    with room for the graphs."""
+    gpu = _gpu(140, 17, 140 - 17 - 1.3 - 0.3 - 1, 16)
+    with pytest.raises(RuntimeError, match="no gpu_memory_utilization leaves this engine room "
+                       "for a KV cache beside them: free the GPU of other processes"):
+        kv_cache_blocks(**gpu, utilization=0.9)
+
+
+def test_a_setting_a_refusal_names_is_taken():
+    """Over random GPUs: a setting that a refusal names gives a KV cache of a block or more
+    that leaves the headroom free."""
+    import random
+    rng = random.Random(0)
+    named = 0
+    for _ in range(3000):
+        total = rng.choice([24, 80, 94, 141, 192])
+        peak = rng.uniform(0.5, total * 0.6)
+        gpu = _gpu(total, peak + rng.uniform(0.1, 2), rng.uniform(0, total - peak - 4), peak)
+        utilization = rng.choice([0.5, 0.8, 0.9, 0.95, 1.0])
+        try:
+            kv_cache_blocks(**gpu, utilization=utilization)
+            continue
+        except RuntimeError:
+            pass
+        most = _named(gpu, utilization)
+        if most is None:
+            continue
+        named += 1
+        blocks = kv_cache_blocks(**gpu, utilization=most)
+        available = gpu["free"] + gpu["reserved"] - gpu["allocated"]
+        assert 1 <= blocks and blocks * BLOCK <= available - SUGGESTION_HEADROOM * gpu["total"]
+    assert named > 500
