@@ -307,5 +307,47 @@ class LLM:
             raise
         return [_joined([finished[c] for c in children]) for children in parents]
 
+    def chat(self, messages: list[dict] | Sequence[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, lora_request=None, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """vLLM's call: one conversation (a list of {"role": ..., "content": ...} messages) or
+        a list of them, each rendered with the tokenizer's chat template (or `chat_template`,
+        a Jinja string; `chat_template_kwargs` go to it) and generated as `generate` does. The
+        rendered text is tokenized without the tokenizer's own special tokens (the template
+        writes them: no second BOS) and is each output's `prompt`."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer, and skip_tokenizer_init is set")
+        if add_generation_prompt and continue_final_message:
+            raise ValueError("continue_final_message and add_generation_prompt cannot both be "
+                             "true: the last message is continued, no new turn is begun")
+        conversations = ([messages] if isinstance(messages, (list, tuple)) and messages
+                         and isinstance(messages[0], dict) else messages)
+        if not isinstance(conversations, (list, tuple)) or not conversations or not all(
+                isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) for m in c)
+                for c in conversations):
+            raise TypeError("messages must be a conversation (a non-empty list of "
+                            "{'role': ..., 'content': ...} dicts) or a list of them")
+        texts = []
+        for conversation in conversations:
+            try:
+                texts.append(self.tokenizer.apply_chat_template(
+                    list(conversation), chat_template=chat_template, tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                    **(chat_template_kwargs or {})))
+            except ValueError as e:
+                if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+                    raise ValueError("the model's tokenizer has no chat template: give "
+                                     "chat_template (a Jinja template string)") from e
+                raise
+        prompts = [{"prompt_token_ids": self.tokenizer.encode(text, add_special_tokens=False)}
+                   for text in texts]
+        outputs = self.generate(prompts, sampling_params, use_tqdm, lora_request)
+        for out, text in zip(outputs, texts):
+            out.prompt = text
+        return outputs
+
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()

@@ -801,3 +801,63 @@ def test_params_changed_after_they_were_built_are_read_as_when_built(tiny_models
             llm.generate(prompts, good)
     stats = llm.get_stats()
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}"
+                 "{% if not (loop.last and continue_final_message) %}<|end|>{% endif %}"
+                 "{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}")
+
+
+def test_chat_renders_each_conversation_with_the_template_and_generates_from_it(tiny_models):
+    """vLLM's LLM.chat: a conversation, or a list of them, rendered by the chat template (the
+    tokenizer's, or `chat_template`) and generated greedily as its token ids are by generate:
+    the template's BOS once (not a second from the tokenizer), the rendered text as the
+    output's prompt; add_generation_prompt / continue_final_message reach the template."""
+    from transformers import AutoTokenizer
+    model = tiny_models["llama"]
+    tok = AutoTokenizer.from_pretrained(model)
+    talk = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}]
+    other = [{"role": "user", "content": "what is 2 + 2?"},
+             {"role": "assistant", "content": "it is"}]
+    llm = LLM(model, dtype="float32", device="cpu", num_kv_blocks=64)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+    def rendered(conversation, **kw):
+        text = tok.apply_chat_template(conversation, chat_template=CHAT_TEMPLATE, tokenize=False,
+                                       **kw)
+        return text, tok.apply_chat_template(conversation, chat_template=CHAT_TEMPLATE,
+                                             tokenize=True, **kw)["input_ids"]
+
+    one = llm.chat(talk, params, chat_template=CHAT_TEMPLATE)
+    text, ids = rendered(talk, add_generation_prompt=True)
+    assert text.endswith("<|assistant|>") and ids.count(tok.bos_token_id) == 1
+    assert [(o.prompt, o.prompt_token_ids) for o in one] == [(text, ids)]
+    assert one[0].outputs[0].token_ids == llm.generate([ids], params)[0].outputs[0].token_ids
+    both = llm.chat([talk, other], params, chat_template=CHAT_TEMPLATE,
+                    add_generation_prompt=False, continue_final_message=True)
+    for out, conversation in zip(both, [talk, other]):
+        text, ids = rendered(conversation, add_generation_prompt=False,
+                             continue_final_message=True)
+        assert (out.prompt, out.prompt_token_ids) == (text, ids)
+        assert out.outputs[0].token_ids == llm.generate([ids], params)[0].outputs[0].token_ids
+    assert both[1].prompt.endswith("it is")                 # continued, not closed
+    # The tokenizer's own template, where it has one.
+    tok.chat_template = CHAT_TEMPLATE
+    llm.tokenizer = tok
+    assert [o.prompt for o in llm.chat(talk, params)] == [rendered(talk, add_generation_prompt=True)[0]]
+    assert llm.core.kv.num_free_blocks == llm.core.kv.num_blocks
+
+
+def test_chat_refuses_what_it_cannot_render_naming_why(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64)
+    talk = [{"role": "user", "content": "hi"}]
+    with pytest.raises(ValueError, match="the model's tokenizer has no chat template: give "
+                       "chat_template"):
+        llm.chat(talk)                  # the tiny model's tokenizer has none
+    with pytest.raises(ValueError, match="continue_final_message and add_generation_prompt "
+                       "cannot both be true"):
+        llm.chat(talk, chat_template=CHAT_TEMPLATE, continue_final_message=True)
+    for bad in ([], "hi", [[]], [talk, "hi"]):
+        with pytest.raises(TypeError, match="messages must be a conversation"):
+            llm.chat(bad, chat_template=CHAT_TEMPLATE)
+    assert llm.core.kv.num_free_blocks == llm.core.kv.num_blocks
