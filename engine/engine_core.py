@@ -153,6 +153,14 @@ class EngineCore:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests() or self._in_flight is not None
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached block (vLLM's reset_prefix_cache: e.g. to time cold prompts
+        again). Only while no request holds blocks; False, and nothing done, otherwise."""
+        if self.has_unfinished_requests() or self.kv.num_free_blocks != self.kv.num_blocks:
+            return False
+        self.kv.pool.reset_prefix_cache()
+        return True
+
     @property
     def times(self) -> StepTimes:
         """Where the steps' time went, since start (engine/step_timing.py)."""

@@ -349,5 +349,10 @@ class LLM:
             out.prompt = text
         return outputs
 
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's: the prefix cache forgets every block, so the next prompts are computed
+        whole (between generate calls no request holds blocks: True)."""
+        return self.core.reset_prefix_cache()
+
     def get_stats(self) -> EngineStats:
         return self.core.get_stats()

@@ -861,3 +861,28 @@ def test_chat_refuses_what_it_cannot_render_naming_why(tiny_models):
         with pytest.raises(TypeError, match="messages must be a conversation"):
             llm.chat(bad, chat_template=CHAT_TEMPLATE)
     assert llm.core.kv.num_free_blocks == llm.core.kv.num_blocks
+
+
+def test_reset_prefix_cache_makes_the_next_prompts_compute_whole(tiny_models):
+    """vLLM's LLM.reset_prefix_cache; the engine refuses it (False) while a request holds
+    blocks, whose cached content it would otherwise drop from under them."""
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64,
+              block_size=4, max_model_len=128)
+    prompt = list(range(3, 40))
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    first = llm.generate([prompt], params)[0]
+    again = llm.generate([prompt], params)[0]
+    assert first.num_cached_tokens == 0 and again.num_cached_tokens == 36
+    assert llm.get_stats().num_cached_kv_blocks > 0
+    assert llm.reset_prefix_cache() is True
+    assert llm.get_stats().num_cached_kv_blocks == 0
+    cold = llm.generate([prompt], params)[0]
+    assert cold.num_cached_tokens == 0
+    assert cold.outputs[0].token_ids == first.outputs[0].token_ids
+    core = llm.core
+    core.add_request(core.make_request("busy", prompt, params))
+    core.step()
+    assert core.reset_prefix_cache() is False and llm.get_stats().num_cached_kv_blocks > 0
+    while core.has_unfinished_requests():
+        core.step()
+    assert core.reset_prefix_cache() is True
