@@ -70,17 +70,16 @@ class KVCacheManager:
             hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs:(i + 1) * bs]))
 
     def get_computed_blocks(self, request: Request, prefix_blocks: Sequence[KVBlock | None] = (),
-                            whole: bool = False, max_blocks: int | None = None
-                            ) -> tuple[list[KVBlock | None], int]:
+                            max_blocks: int | None = None) -> tuple[list[KVBlock | None], int]:
         """The longest cached prefix of the request, in whole blocks; at least one token is
         always left to compute, since sampling needs the last token's hidden state.
         `prefix_blocks`: the request's first blocks, known to hold its prefix (a prefix group's
         pinned blocks): taken as they are, even with prefix caching off, and the lookup goes on
         after them.
-        With a sliding window, unless `whole` (the lookup from the first block, as without a
-        window), only the blocks the first token to compute can see must be cached: the hit is the
-        longest whose window's blocks are, and the blocks behind that window come back as None
-        (vLLM's sliding-window lookup; a block's chained hash stands for its whole prefix).
+        With a sliding window (and no `prefix_blocks`), only the blocks the first token to
+        compute can see must be cached: the hit is the longest whose window's blocks are, and the
+        blocks behind that window come back as None (vLLM's sliding-window lookup; a block's
+        chained hash stands for its whole prefix).
         `max_blocks`: a hit of at most that many blocks."""
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         if max_blocks is not None:
@@ -89,7 +88,7 @@ class KVCacheManager:
         if not self.enable_caching:
             return hits, len(hits) * self.block_size
         self._update_block_hashes(request, max_hit_blocks * self.block_size)
-        if self.sliding_window is not None and not hits and not whole:
+        if self.sliding_window is not None and not hits:
             return self._window_hits(request.block_hashes, max_hit_blocks)
         for block_hash in request.block_hashes[len(hits):max_hit_blocks]:
             block = self.pool.get_cached_block(block_hash)

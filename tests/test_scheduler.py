@@ -440,10 +440,16 @@ def test_windowed_prefix_hits_read_only_what_the_window_reaches():
         ps = [rng.choice(prefixes) + [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
               for _ in range(30)]
         sched = make(num_blocks=40, block_size=4, max_num_seqs=4, max_tokens_step=24, window=10)
-        if whole:
-            lookup = sched.kv.get_computed_blocks
-            sched.kv.get_computed_blocks = lambda req, prefix=(), whole=False: lookup(req, prefix,
-                                                                                      True)
+        if whole:                       # the lookup from the first block, as without a window
+            kv, lookup = sched.kv, sched.kv.get_computed_blocks
+
+            def lookup_whole(req, prefix=(), max_blocks=None):
+                kv.sliding_window, window = None, kv.sliding_window
+                try:
+                    return lookup(req, prefix, max_blocks)
+                finally:
+                    kv.sliding_window = window
+            kv.get_computed_blocks = lookup_whole
         outs, _ = run_all(sched, ps)
         assert outs == [expected(p, 8) for p in ps]
         cached[whole] = sched.stats.num_cached_prompt_tokens
