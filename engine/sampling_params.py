@@ -21,6 +21,8 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 128                  # completions per prompt (LLM.generate)
+# A completion whose seed + k is -1 (read as "no seed") is seeded with this instead (child).
+CHILD_SEED_FOR_MINUS_ONE = -(2**63)
 # The sampler works in float32: temperature and repetition_penalty must be float32 numbers
 # there, not inf (beyond FLOAT32_MAX) or 0 / a denormal (a penalty below FLOAT32_MIN_NORMAL),
 # which turn the logits into NaN.
@@ -142,9 +144,11 @@ class SamplingParams:
 
     def child(self, k: int) -> "SamplingParams":
         """The k-th of the n completions' own parameters (vLLM's): n 1, seed + k (wrapped
-        within int64)."""
+        within int64). Where seed + k is -1, which these parameters read as no seed, the
+        completion takes -2**63 instead: it stays seeded, so it comes out the same every time
+        (vLLM's sampler takes -1 as a seed there; this one cannot tell it from "none")."""
         seed = None if self.seed is None else (self.seed + k + 2**63) % 2**64 - 2**63
-        return replace(self, n=1, seed=seed)
+        return replace(self, n=1, seed=CHILD_SEED_FOR_MINUS_ONE if seed == -1 else seed)
 
     # ------------------------------------------------------------------ from user input
     @classmethod

@@ -421,6 +421,11 @@ def test_n_completions_are_the_seeded_requests_and_share_the_prompts_blocks(tiny
     computed = stats.num_computed_prompt_tokens - before.num_computed_prompt_tokens
     assert computed <= len(prompt) + 4 * 16, computed     # a block of its own each at most
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
+    # Seed -2, n 3: the completion whose seed + k is -1 ("no seed") is seeded all the same
+    # (found by review: it came out differently in each call, served or not).
+    minus = SamplingParams(n=3, seed=-2, temperature=1.0, max_tokens=16, ignore_eos=True)
+    runs = [[c.token_ids for c in llm.generate(prompt, minus)[0].outputs] for _ in range(3)]
+    assert runs[0] == runs[1] == runs[2] and len({tuple(c) for c in runs[0]}) == 3
 
 
 def test_generate_without_sampling_params_takes_the_generation_config(tiny_models, tmp_path):

@@ -2,8 +2,9 @@ import math
 
 import pytest
 
-from engine.sampling_params import (FLOAT32_MAX, MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS,
-                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
+from engine.sampling_params import (CHILD_SEED_FOR_MINUS_ONE, FLOAT32_MAX, MAX_LOGPROBS, MAX_N,
+                                    MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
+                                    SamplingParams)
 
 
 def test_defaults():
@@ -198,6 +199,11 @@ def test_n_completions_are_children_seeded_seed_plus_k():
                                               for k in range(3)]
     assert SamplingParams(n=2).child(1) == SamplingParams()           # unseeded stays so
     assert SamplingParams(n=2, seed=2**63 - 1).child(1).seed == -(2**63)   # int64 wraps
+    # seed + k = -1 would read as "no seed" (vLLM's spelling), and the completion would come
+    # out differently each time (found by review): it is seeded all the same.
+    children = [SamplingParams(n=3, seed=-2).child(k) for k in range(3)]
+    assert [c.seed for c in children] == [-2, CHILD_SEED_FOR_MINUS_ONE, 0]
+    assert children[1].clone().seed == CHILD_SEED_FOR_MINUS_ONE
     for bad in (0, MAX_N + 1):
         with pytest.raises(ValueError, match=f"n must be"):
             SamplingParams(n=bad)
