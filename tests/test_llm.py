@@ -186,17 +186,22 @@ def test_a_sliding_window_model_gives_back_blocks_behind_the_window_with_hfs_tok
     assert preemptions[True] < preemptions[False], preemptions
 
 
+def prompts_on_two_prefixes(model, seed, num):
+    """`num` prompts, each one of two random 120-token prefixes and 1-30 tokens of its own."""
+    rng = random.Random(seed)
+    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
+    prefixes = [[rng.randrange(3, vocab) for _ in range(120)] for _ in range(2)]
+    return [rng.choice(prefixes) + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
+            for _ in range(num)]
+
+
 @pytest.mark.parametrize("groups", [False, True])
 def test_a_sliding_window_model_sharing_prefixes_in_a_small_pool_gives_hfs_tokens(
         windowed_mistral, groups):
     """Prompts on two 120-token prefixes, three seats, a pool that evicts: prefix-cache hits
     that skip blocks behind the window (groups off), or pinned prefixes (groups on)."""
     model = windowed_mistral[0]
-    rng = random.Random(7)
-    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
-    prefixes = [[rng.randrange(3, vocab) for _ in range(120)] for _ in range(2)]
-    prompts = [rng.choice(prefixes) + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
-               for _ in range(10)]
+    prompts = prompts_on_two_prefixes(model, seed=7, num=10)
     expected = hf_greedy(model, prompts)
     llm = LLM(model, dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=64,
               num_kv_blocks=48, max_model_len=384, max_num_seqs=3, enable_prefix_groups=groups)
@@ -248,11 +253,7 @@ def test_a_windowed_group_in_a_pool_of_its_window_and_a_step_gives_hfs_tokens(wi
     group's leader gives back its prefix's blocks behind its window as it goes, and the pin
     holds the rest: HF's tokens, the pool whole."""
     model = windowed_mistral[0]
-    rng = random.Random(8)
-    vocab = json.load(open(f"{model}/config.json"))["vocab_size"]
-    prefixes = [[rng.randrange(3, vocab) for _ in range(120)] for _ in range(2)]
-    prompts = [rng.choice(prefixes) + [rng.randrange(3, vocab) for _ in range(rng.randint(1, 30))]
-               for _ in range(8)]
+    prompts = prompts_on_two_prefixes(model, seed=8, num=8)
     expected = hf_greedy(model, prompts)
     llm = LLM(model, dtype="float32", device="cpu", block_size=8, max_num_batched_tokens=64,
               num_kv_blocks=15, max_model_len=384)
