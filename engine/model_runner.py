@@ -33,7 +33,7 @@ from engine.piecewise_graphs import PiecewiseGraphs
 from engine.models.attention import TORCH_BACKEND, AttentionMetadata, triton_backend
 from engine.models.loader import load_model
 from engine.penalty_rows import SINK as PENALTY_SINK, PenaltyRows
-from engine.sampler import Sampler, SamplingMetadata
+from engine.sampler import RowControls, Sampler, SamplingMetadata
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from engine.step_timing import StepTimes
@@ -92,6 +92,7 @@ class _RunnerRequest:
     num_pending: int = 0        # sampled tokens not collected yet (at most one step's)
     pending_row: int = 0        # this request's row in the last sampled tensor
     penalty_row: int = PENALTY_SINK     # its row in the runner's PenaltyRows (penalties only)
+    controls: RowControls | None = None     # logit_bias / allowed_token_ids on the device
 
     @property
     def num_tokens(self) -> int:
@@ -389,6 +390,7 @@ class ModelRunner:
             state = self.requests[new.request_id] = _RunnerRequest(
                 list(new.token_ids), new.num_prompt_tokens, new.sampling_params,
                 list(new.block_ids), new.num_computed_tokens, tables.add(new.block_ids))
+            state.controls = RowControls.of(new.sampling_params, self.device)
             if _has_penalties(new.sampling_params):
                 if self.penalties is None:
                     self.penalties = PenaltyRows(self.model_config.vocab_size, self.device)
@@ -587,7 +589,8 @@ class ModelRunner:
             meta_s = SamplingMetadata.from_params(
                 params, [[]] * len(states), None, self.eos_token_ids, self.device,
                 [len(s.token_ids) - s.num_prompt_tokens + s.num_pending for s in states],
-                output_counts=counts, prompt_seen=seen, vocab_size=self.model_config.vocab_size)
+                output_counts=counts, prompt_seen=seen, vocab_size=self.model_config.vocab_size,
+                controls=[s.controls for s in states])
             out = self.sampler(logits, meta_s)
             if penalty_index is not None:
                 self.penalties.record(penalty_index, out.sampled_token_ids)

@@ -168,9 +168,9 @@ def _coerce_json_values(d: dict) -> dict:
     out = {}
     for k, v in d.items():
         t = str(types.get(k, ""))
-        if isinstance(v, float) and "int" in t and "list" not in t:
+        if isinstance(v, float) and "int" in t and "list" not in t and "dict" not in t:
             v = _whole_number(v)
-        elif isinstance(v, str) and k in types and "list" not in t and t != "str":
+        elif isinstance(v, str) and k in types and "list" not in t and "dict" not in t and t != "str":
             s = v.strip().lower()
             if "bool" in t and s in ("true", "false"):
                 v = s == "true"

@@ -63,9 +63,12 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
     if bad.size:
         raise ValueError(f"prompt token ids (input_ids) must be in [0, {vocab_size}), got "
                          f"{bad[:5].tolist()}")
-    bad = [t for t in params.stop_token_ids if t >= vocab_size]
-    if bad:
-        raise ValueError(f"stop_token_ids must be in [0, {vocab_size}), got {bad[:5]}")
+    for name, ids in (("stop_token_ids", params.stop_token_ids),
+                      ("logit_bias keys", params.logit_bias or ()),
+                      ("allowed_token_ids", params.allowed_token_ids or ())):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"{name} must be in [0, {vocab_size}), got {bad[:5]}")
 
 
 class Request:

@@ -1,5 +1,5 @@
-"""Batched next-token sampler: penalties, min_tokens, greedy / temperature / min-p / top-k / top-p,
-per-request seeds, raw logprobs.
+"""Batched next-token sampler: allowed_token_ids, logit_bias, penalties, min_tokens, greedy /
+temperature / min-p / top-k / top-p, per-request seeds, raw logprobs.
 
 Plain device-agnostic torch; on CUDA the argmax is kernels/argmax.py's, the random rows' noise
 kernels/exp_noise.py's (one launch, seeded rows or not) and their top-k / top-p and draw
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
+
+import numpy as np
 
 import torch
 from torch import Tensor
@@ -25,6 +27,48 @@ from kernels.race_sample import race_sample, race_sample_ref
 # distribution is a point mass to within rounding anyway (vLLM uses the same cut-off).
 _MIN_TEMPERATURE = 1e-5
 _MASK64 = (1 << 64) - 1
+
+
+@dataclass
+class RowControls:
+    """One request's logit_bias and allowed_token_ids on the device: built once a request (the
+    model runner keeps them), so that a step copies no id lists from the host."""
+
+    bias_ids: Tensor                # [nb] int64 (nb may be 0)
+    bias_values: Tensor             # [nb] float32
+    allowed_ids: Tensor | None      # [na] int64; None: every token is allowed
+
+    @classmethod
+    def of(cls, params: SamplingParams, device: torch.device | str) -> "RowControls | None":
+        """None for a request with neither (the usual case: it costs nothing)."""
+        if not params.logit_bias and params.allowed_token_ids is None:
+            return None
+        bias = params.logit_bias or {}
+        return cls(list_to_device(list(bias), torch.int64, device),
+                   list_to_device(list(bias.values()), torch.float32, device),
+                   None if params.allowed_token_ids is None
+                   else list_to_device(params.allowed_token_ids, torch.int64, device))
+
+
+def _batch_controls(controls: list[RowControls | None], device: torch.device | str
+                    ) -> tuple[tuple[Tensor, Tensor, Tensor] | None, tuple[Tensor, Tensor, Tensor] | None]:
+    """The rows' controls as (rows, ids, biases) for logit_bias and (rows, local rows, ids) for
+    allowed_token_ids, where `local` numbers the rows that have a list (the sampler's mask)."""
+    bias = [(i, c) for i, c in enumerate(controls) if c is not None and c.bias_ids.numel()]
+    allowed = [(i, c.allowed_ids) for i, c in enumerate(controls)
+               if c is not None and c.allowed_ids is not None]
+    logit_bias = allowed_ids = None
+    if bias:
+        rows = np.repeat([i for i, _ in bias], [c.bias_ids.numel() for _, c in bias])
+        logit_bias = (list_to_device(rows.tolist(), torch.int64, device),
+                      torch.cat([c.bias_ids for _, c in bias]),
+                      torch.cat([c.bias_values for _, c in bias]))
+    if allowed:
+        local = np.repeat(np.arange(len(allowed)), [ids.numel() for _, ids in allowed])
+        allowed_ids = (list_to_device([i for i, _ in allowed], torch.int64, device),
+                       list_to_device(local.tolist(), torch.int64, device),
+                       torch.cat([ids for _, ids in allowed]))
+    return logit_bias, allowed_ids
 
 
 @dataclass
@@ -57,6 +101,10 @@ class SamplingMetadata:
     output_counts: Tensor | None = None
     prompt_seen: Tensor | None = None
     max_top_k: int = 0                       # the largest k of the random rows (0: top-k off)
+    # vLLM's token controls (RowControls), batched: logit_bias as (rows, token ids, biases);
+    # allowed_token_ids as (rows, each id's index among those rows, token ids).
+    logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
+    allowed_token_ids: tuple[Tensor, Tensor, Tensor] | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -64,7 +112,8 @@ class SamplingMetadata:
                     device: torch.device | str,
                     num_output_tokens: list[int] | None = None, output_counts: Tensor | None = None,
                     prompt_seen: Tensor | None = None,
-                    vocab_size: int | None = None) -> "SamplingMetadata":
+                    vocab_size: int | None = None,
+                    controls: list[RowControls | None] | None = None) -> "SamplingMetadata":
         """Build the batch's metadata; row i is request i.
 
         Top-k / top-p / min-p and seeds only matter for random rows, so greedy rows leave them
@@ -76,6 +125,7 @@ class SamplingMetadata:
         `output_counts` and `prompt_seen` where the caller keeps them (engine/penalty_rows.py).
         A top-k of `vocab_size` or more keeps every token: off (as its k it made the sampler
         take the top V of every row, almost a sort, at every step).
+        `controls`: each row's RowControls as the caller keeps them (None: built from `params`).
         """
         if num_output_tokens is None:
             num_output_tokens = [len(out) for out in output_token_ids]
@@ -90,6 +140,9 @@ class SamplingMetadata:
         logprobs = [p.logprobs for p in params if p.logprobs is not None]
         top_k = [0 if g or (vocab_size is not None and p.top_k >= vocab_size) else p.top_k
                  for p, g in rows]
+        if controls is None:
+            controls = [RowControls.of(p, device) for p in params]
+        logit_bias, allowed_token_ids = _batch_controls(controls, device)
         return cls(
             temperature=None if all(greedy) else list_to_device(
                 [0.0 if g else p.temperature for p, g in rows], torch.float32, device),
@@ -111,6 +164,8 @@ class SamplingMetadata:
             output_counts=output_counts,
             prompt_seen=prompt_seen if repetition_penalty is not None else None,
             max_top_k=max(top_k, default=0),
+            logit_bias=logit_bias,
+            allowed_token_ids=allowed_token_ids,
         )
 
 
@@ -127,7 +182,8 @@ class SamplerOutput:
 class Sampler:
     """Picks one token per row of `logits` [B, V].
 
-    Order: raw logprobs (before anything else) -> penalties -> min_tokens mask -> greedy argmax
+    Order: raw logprobs (before anything else) -> allowed_token_ids -> logit_bias (vLLM V1's
+    order) -> penalties -> min_tokens mask -> greedy argmax
     | temperature -> min-p -> top-k -> top-p (on the renormalized survivors) -> exponential race
     `argmax(p / q)`, q ~ Exp(1) per vocabulary entry. A seeded row's q is keyed by (seed,
     len(output)), so its tokens do not depend on the rest of the batch; unseeded rows' by a key
@@ -151,9 +207,11 @@ class Sampler:
         kernels = logits.is_cuda if self.kernels is None else self.kernels
         as_they_are = meta.all_greedy or _race_takes_raw(meta, kernels)
         if not (as_they_are and meta.max_num_logprobs is None and meta.repetition_penalty is None
-                and meta.presence_penalty is None and meta.frequency_penalty is None):
+                and meta.presence_penalty is None and meta.frequency_penalty is None
+                and meta.logit_bias is None and meta.allowed_token_ids is None):
             logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
+        logits = apply_token_controls(logits, meta)
         logits = apply_penalties(logits, meta)
         logits = _mask_tokens(logits, meta.no_stop_token_ids)
 
@@ -218,6 +276,21 @@ def _race_takes_raw(meta: SamplingMetadata, kernels: bool) -> bool:
     """Whether the race kernel takes the logits as they come (any float dtype, undivided: it
     divides by the temperature as it reads), sparing the [B, V] fp32 copies; min-p needs them."""
     return kernels and meta.min_p is None
+
+
+def apply_token_controls(logits: Tensor, meta: SamplingMetadata) -> Tensor:
+    """allowed_token_ids, then logit_bias: a row with a list keeps only its tokens (every other
+    logit -inf), a bias is added to its token's logit. `logits` itself is never written."""
+    if meta.allowed_token_ids is not None:
+        rows, local, ids = meta.allowed_token_ids
+        keep = torch.zeros(rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
+        keep[local, ids] = True
+        kept = logits.index_select(0, rows).masked_fill(~keep, float("-inf"))
+        logits = logits.index_copy(0, rows, kept)
+    if meta.logit_bias is not None:
+        rows, ids, biases = meta.logit_bias
+        logits = logits.index_put((rows, ids), biases.to(logits.dtype), accumulate=True)
+    return logits
 
 
 def apply_penalties(logits: Tensor, meta: SamplingMetadata) -> Tensor:

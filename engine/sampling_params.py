@@ -21,6 +21,12 @@ MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 1024
 MAX_N = 128                  # completions per prompt (LLM.generate)
+# logit_bias: as many entries as stop_token_ids, each within the OpenAI API's [-100, 100] (a bias
+# of -100 bans a token, +100 all but forces it; larger ones only risk overflow in float32).
+MAX_LOGIT_BIAS = 1024
+MAX_LOGIT_BIAS_VALUE = 100.0
+# allowed_token_ids: up to a whole vocabulary of the largest ones served (Gemma's 256k).
+MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # A completion whose seed + k is -1 (read as "no seed") is seeded with this instead (child).
 CHILD_SEED_FOR_MINUS_ONE = -(2**63)
 # The sampler works in float32: temperature and repetition_penalty must be float32 numbers
@@ -61,6 +67,11 @@ class SamplingParams:
     # n requests of the prompt, the k-th seeded seed + k when a seed is given (vLLM's rule). An
     # AsyncEngine request is one completion (n 1).
     n: int = 1
+    # vLLM's token controls, applied to the logits before the penalties (vLLM V1's order):
+    # allowed_token_ids masks every other token to -inf; logit_bias adds its value to its token's
+    # logit ({token id: bias}; JSON's string keys are read as ids). logprobs stay the raw model's.
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -80,6 +91,11 @@ class SamplingParams:
         self.stop = _as_list("stop", self.stop, "a string or a list of strings")
         self.stop_token_ids = [t.item() if isinstance(t, np.integer) else t for t in _as_list(
             "stop_token_ids", self.stop_token_ids, "a list of token ids")]
+        if self.logit_bias is not None:
+            self.logit_bias = _as_bias(self.logit_bias)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = [t.item() if isinstance(t, np.integer) else t for t in _as_list(
+                "allowed_token_ids", self.allowed_token_ids, "a list of token ids")]
         if self.top_k is None:
             self.top_k = _NO_TOP_K
         _check_int("top_k", self.top_k)
@@ -137,6 +153,23 @@ class SamplingParams:
         _check_bool("include_stop_str_in_output", self.include_stop_str_in_output)
         _check_bool("skip_special_tokens", self.skip_special_tokens)
         _check_int("n", self.n, lo=1, hi=MAX_N)
+        if self.logit_bias is not None:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias holds {len(self.logit_bias)} entries; at most "
+                                 f"{MAX_LOGIT_BIAS} are allowed")
+            for t, b in self.logit_bias.items():
+                _check_num(f"logit_bias[{t}]", b, lo=-MAX_LOGIT_BIAS_VALUE, hi=MAX_LOGIT_BIAS_VALUE)
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise ValueError("allowed_token_ids must hold at least one token id (null: "
+                                 "every token is allowed)")
+            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKEN_IDS:
+                raise ValueError(f"allowed_token_ids holds {len(self.allowed_token_ids)} ids; at "
+                                 f"most {MAX_ALLOWED_TOKEN_IDS} are allowed")
+            for t in self.allowed_token_ids:
+                if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+                    raise ValueError(f"allowed_token_ids must be non-negative integers, got "
+                                     f"{_short(t)}")
 
     @property
     def greedy(self) -> bool:
@@ -208,6 +241,24 @@ def _as_list(name: str, v: Any, what: str) -> list:
     if not isinstance(v, (list, tuple)):
         raise ValueError(f"{name} must be {what}, got {_short(v)}")
     return list(v)
+
+
+def _as_bias(v: Any) -> dict[int, float]:
+    """logit_bias as {id: bias}: its keys may be ids or their decimal strings (JSON's keys are
+    strings, as OpenAI's API sends them); anything else is refused naming the key."""
+    if not isinstance(v, dict):
+        raise ValueError(f"logit_bias must be an object of token id -> bias, got {_short(v)}")
+    out: dict[int, float] = {}
+    for k, b in v.items():
+        t = k.item() if isinstance(k, np.integer) else k
+        if isinstance(t, str) and t.strip().isascii() and t.strip().isdecimal():
+            t = int(t.strip())
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise ValueError(f"logit_bias keys must be non-negative token ids, got {_short(k)}")
+        if t in out:
+            raise ValueError(f"logit_bias names token id {t} twice")
+        out[t] = b.item() if isinstance(b, np.generic) else b
+    return out
 
 
 def _short(v: Any) -> str:

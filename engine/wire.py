@@ -227,14 +227,23 @@ def _ids(values) -> bytes:
 # ---------------------------------------------------------------------------- sampling params
 def _pack_params(p: SamplingParams) -> bytes:
     """The fields the core uses; stop strings, detokenization options stay in the front end."""
-    flags = (1 if p.seed is not None else 0) | (2 if p.ignore_eos else 0)
+    flags = ((1 if p.seed is not None else 0) | (2 if p.ignore_eos else 0)
+             | (4 if p.logit_bias is not None else 0) | (8 if p.allowed_token_ids is not None else 0))
     # Beyond 2**32 - 1 tokens a limit is no limit: max_model_len ends a request first.
     max_tokens = 2**32 - 1 if p.max_tokens is None else min(p.max_tokens, 2**32 - 1)
     return _PARAMS.pack(max_tokens, min(p.min_tokens, max_tokens), p.temperature, p.top_p,
                         min(p.top_k, _I32_MAX),
                         p.min_p, p.seed or 0, p.repetition_penalty, p.presence_penalty,
                         p.frequency_penalty, -1 if p.logprobs is None else p.logprobs, flags,
-                        len(p.stop_token_ids)) + _ids(p.stop_token_ids)
+                        len(p.stop_token_ids)) + _ids(p.stop_token_ids) + _token_controls(p)
+
+
+def _token_controls(p: SamplingParams) -> bytes:
+    """logit_bias (ids, then float64 biases) and allowed_token_ids, each count-prefixed."""
+    bias = p.logit_bias or {}
+    allowed = p.allowed_token_ids or []
+    return (_U32.pack(len(bias)) + _ids(list(bias)) + np.asarray(list(bias.values()), "<f8").tobytes()
+            + _U32.pack(len(allowed)) + _ids(allowed))
 
 
 def _unpack_params(cur: _Cursor) -> SamplingParams:
@@ -243,7 +252,10 @@ def _unpack_params(cur: _Cursor) -> SamplingParams:
     if n_stop * 4 > len(cur.buf) - cur.pos:
         raise FrameError(f"{cur.what}: {n_stop} stop token ids do not fit in the frame")
     stop_ids = cur.array("<i4", n_stop).tolist()
-    if flags & ~3:
+    n_bias = cur.count(12)
+    bias = dict(zip(cur.array("<i4", n_bias).tolist(), cur.array("<f8", n_bias).tolist()))
+    allowed = cur.array("<i4", cur.count(4)).tolist()
+    if flags & ~15:
         raise FrameError(f"{cur.what}: unknown sampling flags 0x{flags:02x}")
     if not -1 <= logprobs <= MAX_LOGPROBS:
         raise FrameError(f"{cur.what}: logprobs {logprobs} out of range")
@@ -253,7 +265,8 @@ def _unpack_params(cur: _Cursor) -> SamplingParams:
             top_p=top_p, top_k=top_k, min_p=min_p, seed=seed if flags & 1 else None,
             stop_token_ids=stop_ids, ignore_eos=bool(flags & 2), repetition_penalty=rep,
             presence_penalty=pres, frequency_penalty=freq,
-            logprobs=None if logprobs < 0 else logprobs)
+            logprobs=None if logprobs < 0 else logprobs,
+            logit_bias=bias if flags & 4 else None, allowed_token_ids=allowed if flags & 8 else None)
     except ValueError as e:
         raise FrameError(f"{cur.what}: bad sampling parameters: {e}") from None
 
@@ -584,7 +597,7 @@ def decode_sched(payload: memoryview) -> SchedulerOutput:
     if sum(num_tokens) != total:
         raise FrameError(f"SCHED: rows add up to {sum(num_tokens)} tokens, header says {total}")
     new_reqs = []
-    for _ in range(cur.count(_NEW_HEAD.size + _PARAMS.size + 8)):
+    for _ in range(cur.count(_NEW_HEAD.size + _PARAMS.size + 16)):
         index, num_prompt, num_computed = cur.unpack(_NEW_HEAD)
         params = _unpack_params(cur)
         token_ids = cur.array("<i4", cur.count(4)).tolist()

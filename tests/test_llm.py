@@ -116,6 +116,64 @@ def test_greedy_matches_hf_with_guaranteed_no_evict_in_a_small_pool(tiny_models,
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+def test_allowed_token_ids_and_logit_bias_match_hf_in_a_mixed_batch(tiny_models, hf_outputs):
+    """vLLM's token controls against HF's own processors on the same prompts: allowed_token_ids
+    as `prefix_allowed_tokens_fn`, logit_bias as `sequence_bias` on one-token sequences. Rows
+    with controls share the batch (chunked prefill, preemption) with rows without, which give
+    what they give alone; the pool ends whole."""
+    prompts, plain = hf_outputs("llama")
+    vocab = json.load(open(f"{tiny_models['llama']}/config.json"))["vocab_size"]
+    rng = random.Random(3)
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()
+    params, expected = [], []
+    for i, p in enumerate(prompts):
+        ids = torch.tensor([p])
+        kwargs = {}
+        if i % 3 == 0:
+            allowed = rng.sample(range(vocab), 12)
+            params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                         allowed_token_ids=allowed))
+            kwargs["prefix_allowed_tokens_fn"] = lambda batch_id, ids, allowed=allowed: allowed
+        elif i % 3 == 1:
+            # Pushes toward the tokens plain greedy would not take at once, and away from the one it does.
+            bias = {t: rng.choice([4.0, 8.0]) for t in rng.sample(range(vocab), 6)}
+            bias[plain[i][0]] = -100.0
+            params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logit_bias=bias))
+            kwargs["sequence_bias"] = {(t,): b for t, b in bias.items()}
+        else:
+            params.append(GREEDY)
+            expected.append(plain[i])
+            continue
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, min_new_tokens=0, **kwargs)
+        expected.append(gen[0, len(p):].tolist())
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", block_size=16,
+              max_num_batched_tokens=64, num_kv_blocks=30, max_model_len=400)
+    outs = llm.generate(prompts, params)
+    stats = llm.get_stats()
+    assert stats.num_preemptions > 0
+    got = [o.outputs[0].token_ids for o in outs]
+    for i, (g, e) in enumerate(zip(got, expected)):
+        assert g == e, f"prompt {i} ({'allowed' if i % 3 == 0 else 'bias' if i % 3 == 1 else 'plain'}) differs"
+    for i in range(0, len(prompts), 3):
+        assert set(got[i]) <= set(params[i].allowed_token_ids)
+    for i in range(1, len(prompts), 3):
+        assert got[i] != plain[i] and got[i][0] != plain[i][0]
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_token_controls_out_of_the_vocabulary_are_refused_naming_them(tiny_models):
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64)
+    vocab = json.load(open(f"{tiny_models['llama']}/config.json"))["vocab_size"]
+    for params, name in ((SamplingParams(logit_bias={vocab: 1.0}), "logit_bias keys"),
+                         (SamplingParams(allowed_token_ids=[1, vocab + 5]), "allowed_token_ids")):
+        with pytest.raises(ValueError, match=rf"{name} must be in \[0, {vocab}\)"):
+            llm.generate([[1, 2, 3]], params)
+    stats = llm.get_stats()
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
 WINDOW = 40
 
 

@@ -481,3 +481,118 @@ def test_the_kernels_path_draws_what_the_references_draw(num_rows, min_p, dtype,
         got, want = kernels(logits, meta).sampled_token_ids, refs(logits, meta).sampled_token_ids
         assert torch.equal(got, want), (got, want)
     assert raced == ([(torch.float32, False)] if min_p else [(dtype, True)]) * 2
+
+
+# ------------------------------------------------------------------ logit_bias, allowed_token_ids
+def _controlled_ref(logits, params, outputs, prompts):
+    """vLLM V1's order, row by row in float64: allowed_token_ids (-inf elsewhere), logit_bias,
+    then the penalties as test_penalties_match_hand_computation computes them."""
+    out = logits.double().clone()
+    for row, p in enumerate(params):
+        if p.allowed_token_ids is not None:
+            keep = torch.zeros(out.shape[1], dtype=torch.bool)
+            keep[p.allowed_token_ids] = True
+            out[row][~keep] = float("-inf")
+        for t, b in (p.logit_bias or {}).items():
+            out[row, t] += b
+        seen = set(prompts[row]) | set(outputs[row])
+        for t in range(out.shape[1]):
+            v = out[row, t]
+            if t in seen and p.repetition_penalty != 1.0:
+                v = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+            c = outputs[row].count(t)
+            out[row, t] = v - p.frequency_penalty * c - p.presence_penalty * (c > 0)
+    return out
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_controls_apply_before_the_penalties_as_in_vllm(device):
+    vocab = 40
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, vocab, generator=gen) * 2
+    params = [
+        SamplingParams(logit_bias={3: 2.5, 7: -100.0, 39: 0.25}),
+        SamplingParams(),                                               # no controls: as it was
+        SamplingParams(allowed_token_ids=[0, 5, 5, 39]),
+        # A bias that turns a negative logit positive, then a repetition penalty on it: the
+        # penalty divides (bias first), where penalty-then-bias would have multiplied.
+        SamplingParams(logit_bias={1: 4.0}, repetition_penalty=2.0, frequency_penalty=0.5),
+        SamplingParams(allowed_token_ids=[1, 2, 3], logit_bias={2: 1.0, 30: 50.0}),
+        SamplingParams(logit_bias={}),
+    ]
+    logits[3, 1] = -1.0
+    outputs = [[], [], [], [1, 1], [], []]
+    prompts = [[0]] * 6
+    meta = _meta(params, device, outputs=outputs, prompts=prompts)
+    assert meta.logit_bias is not None and meta.allowed_token_ids is not None
+    before = logits.clone()
+    got = apply_penalties(sampler_module.apply_token_controls(logits.to(device), meta), meta)
+    want = _controlled_ref(logits, params, outputs, prompts)
+    torch.testing.assert_close(got.cpu().double(), want, atol=ATOL, rtol=RTOL)
+    assert torch.equal(logits, before)
+    assert got[3, 1].item() == pytest.approx((-1.0 + 4.0) / 2.0 - 2 * 0.5)
+    assert torch.equal(got[1].cpu(), logits[1]) and torch.equal(got[5].cpu(), logits[5])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_greedy_and_random_rows_pick_only_allowed_tokens_and_follow_the_bias(device):
+    vocab = 64
+    gen = torch.Generator().manual_seed(9)
+    logits = torch.randn(32, vocab, generator=gen).to(device)
+    allowed = [5, 17, 60]
+    params = ([SamplingParams(temperature=0.0, allowed_token_ids=allowed)] * 8
+              + [SamplingParams(temperature=1.0, allowed_token_ids=allowed, seed=i) for i in range(8)]
+              + [SamplingParams(temperature=0.0, logit_bias={33: 100.0})] * 8
+              + [SamplingParams(temperature=0.8, top_k=5, logit_bias={33: 100.0})] * 8)
+    for kernels in (False, True):
+        out = Sampler(seed=0, kernels=kernels)(logits, _meta(params, device)).sampled_token_ids.cpu()
+        sub = logits[:8, allowed].cpu()
+        assert out[:8].tolist() == [allowed[i] for i in sub.argmax(-1).tolist()]
+        assert set(out[8:16].tolist()) <= set(allowed)
+        assert out[16:].tolist() == [33] * 16
+    # Random rows draw every allowed token in proportion, not only the best one.
+    draws = _draws([0.0] * vocab, SamplingParams(allowed_token_ids=allowed), 3000, device)
+    assert set(draws.tolist()) == set(allowed)
+    assert min((draws == t).sum().item() for t in allowed) > 850
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logprobs_stay_the_raw_models_under_token_controls(device):
+    """vLLM's default (raw logprobs): computed before any control, so a biased or masked token's
+    logprob and the top-n are the model's own."""
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 30, generator=gen).to(device)
+    params = [SamplingParams(temperature=0.0, logprobs=3, logit_bias={4: 100.0}),
+              SamplingParams(temperature=0.0, logprobs=3, allowed_token_ids=[4])]
+    out = Sampler(seed=0)(logits, _meta(params, device))
+    raw = logits.float().log_softmax(-1)
+    assert out.sampled_token_ids.tolist() == [4, 4]
+    torch.testing.assert_close(out.logprobs[:, 0], raw[:, 4])
+    torch.testing.assert_close(out.logprobs[:, 1:], raw.topk(3, dim=-1).values)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bf16_logits_with_a_small_bias_are_biased_in_float32(device):
+    """A decode graph's logits come in bf16: a bias is added in float32 (as vLLM, which casts
+    first), so a bias below bf16's step at 1.0 (2^-7) still decides a near tie."""
+    logits = torch.tensor([[1.0, 0.99609375, -3.0]], dtype=torch.bfloat16, device=device)
+    params = [SamplingParams(temperature=0.0, logit_bias={1: 0.005})]
+    assert Sampler()(logits, _meta(params, device)).sampled_token_ids.tolist() == [1]
+
+
+def test_from_params_builds_controls_only_for_rows_that_have_them():
+    assert _meta([SamplingParams(), SamplingParams(logit_bias={})]).logit_bias is None
+    assert _meta([SamplingParams()]).allowed_token_ids is None
+    meta = _meta([SamplingParams(), SamplingParams(logit_bias={7: 1.5, 2: -1.0}),
+                  SamplingParams(allowed_token_ids=[4, 1]), SamplingParams(allowed_token_ids=[9])])
+    rows, ids, biases = meta.logit_bias
+    assert (rows.tolist(), ids.tolist(), biases.tolist()) == ([1, 1], [7, 2], [1.5, -1.0])
+    rows, local, ids = meta.allowed_token_ids
+    assert (rows.tolist(), local.tolist(), ids.tolist()) == ([2, 3], [0, 0, 1], [4, 1, 9])
+    # The caller's own RowControls (the model runner keeps them a request) give the same.
+    controls = [sampler_module.RowControls.of(p, "cpu") for p in
+                [SamplingParams(), SamplingParams(logit_bias={7: 1.5, 2: -1.0})]]
+    assert controls[0] is None
+    kept = SamplingMetadata.from_params([SamplingParams()] * 2, [[0]] * 2, [[]] * 2, [], "cpu",
+                                        controls=controls)
+    assert [t.tolist() for t in kept.logit_bias] == [[1, 1], [7, 2], [1.5, -1.0]]

@@ -1,10 +1,11 @@
 import math
 
+import numpy as np
 import pytest
 
-from engine.sampling_params import (CHILD_SEED_FOR_MINUS_ONE, FLOAT32_MAX, MAX_LOGPROBS, MAX_N,
-                                    MAX_STOP_STRING_CHARS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS,
-                                    SamplingParams)
+from engine.sampling_params import (CHILD_SEED_FOR_MINUS_ONE, FLOAT32_MAX, MAX_ALLOWED_TOKEN_IDS,
+                                    MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS,
+                                    MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, SamplingParams)
 
 
 def test_defaults():
@@ -118,6 +119,19 @@ def test_nan_and_infinity_are_refused_by_name(field, value):
     ("stop_token_ids", [1.5], "non-negative integers"),
     ("top_k", "abc", "integer"),
     ("max_tokens", "64", "integer"),
+    ("logit_bias", [1, 2], "an object of token id -> bias"),
+    ("logit_bias", {"x": 1.0}, "non-negative token ids"),
+    ("logit_bias", {-1: 1.0}, "non-negative token ids"),
+    ("logit_bias", {"٣": 1.0}, "non-negative token ids"),      # digits, but not ASCII ones
+    ("logit_bias", {1: 100.5}, ">= -100.0 and <= 100.0"),
+    ("logit_bias", {1: -1e30}, ">= -100.0 and <= 100.0"),
+    ("logit_bias", {1: "2"}, "must be a number"),
+    ("logit_bias", {1: 1.0, "1": 2.0}, "names token id 1 twice"),
+    ("logit_bias", {i: 0.0 for i in range(MAX_LOGIT_BIAS + 1)}, f"at most {MAX_LOGIT_BIAS}"),
+    ("allowed_token_ids", [], "at least one token id"),
+    ("allowed_token_ids", [3, -3], "non-negative integers"),
+    ("allowed_token_ids", 5, "a list of token ids"),
+    ("allowed_token_ids", list(range(MAX_ALLOWED_TOKEN_IDS + 1)), f"at most {MAX_ALLOWED_TOKEN_IDS}"),
 ])
 def test_limits_name_the_field_and_the_range(field, value, hint):
     with pytest.raises(ValueError) as e:
@@ -225,3 +239,24 @@ def test_vllms_spellings_set_after_building_are_taken_by_validate():
     sp.top_k, sp.stop, sp.stop_token_ids, sp.logprobs, sp.seed = -1, "end", None, True, -1
     sp.validate()
     assert (sp.top_k, sp.stop, sp.stop_token_ids, sp.logprobs, sp.seed) == (0, ["end"], [], 1, None)
+
+
+def test_logit_bias_takes_json_string_keys_and_a_copy_of_the_callers_values():
+    """OpenAI's API and JSON send logit_bias keys as strings: they are the ids they spell. A
+    request keeps its own copies (clone), which the caller's later changes do not reach."""
+    p = SamplingParams.from_json('{"logit_bias": {"50256": -100, " 7 ": 2.5}, '
+                                 '"allowed_token_ids": [1, 2]}')
+    assert p.logit_bias == {50256: -100, 7: 2.5} and p.allowed_token_ids == [1, 2]
+    bias, allowed = {np.int64(3): np.float32(0.5)}, [np.int32(4)]
+    q = SamplingParams(logit_bias=bias, allowed_token_ids=allowed)
+    assert q.logit_bias == {3: 0.5} and type(next(iter(q.logit_bias))) is int
+    assert q.allowed_token_ids == [4] and type(q.allowed_token_ids[0]) is int
+    kept = q.clone()
+    q.logit_bias[3] = 99.0
+    q.allowed_token_ids.append(5)
+    assert kept.logit_bias == {3: 0.5} and kept.allowed_token_ids == [4]
+    # null is the default (no controls); an empty bias is no bias.
+    assert SamplingParams.from_json('{"logit_bias": null, "allowed_token_ids": null}').logit_bias is None
+    assert SamplingParams(logit_bias={}).logit_bias == {}
+    assert SamplingParams(logit_bias={1: 100, 2: -100.0},
+                          allowed_token_ids=list(range(MAX_ALLOWED_TOKEN_IDS))).logit_bias == {1: 100, 2: -100.0}

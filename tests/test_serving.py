@@ -403,6 +403,32 @@ def test_bls_answers_a_stream_request_with_the_streams_text(server):
     _server_carries_on(server)
 
 
+def test_token_controls_are_served_as_the_direct_engine_gives_them(server, direct):
+    """vLLM's allowed_token_ids and logit_bias in sampling_parameters (JSON's string keys, as
+    OpenAI's API sends them), streamed (llm) and not (llm_bls): the direct engine's tokens, which
+    keep to the allowed ids and follow the bias; the pool ends whole."""
+    prompt = "Only some words may follow"
+    plain = direct.generate(prompt, SamplingParams(**greedy(12)))[0].outputs[0].token_ids
+    allowed = [7, 11, 300, 512, 900]
+    cases = [
+        {"allowed_token_ids": allowed, **greedy(12)},
+        {"logit_bias": {str(plain[0]): -100, "42": 100.0}, **greedy(12)},
+        {"logit_bias": {"5": 3.0, "77": -2.5}, "allowed_token_ids": allowed + [5, 77],
+         "temperature": 0.9, "seed": 17, "max_tokens": 12, "ignore_eos": True},
+    ]
+    for params in cases:
+        want = direct.generate(prompt, SamplingParams(**params))[0].outputs[0]
+        streamed = stream_request(server, prompt, params)
+        assert text_of(streamed) == want.text, params
+        bls = bls_grpc(server, prompt, params, return_output_ids=True)
+        assert bls["output_ids"].tolist() == want.token_ids, params
+        if "allowed_token_ids" in params:
+            assert set(want.token_ids) <= set(params["allowed_token_ids"])
+    assert want.token_ids != plain
+    assert direct.generate(prompt, SamplingParams(**cases[1]))[0].outputs[0].token_ids == [42] * 12
+    wait_pool_whole(server)
+
+
 def test_request_parameters_are_sampling_parameters_as_in_the_vllm_backend(server, direct):
     """Triton's generate endpoint puts its "parameters" object, and every key that is not an
     input, into the request's parameters; gRPC clients set them directly. Triton's vLLM backend
@@ -945,6 +971,14 @@ BAD_INPUTS = [
     ("stop_token_ids beyond the vocabulary", _params('{"stop_token_ids": [1000000]}'),
      ["stop_token_ids", "must be in [0, "]),
     ("top_k not a number", _params('{"top_k": "many"}'), ["top_k must be an integer"]),
+    ("logit_bias beyond the vocabulary", _params('{"logit_bias": {"1000000": 5}}'),
+     ["logit_bias keys", "must be in [0, ", "[1000000]"]),
+    ("logit_bias out of range", _params('{"logit_bias": {"5": 500}}'),
+     ["logit_bias[5]", ">= -100.0 and <= 100.0"]),
+    ("allowed_token_ids empty", _params('{"allowed_token_ids": []}'),
+     ["allowed_token_ids must hold at least one token id"]),
+    ("allowed_token_ids beyond the vocabulary", _params('{"allowed_token_ids": [4, 1000000]}'),
+     ["allowed_token_ids", "must be in [0, ", "[1000000]"]),
 ]
 
 

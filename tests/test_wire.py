@@ -31,7 +31,8 @@ I32_MAX = 2**31 - 1
 # matched on text, detokenization options apply to text, and n (always 1) is checked there.
 CORE_PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                      "seed", "stop_token_ids", "ignore_eos", "repetition_penalty",
-                     "presence_penalty", "frequency_penalty", "logprobs")
+                     "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
+                     "allowed_token_ids")
 FRONT_END_PARAM_FIELDS = {"stop", "include_stop_str_in_output", "skip_special_tokens", "n"}
 
 
@@ -210,7 +211,9 @@ def busy_sched_frames() -> tuple[bytes, bytes]:
 ADD_PARAMS = SamplingParams(max_tokens=300, min_tokens=7, temperature=0.85, top_p=0.93,
                             top_k=40, min_p=0.05, seed=12345, stop_token_ids=[0, 7, I32_MAX],
                             ignore_eos=True, repetition_penalty=1.3, presence_penalty=-1.5,
-                            frequency_penalty=2.0, logprobs=MAX_LOGPROBS)
+                            frequency_penalty=2.0, logprobs=MAX_LOGPROBS,
+                            logit_bias={0: -100.0, 9: 0.1, I32_MAX: 100.0},
+                            allowed_token_ids=[3, 0, I32_MAX, 3])
 SCHED_NEW, SCHED_RICH = busy_sched_frames()
 # name -> (decode(payload), a valid whole frame): every decoder, and both OutputsDecoder states.
 TOKENS_ITEMS = [(wire.TOKENS_OK, [1, 2, I32_MAX]), (wire.TOKENS_TOO_LONG, 150_000),
@@ -258,8 +261,10 @@ def test_core_param_fields_are_every_field_but_the_front_end_ones():
     SamplingParams(logprobs=0, stop_token_ids=[5]),
     SamplingParams(max_tokens=1, min_tokens=1, top_p=1e-9, min_p=1.0, repetition_penalty=1e-6,
                    presence_penalty=2.0, frequency_penalty=-2.0),
+    SamplingParams(logit_bias={}, allowed_token_ids=[1]),
+    SamplingParams(logit_bias={"5": 1e-300, 6: -7}),
 ], ids=["defaults", "every-field", "seed0", "seed-1", "seed-min", "seed-max", "logprobs0",
-        "extremes"])
+        "extremes", "no-bias-one-allowed", "bias-only"])
 @pytest.mark.parametrize("token_ids", [
     [7], [0, 1, I32_MAX, 12345], np.random.default_rng(0).integers(0, 2**31, 1000).tolist(),
 ], ids=["one", "edges", "long"])
