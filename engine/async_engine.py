@@ -111,6 +111,7 @@ class AsyncEngine:
         (and costs no per-step work). Leaving the loop early aborts the request. The request
         keeps its own copy of `params`: the caller may change or reuse them at once."""
         params = params.clone()
+        params.tokenize_bad_words(self.tokenizer)
         channel = self._open(request_id)
         try:
             text, ids, packed = await self._prepare(prompt, params, channel)
@@ -169,6 +170,7 @@ class AsyncEngine:
         or None for this engine's own; a peer that is gone means our own. The request keeps
         its own copy of `params`: the caller may change or reuse them once this returns."""
         params = params.clone()
+        params.tokenize_bad_words(self.tokenizer)
         channel = self._open(request_id, sink)
         try:
             text, ids, packed = await self._prepare(prompt, params, channel, tokenized)

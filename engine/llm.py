@@ -254,8 +254,10 @@ class LLM:
                     for prompt, params in zip(prompts, sampling_params):
                         # Checked again (n among them, which the completions' own do not
                         # show), once per object: a field may have changed since it was built.
-                        params = checked.get(id(params)) or checked.setdefault(
-                            id(params), params.clone())
+                        if id(params) not in checked:
+                            own = checked[id(params)] = params.clone()
+                            own.tokenize_bad_words(self.tokenizer)
+                        params = checked[id(params)]
                         text, ids = encode_prompt(self.tokenizer, prompt)
                         arr = token_array(ids)
                         parent = str(next(self._ids))

@@ -28,12 +28,12 @@ from engine.cascade_step import CascadeStep, CascadeSteps
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs
 from engine.gemm_tuning import tune_skinny_gemms
-from engine.host_copy import to_device, to_host
+from engine.host_copy import list_to_device, to_device, to_host
 from engine.piecewise_graphs import PiecewiseGraphs
 from engine.models.attention import TORCH_BACKEND, AttentionMetadata, triton_backend
 from engine.models.loader import load_model
 from engine.penalty_rows import SINK as PENALTY_SINK, PenaltyRows
-from engine.sampler import RowControls, Sampler, SamplingMetadata
+from engine.sampler import RowControls, Sampler, SamplingMetadata, bad_word_bans
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ModelRunnerOutput, SchedulerOutput
 from engine.step_timing import StepTimes
@@ -586,11 +586,12 @@ class ModelRunner:
             if any(s.penalty_row != PENALTY_SINK for s in states):
                 counts, seen, penalty_index = self.penalties.rows_for(
                     [s.penalty_row for s in states], prompts=any(p.repetition_penalty != 1.0 for p in params))
+            bans, pending = self._bad_word_bans(states)
             meta_s = SamplingMetadata.from_params(
                 params, [[]] * len(states), None, self.eos_token_ids, self.device,
                 [len(s.token_ids) - s.num_prompt_tokens + s.num_pending for s in states],
                 output_counts=counts, prompt_seen=seen, vocab_size=self.model_config.vocab_size,
-                controls=[s.controls for s in states])
+                controls=[s.controls for s in states], bans=bans, pending_tokens=pending)
             out = self.sampler(logits, meta_s)
             if penalty_index is not None:
                 self.penalties.record(penalty_index, out.sampled_token_ids)
@@ -617,6 +618,26 @@ class ModelRunner:
         self._uncollected = handle
         times.launch += time.perf_counter() - t1
         return handle
+
+    def _bad_word_bans(self, states: list[_RunnerRequest]
+                       ) -> tuple[list[list[tuple[int, int]]] | None, torch.Tensor | None]:
+        """The rows' bad_word_bans, matched on the output the host knows; where a word's
+        prefix ends in a row's token still in flight, the ban waits on that token on the device
+        (the step's pending tokens, gathered from the last sampled tensor: no wait)."""
+        if not any(s.sampling_params.bad_words_token_ids for s in states):
+            return None, None
+        bans = []
+        for s in states:
+            words = s.sampling_params.bad_words_token_ids or []
+            longest = max((len(w) for w in words), default=1)
+            tail = s.token_ids[max(s.num_prompt_tokens, len(s.token_ids) - longest):]
+            bans.append(bad_word_bans(words, tail, s.num_pending > 0))
+        pending = None
+        if any(needs >= 0 for row in bans for _, needs in row):
+            rows = [s.pending_row if s.num_pending else 0 for s in states]
+            pending = self._last_sampled.index_select(
+                0, list_to_device(rows, torch.int64, self.device))
+        return bans, pending
 
     def collect(self, handle: _InFlight) -> ModelRunnerOutput:
         """Waits for a launched step's sampled tokens and appends them to the requests'

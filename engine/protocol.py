@@ -93,8 +93,8 @@ MAX_TEXT_INPUT_BYTES = 16 << 20
 MAX_INPUT_IDS = 1 << 20
 MAX_SAMPLING_PARAMETERS_BYTES = 1 << 20
 
-# TensorRT-LLM's word-list inputs (llm_bls): stop_words are added to `stop`; bad_words are
-# taken only empty (TensorRT-LLM's README sends both as "").
+# TensorRT-LLM's word-list inputs (llm_bls): stop_words are added to `stop`, bad_words to
+# `bad_words` (TensorRT-LLM's README sends both as "": none).
 TRTLLM_WORD_INPUTS = ("stop_words", "bad_words")
 # TensorRT-LLM-style scalar inputs (llm_bls): they override the JSON sampling parameters.
 SCALAR_OVERRIDES = {"max_tokens": int, "temperature": float, "top_p": float, "top_k": int,
@@ -328,10 +328,9 @@ def bls_inner_inputs(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     for name, kind in SCALAR_OVERRIDES.items():
         if inputs.get(name) is not None:
             params[name] = kind(_scalar(inputs[name], name))
-    if inputs.get("stop_words") is not None:
-        params["stop"] = _stop_words(inputs["stop_words"], params.get("stop"))
-    if inputs.get("bad_words") is not None:
-        _check_no_bad_words(inputs["bad_words"])
+    for name, key in (("stop_words", "stop"), ("bad_words", "bad_words")):
+        if inputs.get(name) is not None:
+            params[key] = _word_list(inputs[name], name, key, params.get(key))
     inner = {name: np.array([v]) for name, v in flags.items()}
     inner.update({k: v for k, v in inputs.items() if k in INPUT_NAMES and v is not None})
     inner["sampling_parameters"] = np.array([json.dumps(params).encode()], dtype=np.object_)
@@ -358,39 +357,26 @@ def bls_inner_outputs(inner: dict[str, np.ndarray], requested: list[str]) -> lis
     return names or ["text_output"]
 
 
-def _stop_words(arr: np.ndarray, stop: Any) -> list[str]:
-    """TensorRT-LLM's stop_words input, checked by its own name, added to the JSON's stop.
-    Empty words are skipped, as TensorRT-LLM's preprocessing skips them (its README's request
-    sends `"stop_words": ""`)."""
+def _word_list(arr: np.ndarray, name: str, key: str, given: Any) -> list[str]:
+    """TensorRT-LLM's stop_words / bad_words input, checked by its own name, added to the
+    JSON's `stop` / `bad_words`. Empty words are skipped, as TensorRT-LLM's preprocessing skips
+    them (its README's request sends `"stop_words": ""` and `"bad_words": ""`)."""
     words = np.asarray(arr).reshape(-1)
     if words.size > MAX_STOP_STRINGS:
-        raise ValueError(f"stop_words holds {words.size} strings; at most {MAX_STOP_STRINGS} "
+        raise ValueError(f"{name} holds {words.size} strings; at most {MAX_STOP_STRINGS} "
                          f"are allowed")
-    out = list(stop) if isinstance(stop, list) else [] if stop is None else [stop]
+    out = list(given) if isinstance(given, list) else [] if given is None else [given]
     for w in words:
-        word = _text(np.array([w], dtype=np.object_), "stop_words")
+        word = _text(np.array([w], dtype=np.object_), name)
         if len(word) > MAX_STOP_STRING_CHARS:
-            raise ValueError(f"stop_words must be strings of at most {MAX_STOP_STRING_CHARS} "
+            raise ValueError(f"{name} must be strings of at most {MAX_STOP_STRING_CHARS} "
                              f"characters, got one of {len(word)}")
         if word and word not in out:
             out.append(word)
     if len(out) > MAX_STOP_STRINGS:
-        raise ValueError(f"stop and stop_words hold {len(out)} strings together; at most "
+        raise ValueError(f"{key} and {name} hold {len(out)} strings together; at most "
                          f"{MAX_STOP_STRINGS} are allowed")
     return out
-
-
-def _check_no_bad_words(arr: np.ndarray) -> None:
-    """TensorRT-LLM's bad_words input: taken only empty (its README's request sends
-    `"bad_words": ""`, which means none); words to ban are refused, not ignored."""
-    words = np.asarray(arr).reshape(-1)
-    if words.size > MAX_STOP_STRINGS:
-        raise ValueError(f"bad_words holds {words.size} strings; at most {MAX_STOP_STRINGS} "
-                         f"are allowed (and only empty ones)")
-    for w in words:
-        if _text(np.array([w], dtype=np.object_), "bad_words"):
-            raise ValueError("bad_words is not supported: only empty words (none) are "
-                             "accepted; leave the input out")
 
 
 class Completion(NamedTuple):

@@ -69,6 +69,12 @@ def check_request(prompt_token_ids, params: SamplingParams, max_model_len: int,
         bad = [t for t in ids if t >= vocab_size]
         if bad:
             raise ValueError(f"{name} must be in [0, {vocab_size}), got {bad[:5]}")
+    if params.bad_words and params.bad_words_token_ids is None:
+        raise ValueError("bad_words were not tokenized (SamplingParams.tokenize_bad_words)")
+    bad = [t for w in params.bad_words_token_ids or () for t in w if t >= vocab_size]
+    if bad:
+        raise ValueError(f"bad_words give token ids beyond the model's vocabulary "
+                         f"[0, {vocab_size}): {bad[:5]}")
 
 
 class Request:

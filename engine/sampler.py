@@ -1,5 +1,5 @@
-"""Batched next-token sampler: allowed_token_ids, logit_bias, penalties, min_tokens, greedy /
-temperature / min-p / top-k / top-p, per-request seeds, raw logprobs.
+"""Batched next-token sampler: allowed_token_ids, bad_words, logit_bias, penalties, min_tokens,
+greedy / temperature / min-p / top-k / top-p, per-request seeds, raw logprobs.
 
 Plain device-agnostic torch; on CUDA the argmax is kernels/argmax.py's, the random rows' noise
 kernels/exp_noise.py's (one launch, seeded rows or not) and their top-k / top-p and draw
@@ -71,6 +71,23 @@ def _batch_controls(controls: list[RowControls | None], device: torch.device | s
     return logit_bias, allowed_ids
 
 
+def bad_word_bans(words: list[list[int]], tail: list[int], pending: bool) -> list[tuple[int, int]]:
+    """What a row's bad words ban next, as (token, needs) pairs: `token` is banned if `needs` is
+    -1, or if the token being sampled by the step in flight (`pending`: one the host does not
+    know yet) turns out to be `needs`. tail: the row's output as the host knows it (its last
+    max(len(word)) - 1 tokens are enough; the prompt is not matched, as in vLLM)."""
+    bans = []
+    for word in words:
+        prefix = word[:-1]
+        if pending and prefix:          # the prefix's last token is the one in flight
+            prefix, needs = prefix[:-1], prefix[-1]
+        else:
+            needs = -1
+        if len(prefix) <= len(tail) and tail[len(tail) - len(prefix):] == prefix:
+            bans.append((word[-1], needs))
+    return bans
+
+
 @dataclass
 class SamplingMetadata:
     """The batch's sampling settings, one row per request sampled this step (B rows).
@@ -105,6 +122,9 @@ class SamplingMetadata:
     # allowed_token_ids as (rows, each id's index among those rows, token ids).
     logit_bias: tuple[Tensor, Tensor, Tensor] | None = None
     allowed_token_ids: tuple[Tensor, Tensor, Tensor] | None = None
+    # bad_words this step (bad_word_bans): (rows, token ids, whether each is banned), the last
+    # decided on the device where it waits on the token in flight.
+    bad_words: tuple[Tensor, Tensor, Tensor] | None = None
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], prompt_token_ids: list[list[int]],
@@ -113,7 +133,9 @@ class SamplingMetadata:
                     num_output_tokens: list[int] | None = None, output_counts: Tensor | None = None,
                     prompt_seen: Tensor | None = None,
                     vocab_size: int | None = None,
-                    controls: list[RowControls | None] | None = None) -> "SamplingMetadata":
+                    controls: list[RowControls | None] | None = None,
+                    bans: list[list[tuple[int, int]]] | None = None,
+                    pending_tokens: Tensor | None = None) -> "SamplingMetadata":
         """Build the batch's metadata; row i is request i.
 
         Top-k / top-p / min-p and seeds only matter for random rows, so greedy rows leave them
@@ -126,6 +148,8 @@ class SamplingMetadata:
         A top-k of `vocab_size` or more keeps every token: off (as its k it made the sampler
         take the top V of every row, almost a sort, at every step).
         `controls`: each row's RowControls as the caller keeps them (None: built from `params`).
+        `bans`: each row's bad_word_bans, where the caller has a token in flight; `pending_tokens`
+        [B] (device) is then each row's token in flight. None: from `output_token_ids`.
         """
         if num_output_tokens is None:
             num_output_tokens = [len(out) for out in output_token_ids]
@@ -143,6 +167,11 @@ class SamplingMetadata:
         if controls is None:
             controls = [RowControls.of(p, device) for p in params]
         logit_bias, allowed_token_ids = _batch_controls(controls, device)
+        if bans is None and any(p.bad_words_token_ids for p in params):
+            assert output_token_ids is not None, "bad_words need output_token_ids or bans"
+            bans = [bad_word_bans(p.bad_words_token_ids or [], out, False)
+                    for p, out in zip(params, output_token_ids)]
+        bad_words = _batch_bans(bans, pending_tokens, device) if bans else None
         return cls(
             temperature=None if all(greedy) else list_to_device(
                 [0.0 if g else p.temperature for p, g in rows], torch.float32, device),
@@ -166,7 +195,20 @@ class SamplingMetadata:
             max_top_k=max(top_k, default=0),
             logit_bias=logit_bias,
             allowed_token_ids=allowed_token_ids,
+            bad_words=bad_words,
         )
+
+
+def _batch_bans(bans: list[list[tuple[int, int]]], pending_tokens: Tensor | None,
+                device: torch.device | str) -> tuple[Tensor, Tensor, Tensor] | None:
+    flat = [(row, token, needs) for row, pairs in enumerate(bans) for token, needs in pairs]
+    if not flat:
+        return None
+    rows, tokens, needs = (list_to_device(list(v), torch.int64, device) for v in zip(*flat))
+    banned = needs < 0
+    if pending_tokens is not None and any(n >= 0 for _, _, n in flat):
+        banned = banned | (pending_tokens.index_select(0, rows) == needs)
+    return rows, tokens, banned
 
 
 @dataclass
@@ -182,8 +224,8 @@ class SamplerOutput:
 class Sampler:
     """Picks one token per row of `logits` [B, V].
 
-    Order: raw logprobs (before anything else) -> allowed_token_ids -> logit_bias (vLLM V1's
-    order) -> penalties -> min_tokens mask -> greedy argmax
+    Order: raw logprobs (before anything else) -> allowed_token_ids -> bad_words -> logit_bias
+    (vLLM V1's order) -> penalties -> min_tokens mask -> greedy argmax
     | temperature -> min-p -> top-k -> top-p (on the renormalized survivors) -> exponential race
     `argmax(p / q)`, q ~ Exp(1) per vocabulary entry. A seeded row's q is keyed by (seed,
     len(output)), so its tokens do not depend on the rest of the batch; unseeded rows' by a key
@@ -208,7 +250,8 @@ class Sampler:
         as_they_are = meta.all_greedy or _race_takes_raw(meta, kernels)
         if not (as_they_are and meta.max_num_logprobs is None and meta.repetition_penalty is None
                 and meta.presence_penalty is None and meta.frequency_penalty is None
-                and meta.logit_bias is None and meta.allowed_token_ids is None):
+                and meta.logit_bias is None and meta.allowed_token_ids is None
+                and meta.bad_words is None):
             logits = logits.float()
         raw_logprobs = logits.log_softmax(-1) if meta.max_num_logprobs is not None else None
         logits = apply_token_controls(logits, meta)
@@ -279,14 +322,20 @@ def _race_takes_raw(meta: SamplingMetadata, kernels: bool) -> bool:
 
 
 def apply_token_controls(logits: Tensor, meta: SamplingMetadata) -> Tensor:
-    """allowed_token_ids, then logit_bias: a row with a list keeps only its tokens (every other
-    logit -inf), a bias is added to its token's logit. `logits` itself is never written."""
+    """allowed_token_ids, bad_words, then logit_bias: a row with a list keeps only its tokens
+    (every other logit -inf), a banned token's logit is -inf, a bias is added to its token's
+    logit. `logits` itself is never written."""
     if meta.allowed_token_ids is not None:
         rows, local, ids = meta.allowed_token_ids
         keep = torch.zeros(rows.shape[0], logits.shape[1], dtype=torch.bool, device=logits.device)
         keep[local, ids] = True
         kept = logits.index_select(0, rows).masked_fill(~keep, float("-inf"))
         logits = logits.index_copy(0, rows, kept)
+    if meta.bad_words is not None:      # -inf where banned, + 0 elsewhere (the same bits)
+        rows, tokens, banned = meta.bad_words
+        ban = torch.zeros(banned.shape, dtype=logits.dtype, device=logits.device)
+        logits = logits.index_put((rows, tokens), ban.masked_fill(banned, float("-inf")),
+                                  accumulate=True)
     if meta.logit_bias is not None:
         rows, ids, biases = meta.logit_bias
         logits = logits.index_put((rows, ids), biases.to(logits.dtype), accumulate=True)

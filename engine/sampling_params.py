@@ -27,6 +27,12 @@ MAX_LOGIT_BIAS = 1024
 MAX_LOGIT_BIAS_VALUE = 100.0
 # allowed_token_ids: up to a whole vocabulary of the largest ones served (Gemma's 256k).
 MAX_ALLOWED_TOKEN_IDS = 1 << 18
+# bad_words: as many and as long as stop strings; each is banned as one or two id sequences.
+MAX_BAD_WORDS = MAX_STOP_STRINGS
+MAX_BAD_WORD_CHARS = MAX_STOP_STRING_CHARS
+MAX_BAD_WORD_IDS = 4 * MAX_BAD_WORD_CHARS        # a character may take up to 4 byte tokens
+# Fields the front end fills in, not a user's keys (from_dict refuses them by name).
+INTERNAL_FIELDS = ("bad_words_token_ids",)
 # A completion whose seed + k is -1 (read as "no seed") is seeded with this instead (child).
 CHILD_SEED_FOR_MINUS_ONE = -(2**63)
 # The sampler works in float32: temperature and repetition_penalty must be float32 numbers
@@ -72,6 +78,13 @@ class SamplingParams:
     # logit ({token id: bias}; JSON's string keys are read as ids). logprobs stay the raw model's.
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    # vLLM's bad_words: the last token of a word is never sampled right after the word's other
+    # tokens (a one-token word: never). Matched on token ids, in the output only, each word as
+    # the tokenizer spells it alone and after a space (tokenize_bad_words, vLLM's rule).
+    bad_words: list[str] = field(default_factory=list)
+    # bad_words as those id sequences: filled by the front end (LLM, AsyncEngine) before the
+    # request goes to the engine core, which reads only these. Not a user's key.
+    bad_words_token_ids: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -93,6 +106,13 @@ class SamplingParams:
             "stop_token_ids", self.stop_token_ids, "a list of token ids")]
         if self.logit_bias is not None:
             self.logit_bias = _as_bias(self.logit_bias)
+        self.bad_words = _as_list("bad_words", self.bad_words, "a list of strings")
+        if self.bad_words_token_ids is not None:
+            self.bad_words_token_ids = [
+                [t.item() if isinstance(t, np.integer) else t for t in
+                 _as_list("bad_words_token_ids", w, "a list of lists of token ids")]
+                for w in _as_list("bad_words_token_ids", self.bad_words_token_ids,
+                                  "a list of lists of token ids")]
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = [t.item() if isinstance(t, np.integer) else t for t in _as_list(
                 "allowed_token_ids", self.allowed_token_ids, "a list of token ids")]
@@ -159,6 +179,25 @@ class SamplingParams:
                                  f"{MAX_LOGIT_BIAS} are allowed")
             for t, b in self.logit_bias.items():
                 _check_num(f"logit_bias[{t}]", b, lo=-MAX_LOGIT_BIAS_VALUE, hi=MAX_LOGIT_BIAS_VALUE)
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words holds {len(self.bad_words)} strings; at most "
+                             f"{MAX_BAD_WORDS} are allowed")
+        for w in self.bad_words:
+            if not isinstance(w, str) or not w.strip():
+                raise ValueError(f"bad_words must be a list of strings that are not blank, got "
+                                 f"{_short(w)}")
+            if len(w) > MAX_BAD_WORD_CHARS:
+                raise ValueError(f"bad_words must be 1 to {MAX_BAD_WORD_CHARS} characters long, "
+                                 f"got one of {len(w)}")
+        if self.bad_words_token_ids is not None:
+            if len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
+                raise ValueError(f"bad_words_token_ids holds {len(self.bad_words_token_ids)} "
+                                 f"words; at most {2 * MAX_BAD_WORDS} are allowed")
+            for w in self.bad_words_token_ids:
+                if not w or len(w) > MAX_BAD_WORD_IDS or any(
+                        isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in w):
+                    raise ValueError(f"bad_words_token_ids must hold 1 to {MAX_BAD_WORD_IDS} "
+                                     f"non-negative token ids a word, got {_short(w)}")
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
                 raise ValueError("allowed_token_ids must hold at least one token id (null: "
@@ -183,10 +222,33 @@ class SamplingParams:
         seed = None if self.seed is None else (self.seed + k + 2**63) % 2**64 - 2**63
         return replace(self, n=1, seed=CHILD_SEED_FOR_MINUS_ONE if seed == -1 else seed)
 
+    def tokenize_bad_words(self, tokenizer) -> None:
+        """Sets bad_words_token_ids from bad_words (vLLM's rule): each word, leading spaces
+        dropped, as the tokenizer spells it alone, and as it spells it after a space where that
+        starts with another token and takes as many (a word inside a text). A request with
+        bad_words and no tokenizer (skip_tokenizer_init) is refused naming bad_words."""
+        if not self.bad_words:          # (ids given as they are, from Python, stay)
+            return
+        if tokenizer is None:
+            raise ValueError("bad_words needs the tokenizer, which this engine does not load "
+                             "(skip_tokenizer_init)")
+        ids = []
+        for word in self.bad_words:
+            alone = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if not alone:
+                raise ValueError(f"bad_words: {_short(word)} gives no tokens to ban")
+            ids.append(alone)
+            if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
+                ids.append(spaced)
+        self.bad_words_token_ids = ids
+        self.validate()
+
     # ------------------------------------------------------------------ from user input
     @classmethod
     def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
+        """The keys a user may give (from_dict); INTERNAL_FIELDS are not among them."""
+        return [f.name for f in fields(cls) if f.name not in INTERNAL_FIELDS]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "SamplingParams":

@@ -228,7 +228,8 @@ def _ids(values) -> bytes:
 def _pack_params(p: SamplingParams) -> bytes:
     """The fields the core uses; stop strings, detokenization options stay in the front end."""
     flags = ((1 if p.seed is not None else 0) | (2 if p.ignore_eos else 0)
-             | (4 if p.logit_bias is not None else 0) | (8 if p.allowed_token_ids is not None else 0))
+             | (4 if p.logit_bias is not None else 0) | (8 if p.allowed_token_ids is not None else 0)
+             | (16 if p.bad_words_token_ids is not None else 0))
     # Beyond 2**32 - 1 tokens a limit is no limit: max_model_len ends a request first.
     max_tokens = 2**32 - 1 if p.max_tokens is None else min(p.max_tokens, 2**32 - 1)
     return _PARAMS.pack(max_tokens, min(p.min_tokens, max_tokens), p.temperature, p.top_p,
@@ -239,11 +240,15 @@ def _pack_params(p: SamplingParams) -> bytes:
 
 
 def _token_controls(p: SamplingParams) -> bytes:
-    """logit_bias (ids, then float64 biases) and allowed_token_ids, each count-prefixed."""
+    """logit_bias (ids, then float64 biases), allowed_token_ids and bad_words_token_ids (the
+    words' lengths, then their ids), each count-prefixed."""
     bias = p.logit_bias or {}
     allowed = p.allowed_token_ids or []
+    words = p.bad_words_token_ids or []
     return (_U32.pack(len(bias)) + _ids(list(bias)) + np.asarray(list(bias.values()), "<f8").tobytes()
-            + _U32.pack(len(allowed)) + _ids(allowed))
+            + _U32.pack(len(allowed)) + _ids(allowed)
+            + _U32.pack(len(words)) + _u32s([len(w) for w in words], "bad word lengths")
+            + _ids([t for w in words for t in w]))
 
 
 def _unpack_params(cur: _Cursor) -> SamplingParams:
@@ -255,7 +260,13 @@ def _unpack_params(cur: _Cursor) -> SamplingParams:
     n_bias = cur.count(12)
     bias = dict(zip(cur.array("<i4", n_bias).tolist(), cur.array("<f8", n_bias).tolist()))
     allowed = cur.array("<i4", cur.count(4)).tolist()
-    if flags & ~15:
+    lengths = cur.array("<u4", cur.count(4)).tolist()
+    if sum(lengths) * 4 > len(cur.buf) - cur.pos:
+        raise FrameError(f"{cur.what}: bad words of {sum(lengths)} ids do not fit in the frame")
+    flat = cur.array("<i4", sum(lengths)).tolist()
+    starts = np.cumsum([0] + lengths).tolist()
+    words = [flat[a:b] for a, b in zip(starts, starts[1:])]
+    if flags & ~31:
         raise FrameError(f"{cur.what}: unknown sampling flags 0x{flags:02x}")
     if not -1 <= logprobs <= MAX_LOGPROBS:
         raise FrameError(f"{cur.what}: logprobs {logprobs} out of range")
@@ -266,7 +277,8 @@ def _unpack_params(cur: _Cursor) -> SamplingParams:
             stop_token_ids=stop_ids, ignore_eos=bool(flags & 2), repetition_penalty=rep,
             presence_penalty=pres, frequency_penalty=freq,
             logprobs=None if logprobs < 0 else logprobs,
-            logit_bias=bias if flags & 4 else None, allowed_token_ids=allowed if flags & 8 else None)
+            logit_bias=bias if flags & 4 else None, allowed_token_ids=allowed if flags & 8 else None,
+            bad_words_token_ids=words if flags & 16 else None)
     except ValueError as e:
         raise FrameError(f"{cur.what}: bad sampling parameters: {e}") from None
 
@@ -597,7 +609,7 @@ def decode_sched(payload: memoryview) -> SchedulerOutput:
     if sum(num_tokens) != total:
         raise FrameError(f"SCHED: rows add up to {sum(num_tokens)} tokens, header says {total}")
     new_reqs = []
-    for _ in range(cur.count(_NEW_HEAD.size + _PARAMS.size + 16)):
+    for _ in range(cur.count(_NEW_HEAD.size + _PARAMS.size + 20)):
         index, num_prompt, num_computed = cur.unpack(_NEW_HEAD)
         params = _unpack_params(cur)
         token_ids = cur.array("<i4", cur.count(4)).tolist()

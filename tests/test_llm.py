@@ -174,6 +174,97 @@ def test_token_controls_out_of_the_vocabulary_are_refused_naming_them(tiny_model
     assert stats.num_free_kv_blocks == stats.num_kv_blocks
 
 
+class _OutputBadWords:
+    """HF logits processor, the reference for bad_words: vLLM's rule on the generated tokens
+    (a word's last token is banned where the output ends in its other tokens; HF's own
+    `bad_words_ids` matches the prompt too)."""
+
+    def __init__(self, words, prompt_len):
+        self.words, self.prompt_len = words, prompt_len
+
+    def __call__(self, input_ids, scores):
+        out = input_ids[0, self.prompt_len:].tolist()
+        for w in self.words:
+            if len(w) - 1 <= len(out) and (len(w) == 1 or out[len(out) - len(w) + 1:] == w[:-1]):
+                scores[0, w[-1]] = float("-inf")
+        return scores
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_bad_words_match_the_reference_with_the_next_token_in_flight(tiny_models, hf_outputs,
+                                                                     async_scheduling):
+    """Bad words of 1 to 3 tokens taken from what plain greedy says, so that they bite: with
+    async scheduling a word's next-to-last token is still in flight when its last one would be
+    sampled (the ban is decided on the device). In a batch with plain rows, chunked prefill and
+    preemption; the pool ends whole."""
+    from transformers import LogitsProcessorList
+    prompts, plain = hf_outputs("llama")
+    model = AutoModelForCausalLM.from_pretrained(tiny_models["llama"], dtype=torch.float32).eval()
+    params, expected = [], []
+    for i, (p, g) in enumerate(zip(prompts, plain)):
+        if i % 2:
+            params.append(GREEDY)
+            expected.append(g)
+            continue
+        words = [[g[2]], [g[5], g[6]], [g[9], g[10], g[11]], [g[20], g[21]]]
+        params.append(SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0,
+                                     bad_words_token_ids=words))
+        ids = torch.tensor([p])
+        with torch.no_grad():
+            gen = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                                 max_new_tokens=MAX_TOKENS, min_new_tokens=0,
+                                 logits_processor=LogitsProcessorList([_OutputBadWords(words, len(p))]))
+        expected.append(gen[0, len(p):].tolist())
+        assert expected[-1] != g
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", block_size=16,
+              max_num_batched_tokens=64, num_kv_blocks=30, max_model_len=400,
+              async_scheduling=async_scheduling)
+    outs = llm.generate(prompts, params)
+    stats = llm.get_stats()
+    assert stats.num_preemptions > 0
+    for i, (o, e) in enumerate(zip(outs, expected)):
+        assert o.outputs[0].token_ids == e, f"prompt {i} differs"
+    assert stats.num_free_kv_blocks == stats.num_kv_blocks
+
+
+def test_bad_words_are_tokenized_alone_and_after_a_space_as_vllm_does(tiny_models):
+    """Each word, leading spaces dropped, as the tokenizer spells it alone, and after a space
+    where that starts with another token and takes as many. A word given as text is never
+    sampled in that spelling."""
+    llm = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=64)
+    tok = llm.get_tokenizer()
+    words = ["the", "  of", "machine learning", "☃"]
+    params = SamplingParams(bad_words=words)
+    params.tokenize_bad_words(tok)
+    want = []
+    for w in words:
+        alone = tok.encode(w.lstrip(), add_special_tokens=False)
+        spaced = tok.encode(" " + w.lstrip(), add_special_tokens=False)
+        want.append(alone)
+        if spaced[0] != alone[0] and len(spaced) == len(alone):
+            want.append(spaced)
+    assert params.bad_words_token_ids == want
+    assert len(want) > len(words)          # some word is also banned after a space
+    # Generated: a token plain greedy says, given as text whose spellings include that token
+    # alone, is never sampled, and no word's spelling appears in the output.
+    prompt = "Once upon a time"
+    plain = llm.generate(prompt, GREEDY)[0].outputs[0].token_ids
+    for t in plain:
+        check = SamplingParams(bad_words=[tok.decode([t])])
+        check.tokenize_bad_words(tok)
+        if [t] in check.bad_words_token_ids:
+            break
+    else:
+        pytest.fail("no token of the plain output is a bad word's spelling on its own")
+    banned = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, bad_words=check.bad_words)
+    out = llm.generate(prompt, banned)[0].outputs[0].token_ids
+    assert t not in out and out != plain
+    for w in check.bad_words_token_ids:
+        assert not any(out[k:k + len(w)] == w for k in range(len(out))), w
+    with pytest.raises(ValueError, match="bad_words needs the tokenizer"):
+        SamplingParams(bad_words=["x"]).tokenize_bad_words(None)
+
+
 WINDOW = 40
 
 

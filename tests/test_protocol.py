@@ -281,19 +281,25 @@ def test_empty_stop_words_are_skipped_as_tensorrt_llm_does(words):
     assert parse_request(inner).params.stop == ["B"]
 
 
-def test_bad_words_are_taken_only_empty_and_never_forwarded():
-    """TensorRT-LLM's README request sends `"bad_words": ""` too: empty ones mean none; any
-    other is refused by name, not ignored (there is no such sampling parameter here)."""
+def test_bad_words_are_checked_by_their_name_and_added_to_bad_words():
+    """TensorRT-LLM's bad_words input joins the JSON's bad_words (vLLM's) as stop_words joins
+    stop; empty words mean none (its README's request sends `"bad_words": ""`)."""
     for words in ([b""], [b"", b""], b""):
         inner = bls_inner_inputs({"text_input": s("x"), "max_tokens": np.array([20], np.int32),
                                   "bad_words": np.array(words, dtype=np.object_),
                                   "stop_words": np.array([b""], dtype=np.object_)})
         assert "bad_words" not in inner
-        assert parse_request(inner).params.max_tokens == 20
-    for words in ([b"evil"], [b"", b"evil"]):
-        with pytest.raises(ValueError, match="bad_words is not supported"):
-            bls_inner_inputs({"text_input": s("x"),
-                              "bad_words": np.array(words, dtype=np.object_)})
+        req = parse_request(inner)
+        assert req.params.max_tokens == 20 and req.params.bad_words == []
+    inner = bls_inner_inputs({"text_input": s("x"), "sampling_parameters": s('{"bad_words": ["A"]}'),
+                              "bad_words": np.array([b"", b"evil", b"A"], dtype=np.object_)})
+    assert parse_request(inner).params.bad_words == ["A", "evil"]
+    for words, needle in (([b"w" * 300], "bad_words must be strings of at most 256 characters"),
+                          ([b"w%d" % i for i in range(MAX_STOP_STRINGS + 1)],
+                           f"bad_words holds {MAX_STOP_STRINGS + 1} strings"),
+                          ([b"  "], "bad_words must be a list of strings that are not blank")):
+        with pytest.raises(ValueError, match=needle):
+            bls_inner_inputs({"text_input": s("x"), "bad_words": np.array(words, dtype=np.object_)})
 
 
 @pytest.mark.parametrize("inputs,parameters", [
@@ -301,9 +307,9 @@ def test_bad_words_are_taken_only_empty_and_never_forwarded():
     ({"exclude_input_in_output": b(True)}, '{"max_tokenz": 4}'),    # and a misspelt parameter
     ({"max_tokens": np.array([-5], np.int32)}, None),               # and a bad scalar input
     ({"stop_words": np.array([b"w" * 300], dtype=np.object_)}, None),
-    ({"bad_words": np.array([b"evil"], dtype=np.object_)}, None),
+    ({"bad_words": np.array([b"w" * 300], dtype=np.object_)}, None),
     ({"input_ids": np.array([], np.int32), "sampling_parameters": s("{oops")}, None),
-], ids=["bad-json", "unknown-parameter", "bad-scalar", "long-stop-word", "bad-words",
+], ids=["bad-json", "unknown-parameter", "bad-scalar", "long-stop-word", "long-bad-word",
         "empty-input-ids"])
 def test_a_request_without_a_prompt_gets_llms_error_from_llm_bls(inputs, parameters):
     """Both check the prompt first: a request with several faults is told the same one."""

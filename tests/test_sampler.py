@@ -1,9 +1,12 @@
 """Sampler tests: references are eager fp64 torch or hand-computed numbers."""
+import random
+
 import pytest
 import torch
 
 import engine.sampler as sampler_module
-from engine.sampler import Sampler, SamplerOutput, SamplingMetadata, _row_seed, apply_penalties
+from engine.sampler import (Sampler, SamplerOutput, SamplingMetadata, _row_seed, apply_penalties,
+                            bad_word_bans)
 from kernels.exp_noise import exponential_noise_ref
 from kernels.race_sample import race_sample_ref
 from engine.sampling_params import SamplingParams
@@ -596,3 +599,56 @@ def test_from_params_builds_controls_only_for_rows_that_have_them():
     kept = SamplingMetadata.from_params([SamplingParams()] * 2, [[0]] * 2, [[]] * 2, [], "cpu",
                                         controls=controls)
     assert [t.tolist() for t in kept.logit_bias] == [[1, 1], [7, 2], [1.5, -1.0]]
+
+
+# ------------------------------------------------------------------ bad_words
+def _bans_ref(words, output):
+    """vLLM's rule on the whole output: a word's last token is banned where the output ends in
+    the word's other tokens."""
+    return {w[-1] for w in words if len(w) - 1 <= len(output)
+            and (len(w) == 1 or output[len(output) - len(w) + 1:] == w[:-1])}
+
+
+def test_bad_word_bans_are_vllms_rule_with_or_without_a_token_in_flight():
+    """With the output's last token still in flight (unknown to the host), a ban that hangs on
+    it is handed on as `needs`: whatever that token turns out to be, the bans that apply are
+    the rule's on the whole output."""
+    rng = random.Random(4)
+    for _ in range(3000):
+        words = [[rng.randrange(4) for _ in range(rng.randint(1, 4))] for _ in range(rng.randint(1, 4))]
+        output = [rng.randrange(4) for _ in range(rng.randint(0, 6))]
+        want = _bans_ref(words, output)
+        assert {t for t, needs in bad_word_bans(words, output, False) if needs < 0} == want
+        assert all(needs < 0 for _, needs in bad_word_bans(words, output, False))
+        if output:
+            *known, last = output
+            got = {t for t, needs in bad_word_bans(words, known, True) if needs in (-1, last)}
+            assert got == want, (words, output)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bad_words_ban_in_the_sampler_with_tokens_in_flight(device):
+    """Rows 0-1: from output_token_ids; rows 2-3: bans and the tokens in flight as the model
+    runner gives them, decided on the device. Unbanned logits keep their bits."""
+    logits = torch.randn(4, 20, generator=torch.Generator().manual_seed(3)).to(device)
+    words = [[7], [1, 2, 9], [4, 5]]
+    params = [SamplingParams(temperature=0.0, bad_words_token_ids=words)] * 4
+    meta = _meta(params, device, outputs=[[1, 2], [0, 4], [], []])
+    rows, tokens, banned = meta.bad_words
+    got = sampler_module.apply_token_controls(logits, meta)
+    expect = logits.clone()
+    expect[0, [7, 9]] = float("-inf")
+    expect[1, [7, 5]] = float("-inf")
+    assert torch.equal(got[:2], expect[:2])
+    # Known outputs [1] and [0]; in flight: 2 (completes [1, 2] -> ban 9) and 3 (nothing).
+    bans = [bad_word_bans(words, [1], True), bad_word_bans(words, [0], True)]
+    pending = torch.tensor([2, 3], device=device)
+    meta = SamplingMetadata.from_params(params[:2], [[0]] * 2, None, [], device, [2, 2],
+                                        bans=bans, pending_tokens=pending)
+    got = sampler_module.apply_token_controls(logits[2:], meta)
+    expect = logits[2:].clone()
+    expect[0, [7, 9]] = float("-inf")
+    expect[1, 7] = float("-inf")
+    assert torch.equal(got, expect)
+    out = Sampler(seed=0)(logits[2:], meta).sampled_token_ids.tolist()
+    assert out[0] not in (7, 9) and out[1] != 7

@@ -32,8 +32,10 @@ I32_MAX = 2**31 - 1
 CORE_PARAM_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p",
                      "seed", "stop_token_ids", "ignore_eos", "repetition_penalty",
                      "presence_penalty", "frequency_penalty", "logprobs", "logit_bias",
-                     "allowed_token_ids")
-FRONT_END_PARAM_FIELDS = {"stop", "include_stop_str_in_output", "skip_special_tokens", "n"}
+                     "allowed_token_ids", "bad_words_token_ids")
+# bad_words travel as their ids (bad_words_token_ids, which the front end fills in).
+FRONT_END_PARAM_FIELDS = {"stop", "include_stop_str_in_output", "skip_special_tokens", "n",
+                          "bad_words"}
 
 
 # ---------------------------------------------------------------------------- helpers
@@ -213,7 +215,8 @@ ADD_PARAMS = SamplingParams(max_tokens=300, min_tokens=7, temperature=0.85, top_
                             ignore_eos=True, repetition_penalty=1.3, presence_penalty=-1.5,
                             frequency_penalty=2.0, logprobs=MAX_LOGPROBS,
                             logit_bias={0: -100.0, 9: 0.1, I32_MAX: 100.0},
-                            allowed_token_ids=[3, 0, I32_MAX, 3])
+                            allowed_token_ids=[3, 0, I32_MAX, 3],
+                            bad_words_token_ids=[[5], [0, I32_MAX, 7], [5]])
 SCHED_NEW, SCHED_RICH = busy_sched_frames()
 # name -> (decode(payload), a valid whole frame): every decoder, and both OutputsDecoder states.
 TOKENS_ITEMS = [(wire.TOKENS_OK, [1, 2, I32_MAX]), (wire.TOKENS_TOO_LONG, 150_000),
@@ -248,7 +251,8 @@ def body_of(name: str) -> bytes:
 # ---------------------------------------------------------------------------- round trips
 def test_core_param_fields_are_every_field_but_the_front_end_ones():
     # A new SamplingParams field must be carried by the params record or listed as front end.
-    assert set(SamplingParams.field_names()) == set(CORE_PARAM_FIELDS) | FRONT_END_PARAM_FIELDS
+    every = {f.name for f in dataclasses.fields(SamplingParams)}
+    assert every == set(CORE_PARAM_FIELDS) | FRONT_END_PARAM_FIELDS
 
 
 @pytest.mark.parametrize("params", [
@@ -263,8 +267,10 @@ def test_core_param_fields_are_every_field_but_the_front_end_ones():
                    presence_penalty=2.0, frequency_penalty=-2.0),
     SamplingParams(logit_bias={}, allowed_token_ids=[1]),
     SamplingParams(logit_bias={"5": 1e-300, 6: -7}),
+    SamplingParams(bad_words_token_ids=[]),
+    SamplingParams(bad_words_token_ids=[[1] * 1024, [2]]),
 ], ids=["defaults", "every-field", "seed0", "seed-1", "seed-min", "seed-max", "logprobs0",
-        "extremes", "no-bias-one-allowed", "bias-only"])
+        "extremes", "no-bias-one-allowed", "bias-only", "no-bad-words", "bad-words"])
 @pytest.mark.parametrize("token_ids", [
     [7], [0, 1, I32_MAX, 12345], np.random.default_rng(0).integers(0, 2**31, 1000).tolist(),
 ], ids=["one", "edges", "long"])
