@@ -55,6 +55,18 @@ class Stream:
         self.lock = threading.Lock()
         self.context = context        # the owner's per-request state
 
+    def release(self) -> None:
+        """Once done: lets go of what it was sent with. Its callbacks and context hold its
+        owner's request state, which holds the stream: a cycle that only the cyclic collector
+        would free, with the request behind it (in Triton, its input tensors)."""
+        self.pending = []
+        self.send_items = self.on_failed = _released
+        self.context = None
+
+
+def _released(*args):
+    raise RuntimeError("outbox: a stream used after it was done")
+
 
 class Outbox:
     def __init__(self, num_senders: int, name: str = "outbox") -> None:
@@ -172,4 +184,4 @@ class Outbox:
                 else:
                     s.queued = False
                     if s.done:
-                        s.pending = []
+                        s.release()

@@ -1191,3 +1191,55 @@ def test_a_cancellation_check_that_keeps_failing_is_logged_once(model_dir, caplo
         serving.shutdown()
     logged = [r for r in caplog.records if "cancellation check" in r.getMessage()]
     assert len(asked) >= 4 and len(logged) == 1, (len(asked), [r.getMessage() for r in logged])
+
+
+class _TritonLikeRequest:
+    """What the model hands ServingEngine for a Triton request: its inputs (read on the loop)
+    and its is_cancelled, both holding the request, which holds its tensors (in Triton, the
+    shared-memory regions of its inputs)."""
+
+    def __init__(self, inputs):
+        self.inputs = inputs
+        self.payload = np.zeros(1 << 20, np.uint8)
+
+    def read(self):
+        return self.inputs
+
+    def is_cancelled(self):
+        return False
+
+
+def test_a_finished_request_is_freed_without_the_cyclic_collector(model_dir):
+    """Found by review: a finished request's state and its stream held each other, so the
+    Triton request behind them (its input tensors, 16 MiB where a prompt was refused for its
+    size) lived until Python's cyclic collector ran, which a busy server seldom runs: the
+    server's memory and shared memory grew by every request. With the collector off, answered
+    requests of every kind (refused, served, n completions, cancelled) are freed as they end."""
+    import gc
+    import weakref
+    serving = ServingEngine(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                         **SETTINGS))
+    cases = [{"text_input": _str("x"), "sampling_parameters": _str("{oops")},
+             _inputs("served", 4),
+             {**_inputs("two", 3), "sampling_parameters": _str('{"n": 2, "max_tokens": 3}')},
+             {"text_input": _str("y"), "sampling_parameters": _str('{"logit_bias": [1]}')}]
+    gc.collect()
+    gc.disable()
+    try:
+        refs, recs = [], []
+        for inputs in cases * 3:
+            req = _TritonLikeRequest(inputs)
+            rec = Recorder()
+            serving.submit(req.read, rec, req.is_cancelled)
+            refs.append(weakref.ref(req))
+            recs.append(rec)
+            del req
+        for rec in recs:
+            assert rec.final.wait(WAIT_S)
+        assert [e is None for rec in recs for _, e, f in rec.responses if f] == [
+            False, True, True, False] * 3
+        wait_for(lambda: all(r() is None for r in refs), "every answered request to be freed",
+                 state=lambda: [i for i, r in enumerate(refs) if r() is not None])
+    finally:
+        gc.enable()
+        serving.shutdown()
