@@ -313,3 +313,39 @@ def test_byte_runs_with_spaces_and_special_tokens_give_the_same_text_however_the
             kw = dict(skip_special_tokens=True, clean_up_tokenization_spaces=False)
             before, after = tok.decode(prompt, **kw), tok.decode(prompt + out, **kw)
             assert after.startswith(before) and one == after[len(before):], (trial, out)
+
+
+# Found by a mutation review: behaviour no test pinned down.
+def test_all_tokens_at_once_with_final_gives_the_text_of_one_token_a_step():
+    """A request decoded once, at its end (not streamed, no stop strings), hands every token
+    over in one call with final=True: the text of one token a step."""
+    tok = _byte_fallback_tokenizer()
+    is_ = tok.convert_tokens_to_ids("\u2581is")
+    rng = random.Random(0)
+    for trial in range(300):
+        out = []
+        for _ in range(rng.randint(1, 8)):
+            if rng.random() < 0.3:
+                out.append(is_)
+                continue
+            b = _bytes(tok, rng.choice("日本語🙂é€𝄞a"))
+            if len(b) > 1 and rng.random() < 0.25:
+                b = b[:rng.randrange(1, len(b))]
+            out += b
+        prompt = tok.encode(rng.choice(["Translate: it", "it 😀", "日本"]), add_special_tokens=False)
+        one = "".join(_pieces(tok, prompt, out))
+        at_once = IncrementalDetokenizer(tok, prompt).step(out, final=True)
+        assert at_once == one, (trial, out)
+
+
+def test_lone_byte_then_whole_character_at_once():
+    tok = _byte_fallback_tokenizer()
+    prompt = tok.encode("Translate: it", add_special_tokens=False)
+    out = _bytes(tok, "😀") + _bytes(tok, "界")[:1] + _bytes(tok, "界")
+    assert IncrementalDetokenizer(tok, prompt).step(out, final=True) == "😀\ufffd界"
+
+
+def test_a_tie_goes_to_the_stop_string_listed_first():
+    """Two stop strings found at the same place: the one listed first wins, as in vLLM."""
+    assert StopStringMatcher(["ab", "abc"]).find("xxabc", 3) == ("ab", 2)
+    assert StopStringMatcher(["ab", "abc"], True).find("xxabc", 3) == ("ab", 4)

@@ -3,6 +3,7 @@ import random
 
 import pytest
 
+import engine.output_processor as output_processor_module
 from engine.output_processor import OutputProcessor, PullOutput
 from engine.outputs import RequestOutput
 from engine.sampling_params import SamplingParams
@@ -305,3 +306,22 @@ def test_a_request_whose_output_fails_ends_alone(tok, where, monkeypatch):
             assert to_abort == [] and not any(isinstance(o, RequestFailed) for o in outs)
         assert [o.request_id for o in outs if isinstance(o, RequestOutput)] == ["good"]
     assert proc.states[1].text == "plain words"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_first_token_time_is_kept_after_later_tokens(tok, monkeypatch, stream):
+    """metrics["first_token_time"] stays the first token's over later steps (serving turns it
+    into TTFT and inter-token latency). Found by a mutation review."""
+    clock = iter([10.0, 11.0, 12.0])
+    monkeypatch.setattr(output_processor_module.time, "monotonic", lambda: next(clock))
+    proc = OutputProcessor(tok, stream_deltas=True)
+    ids = tok.encode("plain words", add_special_tokens=False)[:3]
+    assert len(ids) == 3
+    proc.add_request(7, "r", "p", tok.encode("p"), SamplingParams(max_tokens=3), stream=stream)
+    outs = []
+    for i, t in enumerate(ids):
+        got, _ = proc.process([EngineCoreOutput(7, [t], "length" if i == 2 else None)])
+        outs += got
+    last = outs[-1]
+    assert last.finished
+    assert last.metrics == {"first_token_time": 10.0, "last_token_time": 12.0}

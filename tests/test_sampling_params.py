@@ -260,3 +260,17 @@ def test_logit_bias_takes_json_string_keys_and_a_copy_of_the_callers_values():
     assert SamplingParams(logit_bias={}).logit_bias == {}
     assert SamplingParams(logit_bias={1: 100, 2: -100.0},
                           allowed_token_ids=list(range(MAX_ALLOWED_TOKEN_IDS))).logit_bias == {1: 100, 2: -100.0}
+
+
+# Found by a mutation review: validation edges the suite left open.
+@pytest.mark.parametrize("field", ["stop_token_ids", "allowed_token_ids"])
+@pytest.mark.parametrize("value", [[True], [5, False]])
+def test_booleans_are_not_token_ids(field, value):
+    with pytest.raises(ValueError, match=f"^{field} must be non-negative integers"):
+        SamplingParams(**{field: value})
+
+
+def test_one_stop_string_past_the_cap_is_refused():
+    SamplingParams(stop=["x"] * MAX_STOP_STRINGS)
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRINGS}"):
+        SamplingParams(stop=["x"] * (MAX_STOP_STRINGS + 1))

@@ -529,3 +529,48 @@ def test_guaranteed_no_evict_counts_a_window_hit_by_the_blocks_it_takes():
     assert b.output_token_ids == expected(prompt + [7], 1)
     assert r.output_token_ids == expected([1, 2, 3, 4], 20)
     assert sched.stats.num_preemptions == 0 and sched.kv.num_free_blocks == 12
+
+
+# Found by a mutation review: behaviour no test pinned down.
+def test_preempted_request_resumes_before_a_later_arrival():
+    """FCFS: a preempted request goes back to the head of the waiting queue, ahead of a
+    request that arrived after it."""
+    sched = make(num_blocks=6, block_size=4, max_num_seqs=2, max_model_len=64)
+    runner = FakeRunner(sched)
+    for rid in ("old", "mid"):
+        sched.add_request(Request(rid, list(range(1, 9)), SamplingParams(max_tokens=12), []))
+    runner.step()                      # both admitted: 4 of 6 blocks
+    assert {r.request_id for r in sched.running} == {"old", "mid"}
+    sched.add_request(Request("late", [9, 9, 9, 9], SamplingParams(max_tokens=2), []))
+    admitted_after_preemption = []
+    preempted = False
+    while sched.has_unfinished_requests():
+        out, _ = runner.step()
+        if preempted:
+            admitted_after_preemption += [n.request_id for n in out.new_requests]
+        if not preempted and any(r.num_preemptions for r in sched.waiting):
+            assert [r.request_id for r in sched.waiting if r.num_preemptions] == ["mid"]
+            preempted = True
+    assert preempted
+    assert admitted_after_preemption[0] == "mid", admitted_after_preemption
+
+
+def test_preempted_requests_count_their_prompt_once():
+    """A resumed request is no new admission: its prompt counts once in the stats, and its
+    prefix-cache hit is the one at its first admission (not its own blocks' before it was
+    preempted)."""
+    sched = make(num_blocks=6, block_size=4, max_model_len=24)
+    prompts = {"old": list(range(1, 11)), "new": list(range(101, 111))}
+    for rid, p in prompts.items():
+        sched.add_request(Request(rid, p, SamplingParams(max_tokens=10), []))
+    runner = FakeRunner(sched)
+    first_cached = {}
+    while sched.has_unfinished_requests():
+        _, outs = runner.step()
+        for o in outs:
+            if o.num_cached_tokens is not None:
+                first_cached.setdefault(o.request_id, []).append(o.num_cached_tokens)
+    assert sched.stats.num_preemptions > 0
+    assert sched.stats.num_prompt_tokens == 20
+    assert sched.stats.num_cached_prompt_tokens == 0      # distinct prompts, cold cache
+    assert first_cached == {"old": [0], "new": [0]}
