@@ -113,6 +113,32 @@ def test_gpu_engine_equals_cpu_engine_fp32(tiny_models):
     assert a == b
 
 
+def test_token_controls_gpu_engine_equals_cpu_engine_fp32(tiny_models):
+    """allowed_token_ids, bad_words and logit_bias on the GPU (decode graphs, async scheduling:
+    a bad word whose next-to-last token is in flight is banned on the device) as on the CPU:
+    identical greedy tokens, which keep to the controls."""
+    prompts = mixed_prompts(1024, n=8, seed=5)
+    plain_params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    cpu = LLM(tiny_models["llama"], dtype="float32", device="cpu", num_kv_blocks=256)
+    gpu = LLM(tiny_models["llama"], dtype="float32", device="cuda", num_kv_blocks=256)
+    plain = [o.outputs[0].token_ids for o in cpu.generate(prompts, plain_params)]
+    params = []
+    for i, g in enumerate(plain):
+        controls = [{"allowed_token_ids": [t for t in range(7, 1024, 13) if t not in g][:40]},
+                    {"bad_words_token_ids": [[g[2]], [g[5], g[6]], [g[9], g[10], g[11]]]},
+                    {"logit_bias": {g[0]: -100.0, g[3]: 5.0}}, {}][i % 4]
+        params.append(SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, **controls))
+    a = [o.outputs[0].token_ids for o in cpu.generate(prompts, params)]
+    b = [o.outputs[0].token_ids for o in gpu.generate(prompts, params)]
+    assert a == b
+    for i, (p, out) in enumerate(zip(params, a)):
+        assert (out == plain[i]) == (i % 4 == 3), i
+        if p.allowed_token_ids:
+            assert set(out) <= set(p.allowed_token_ids)
+        for w in p.bad_words_token_ids or []:
+            assert not any(out[k:k + len(w)] == w for k in range(len(out))), (i, w)
+
+
 @pytest.mark.parametrize("decode_pdl", [False, True])
 def test_fp8_kv_cache_gpu_engine_equals_cpu_engine(tiny_models, decode_pdl):
     """kv_cache_dtype="fp8", fp32 model: the GPU engine (Triton kernels writing and reading the
