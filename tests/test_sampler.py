@@ -547,7 +547,8 @@ def test_greedy_and_random_rows_pick_only_allowed_tokens_and_follow_the_bias(dev
               + [SamplingParams(temperature=1.0, allowed_token_ids=allowed, seed=i) for i in range(8)]
               + [SamplingParams(temperature=0.0, logit_bias={33: 100.0})] * 8
               + [SamplingParams(temperature=0.8, top_k=5, logit_bias={33: 100.0})] * 8)
-    for kernels in (False, True):
+    # The kernels on CUDA, or on CPU where no GPU is (TRITON_INTERPRET, as the test above).
+    for kernels in (False, True) if device == DEVICES[-1] else (False,):
         out = Sampler(seed=0, kernels=kernels)(logits, _meta(params, device)).sampled_token_ids.cpu()
         sub = logits[:8, allowed].cpu()
         assert out[:8].tolist() == [allowed[i] for i in sub.argmax(-1).tolist()]
