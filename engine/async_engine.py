@@ -99,6 +99,10 @@ class AsyncEngine:
             self._inline_tokenizer = (BatchTokenizer(load_tokenizer(self.config), None,
                                                      self.info.max_model_len)
                                       if inline_max and tokenizer is not None else None)
+            # bad_words are tokenized on the loop: by the inline tokenizer where there is one
+            # (the loop's own), not by the one the reader thread detokenizes with.
+            self._words_tokenizer = (self._inline_tokenizer.tokenizer
+                                     if self._inline_tokenizer is not None else tokenizer)
         except BaseException:   # the core started: its threads would keep it for good
             self.shutdown()
             raise
@@ -111,7 +115,7 @@ class AsyncEngine:
         (and costs no per-step work). Leaving the loop early aborts the request. The request
         keeps its own copy of `params`: the caller may change or reuse them at once."""
         params = params.clone()
-        params.tokenize_bad_words(self.tokenizer)
+        params.tokenize_bad_words(self._words_tokenizer)
         channel = self._open(request_id)
         try:
             text, ids, packed = await self._prepare(prompt, params, channel)
@@ -170,7 +174,7 @@ class AsyncEngine:
         or None for this engine's own; a peer that is gone means our own. The request keeps
         its own copy of `params`: the caller may change or reuse them once this returns."""
         params = params.clone()
-        params.tokenize_bad_words(self.tokenizer)
+        params.tokenize_bad_words(self._words_tokenizer)
         channel = self._open(request_id, sink)
         try:
             text, ids, packed = await self._prepare(prompt, params, channel, tokenized)
