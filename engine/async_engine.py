@@ -322,7 +322,10 @@ class AsyncEngine:
                 len(prompt) <= self.config.tokenize_inline_max_chars):
             result = self._inline_tokenizer.encode_now([prompt], inline=True)[0]
             if isinstance(result, ValueError):
-                raise result
+                try:
+                    raise result
+                finally:    # its traceback holds this frame: no cycle back through `result`
+                    del result
             return (prompt, *result)
         return (prompt, *await self._batch_tokenizer.encode(prompt, dropped=dropped))
 

@@ -171,7 +171,10 @@ class BatchTokenizer:
             self._running = True
         if start:
             self._executor.submit(self._drain)
-        return await fut
+        try:
+            return await fut
+        finally:    # its error's traceback holds this frame: no cycle back through `fut`
+            del fut
 
     # ------------------------------------------------------------------ tokenizer thread
     def _drain(self) -> None:

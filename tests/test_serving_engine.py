@@ -1222,7 +1222,13 @@ def test_a_finished_request_is_freed_without_the_cyclic_collector(model_dir):
     cases = [{"text_input": _str("x"), "sampling_parameters": _str("{oops")},
              _inputs("served", 4),
              {**_inputs("two", 3), "sampling_parameters": _str('{"n": 2, "max_tokens": 3}')},
-             {"text_input": _str("y"), "sampling_parameters": _str('{"logit_bias": [1]}')}]
+             {"text_input": _str("y"), "sampling_parameters": _str('{"logit_bias": [1]}')},
+             # Refused by the tokenizer (prompts longer than max_model_len), in its process and
+             # inline (the error's traceback held the frame that held it: found by review),
+             # and by the engine's checks.
+             _inputs("word " * 400, 4),
+             _inputs("".join(chr(0x4E00 + 37 * i) for i in range(120)), 4),
+             {"text_input": _str("z"), "sampling_parameters": _str('{"allowed_token_ids": [5000]}')}]
     gc.collect()
     gc.disable()
     try:
@@ -1237,9 +1243,10 @@ def test_a_finished_request_is_freed_without_the_cyclic_collector(model_dir):
         for rec in recs:
             assert rec.final.wait(WAIT_S)
         assert [e is None for rec in recs for _, e, f in rec.responses if f] == [
-            False, True, True, False] * 3
+            False, True, True, False, False, False, False] * 3
         wait_for(lambda: all(r() is None for r in refs), "every answered request to be freed",
                  state=lambda: [i for i, r in enumerate(refs) if r() is not None])
     finally:
         gc.enable()
         serving.shutdown()
+
