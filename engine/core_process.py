@@ -132,8 +132,7 @@ class CoreServer:
                         self.reader.eof()
                         raise _Exit("the front end closed the connection")
                     last_data = time.monotonic()
-                    for kind, payload in self.reader.feed(data):
-                        pending.extend(self._handle(kind, payload))
+                    pending.extend(self._handle_frames(self.reader.feed(data)))
                 elif sock is self.listener:
                     self._accept_peer()
                 elif sock in self.peers:        # (not one dropped for a stall just now)
@@ -264,6 +263,24 @@ class CoreServer:
                                "bytes of outputs in %.0f s", peer.pid, len(peer.backlog),
                                self.peer_stall_s)
                 self._drop_peer(peer, None)
+
+    def _handle_frames(self, frames) -> list:
+        """Each frame in turn, but ABORT frames in a row are one abort: each abort_requests
+        call filters the scheduler's queues, and a client's cancelled request with n
+        completions sends n frames at once (a storm of them made thousands of passes over a
+        queue thousands long). Frames of other kinds keep their place among the aborts."""
+        outputs, aborts = [], []
+        for kind, payload in frames:
+            if kind == wire.ABORT:
+                aborts.extend(wire.decode_abort(payload))
+                continue
+            if aborts:
+                outputs.extend(self.core.abort_requests(aborts))
+                aborts = []
+            outputs.extend(self._handle(kind, payload))
+        if aborts:
+            outputs.extend(self.core.abort_requests(aborts))
+        return outputs
 
     def _handle(self, kind: int, payload) -> list:
         if kind == wire.ADD:

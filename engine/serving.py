@@ -524,6 +524,10 @@ class ServingEngine:
         route = self._route(r)
         try:
             tokenized = await self.engine.tokenize(r.req.prompt, dropped=lambda: r.aborted)
+            # n requests are about to go in: not one if the client cancelled already (the
+            # housekeeper would notice only on its next round, after all n went in).
+            if not r.aborted and self._cancelled_now(r):
+                r.aborted = True        # none of them in the engine: nothing to abort there
             for k, part in enumerate(r.parts):
                 def sink(out, k=k):
                     self._on_part_output(r, k, out)
@@ -548,6 +552,19 @@ class ServingEngine:
         for k in range(submitted, len(r.parts)):    # aborted before they reached the engine
             self._on_part_output(r, k, RequestOutput(
                 r.parts[k].rid, None, [], [CompletionOutput(0, "", [], "abort")], True))
+
+    def _cancelled_now(self, r: _Request) -> bool:
+        """Asks the client's is_cancelled() now, as the housekeeper does in its rounds (not
+        while it asks; a check that fails is the housekeeper's to log)."""
+        if not r.stream.lock.acquire(blocking=False):
+            return False
+        try:
+            r.cancelled = r.cancelled or bool(r.is_cancelled())
+        except Exception:  # noqa: BLE001 - see the docstring
+            return False
+        finally:
+            r.stream.lock.release()
+        return r.cancelled
 
     def _on_part_output(self, r: _Request, k: int, out) -> None:
         """_on_output for the k-th completion of a request with n above 1."""

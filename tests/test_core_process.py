@@ -506,3 +506,34 @@ def test_a_peer_taking_its_backlog_is_no_stalled_frame(model_dir):
         owner.wait(lambda: 1 in owner.finished or owner.died)
         assert owner.finished == {1: "length"} and not owner.died, owner.died
         assert client.process.poll() is None
+
+
+def test_abort_frames_in_a_row_are_one_abort_and_keep_their_place_among_the_others(model_dir):
+    """A cancelled request with n completions sends n ABORT frames at once: the core takes a
+    run of them as one abort_requests (each call filters its queues: a storm of them made
+    thousands of passes over a queue thousands long, found by review); the other frames keep
+    their order around them, and each request ends aborted once."""
+    from engine.core_process import CoreServer
+    from engine.engine_core import EngineCore
+    core = EngineCore(EngineConfig(model=model_dir, dtype="float32", device="cpu",
+                                   num_kv_blocks=64, cpu_threads=1))
+    events = []
+    add, abort = core.add_request, core.abort_requests
+    core.add_request = lambda request: (events.append(("add", request.request_id)), add(request))[1]
+    core.abort_requests = lambda ids: (events.append(("abort", list(ids))), abort(ids))[1]
+    params = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    frames = b"".join([wire.encode_add(0, [5, 6], params), wire.encode_add(1, [5, 7], params),
+                       wire.encode_abort([0]), wire.encode_abort([1]), wire.encode_abort([9]),
+                       wire.encode_add(2, [8], params), wire.encode_abort([2, 2])])
+    a, b = socket.socketpair()
+    try:
+        server = CoreServer(b, core)
+        outputs = server._handle_frames(server.reader.feed(frames))
+    finally:
+        a.close()
+        b.close()
+    assert events == [("add", 0), ("add", 1), ("abort", [0, 1, 9]), ("add", 2),
+                      ("abort", [2, 2])]
+    assert sorted((o.request_id, o.finish_reason) for o in outputs) == [
+        (0, "abort"), (1, "abort"), (2, "abort")]
+    assert not core.has_unfinished_requests()
