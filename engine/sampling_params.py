@@ -30,7 +30,9 @@ MAX_ALLOWED_TOKEN_IDS = 1 << 18
 # bad_words: as many and as long as stop strings; each is banned as one or two id sequences.
 MAX_BAD_WORDS = MAX_STOP_STRINGS
 MAX_BAD_WORD_CHARS = MAX_STOP_STRING_CHARS
-MAX_BAD_WORD_IDS = 4 * MAX_BAD_WORD_CHARS        # a character may take up to 4 byte tokens
+# A word's ids: a character may take up to 4 byte tokens, and a tokenizer adds its own (a
+# SentencePiece "▁" before a word): room for twice that.
+MAX_BAD_WORD_IDS = 8 * MAX_BAD_WORD_CHARS
 # Fields the front end fills in, not a user's keys (from_dict refuses them by name).
 INTERNAL_FIELDS = ("bad_words_token_ids",)
 # A completion whose seed + k is -1 (read as "no seed") is seeded with this instead (child).
@@ -238,6 +240,9 @@ class SamplingParams:
             spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
             if not alone:
                 raise ValueError(f"bad_words: {_short(word)} gives no tokens to ban")
+            if max(len(alone), len(spaced)) > MAX_BAD_WORD_IDS:
+                raise ValueError(f"bad_words: {_short(word)} gives more than "
+                                 f"{MAX_BAD_WORD_IDS} tokens")
             ids.append(alone)
             if spaced and spaced[0] != alone[0] and len(spaced) == len(alone):
                 ids.append(spaced)

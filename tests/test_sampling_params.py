@@ -2,6 +2,8 @@ import math
 
 import numpy as np
 import pytest
+from tokenizers import Tokenizer, models, normalizers
+from transformers import PreTrainedTokenizerFast
 
 from engine.sampling_params import (CHILD_SEED_FOR_MINUS_ONE, FLOAT32_MAX, MAX_ALLOWED_TOKEN_IDS,
                                     MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_STRING_CHARS,
@@ -274,3 +276,30 @@ def test_one_stop_string_past_the_cap_is_refused():
     SamplingParams(stop=["x"] * MAX_STOP_STRINGS)
     with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRINGS}"):
         SamplingParams(stop=["x"] * (MAX_STOP_STRINGS + 1))
+
+
+def _llama2_style_tokenizer():
+    """Llama-2's structure in a small vocabulary: '▁' put before the text and for spaces, byte
+    fallback for what the vocabulary lacks."""
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3}
+    for b in range(256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for c in "abcdefghijklmnopqrstuvwxyz":
+        vocab[c] = len(vocab)
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    return PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+def test_a_256_character_bad_word_is_taken_from_a_sentencepiece_tokenizer():
+    """The longest word the limits allow, 256 four-byte characters, spelt with byte fallback and
+    a SentencePiece '▁' before it (Llama-2, Mistral): 1,025 ids, taken (found by review: it was
+    refused naming the internal field)."""
+    tok = _llama2_style_tokenizer()
+    assert tok.encode("\U0001F600", add_special_tokens=False) == [3, 0xF0 + 4, 0x9F + 4,
+                                                                   0x98 + 4, 0x80 + 4]
+    word = "\U0001F600" * 256          # 256 characters: within the README's bad_words limits
+    params = SamplingParams(bad_words=[word])
+    params.tokenize_bad_words(tok)      # vLLM takes it
+    assert params.bad_words_token_ids[0][-1] == 0x80 + 4
