@@ -12,8 +12,6 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-import numpy as np
-
 import torch
 from torch import Tensor
 
@@ -59,16 +57,22 @@ def _batch_controls(controls: list[RowControls | None], device: torch.device | s
                if c is not None and c.allowed_ids is not None]
     logit_bias = allowed_ids = None
     if bias:
-        rows = np.repeat([i for i, _ in bias], [c.bias_ids.numel() for _, c in bias])
-        logit_bias = (list_to_device(rows.tolist(), torch.int64, device),
+        rows = list_to_device([i for i, _ in bias], torch.int64, device)
+        logit_bias = (_repeated(rows, [c.bias_ids.numel() for _, c in bias], device),
                       torch.cat([c.bias_ids for _, c in bias]),
                       torch.cat([c.bias_values for _, c in bias]))
     if allowed:
-        local = np.repeat(np.arange(len(allowed)), [ids.numel() for _, ids in allowed])
+        local = torch.arange(len(allowed), device=device)
         allowed_ids = (list_to_device([i for i, _ in allowed], torch.int64, device),
-                       list_to_device(local.tolist(), torch.int64, device),
+                       _repeated(local, [ids.numel() for _, ids in allowed], device),
                        torch.cat([ids for _, ids in allowed]))
     return logit_bias, allowed_ids
+
+
+def _repeated(values: Tensor, counts: list[int], device: torch.device | str) -> Tensor:
+    """values[i] counts[i] times, on the device (the total given: no wait for the GPU)."""
+    return values.repeat_interleave(list_to_device(counts, torch.int64, device),
+                                    output_size=sum(counts))
 
 
 def bad_word_bans(words: list[list[int]], tail: list[int], pending: bool) -> list[tuple[int, int]]:

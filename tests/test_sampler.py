@@ -653,3 +653,33 @@ def test_bad_words_ban_in_the_sampler_with_tokens_in_flight(device):
     assert torch.equal(got, expect)
     out = Sampler(seed=0)(logits[2:], meta).sampled_token_ids.tolist()
     assert out[0] not in (7, 9) and out[1] != 7
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="checks CUDA host syncs: needs a GPU")
+def test_on_cuda_token_controls_never_wait_for_the_gpu():
+    """Under torch's sync debug mode ("error": a call that makes the host wait for the device
+    raises), with the stream busy: each row's controls built as the model runner builds them,
+    a step's metadata with bad words waiting on tokens in flight, and the sampler."""
+    vocab = 128256
+    logits = torch.randn(4, vocab, device="cuda")
+    params = [SamplingParams(temperature=0.0, logit_bias={5: 3.0, 9: -100.0}),
+              SamplingParams(temperature=0.8, seed=1, allowed_token_ids=list(range(0, vocab, 7))),
+              SamplingParams(temperature=0.0, bad_words_token_ids=[[4, 5], [6]]),
+              SamplingParams(temperature=0.7, top_p=0.9, allowed_token_ids=[1, 2, 3],
+                             logit_bias={2: 1.0})]
+    in_flight = torch.tensor([4, 0, 4, 0], device="cuda")
+    sampler = Sampler(seed=0)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(100_000_000)          # the stream stays busy while the host goes on
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        controls = [sampler_module.RowControls.of(p, "cuda") for p in params]
+        bans = [bad_word_bans(p.bad_words_token_ids or [], [], True) for p in params]
+        meta = SamplingMetadata.from_params(params, [[]] * 4, None, [], "cuda", [1] * 4,
+                                            controls=controls, bans=bans,
+                                            pending_tokens=in_flight)
+        out = sampler(logits, meta)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    tokens = out.sampled_token_ids.tolist()
+    assert tokens[1] % 7 == 0 and tokens[2] not in (5, 6) and tokens[3] in (1, 2, 3)
