@@ -526,7 +526,7 @@ class ServingEngine:
             tokenized = await self.engine.tokenize(r.req.prompt, dropped=lambda: r.aborted)
             # n requests are about to go in: not one if the client cancelled already (the
             # housekeeper would notice only on its next round, after all n went in).
-            if not r.aborted and self._cancelled_now(r):
+            if not r.aborted and self._ask_cancelled(r):
                 r.aborted = True        # none of them in the engine: nothing to abort there
             for k, part in enumerate(r.parts):
                 def sink(out, k=k):
@@ -552,19 +552,6 @@ class ServingEngine:
         for k in range(submitted, len(r.parts)):    # aborted before they reached the engine
             self._on_part_output(r, k, RequestOutput(
                 r.parts[k].rid, None, [], [CompletionOutput(0, "", [], "abort")], True))
-
-    def _cancelled_now(self, r: _Request) -> bool:
-        """Asks the client's is_cancelled() now, as the housekeeper does in its rounds (not
-        while it asks; a check that fails is the housekeeper's to log)."""
-        if not r.stream.lock.acquire(blocking=False):
-            return False
-        try:
-            r.cancelled = r.cancelled or bool(r.is_cancelled())
-        except Exception:  # noqa: BLE001 - see the docstring
-            return False
-        finally:
-            r.stream.lock.release()
-        return r.cancelled
 
     def _on_part_output(self, r: _Request, k: int, out) -> None:
         """_on_output for the k-th completion of a request with n above 1."""
@@ -881,25 +868,29 @@ class ServingEngine:
         cursor %= len(clients)
         batch = (clients[cursor:] + clients[:cursor])[:CANCEL_CHECKS_PER_ROUND]
         for r in batch:
-            # Never after its final response is out (the lock). A stream being sent is asked in
-            # a later round: a send that stalls must not hold up the other streams' checks.
-            if not r.stream.lock.acquire(blocking=False):
-                continue
-            try:
-                if r.stream.done or r.cancelled:
-                    continue
-                try:
-                    r.cancelled = bool(r.is_cancelled())
-                except Exception:  # noqa: BLE001 - a broken check must not stop the others
-                    if not r.check_failed:      # asked again each round: one traceback
-                        r.check_failed = True
-                        logger.exception("cancellation check for %s (its later failures "
-                                         "are not logged)", r.rid)
-            finally:
-                r.stream.lock.release()
-            if r.cancelled:
+            if self._ask_cancelled(r):
                 r.abort(self.engine)
         return cursor + len(batch)
+
+    def _ask_cancelled(self, r: _Request) -> bool:
+        """Asks the client's is_cancelled() (a server round trip): True if it says so now,
+        not before. Never after its final response is out (the lock). A stream being sent is
+        asked later: a send that stalls must not hold up the other streams' checks."""
+        if not r.stream.lock.acquire(blocking=False):
+            return False
+        try:
+            if r.stream.done or r.cancelled:
+                return False
+            try:
+                r.cancelled = bool(r.is_cancelled())
+            except Exception:  # noqa: BLE001 - a broken check must not stop the others
+                if not r.check_failed:      # asked again each round: one traceback
+                    r.check_failed = True
+                    logger.exception("cancellation check for %s (its later failures "
+                                     "are not logged)", r.rid)
+        finally:
+            r.stream.lock.release()
+        return r.cancelled
 
     def _publish(self) -> None:
         self.metrics.on_loop_lag_max(self._max_lag)
